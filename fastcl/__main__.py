@@ -1,0 +1,30 @@
+"""``python -m fastcl COMMAND``: the command-line entry point (also installed as ``fastcl``).
+
+Each command lives in its own module and registers a sub-parser through ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> module defining ``add_parser(subparsers)`` and ``run(args)``
+COMMANDS = {
+    "info": "fastcl.cli.info",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastcl", description="fused contrastive losses for sentence embeddings")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, path in COMMANDS.items():
+        modules[name] = importlib.import_module(path)
+        modules[name].add_parser(sub)
+    args = parser.parse_args(argv)
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

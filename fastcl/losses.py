@@ -1,0 +1,532 @@
+"""fastcl's public losses: plain functions and ``nn.Module`` wrappers.
+
+Every LSE loss (SupMPN, SupCon, MNRL / SimCSE-sup, InfoNCE / SimCSE-unsup, EdaCSE) is a
+thin composition over one fused primitive (``fastcl.ops.contract``): the masked
+log-sum-exp of the logits of every anchor against the batch's *candidate set* (every valid
+positive and every valid negative of every anchor), plus the cheap ``[B, P]`` logits of
+each anchor's own positives. The fused backends never build the ``[B, N]`` logits.
+
+Shapes: ``anchor [B, d]``, ``positives [B, P, d]``, ``negatives [B, Q, d]`` (Q may be 0),
+``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding. Embeddings
+are raw (fp16, bf16, fp32 or fp64, all one dtype); cosine similarity normalises them
+inside the op and the gradient flows to the raw tensors. The loss comes back in the input
+dtype; accumulation is float32 (float64 for float64 inputs).
+
+Common keyword arguments:
+    temperature: float or 0-d tensor > 0 (``logit = similarity / temperature``); a tensor
+        that requires grad receives its gradient. sentence-transformers' ``scale`` is
+        ``1 / temperature``.
+    reduction: ``"mean"`` (over anchors with a valid positive), ``"sum"``, or ``"none"``
+        (``[B]``, zeros for anchors without a positive).
+    backend: ``"auto"`` (``FASTCL_BACKEND`` or the best available), ``"reference"``,
+        ``"torch"``, ``"cpp"``, ``"triton"``, ``"cuda"``. An explicit backend that cannot
+        take the inputs raises ``BackendUnavailableError`` saying why.
+    process_group: ``torch.distributed`` group whose ranks' candidates become negatives.
+    similarity: ``"cos"`` (default) or ``"dot"`` (raw dot products, Liao's released code).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor, nn
+
+from . import _checks
+from .ops.contract import EPS, empty_block, pool_tags, structured_tags
+from .ops.contrastive import contrastive_loss
+from .ops.grouped_cosine import grouped_cosine
+from .ops.head import reduction_weights
+from .ops.normalize import compute_dtype
+from .ops.positive_logits import positive_logits
+
+__all__ = [
+    "supmpn_loss", "supcon_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
+    "grouped_cosine_loss", "gclsr_loss",
+    "SupMPNLoss", "SupConLoss", "MNRLoss", "InfoNCELoss", "EdaCSELoss", "GroupedCosineLoss", "GCLSRLoss",
+]
+
+OWN_POSITIVES = ("exclude", "zero_logit")
+
+
+def _no_autocast(t: Tensor):
+    # The fused ops choose their own precision (float32 accumulation); autocast must not
+    # silently re-cast the matrix products inside them.
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(device_type=t.device.type, enabled=False)
+    return nullcontext()
+
+
+def _gather(blocks, tags, process_group):
+    """Cross-device candidates: all-gather blocks (with gradient) and tags (rank-offset)."""
+    if process_group is None:
+        return blocks, tags
+    raise NotImplementedError(
+        "process_group (cross-device negatives) is not implemented in this build of fastcl"
+    )
+
+
+def _lse_loss(
+    kind: str,
+    anchor: Tensor,
+    positives: Tensor,
+    negatives: Tensor | None,
+    *,
+    pos_mask: Tensor | None,
+    neg_mask: Tensor | None,
+    temperature,
+    reduction: str,
+    backend: str,
+    process_group,
+    similarity: str,
+    exclude_own: bool,
+    zero_logit_own: bool = False,
+) -> Tensor:
+    """The structured layout shared by SupMPN, SupCon, MNRL and InfoNCE."""
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
+    _checks.check_rank("anchor", anchor, 2, "[B, d]")
+    _checks.check_rank("positives", positives, 3, "[B, P, d]")
+    B, d = anchor.shape
+    if B == 0 or d == 0:
+        raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
+    if positives.shape[0] != B or positives.shape[2] != d:
+        raise ValueError(f"positives must have shape [B={B}, P, d={d}], got {tuple(positives.shape)}")
+    P = positives.shape[1]
+    if P == 0:
+        raise ValueError("positives has P = 0: every anchor needs at least one positive slot")
+    if negatives is None:
+        Q = 0
+        if neg_mask is not None:
+            raise ValueError("neg_mask given without negatives")
+    else:
+        _checks.check_rank("negatives", negatives, 3, "[B, Q, d]")
+        if negatives.shape[0] != B or negatives.shape[2] != d:
+            raise ValueError(f"negatives must have shape [B={B}, Q, d={d}], got {tuple(negatives.shape)}")
+        Q = negatives.shape[1]
+    _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
+    _checks.check_mask("neg_mask", neg_mask, (B, Q), anchor.device)
+    _checks.check_some_positive(pos_mask)
+    tau = _checks.as_temperature(temperature, anchor)
+    cosine = similarity == "cos"
+    dev = anchor.device
+
+    with _no_autocast(anchor):
+        pos_logits = positive_logits(anchor, positives, tau, cosine=cosine, eps=EPS)
+        pos_block = positives.reshape(B * P, d)
+        pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
+        if Q:
+            neg_block = negatives.reshape(B * Q, d)
+            neg_tags = structured_tags(B, Q, neg_mask, device=dev, exclude_owner=False)
+        else:
+            neg_block, neg_tags = empty_block(anchor)
+        blocks, tags = _gather((pos_block, neg_block), (pos_tags, neg_tags), process_group)
+
+        has_pos = torch.ones(B, dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
+        weights = reduction_weights(has_pos, reduction, compute_dtype(anchor.dtype))
+        log_extra = None
+        if zero_logit_own:
+            count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
+            log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
+        return contrastive_loss(
+            anchor, blocks, tags, pos_logits, tau,
+            kind=kind, pos_mask=pos_mask, weights=weights, reduction=reduction,
+            cosine=cosine, eps=EPS, log_extra=log_extra, backend=backend,
+        )
+
+
+# --------------------------------------------------------------------------- functions
+
+
+def supmpn_loss(
+    anchor: Tensor,
+    positives: Tensor,
+    negatives: Tensor | None = None,
+    *,
+    pos_mask: Tensor | None = None,
+    neg_mask: Tensor | None = None,
+    temperature: float | Tensor = 0.05,
+    reduction: str = "mean",
+    backend: str = "auto",
+    process_group=None,
+    similarity: str = "cos",
+    own_positives: str = "exclude",
+) -> Tensor:
+    """SupMPN (Dehghan & Amasyali 2022, eq. 7): several positives and hard negatives per anchor.
+
+    For anchor ``i`` and each valid own positive ``k``::
+
+        term_ik = -l_ik + log( exp(l_ik) + R_i ),   loss_i = mean_k term_ik
+        R_i = sum of exp(l_ic) over every valid candidate of the batch except i's own positives
+
+    ``own_positives="zero_logit"`` reproduces the authors' released code, which keeps the
+    anchor's *other* own positives in ``R_i`` with logit 0 (adding ``P_i - 1``).
+
+    Args:
+        anchor: ``[B, d]``. positives: ``[B, P, d]``. negatives: ``[B, Q, d]`` or None.
+        pos_mask, neg_mask: ``[B, P]`` / ``[B, Q]`` bool, ``False`` = padding.
+        See the module docstring for the other arguments.
+
+    Returns:
+        0-d loss (``[B]`` for ``reduction="none"``) in the input dtype.
+
+    Example::
+
+        >>> a, p, n = torch.randn(8, 32), torch.randn(8, 5, 32), torch.randn(8, 5, 32)
+        >>> supmpn_loss(a, p, n, temperature=0.05)
+    """
+    _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
+    return _lse_loss(
+        "supmpn", anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
+        temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
+        similarity=similarity, exclude_own=True, zero_logit_own=own_positives == "zero_logit",
+    )
+
+
+def supcon_loss(
+    anchor: Tensor,
+    positives: Tensor,
+    negatives: Tensor | None = None,
+    *,
+    pos_mask: Tensor | None = None,
+    neg_mask: Tensor | None = None,
+    temperature: float | Tensor = 0.05,
+    reduction: str = "mean",
+    backend: str = "auto",
+    process_group=None,
+    similarity: str = "cos",
+) -> Tensor:
+    """Supervised contrastive loss (Khosla et al. 2020, L_out; Liao's SCL).
+
+    ``loss_i = mean_k [ -l_ik + LSE_{c in C} l_ic ]`` over valid own positives ``k``, where
+    ``C`` is every valid candidate of the batch, own positives included. For Liao's recipe
+    use ``similarity="dot", temperature=1.0``; for a shared candidate pool (Liao's in-batch
+    construction) see :func:`supcon_pool_loss`.
+
+    Args / returns: as :func:`supmpn_loss`.
+
+    Example::
+
+        >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
+    """
+    return _lse_loss(
+        "supcon", anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
+        temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
+        similarity=similarity, exclude_own=False,
+    )
+
+
+def mnrl_loss(
+    anchor: Tensor,
+    positive: Tensor,
+    negatives: Tensor | None = None,
+    *,
+    neg_mask: Tensor | None = None,
+    temperature: float | Tensor = 0.05,
+    reduction: str = "mean",
+    backend: str = "auto",
+    process_group=None,
+    similarity: str = "cos",
+) -> Tensor:
+    """Multiple negatives ranking loss = SimCSE supervised (Gao et al. 2021; SBERT's MNRL).
+
+    ``loss_i = -l_{i,i} + LSE_c l_ic`` over every positive and every valid negative of the
+    batch: cross-entropy of the ``B x B(1+Q)`` logits with the diagonal as target. SimCSE
+    supervised is ``Q = 1`` with the contradiction as hard negative.
+
+    Args:
+        anchor: ``[B, d]``. positive: ``[B, d]``. negatives: ``[B, d]`` (one hard negative
+        each) or ``[B, Q, d]``, or None (in-batch negatives only). neg_mask: ``[B, Q]`` bool.
+
+    Example::
+
+        >>> mnrl_loss(torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32))
+    """
+    _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
+    _checks.check_rank("positive", positive, 2, "[B, d]")
+    if negatives is not None and negatives.dim() == 2:
+        negatives = negatives.unsqueeze(1)
+    return _lse_loss(
+        "supcon", anchor, positive.unsqueeze(1), negatives, pos_mask=None, neg_mask=neg_mask,
+        temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
+        similarity=similarity, exclude_own=False,
+    )
+
+
+def infonce_loss(
+    anchor: Tensor,
+    positive: Tensor,
+    *,
+    temperature: float | Tensor = 0.05,
+    symmetric: bool = False,
+    reduction: str = "mean",
+    backend: str = "auto",
+    process_group=None,
+    similarity: str = "cos",
+) -> Tensor:
+    """InfoNCE / SimCSE unsupervised: row ``i`` of ``anchor x positive`` logits, target ``i``.
+
+    ``loss_i = -l_ii + LSE_j l_ij`` with ``l_ij = s(anchor_i, positive_j) / tau``; the
+    positive is a second (dropout) view of the anchor. ``symmetric=True`` averages this with
+    the column direction (``positive`` as anchors against ``anchor`` as candidates).
+
+    Args:
+        anchor: ``[B, d]``. positive: ``[B, d]``.
+
+    Example::
+
+        >>> infonce_loss(torch.randn(64, 768), torch.randn(64, 768), temperature=0.05)
+    """
+    _checks.check_embeddings(anchor=anchor, positive=positive)
+    _checks.check_rank("positive", positive, 2, "[B, d]")
+    kw = dict(temperature=temperature, reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+    rows = mnrl_loss(anchor, positive, **kw)
+    if not symmetric:
+        return rows
+    return 0.5 * (rows + mnrl_loss(positive, anchor, **kw))
+
+
+def edacse_loss(
+    anchor: Tensor,
+    dropout_view: Tensor,
+    augmented_view: Tensor,
+    *,
+    lam: float = 0.6,
+    temperature: float | Tensor = 0.05,
+    reduction: str = "mean",
+    backend: str = "auto",
+    process_group=None,
+    similarity: str = "cos",
+) -> Tensor:
+    """EdaCSE (Liu et al. 2023, eq. 2): ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``.
+
+    ``a'`` is the dropout view, ``a_aug`` the embedding of the sentence with 1..k random
+    punctuation marks inserted; the second term's candidates are all augmented copies.
+    bert-base: ``k = 3, lam = 0.6``.
+
+    Args:
+        anchor, dropout_view, augmented_view: ``[B, d]`` each.
+    """
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
+        raise TypeError(f"lam must be a finite float, got {lam!r}")
+    kw = dict(temperature=temperature, reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+    return infonce_loss(anchor, dropout_view, **kw) + lam * infonce_loss(anchor, augmented_view, **kw)
+
+
+def supcon_pool_loss(
+    anchor: Tensor,
+    candidates: Tensor,
+    pos_index: Tensor,
+    *,
+    pos_mask: Tensor | None = None,
+    cand_mask: Tensor | None = None,
+    temperature: float | Tensor = 0.05,
+    reduction: str = "mean",
+    backend: str = "auto",
+    process_group=None,
+    similarity: str = "cos",
+) -> Tensor:
+    """Supervised contrastive loss against a shared candidate pool.
+
+    ``loss_i = mean_k [ -l_{i, pos_index[i,k]} + LSE_{c valid} l_ic ]``: every anchor sees
+    every valid candidate once (a candidate may be a positive of several anchors). This is
+    Liao's "allpalln" in-batch construction: anchors = premises, candidates = the batch's
+    hypotheses, positives = the entailments of the same premise.
+
+    Args:
+        anchor: ``[B, d]``. candidates: ``[N, d]``.
+        pos_index: ``[B, P]`` int64 indices into ``candidates``.
+        pos_mask: ``[B, P]`` bool, ``False`` = padding. cand_mask: ``[N]`` bool.
+    """
+    _checks.check_embeddings(anchor=anchor, candidates=candidates)
+    _checks.check_rank("anchor", anchor, 2, "[B, d]")
+    _checks.check_rank("candidates", candidates, 2, "[N, d]")
+    _checks.check_rank("pos_index", pos_index, 2, "[B, P]")
+    B, d = anchor.shape
+    N = candidates.shape[0]
+    if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
+        raise ValueError(
+            f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
+            f"{tuple(anchor.shape)}, {tuple(candidates.shape)}, {tuple(pos_index.shape)}"
+        )
+    if pos_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"pos_index must be an integer tensor, got {pos_index.dtype}")
+    if pos_index.device.type == "cpu" and pos_index.numel() and (pos_index.min() < 0 or pos_index.max() >= N):
+        raise ValueError(f"pos_index must be in [0, {N}), got values in [{int(pos_index.min())}, {int(pos_index.max())}]")
+    P = pos_index.shape[1]
+    _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
+    _checks.check_mask("cand_mask", cand_mask, (N,), anchor.device)
+    pos_index = pos_index.to(device=anchor.device, dtype=torch.int64)
+    if cand_mask is not None:  # a positive that is not a valid candidate is no positive
+        valid = cand_mask[pos_index]
+        pos_mask = valid if pos_mask is None else pos_mask & valid
+    _checks.check_some_positive(pos_mask)
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    tau = _checks.as_temperature(temperature, anchor)
+    cosine = similarity == "cos"
+    with _no_autocast(anchor):
+        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS)
+        empty, empty_tags = empty_block(anchor)
+        blocks, tags = _gather((candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags), process_group)
+        has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
+        weights = reduction_weights(has_pos, reduction, compute_dtype(anchor.dtype))
+        return contrastive_loss(
+            anchor, blocks, tags, pos_logits, tau, kind="supcon", pos_mask=pos_mask, weights=weights,
+            reduction=reduction, cosine=cosine, eps=EPS, backend=backend,
+        )
+
+
+def grouped_cosine_loss(
+    h: Tensor, z: Tensor, *, group_size: int, reduction: str = "mean", backend: str = "auto"
+) -> Tensor:
+    """GCLSR grouped cosine (Wang et al. 2023, eq. 6): ``-mean_{i,g} cos(h_ig, stopgrad(z_ig))``.
+
+    ``h`` (predictor output) and ``z`` (projector output), both ``[B, D]``, are split into
+    contiguous groups of ``group_size`` features (``D % group_size == 0``); ``z`` receives
+    no gradient. ``group_size=D`` is plain SimSiam. ``reduction="none"`` returns ``[B]``
+    (each sample's mean over its groups).
+
+    Example::
+
+        >>> grouped_cosine_loss(torch.randn(8, 64), torch.randn(8, 64), group_size=16)
+    """
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_embeddings(h=h, z=z)
+    _checks.check_rank("h", h, 2, "[B, D]")
+    if tuple(z.shape) != tuple(h.shape):
+        raise ValueError(f"h and z must have the same shape, got {tuple(h.shape)} and {tuple(z.shape)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise TypeError(f"group_size must be a positive int, got {group_size!r}")
+    B, D = h.shape
+    if B == 0 or D == 0:
+        raise ValueError(f"h must be non-empty, got shape {tuple(h.shape)}")
+    if D % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the feature dimension D={D}")
+    with _no_autocast(h):
+        cos = grouped_cosine(h, z, group_size, eps=EPS, backend=backend)  # [B, G]
+        per_sample = -cos.mean(1)
+        if reduction == "none":
+            out = per_sample
+        else:
+            out = per_sample.sum() if reduction == "sum" else per_sample.mean()
+        return out.to(h.dtype)
+
+
+def gclsr_loss(
+    h1: Tensor, z1: Tensor, h2: Tensor, z2: Tensor, *, group_size: int = 16, reduction: str = "mean",
+    backend: str = "auto",
+) -> Tensor:
+    """GCLSR symmetric loss (eq. 7, SimSiam style): ``0.5 * (L(h1, z2) + L(h2, z1))``.
+
+    ``h*`` are the predictor outputs and ``z*`` the projector outputs of the two views,
+    all ``[B, D]``; ``L`` is :func:`grouped_cosine_loss` (stop-gradient on ``z``).
+    """
+    kw = dict(group_size=group_size, reduction=reduction, backend=backend)
+    return 0.5 * (grouped_cosine_loss(h1, z2, **kw) + grouped_cosine_loss(h2, z1, **kw))
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class _TemperatureLoss(nn.Module):
+    """Shared state of the LSE loss modules: a fixed or learnable temperature and options.
+
+    ``learn_temperature=True`` keeps ``log(temperature)`` as a parameter (so it stays > 0).
+    """
+
+    def __init__(self, temperature=0.05, *, learn_temperature=False, reduction="mean", backend="auto",
+                 process_group=None, similarity="cos"):
+        super().__init__()
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+        _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+        _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+        if learn_temperature:
+            self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
+        else:
+            self._fixed_temperature = float(temperature)
+        self.learn_temperature = learn_temperature
+        self.options = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+
+    @property
+    def temperature(self) -> float | Tensor:
+        return self.log_temperature.exp() if self.learn_temperature else self._fixed_temperature
+
+    def extra_repr(self) -> str:
+        t = "learnable" if self.learn_temperature else self._fixed_temperature
+        return f"temperature={t}, reduction={self.options['reduction']!r}, backend={self.options['backend']!r}"
+
+
+class SupMPNLoss(_TemperatureLoss):
+    """Module form of :func:`supmpn_loss`; ``forward(anchor, positives, negatives=None, pos_mask=None, neg_mask=None)``."""
+
+    def __init__(self, temperature=0.05, *, own_positives="exclude", **kw):
+        super().__init__(temperature, **kw)
+        _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
+        self.own_positives = own_positives
+
+    def forward(self, anchor, positives, negatives=None, pos_mask=None, neg_mask=None):
+        return supmpn_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
+                           temperature=self.temperature, own_positives=self.own_positives, **self.options)
+
+
+class SupConLoss(_TemperatureLoss):
+    """Module form of :func:`supcon_loss`; ``forward(anchor, positives, negatives=None, pos_mask=None, neg_mask=None)``."""
+
+    def forward(self, anchor, positives, negatives=None, pos_mask=None, neg_mask=None):
+        return supcon_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
+                           temperature=self.temperature, **self.options)
+
+
+class MNRLoss(_TemperatureLoss):
+    """Module form of :func:`mnrl_loss`; ``forward(anchor, positive, negatives=None, neg_mask=None)``."""
+
+    def forward(self, anchor, positive, negatives=None, neg_mask=None):
+        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature, **self.options)
+
+
+class InfoNCELoss(_TemperatureLoss):
+    """Module form of :func:`infonce_loss`; ``forward(anchor, positive)``."""
+
+    def __init__(self, temperature=0.05, *, symmetric=False, **kw):
+        super().__init__(temperature, **kw)
+        self.symmetric = symmetric
+
+    def forward(self, anchor, positive):
+        return infonce_loss(anchor, positive, temperature=self.temperature, symmetric=self.symmetric, **self.options)
+
+
+class EdaCSELoss(_TemperatureLoss):
+    """Module form of :func:`edacse_loss`; ``forward(anchor, dropout_view, augmented_view)``."""
+
+    def __init__(self, temperature=0.05, *, lam=0.6, **kw):
+        super().__init__(temperature, **kw)
+        self.lam = lam
+
+    def forward(self, anchor, dropout_view, augmented_view):
+        return edacse_loss(anchor, dropout_view, augmented_view, lam=self.lam, temperature=self.temperature, **self.options)
+
+
+class GroupedCosineLoss(nn.Module):
+    """Module form of :func:`grouped_cosine_loss`; ``forward(h, z)``."""
+
+    def __init__(self, group_size: int, *, reduction="mean", backend="auto"):
+        super().__init__()
+        self.group_size, self.reduction, self.backend = group_size, reduction, backend
+
+    def forward(self, h, z):
+        return grouped_cosine_loss(h, z, group_size=self.group_size, reduction=self.reduction, backend=self.backend)
+
+
+class GCLSRLoss(nn.Module):
+    """Module form of :func:`gclsr_loss`; ``forward(h1, z1, h2, z2)``."""
+
+    def __init__(self, group_size: int = 16, *, reduction="mean", backend="auto"):
+        super().__init__()
+        self.group_size, self.reduction, self.backend = group_size, reduction, backend
+
+    def forward(self, h1, z1, h2, z2):
+        return gclsr_loss(h1, z1, h2, z2, group_size=self.group_size, reduction=self.reduction, backend=self.backend)

@@ -1,0 +1,1 @@
+"""Fused primitives: contract, backends, dispatch and autograd Functions (see contract.py)."""

@@ -1,0 +1,196 @@
+"""Chunked PyTorch backend (``"torch"``): the primitive's exact contract without a B x N buffer.
+
+Rows of anchors are processed in blocks of ``R`` rows; a block's logits ``[R, N]`` exist
+only while the block is processed (``R * N`` is capped by ``TILE_ELEMENTS``), so extra
+memory is O((B + N) * d + TILE_ELEMENTS) whatever the batch.
+
+Two strategies (SPEC.md, "Two ways to fuse"):
+
+* ``forward`` + ``backward`` (recompute): forward keeps only ``lse``; backward recomputes
+  each block's logits. Four GEMM-sized passes.
+* ``fused`` (gradient in forward): the block's loss and ``dLoss/dlogits`` are formed right
+  after its LSE, and ``d anchor``/``d candidates`` are accumulated at once. Three passes,
+  like eager autograd; used for ``mean``/``sum`` reductions.
+
+Both are one loop, :func:`_sweep`, which takes either known row gradients or a head that
+produces them block by block.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .contract import LSEProblem, excluded
+from .head import HeadInputs
+from .normalize import compute_dtype, normalize_backward, normalize_rows
+
+# One [R, N] float32 tile is at most 4M elements (16 MB); a block holds about three.
+# Measured on the 2-core CI machine (benchmarks/bench_losses.py): 2^20..2^23 are within
+# 5% of each other at d=768; smaller tiles lose GEMM efficiency, larger ones only add memory.
+TILE_ELEMENTS = int(os.environ.get("FASTCL_TORCH_TILE", 1 << 22))
+
+
+def rows_per_block(num_candidates: int, num_anchors: int) -> int:
+    return max(1, min(num_anchors, TILE_ELEMENTS // max(num_candidates, 1)))
+
+
+@dataclass
+class _Prepared:
+    a_hat: Tensor  # [B, d] compute dtype
+    a_norm: Tensor | None
+    c_hat: Tensor  # [N, d] compute dtype, both blocks
+    c_norm: Tensor | None
+    tags: Tensor  # int32 [N]
+
+
+def _prepare(problem: LSEProblem) -> _Prepared:
+    a_hat, a_norm = normalize_rows(problem.anchor, problem.eps, problem.cosine)
+    parts = [normalize_rows(b, problem.eps, problem.cosine) for b in problem.blocks]
+    c_hat = torch.cat([p[0] for p in parts])
+    c_norm = None if not problem.cosine else torch.cat([p[1] for p in parts])
+    return _Prepared(a_hat, a_norm, c_hat, c_norm, torch.cat(problem.tags))
+
+
+@dataclass
+class _SweepOut:
+    lse: Tensor
+    mean_logit: Tensor
+    d_anchor: Tensor | None = None
+    d_blocks: tuple[Tensor, Tensor] | None = None
+    g_dot_mean_logit: Tensor | None = None  # sum_i g_i * mean_logit_i (temperature gradient)
+    loss_rows: Tensor | None = None
+    d_pos: Tensor | None = None
+
+
+def _sweep(
+    problem: LSEProblem,
+    tau: Tensor,
+    *,
+    row_grad: Tensor | None = None,
+    head: HeadInputs | None = None,
+) -> _SweepOut:
+    """One pass over blocks of anchor rows.
+
+    With neither ``row_grad`` nor ``head``: forward only. With ``row_grad`` (``[B]``,
+    ``dLoss/dlse``): recompute-backward. With ``head``: gradient in forward.
+    """
+    prep = _prepare(problem)
+    B, N = prep.a_hat.shape[0], prep.c_hat.shape[0]
+    cd = prep.a_hat.dtype
+    inv_tau = tau.to(cd).reciprocal()
+    want_grad = row_grad is not None or head is not None
+
+    lse = torch.empty(B, dtype=cd, device=problem.device)
+    mean_logit = torch.empty(B, dtype=cd, device=problem.device)
+    if want_grad:
+        d_a_hat = torch.empty_like(prep.a_hat)
+        d_c_hat = torch.zeros_like(prep.c_hat)
+        g_dot_ml = torch.zeros((), dtype=cd, device=problem.device)
+    if head is not None:
+        loss_rows = torch.empty(B, dtype=cd, device=problem.device)
+        d_pos = torch.empty_like(head.pos_logits, dtype=cd)
+
+    step = rows_per_block(N, B)
+    for r0 in range(0, B, step):
+        r1 = min(B, r0 + step)
+        a_blk = prep.a_hat[r0:r1]
+        logits = (a_blk @ prep.c_hat.T).mul_(inv_tau)  # [R, N]
+        rows = torch.arange(r0, r1, device=problem.device)
+        masked = logits.masked_fill(excluded(prep.tags, rows), float("-inf"))
+        blk_lse = torch.logsumexp(masked, dim=1)  # -inf for an empty row
+        lse[r0:r1] = blk_lse
+        # softmax weights; an empty row gets all zeros instead of NaN
+        safe = torch.where(torch.isfinite(blk_lse), blk_lse, torch.zeros_like(blk_lse))
+        probs = masked.sub_(safe[:, None]).exp_()
+        blk_ml = torch.linalg.vecdot(probs, logits)
+        mean_logit[r0:r1] = blk_ml
+        if not want_grad:
+            continue
+
+        if head is not None:
+            blk_loss, g, blk_dpos = head.rows(r0, r1, blk_lse)
+            loss_rows[r0:r1] = blk_loss
+            d_pos[r0:r1] = blk_dpos
+        else:
+            g = row_grad[r0:r1].to(cd)
+        g_dot_ml += torch.dot(g, blk_ml)
+        # dLoss/dsim = g_i * softmax_ic / tau; padded columns have softmax 0 exactly
+        d_sim = probs.mul_((g * inv_tau)[:, None])
+        torch.mm(d_sim, prep.c_hat, out=d_a_hat[r0:r1])
+        d_c_hat.addmm_(d_sim.T, a_blk)
+
+    out = _SweepOut(lse, mean_logit)
+    if want_grad:
+        d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
+        d_c = normalize_backward(prep.c_hat, prep.c_norm, d_c_hat, problem.eps)
+        n0 = problem.blocks[0].shape[0]
+        out.d_anchor = d_anchor
+        out.d_blocks = (d_c[:n0], d_c[n0:])
+        out.g_dot_mean_logit = g_dot_ml
+    if head is not None:
+        out.loss_rows = loss_rows
+        out.d_pos = d_pos
+    return out
+
+
+class TorchLSE:
+    """The ``"torch"`` implementation of the masked-LSE primitive (see ``contract.py``)."""
+
+    name = "torch"
+    autograd = False  # implements explicit forward/backward for fastcl's Function
+
+    def unsupported(self, problem: LSEProblem) -> list[str]:
+        return []
+
+    def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        out = _sweep(problem, tau)
+        return out.lse, out.mean_logit
+
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor):
+        out = _sweep(problem, tau, row_grad=g)
+        return out.d_anchor, out.d_blocks
+
+    def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs):
+        return _sweep(problem, tau, head=head)
+
+
+class TorchGroupedCosine:
+    """``"torch"`` grouped cosine: ``cos`` per contiguous feature group, explicit backward.
+
+    Works on float32 (float64) copies of one input at a time: extra memory O(B * D).
+    """
+
+    name = "torch"
+    autograd = False
+
+    def unsupported(self, h: Tensor, z: Tensor, group_size: int) -> list[str]:
+        return []
+
+    @staticmethod
+    def _groups(x: Tensor, group_size: int) -> Tensor:
+        return x.reshape(x.shape[0], x.shape[1] // group_size, group_size)
+
+    def forward(self, h: Tensor, z: Tensor, group_size: int, eps: float) -> Tensor:
+        """``[B, G]`` cosine of each group (float32, float64 for float64 inputs)."""
+        h_hat, _ = normalize_rows(self._groups(h, group_size), eps, True)
+        z_hat, _ = normalize_rows(self._groups(z, group_size), eps, True)
+        return torch.linalg.vecdot(h_hat, z_hat)
+
+    def backward(self, h: Tensor, z: Tensor, group_size: int, eps: float, d_cos: Tensor) -> Tensor:
+        """Gradient w.r.t. ``h`` from ``d_cos`` ``[B, G]`` (``z`` is stop-gradient)."""
+        h_hat, h_norm = normalize_rows(self._groups(h, group_size), eps, True)
+        z_hat, _ = normalize_rows(self._groups(z, group_size), eps, True)
+        d_h_hat = z_hat * d_cos.to(z_hat.dtype).unsqueeze(-1)
+        d_h = normalize_backward(h_hat, h_norm, d_h_hat, eps)
+        return d_h.reshape(h.shape).to(h.dtype)
+
+
+OPS = {"lse": TorchLSE(), "grouped_cosine": TorchGroupedCosine()}
+
+
+def unavailable() -> str | None:
+    return None

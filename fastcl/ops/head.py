@@ -1,0 +1,120 @@
+"""The loss *head*: per-anchor loss from the primitive's ``lse`` and the positive logits.
+
+All LSE losses share one form, for anchor ``i`` with valid own positives ``k``::
+
+    loss_i = mean_k phi(r_i - l_ik),        r_i = lse_i  (or logaddexp(lse_i, log_extra_i))
+
+    supcon  (SupCon, MNRL, InfoNCE):   phi(x) = x          (lse includes the own positives)
+    supmpn  (SupMPN, eq. 7):           phi(x) = softplus(x) (lse excludes the own positives)
+
+``log_extra`` adds mass to the denominator that has no inputs: SupMPN's released code
+leaves the anchor's *other* own positives in its denominator with logit 0, i.e.
+``P_i - 1`` extra units of ``exp(0)``.
+
+This module is the one definition of that math for PyTorch code: the fused Function uses
+:func:`head_rows` for its loss and local derivatives, the reference path differentiates
+through it with autograd, and gradient-in-forward backends call it on blocks of rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+HEADS = ("supcon", "supmpn")
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """What a gradient-in-forward backend needs to form ``dLoss/dlse`` block by block.
+
+    ``pos_logits`` ``[B, P]`` (detached), ``pos_mask`` ``[B, P]`` bool or None,
+    ``log_extra`` ``[B]`` or None, ``weights`` ``[B]``: the reduction's
+    weight of each row (``1/n_valid`` for mean, 1 for sum).
+    """
+
+    kind: str
+    pos_logits: Tensor
+    pos_mask: Tensor | None
+    log_extra: Tensor | None
+    weights: Tensor
+
+    def rows(self, r0: int, r1: int, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``head_rows`` on rows ``r0:r1``, derivatives already multiplied by the weights."""
+        loss, dlse, dpos = head_rows(
+            lse,
+            self.pos_logits[r0:r1],
+            None if self.pos_mask is None else self.pos_mask[r0:r1],
+            self.kind,
+            None if self.log_extra is None else self.log_extra[r0:r1],
+        )
+        w = self.weights[r0:r1]
+        return loss, dlse * w, dpos * w[:, None]
+
+
+def head_rows(
+    lse: Tensor,
+    pos_logits: Tensor,
+    pos_mask: Tensor | None,
+    kind: str,
+    log_extra: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-anchor loss and its local derivatives.
+
+    Args:
+        lse: ``[B]`` float32/64, the primitive's LSE (``-inf`` for an empty row).
+        pos_logits: ``[B, P]`` the anchors' own positive logits.
+        pos_mask: ``[B, P]`` bool (``False`` = padding) or None.
+        kind: ``"supcon"`` or ``"supmpn"``.
+        log_extra: ``[B]`` or None, extra denominator mass (log of a count).
+
+    Returns:
+        ``loss [B]``, ``dloss/dlse [B]``, ``dloss/dpos_logits [B, P]``; all zero for anchors
+        without a valid positive. Differentiable (the reference path uses autograd here).
+    """
+    if kind not in HEADS:
+        raise ValueError(f"unknown head {kind!r}; expected one of {HEADS}")
+    num_pos = pos_logits.shape[1]
+    if pos_mask is None:
+        count = torch.full_like(lse, float(num_pos))
+    else:
+        count = pos_mask.sum(1).to(lse.dtype)
+    inv_count = 1.0 / count.clamp_min(1.0)
+
+    r = lse if log_extra is None else torch.logaddexp(lse, log_extra)
+    x = r[:, None] - pos_logits
+    if kind == "supcon":
+        phi, dphi = x, torch.ones_like(x)
+    else:
+        phi, dphi = F.softplus(x), torch.sigmoid(x)
+    if pos_mask is not None:
+        phi = torch.where(pos_mask, phi, torch.zeros_like(phi))
+        dphi = torch.where(pos_mask, dphi, torch.zeros_like(dphi))
+    loss = phi.sum(1) * inv_count
+    dr = dphi.sum(1) * inv_count
+    if log_extra is None:
+        dlse = dr
+    else:  # d logaddexp(lse, c) / d lse = exp(lse - r); an empty row has r = lse = -inf
+        share = torch.where(torch.isfinite(r), torch.exp(lse - r), torch.zeros_like(r))
+        dlse = dr * share
+    dpos = -dphi * inv_count[:, None]
+    return loss, dlse, dpos
+
+
+def reduction_weights(
+    has_pos: Tensor, reduction: str, dtype: torch.dtype = torch.float32, denominator: Tensor | None = None
+) -> Tensor:
+    """``[B]`` weight of each anchor's loss in the reduced loss.
+
+    ``mean`` divides by the number of anchors with a valid positive (or by ``denominator``,
+    which the distributed layer sets to the global count); ``sum`` and ``none`` weigh 1.
+    Anchors without a positive weigh 0. No host sync.
+    """
+    w = has_pos.to(dtype)
+    if reduction == "mean":
+        n = w.sum() if denominator is None else denominator
+        w = w / n.clamp_min(1.0)
+    return w

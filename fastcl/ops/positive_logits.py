@@ -1,0 +1,66 @@
+"""Own-positive logits ``l_ik = s(a_i, p_ik) / tau`` as a ``[B, P]`` float32 tensor.
+
+Cheap (``B * P * d``) but done with care: computed in float32 (float64 for float64) in
+blocks of rows so that no float32 copy of ``positives`` outlives a block, and with an
+explicit backward that recomputes the block. Autograd's version would keep float32 copies
+of all positives alive until backward, which is more than the fused loss itself needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .normalize import compute_dtype, normalize_backward, normalize_rows
+
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _rows_per_block(num_pos: int, dim: int, batch: int) -> int:
+    return max(1, min(batch, BLOCK_ELEMENTS // max(num_pos * dim, 1)))
+
+
+class PositiveLogits(torch.autograd.Function):
+    """``anchor [B, d]``, ``positives [B, P, d]``, ``tau`` (0-d) -> logits ``[B, P]``."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, cosine: bool, eps: float) -> Tensor:
+        B, P, d = positives.shape
+        cd = compute_dtype(anchor.dtype)
+        sim = torch.empty(B, P, dtype=cd, device=anchor.device)
+        step = _rows_per_block(P, d, B)
+        for r0 in range(0, B, step):
+            a_hat, _ = normalize_rows(anchor[r0:r0 + step], eps, cosine)
+            p_hat, _ = normalize_rows(positives[r0:r0 + step], eps, cosine)
+            sim[r0:r0 + step] = torch.linalg.vecdot(p_hat, a_hat[:, None, :])
+        ctx.save_for_backward(anchor, positives, tau, sim)
+        ctx.cosine, ctx.eps, ctx.step = cosine, eps, step
+        return sim / tau.to(cd)
+
+    @staticmethod
+    def backward(ctx, d_logits: Tensor):
+        anchor, positives, tau, sim = ctx.saved_tensors
+        cd = sim.dtype
+        d_sim = d_logits.to(cd) / tau.to(cd)
+        d_anchor = d_pos = d_tau = None
+        if ctx.needs_input_grad[2]:
+            # l = s / tau  ->  dl/dtau = -l / tau
+            d_tau = -(d_sim * sim).sum().div(tau.to(cd)).to(tau.dtype)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            d_anchor = torch.empty_like(anchor)
+            d_pos = torch.empty_like(positives)
+            for r0 in range(0, anchor.shape[0], ctx.step):
+                sl = slice(r0, r0 + ctx.step)
+                a_hat, a_norm = normalize_rows(anchor[sl], ctx.eps, ctx.cosine)
+                p_hat, p_norm = normalize_rows(positives[sl], ctx.eps, ctx.cosine)
+                g = d_sim[sl].unsqueeze(-1)  # [R, P, 1]
+                d_a_hat = (g * p_hat).sum(1)
+                d_p_hat = g * a_hat[:, None, :]
+                d_anchor[sl] = normalize_backward(a_hat, a_norm, d_a_hat, ctx.eps)
+                d_pos[sl] = normalize_backward(p_hat, p_norm, d_p_hat, ctx.eps)
+        return d_anchor, d_pos, d_tau, None, None
+
+
+def positive_logits(anchor: Tensor, positives: Tensor, tau: Tensor, *, cosine: bool, eps: float) -> Tensor:
+    """``[B, P]`` float32 (float64) own-positive logits; differentiable in all three inputs."""
+    return PositiveLogits.apply(anchor, positives, tau, cosine, eps)

@@ -1,0 +1,202 @@
+"""Readable PyTorch oracles that define what is right.
+
+Two layers, both plain autograd, both materialising the full ``[B, N]`` logits:
+
+* the ``"reference"`` backend of the primitives (:class:`ReferenceLSE`,
+  :class:`ReferenceGroupedCosine`), selectable with ``backend="reference"``;
+* loss-level oracles written straight from ``SPEC.md`` (``supmpn``, ``supcon``, ``mnrl``,
+  ``infonce``, ``edacse``, ``grouped_cosine``, ``gclsr``). They share no code with the
+  fused path beyond ``torch``, so tests and benchmarks compare against an independent
+  definition. Run them in float64 for tests.
+
+Nothing here is fast or memory-lean on purpose.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .ops.contract import EPS, LSEProblem, excluded
+
+# ---------------------------------------------------------------------------------------
+# The "reference" backend of the primitives
+# ---------------------------------------------------------------------------------------
+
+
+def _similarity(x: Tensor, y: Tensor, cosine: bool, eps: float) -> Tensor:
+    if cosine:
+        x, y = F.normalize(x, dim=-1, eps=eps), F.normalize(y, dim=-1, eps=eps)
+    return x @ y.T
+
+
+def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
+    """Row LSE over ``keep``; ``-inf`` for empty rows, with NaN-free gradients."""
+    nonempty = keep.any(1)
+    filled = logits.masked_fill(~keep, float("-inf"))
+    filled = torch.where(nonempty[:, None], filled, torch.zeros_like(filled))
+    lse = torch.logsumexp(filled, dim=1)
+    return torch.where(nonempty, lse, torch.full_like(lse, float("-inf")))
+
+
+class ReferenceLSE:
+    """Masked LSE with the full logits matrix and autograd (``backend="reference"``)."""
+
+    name = "reference"
+    autograd = True
+
+    def unsupported(self, problem: LSEProblem) -> list[str]:
+        return []
+
+    def lse(self, problem: LSEProblem, tau: Tensor) -> Tensor:
+        cd = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        cands = torch.cat(problem.blocks).to(cd)
+        logits = _similarity(problem.anchor.to(cd), cands, problem.cosine, problem.eps) / tau.to(cd)
+        rows = torch.arange(problem.num_anchors, device=problem.device)
+        keep = ~excluded(torch.cat(problem.tags), rows)
+        return _safe_logsumexp(logits, keep)
+
+
+class ReferenceGroupedCosine:
+    name = "reference"
+    autograd = True
+
+    def unsupported(self, h: Tensor, z: Tensor, group_size: int) -> list[str]:
+        return []
+
+    def cos(self, h: Tensor, z: Tensor, group_size: int, eps: float) -> Tensor:
+        cd = torch.float64 if h.dtype == torch.float64 else torch.float32
+        hg = h.to(cd).reshape(h.shape[0], -1, group_size)
+        zg = z.detach().to(cd).reshape(z.shape[0], -1, group_size)
+        return (F.normalize(hg, dim=-1, eps=eps) * F.normalize(zg, dim=-1, eps=eps)).sum(-1)
+
+
+OPS = {"lse": ReferenceLSE(), "grouped_cosine": ReferenceGroupedCosine()}
+
+
+def unavailable() -> str | None:
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Loss-level oracles, straight from SPEC.md
+# ---------------------------------------------------------------------------------------
+
+
+def _reduce(per_anchor: Tensor, has_pos: Tensor, reduction: str) -> Tensor:
+    per_anchor = torch.where(has_pos, per_anchor, torch.zeros_like(per_anchor))
+    if reduction == "none":
+        return per_anchor
+    if reduction == "sum":
+        return per_anchor.sum()
+    return per_anchor.sum() / has_pos.sum().clamp_min(1)
+
+
+def _candidates(positives: Tensor, negatives: Tensor | None, pos_mask, neg_mask):
+    """Flatten the batch's candidates; return (cands [N,d], valid [N], owner [N], is_pos [N])."""
+    B, P, d = positives.shape
+    dev = positives.device
+    negatives = positives.new_zeros(B, 0, d) if negatives is None else negatives
+    Q = negatives.shape[1]
+    pos_mask = torch.ones(B, P, dtype=torch.bool, device=dev) if pos_mask is None else pos_mask
+    neg_mask = torch.ones(B, Q, dtype=torch.bool, device=dev) if neg_mask is None else neg_mask
+    cands = torch.cat([positives.reshape(B * P, d), negatives.reshape(B * Q, d)])
+    valid = torch.cat([pos_mask.reshape(-1), neg_mask.reshape(-1)])
+    owner = torch.cat([torch.arange(B, device=dev).repeat_interleave(P), torch.arange(B, device=dev).repeat_interleave(Q)])
+    is_pos = torch.cat([torch.ones(B * P, dtype=torch.bool, device=dev), torch.zeros(B * Q, dtype=torch.bool, device=dev)])
+    return cands, valid, owner, is_pos, pos_mask
+
+
+def _logits(anchor: Tensor, cands: Tensor, temperature, similarity: str) -> Tensor:
+    sim = _similarity(anchor, cands, similarity == "cos", EPS)
+    return sim / temperature
+
+
+def supmpn(
+    anchor, positives, negatives=None, *, pos_mask=None, neg_mask=None, temperature=0.05,
+    reduction="mean", similarity="cos", own_positives="exclude",
+):
+    """SupMPN eq. 7: ``mean_k [-l_ik + log(exp(l_ik) + R_i)]``, ``R_i`` = every valid candidate
+    except anchor i's own positives (``own_positives="zero_logit"``: those count exp(0) each)."""
+    B, P, _ = positives.shape
+    cands, valid, owner, is_pos, pos_mask = _candidates(positives, negatives, pos_mask, neg_mask)
+    logits = _logits(anchor, cands, temperature, similarity)  # [B, N]
+    rows = torch.arange(B, device=anchor.device)[:, None]
+    own_pos = is_pos[None, :] & (owner[None, :] == rows)
+    in_r = valid[None, :] & ~own_pos
+    big_r = torch.where(in_r, logits.exp(), torch.zeros_like(logits)).sum(1)  # R_i
+    if own_positives == "zero_logit":
+        big_r = big_r + (pos_mask.sum(1) - 1).clamp_min(0).to(big_r.dtype)
+    pos_l = torch.stack([logits[i, i * P:(i + 1) * P] for i in range(B)])  # [B, P]
+    terms = -pos_l + torch.log(pos_l.exp() + big_r[:, None])
+    terms = torch.where(pos_mask, terms, torch.zeros_like(terms))
+    per_anchor = terms.sum(1) / pos_mask.sum(1).clamp_min(1)
+    return _reduce(per_anchor, pos_mask.any(1), reduction)
+
+
+def supcon(
+    anchor, positives, negatives=None, *, pos_mask=None, neg_mask=None, temperature=0.05,
+    reduction="mean", similarity="cos",
+):
+    """Supervised contrastive (L_out): ``mean_k [-l_ik + LSE_{c in C} l_ic]``, C = all valid candidates."""
+    B, P, _ = positives.shape
+    cands, valid, _, _, pos_mask = _candidates(positives, negatives, pos_mask, neg_mask)
+    logits = _logits(anchor, cands, temperature, similarity)
+    lse = torch.logsumexp(logits.masked_fill(~valid[None, :], float("-inf")), dim=1)
+    pos_l = torch.stack([logits[i, i * P:(i + 1) * P] for i in range(B)])
+    terms = torch.where(pos_mask, lse[:, None] - pos_l, torch.zeros_like(pos_l))
+    per_anchor = terms.sum(1) / pos_mask.sum(1).clamp_min(1)
+    return _reduce(per_anchor, pos_mask.any(1), reduction)
+
+
+def mnrl(anchor, positive, negatives=None, *, neg_mask=None, temperature=0.05, reduction="mean", similarity="cos"):
+    """Multiple negatives ranking / SimCSE supervised: cross-entropy of row i against
+    ``[all positives, all negatives]`` with target i (the SBERT / SimCSE formulation)."""
+    B = anchor.shape[0]
+    cols = [positive]
+    valid = [torch.ones(B, dtype=torch.bool, device=anchor.device)]
+    if negatives is not None:
+        negatives = negatives[:, None, :] if negatives.dim() == 2 else negatives
+        Q = negatives.shape[1]
+        cols.append(negatives.reshape(B * Q, -1))
+        m = torch.ones(B, Q, dtype=torch.bool, device=anchor.device) if neg_mask is None else neg_mask
+        valid.append(m.reshape(-1))
+    logits = _logits(anchor, torch.cat(cols), temperature, similarity)
+    logits = logits.masked_fill(~torch.cat(valid)[None, :], float("-inf"))
+    target = torch.arange(B, device=anchor.device)
+    return F.cross_entropy(logits, target, reduction=reduction)
+
+
+def infonce(anchor, positive, *, temperature=0.05, symmetric=False, reduction="mean", similarity="cos"):
+    """SimCSE unsupervised: ``CE(a_i . p_j / tau, target i)``; symmetric averages both directions."""
+    target = torch.arange(anchor.shape[0], device=anchor.device)
+    rows = F.cross_entropy(_logits(anchor, positive, temperature, similarity), target, reduction=reduction)
+    if not symmetric:
+        return rows
+    cols = F.cross_entropy(_logits(positive, anchor, temperature, similarity), target, reduction=reduction)
+    return 0.5 * (rows + cols)
+
+
+def edacse(anchor, dropout_view, augmented_view, *, lam=0.6, temperature=0.05, reduction="mean", similarity="cos"):
+    """EdaCSE eq. 2: ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``."""
+    return infonce(anchor, dropout_view, temperature=temperature, reduction=reduction, similarity=similarity) + lam * infonce(
+        anchor, augmented_view, temperature=temperature, reduction=reduction, similarity=similarity
+    )
+
+
+def grouped_cosine(h, z, *, group_size, reduction="mean"):
+    """GCLSR eq. 6: ``-mean_{i,g} cos(h_ig, stopgrad(z_ig))`` over groups of ``group_size`` features."""
+    B, D = h.shape
+    hg = F.normalize(h.reshape(B, D // group_size, group_size), dim=-1, eps=EPS)
+    zg = F.normalize(z.detach().reshape(B, D // group_size, group_size), dim=-1, eps=EPS)
+    per_sample = -(hg * zg).sum(-1).mean(-1)
+    if reduction == "none":
+        return per_sample
+    return per_sample.sum() if reduction == "sum" else per_sample.mean()
+
+
+def gclsr(h1, z1, h2, z2, *, group_size=16, reduction="mean"):
+    """GCLSR eq. 7 (SimSiam-symmetric): ``0.5 * (L(h1, z2) + L(h2, z1))``."""
+    return 0.5 * (grouped_cosine(h1, z2, group_size=group_size, reduction=reduction)
+                  + grouped_cosine(h2, z1, group_size=group_size, reduction=reduction))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import LSEProblem, excluded
+from .contract import LSEProblem, excluded, new_output
 from .head import HeadInputs
 from .normalize import compute_dtype, normalize_backward, normalize_rows
 
@@ -84,15 +84,15 @@ def _sweep(
     inv_tau = tau.to(cd).reciprocal()
     want_grad = row_grad is not None or head is not None
 
-    lse = torch.empty(B, dtype=cd, device=problem.device)
-    mean_logit = torch.empty(B, dtype=cd, device=problem.device)
+    lse = new_output(B, dtype=cd, device=problem.device)
+    mean_logit = new_output(B, dtype=cd, device=problem.device)
     if want_grad:
-        d_a_hat = torch.empty_like(prep.a_hat)
+        d_a_hat = new_output(prep.a_hat.shape, dtype=cd, device=problem.device)
         d_c_hat = torch.zeros_like(prep.c_hat)
         g_dot_ml = torch.zeros((), dtype=cd, device=problem.device)
     if head is not None:
-        loss_rows = torch.empty(B, dtype=cd, device=problem.device)
-        d_pos = torch.empty_like(head.pos_logits, dtype=cd)
+        loss_rows = new_output(B, dtype=cd, device=problem.device)
+        d_pos = new_output(head.pos_logits.shape, dtype=cd, device=problem.device)
 
     step = rows_per_block(N, B)
     for r0 in range(0, B, step):

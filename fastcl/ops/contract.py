@@ -42,6 +42,7 @@ bounded working set (a block of rows times N is fine, B x N never is).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +126,33 @@ def excluded(tags: Tensor, rows: Tensor) -> Tensor:
     """
     t = tags[None, :]
     return (t == TAG_PADDING) | (t == rows[:, None].to(tags.dtype))
+
+
+_POISON = False
+
+
+@contextlib.contextmanager
+def poison_outputs():
+    """Inside this context :func:`new_output` fills outputs with NaN (or -1 for integers).
+
+    Tests run every backend under it: an element a kernel forgets to write stays poisoned
+    and fails the comparison with the reference.
+    """
+    global _POISON
+    before, _POISON = _POISON, True
+    try:
+        yield
+    finally:
+        _POISON = before
+
+
+def new_output(shape, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Allocate a tensor the backend promises to overwrite completely (see ``poison_outputs``)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not _POISON:
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else -1
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def empty_block(like: Tensor) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .contract import new_output
 from .normalize import compute_dtype, normalize_backward, normalize_rows
 
 BLOCK_ELEMENTS = 1 << 22
@@ -27,7 +28,7 @@ class PositiveLogits(torch.autograd.Function):
     def forward(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, cosine: bool, eps: float) -> Tensor:
         B, P, d = positives.shape
         cd = compute_dtype(anchor.dtype)
-        sim = torch.empty(B, P, dtype=cd, device=anchor.device)
+        sim = new_output((B, P), dtype=cd, device=anchor.device)
         step = _rows_per_block(P, d, B)
         for r0 in range(0, B, step):
             a_hat, _ = normalize_rows(anchor[r0:r0 + step], eps, cosine)
@@ -47,8 +48,8 @@ class PositiveLogits(torch.autograd.Function):
             # l = s / tau  ->  dl/dtau = -l / tau
             d_tau = -(d_sim * sim).sum().div(tau.to(cd)).to(tau.dtype)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            d_anchor = torch.empty_like(anchor)
-            d_pos = torch.empty_like(positives)
+            d_anchor = new_output(anchor.shape, dtype=anchor.dtype, device=anchor.device)
+            d_pos = new_output(positives.shape, dtype=positives.dtype, device=positives.device)
             for r0 in range(0, anchor.shape[0], ctx.step):
                 sl = slice(r0, r0 + ctx.step)
                 a_hat, a_norm = normalize_rows(anchor[sl], ctx.eps, ctx.cosine)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _checks
-from .ops.contract import EPS, empty_block, pool_tags, structured_tags
+from .ops.contract import EPS, OwnPositives, empty_block, pool_tags, structured_tags
 from .ops.contrastive import contrastive_loss
 from .ops.grouped_cosine import grouped_cosine
 from .ops.head import reduction_weights
@@ -59,9 +59,13 @@ def _no_autocast(t: Tensor):
 
 
 def _gather(blocks, tags, process_group):
-    """Cross-device candidates: all-gather blocks (with gradient) and tags (rank-offset)."""
+    """Cross-device candidates: all-gather blocks (with gradient) and tags (rank-offset).
+
+    Returns the gathered blocks and tags, and the row of block 0 where this rank's own
+    positives start.
+    """
     if process_group is None:
-        return blocks, tags
+        return blocks, tags, 0
     raise NotImplementedError(
         "process_group (cross-device negatives) is not implemented in this build of fastcl"
     )
@@ -114,7 +118,6 @@ def _lse_loss(
     dev = anchor.device
 
     with _no_autocast(anchor):
-        pos_logits = positive_logits(anchor, positives, tau, cosine=cosine, eps=EPS)
         pos_block = positives.reshape(B * P, d)
         pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
         if Q:
@@ -122,7 +125,7 @@ def _lse_loss(
             neg_tags = structured_tags(B, Q, neg_mask, device=dev, exclude_owner=False)
         else:
             neg_block, neg_tags = empty_block(anchor)
-        blocks, tags = _gather((pos_block, neg_block), (pos_tags, neg_tags), process_group)
+        blocks, tags, pos_offset = _gather((pos_block, neg_block), (pos_tags, neg_tags), process_group)
 
         has_pos = torch.ones(B, dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
         weights = reduction_weights(has_pos, reduction, compute_dtype(anchor.dtype))
@@ -131,8 +134,8 @@ def _lse_loss(
             count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
         return contrastive_loss(
-            anchor, blocks, tags, pos_logits, tau,
-            kind=kind, pos_mask=pos_mask, weights=weights, reduction=reduction,
+            anchor, blocks, tags, tau, kind=kind, positives=OwnPositives(pos_offset, P), pos_logits=None,
+            pos_mask=pos_mask, weights=weights, reduction=reduction,
             cosine=cosine, eps=EPS, log_extra=log_extra, backend=backend,
         )
 
@@ -370,12 +373,12 @@ def supcon_pool_loss(
     with _no_autocast(anchor):
         pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS)
         empty, empty_tags = empty_block(anchor)
-        blocks, tags = _gather((candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags), process_group)
+        blocks, tags, _ = _gather((candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags), process_group)
         has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
         weights = reduction_weights(has_pos, reduction, compute_dtype(anchor.dtype))
         return contrastive_loss(
-            anchor, blocks, tags, pos_logits, tau, kind="supcon", pos_mask=pos_mask, weights=weights,
-            reduction=reduction, cosine=cosine, eps=EPS, backend=backend,
+            anchor, blocks, tags, tau, kind="supcon", positives=None, pos_logits=pos_logits, pos_mask=pos_mask,
+            weights=weights, reduction=reduction, cosine=cosine, eps=EPS, backend=backend,
         )
 
 

@@ -44,6 +44,7 @@ does not see them; tensors in ``inputs`` must not require grad.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -151,7 +152,10 @@ class _Reencoder:
         """First pass: each chunk without grad, recording its RNG state before it runs."""
         call.autocast = _capture_autocast()
         outs = []
-        with self._bar(len(call.bounds), "gradcache encode") as bar:
+        with self._bar(len(call.bounds), "gradcache encode") as bar, warnings.catch_warnings():
+            # Reentrant checkpointing inside the encoder warns that nothing requires grad: true
+            # and intended in this pass, and a warning per chunk would bury real ones.
+            warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
             for i in range(len(call.bounds)):
                 call.rng.append(_capture_rng(call.cuda_devices))
                 out = self.encode_fn(**call.chunk_inputs(tensors, i))

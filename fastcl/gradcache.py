@@ -131,7 +131,7 @@ def _to_host(t: Tensor) -> Tensor:
     if t.device.type != "cuda":
         return t.to("cpu")
     # Pinned, so that the chunk-by-chunk copies back to the device can be asynchronous.
-    return torch.empty_like(t, device="cpu", pin_memory=True).copy_(t)
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t)
 
 
 class _Reencoder:
@@ -176,7 +176,7 @@ class _Reencoder:
             for call in calls:
                 tensors, grad, stream = call.tensors, call.grad, call.grad_stream
                 call.tensors, call.grad, call.grad_stream = (), None, None  # free as we go
-                if stream is not None:  # the cached gradient was produced on another stream
+                if stream is not None:  # re-encode after the stream that produced the gradient
                     torch.cuda.current_stream(grad.device).wait_stream(stream)
                 for i, (start, end) in enumerate(call.bounds):
                     done += 1
@@ -317,6 +317,9 @@ class GradCache:
         if needs_grad:
             raise ValueError(f"inputs {needs_grad} require grad; GradCache only trains encode_fn's parameters")
 
+        # Calls only wait in `pending` between their backward and the flush of the same
+        # backward pass; leftovers here come from an aborted backward and must not be replayed.
+        self._reencoder.pending.clear()
         tensors = [inputs[k] for k in tensor_keys]
         devices = [t.device for t in tensors]
         if self.offload_inputs:

@@ -268,7 +268,7 @@ class GradCache:
 
     Example::
 
-        >>> gc = GradCache(HFEncoder(model, pooling="cls"), chunk_size=64)
+        >>> gc = GradCache(HFEncoder(model, pooling="mean"), chunk_size=64)
         >>> a, p = gc(**anchor_batch), gc(**positive_batch)   # [4096, d] each
         >>> infonce_loss(a, p).backward()                     # re-encodes chunk by chunk
         >>> optimizer.step()
@@ -344,22 +344,34 @@ class GradCache:
 # --------------------------------------------------------------------------- Hugging Face
 
 
-POOLINGS = ("cls", "mean", "avg_first_last")
+# Same names and semantics as SimCSE's evaluation code (and fastcl's eval pooling).
+POOLINGS = ("cls", "cls_before_pooler", "mean", "avg_first_last")
 
 
-def _masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
-    m = mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+def _masked_mean(states: Tensor, mask: Tensor) -> Tensor:
+    """Mean over unmasked tokens, reduced in float32 (float64 stays), in the states' dtype."""
+    acc = torch.float64 if states.dtype == torch.float64 else torch.float32
+    m = mask.to(acc).unsqueeze(-1)
+    return ((states.to(acc) * m).sum(1) / m.sum(1).clamp_min(1.0)).to(states.dtype)
 
 
 def _pool(outputs, attention_mask: Tensor, pooling: str) -> Tensor:
-    """``[n, L, H]`` token states -> ``[n, H]``. Private: fastcl.eval's pooling may replace it."""
+    """``[n, L, H]`` token states -> ``[n, H]``.
+
+    Private and minimal on purpose: ``fastcl.pooling.pool`` (from the eval package) has the
+    same names and semantics and should replace it once both are merged.
+    """
     if pooling == "cls":
+        if getattr(outputs, "pooler_output", None) is None:
+            raise ValueError("pooling='cls' uses the model's pooler_output, which this model does not "
+                             "return; use 'cls_before_pooler' for the raw [CLS] state")
+        return outputs.pooler_output
+    if pooling == "cls_before_pooler":
         return outputs.last_hidden_state[:, 0]
     if pooling == "mean":
         return _masked_mean(outputs.last_hidden_state, attention_mask)
-    # SimCSE's avg_first_last: hidden_states[1] is the first transformer layer (the
-    # embeddings are [0]; SimCSE's pre-2022 numbers used those by mistake).
+    # avg_first_last: hidden_states[1] is the first transformer layer (the embeddings are
+    # [0]; SimCSE's pre-2022 numbers used those by mistake).
     first, last = outputs.hidden_states[1], outputs.hidden_states[-1]
     return _masked_mean((first + last) / 2, attention_mask)
 
@@ -368,19 +380,20 @@ class HFEncoder(nn.Module):
     """``encode_fn`` for :class:`GradCache` from any Hugging Face ``AutoModel`` plus pooling.
 
     Args:
-        model: a transformers encoder returning ``last_hidden_state`` (and
-            ``hidden_states`` when asked), e.g. ``AutoModel.from_pretrained(...)``. Under
-            DDP with ``find_unused_parameters=False`` load BERT-style models with
-            ``add_pooling_layer=False``: the pooler is never used here.
-        pooling: ``"cls"`` (first token of the last layer), ``"mean"`` (mean of the last
-            layer over the attention mask) or ``"avg_first_last"`` (SimCSE: masked mean of
-            the average of the first and the last transformer layer).
+        model: a transformers encoder, e.g. ``AutoModel.from_pretrained(...)``.
+        pooling: ``"cls"`` (the model's ``pooler_output``: BERT's Linear + tanh on [CLS]),
+            ``"cls_before_pooler"`` (the raw [CLS] state of the last layer), ``"mean"`` (mean
+            of the last layer over the attention mask, as sentence-transformers) or
+            ``"avg_first_last"`` (SimCSE / SupMPN: masked mean of the average of the first
+            and the last transformer layer). Under DDP with ``find_unused_parameters=False``
+            and any pooling but ``"cls"``, load BERT-style models with
+            ``add_pooling_layer=False``: their pooler would receive no gradient.
 
     ``forward(input_ids, attention_mask=None, **model_kwargs)`` with ``[n, L]`` inputs
-    returns ``[n, H]`` embeddings in the model's output dtype.
+    returns ``[n, H]`` embeddings in the model's output dtype (no mask: every token counts).
     """
 
-    def __init__(self, model: nn.Module, pooling: str = "cls"):
+    def __init__(self, model: nn.Module, pooling: str):
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}; expected one of {POOLINGS}")

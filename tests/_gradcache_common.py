@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fastcl.gradcache import HFEncoder
 
 VOCAB = 97
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny encoder's ops are too small to share; one thread also avoids OpenMP stalls
+    (3-10x slower steps) when the CI machine's cores are busy."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def tiny_encoder(*, dropout: float = 0.1, pooling: str = "mean", seed: int = 0, layers: int = 2) -> HFEncoder:

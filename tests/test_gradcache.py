@@ -13,13 +13,16 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from _gradcache_common import chunked_graph, make_batch, param_grads, tiny_encoder
+from _gradcache_common import chunked_graph, make_batch, one_thread, param_grads, tiny_encoder  # noqa: F401
 from fastcl.gradcache import GradCache, HFEncoder
 from fastcl.losses import infonce_loss, supmpn_loss
 
 # Same chunks, same arithmetic: only the order in which the chunks' parameter gradients are
 # summed differs between the oracle's single graph and the chunk-by-chunk re-encoding.
 RTOL, ATOL = 1e-5, 1e-7
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def infonce(a, p):
@@ -68,7 +71,7 @@ def test_dropout_on_equals_chunks_in_one_graph(chunk_size):
 @pytest.mark.parametrize("chunk_size", [1, 4, 5, 16])
 def test_dropout_off_equals_full_batch(chunk_size):
     """SupMPN: three calls of different sizes (anchors, 2 positives, 1 negative) feed one loss."""
-    enc = tiny_encoder(dropout=0.0, pooling="cls")
+    enc = tiny_encoder(dropout=0.0, pooling="cls_before_pooler")
     B, P, Q = 6, 2, 1
     anchors, positives, negatives = make_batch(B, seed=1), make_batch(B * P, seed=2), make_batch(B * Q, seed=3)
 
@@ -269,12 +272,16 @@ def test_frozen_encoder_is_reported():
 
 
 def test_hf_pooling_choices():
+    from transformers import BertModel
+
     enc, batch = tiny_encoder(dropout=0.0).eval(), make_batch(5)
+    enc.model = BertModel(enc.model.config)  # with its pooler, for "cls"
     with torch.no_grad():
         out = enc.model(**batch, output_hidden_states=True)
         m = batch["attention_mask"].unsqueeze(-1).float()
         want = {
-            "cls": out.last_hidden_state[:, 0],
+            "cls": out.pooler_output,
+            "cls_before_pooler": out.last_hidden_state[:, 0],
             "mean": (out.last_hidden_state * m).sum(1) / m.sum(1),
             "avg_first_last": ((out.hidden_states[1] + out.hidden_states[-1]) / 2 * m).sum(1) / m.sum(1),
         }
@@ -284,6 +291,8 @@ def test_hf_pooling_choices():
         enc.pooling = "mean"
         no_mask = {"input_ids": batch["input_ids"]}
         assert_close(enc(**no_mask), enc.model(**no_mask).last_hidden_state.mean(1), rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match="pooler_output"):
+            HFEncoder(tiny_encoder().model, pooling="cls")(**batch)
 
 
 class SavedActivations:

@@ -12,14 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _gradcache_common import chunked_graph, param_grads, tiny_encoder
+from _gradcache_common import chunked_graph, one_thread, param_grads, tiny_encoder  # noqa: F401
 from _gradcache_ddp_worker import CHUNK, STEPS, step_data
 from fastcl.losses import infonce_loss
 
 WORLD = 2
 TIMEOUT_S = 180
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def free_port() -> int:

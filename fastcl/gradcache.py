@@ -106,8 +106,8 @@ class _Call:
     devices: list[torch.device]     # where each cached tensor must go back to
     bounds: list[tuple[int, int]]
     cuda_devices: list[int]
-    rng: list = field(default_factory=list)
-    autocast: dict = field(default_factory=dict)
+    rng: list = field(default_factory=list)        # per chunk: (CPU state, [CUDA states]) before it ran
+    autocast: dict = field(default_factory=dict)   # autocast state of the first pass
     # Filled by the backward of this call's output:
     tensors: tuple[Tensor, ...] = ()
     grad: Tensor | None = None

@@ -2,8 +2,8 @@
 
 Each case builds one rank's inputs from ``(seed, case, rank)`` alone, so every process (and
 the pytest parent, which runs the one-process reference on the concatenated batch) builds
-the same global batch without communication. Masks differ by rank on purpose; in the
-masked cases rank 1 has no anchor with a valid positive at all.
+the same global batch without communication. Masks differ by rank on purpose: in the
+masked cases ranks 0, 1, 2 have 3, 2 and 0 anchors with a valid positive.
 
 Run one world by hand (prints each case):
     python -m tests.distributed_cases 3 /tmp/dist_out
@@ -27,7 +27,7 @@ import fastcl.losses as L
 B, D = 3, 8  # anchors per rank (odd on purpose), embedding width
 EMBEDDINGS = ("anchor", "positives", "negatives", "positive", "dropout_view", "augmented_view", "candidates")
 BACKENDS = ("torch", "torch:recompute", "reference")
-EMPTY_RANK = 1  # in the masked cases this rank has no anchor with a valid positive
+EMPTY_RANK = 2  # in the masked cases of a 3-process run this rank has no valid anchor
 TIMEOUT_S = 90  # process-group timeout inside the workers (the parent kills them later)
 
 
@@ -41,13 +41,17 @@ def _randn(g, *shape, dtype=torch.float64):
     return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def _mask(g, rows: int, cols: int, rank: int, *, empty_rank: bool) -> torch.Tensor:
-    """Random padding, a different amount per rank; all False on EMPTY_RANK if asked."""
+VALID_ANCHORS = (B, B - 1, 0)  # per rank in the masked cases: uneven, and rank 2 has none
+
+
+def _mask(g, rows: int, cols: int, rank: int, *, uneven_anchors: bool) -> torch.Tensor:
+    """Random padding, a different amount per rank; with ``uneven_anchors`` rank r has
+    exactly ``VALID_ANCHORS[r]`` anchors with a valid slot (so the global count is never 0)."""
     keep = 0.35 + 0.2 * (rank % 3)
     m = torch.rand(rows, cols, generator=g) < keep
-    m[0, 0] = True  # rank 0 always has a valid positive, so the global batch is never empty
-    if empty_rank and rank == EMPTY_RANK:
-        m[:] = False
+    if uneven_anchors:
+        m[:, 0] = True
+        m[VALID_ANCHORS[rank]:] = False
     return m
 
 
@@ -60,9 +64,9 @@ def _structured(P, Q, *, masks=True, dtype=torch.float64):
         if Q:
             x["negatives"] = _randn(g, B, Q, D, dtype=dtype)
         if masks:
-            x["pos_mask"] = _mask(g, B, P, rank, empty_rank=True)
+            x["pos_mask"] = _mask(g, B, P, rank, uneven_anchors=True)
             if Q:
-                x["neg_mask"] = _mask(g, B, Q, rank + 1, empty_rank=False)
+                x["neg_mask"] = _mask(g, B, Q, rank + 1, uneven_anchors=False)
         return x
 
     return make
@@ -73,7 +77,7 @@ def _pairs(*names, Q=0):
         x = {n: _randn(g, B, D) for n in names}
         if Q:
             x["negatives"] = _randn(g, B, Q, D)
-            x["neg_mask"] = _mask(g, B, Q, rank, empty_rank=False)
+            x["neg_mask"] = _mask(g, B, Q, rank, uneven_anchors=False)
         return x
 
     return make
@@ -82,10 +86,12 @@ def _pairs(*names, Q=0):
 def _pool(N=5, P=2):
     def make(g, rank):
         cand_mask = torch.rand(N, generator=g) < 0.8
-        pos_mask = _mask(g, B, P, rank, empty_rank=True)
+        pos_index = torch.randint(0, N, (B, P), generator=g)
+        cand_mask[pos_index[:, 0]] = True  # keep VALID_ANCHORS exact (an invalid candidate is no positive)
+        pos_mask = _mask(g, B, P, rank, uneven_anchors=True)
         return {
             "anchor": _randn(g, B, D), "candidates": _randn(g, N, D),
-            "pos_index": torch.randint(0, N, (B, P), generator=g), "pos_mask": pos_mask, "cand_mask": cand_mask,
+            "pos_index": pos_index, "pos_mask": pos_mask, "cand_mask": cand_mask,
         }
 
     return make
@@ -111,7 +117,7 @@ class Case:
     reduction: str = "mean"
     merge: Callable = _concat
     learn_tau: bool = False
-    masked: bool = True  # rank EMPTY_RANK has no valid anchor
+    masked: bool = True  # uneven valid anchors per rank (VALID_ANCHORS)
 
 
 def _supmpn(own):
@@ -134,6 +140,7 @@ CASES = [
     Case("supcon", _structured(2, 3), _supcon),
     Case("supcon-none", _structured(2, 2), _supcon, reduction="none"),
     Case("supcon-fp32", _structured(2, 2, dtype=torch.float32), _supcon),
+    Case("supmpn-bf16", _structured(2, 2, dtype=torch.bfloat16), _supmpn("exclude")),
     Case("mnrl-hard-negatives", _pairs("anchor", "positive", Q=2),
          lambda x, **kw: L.mnrl_loss(x["anchor"], x["positive"], x["negatives"], neg_mask=x["neg_mask"], **kw),
          masked=False),
@@ -207,7 +214,7 @@ class ToyEncoder(nn.Module):
 def ddp_inputs(seed: int, rank: int) -> tuple:
     g = _gen(seed, "ddp", rank)
     xa, xp, xn = _randn(g, B, 6), _randn(g, B, 2, 6), _randn(g, B, 2, 6)
-    return xa, xp, xn, _mask(g, B, 2, rank, empty_rank=True), _mask(g, B, 2, rank + 1, empty_rank=False)
+    return xa, xp, xn, _mask(g, B, 2, rank, uneven_anchors=True), _mask(g, B, 2, rank + 1, uneven_anchors=False)
 
 
 def ddp_model(seed: int, group=None) -> ToyEncoder:

@@ -28,7 +28,9 @@ from tests import distributed_cases as C
 
 WORLDS = (2, 3)
 SPAWN_TIMEOUT_S = 150
-TOL = {torch.float64: 1e-10, torch.float32: 2e-5}  # relative Frobenius error
+# Relative Frobenius error. Below float64 the ranks and the one process add the same terms
+# in another order, and bf16 gradients are summed over ranks in bf16 (measured <= 5e-3).
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 pytestmark = pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 

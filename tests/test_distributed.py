@@ -9,7 +9,8 @@ checks the identities documented in ``fastcl.distributed``:
 * ``reduction="none"``: the rows are the one-process rows, and backpropagating
   ``rows.sum()`` on every rank gives each rank the one-process gradient of the global sum;
 * DDP: parameter gradients after backward equal the one-process ones.
-In the masked cases rank 1 has no anchor with a valid positive; its loss must be exactly 0.
+In the masked cases the ranks have different numbers of valid anchors (3, 2, 0): rank 2 of
+the 3-process run has none, and its loss must be exactly 0.
 The error scenarios run first in the same workers, so the passing cases also show that the
 group stays usable after every error.
 """
@@ -95,7 +96,7 @@ def test_matches_one_process_on_concatenated_batch(world_run, case, backend):
     else:
         _close(torch.stack([g["loss"] for g in got]).mean(), ref["loss"], dtype, f"{tag}: mean of rank losses")
         scale = world
-    if case.masked and case.reduction == "mean":
+    if case.masked and case.reduction == "mean" and world > C.EMPTY_RANK:
         assert got[C.EMPTY_RANK]["loss"].item() == 0.0, f"{tag}: a rank without valid anchors must return 0"
     for name, ref_grad in ref["grads"].items():
         sizes = [p[name].shape[0] for p in parts]

@@ -114,7 +114,7 @@ def check_group(group) -> None:
 
 # --------------------------------------------------------------------------- handshake
 
-# The innermost public loss call running with a process group (see ``agree_on_errors``).
+# The outermost public loss call running with a process group (see ``agree_on_errors``).
 _CALL: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastcl_distributed_call", default=None)
 
 

@@ -61,7 +61,7 @@ def loss_of(model, loss_fn, anchor, positive, negative, negatives: int) -> torch
     return loss_fn(a, p, n)
 
 
-def check_against_one_process(reference: nn.Module, ddp_model: DDP, batch: tuple, args, device) -> float:
+def check_against_one_process(reference: nn.Module, ddp_model: DDP, batch: tuple, args) -> float:
     """Max relative difference between DDP's parameter gradients and one process's."""
     world = dist.get_world_size()
     gathered = []
@@ -72,7 +72,7 @@ def check_against_one_process(reference: nn.Module, ddp_model: DDP, batch: tuple
     one_process_loss = L.MNRLoss(temperature=args.temperature)  # no process_group
     loss_of(reference, one_process_loss, *gathered, args.negatives).backward()
     worst = 0.0
-    for (name, p_ref), p_ddp in zip(reference.named_parameters(), ddp_model.module.parameters()):
+    for p_ref, p_ddp in zip(reference.parameters(), ddp_model.module.parameters()):
         diff = (p_ddp.grad - p_ref.grad).norm() / p_ref.grad.norm().clamp_min(1e-12)
         worst = max(worst, diff.item())
     return worst
@@ -115,7 +115,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0 and args.check:
-            worst = check_against_one_process(reference, ddp_model, batch, args, device)
+            worst = check_against_one_process(reference, ddp_model, batch, args)
             if rank == 0:
                 print(f"check: max relative difference of parameter gradients vs one process = {worst:.2e}")
             if worst > 1e-4:

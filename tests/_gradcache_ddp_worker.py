@@ -15,7 +15,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from _gradcache_common import make_batch, param_grads, tiny_encoder
+if __package__:  # imported by the test module
+    from ._gradcache_common import make_batch, param_grads, tiny_encoder
+else:  # run as a script by the test
+    from _gradcache_common import make_batch, param_grads, tiny_encoder
 from fastcl.gradcache import GradCache
 from fastcl.losses import infonce_loss
 

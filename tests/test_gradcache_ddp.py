@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _gradcache_common import chunked_graph, one_thread, param_grads, tiny_encoder  # noqa: F401
-from _gradcache_ddp_worker import CHUNK, STEPS, step_data
+from ._gradcache_common import chunked_graph, one_thread, param_grads, tiny_encoder  # noqa: F401
+from ._gradcache_ddp_worker import CHUNK, STEPS, step_data
 from fastcl.losses import infonce_loss
 
 WORLD = 2

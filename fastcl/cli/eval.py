@@ -85,15 +85,22 @@ def run(args) -> int:
     from fastcl._paths import require_data_dir
     from fastcl.eval.encode import Encoder
 
-    tasks = parse_tasks(args.tasks)
+    # argument errors end the command with a message, before the model is loaded
+    try:
+        tasks = parse_tasks(args.tasks)
+    except ValueError as e:
+        raise SystemExit(f"fastcl eval: {e}") from None
     sts = [t for t in tasks if t in STS]
     transfer = [t for t in tasks if t in TRANSFER]
     if args.split == "dev" and (transfer or any(t not in ("stsb", "sickr") for t in sts)):
-        raise SystemExit("--split dev exists only for stsb and sickr")
+        raise SystemExit("fastcl eval: --split dev exists only for stsb and sickr")
     if args.source == "local" or transfer:
-        require_data_dir(args.data_dir)
+        try:
+            require_data_dir(args.data_dir)
+        except FileNotFoundError as e:
+            raise SystemExit(f"fastcl eval: {e}") from None
     if args.batch_size < 1:
-        raise SystemExit("--batch-size must be >= 1")
+        raise SystemExit("fastcl eval: --batch-size must be >= 1")
 
     encoder = Encoder.from_pretrained(
         args.model, pooling=args.pooling, batch_size=args.batch_size, max_length=args.max_length,

@@ -32,7 +32,10 @@ def run(args) -> int:
     from fastcl.eval.encode import Encoder
     from fastcl.eval.plot import cosine_matrix, plot_similarity, read_sentences
 
-    sentences = read_sentences(args.sentences)  # fail before loading the model
+    try:  # fail before loading the model
+        sentences = read_sentences(args.sentences)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"fastcl plot-similarity: {e}") from None
     encoder = Encoder.from_pretrained(args.model, pooling=args.pooling, max_length=args.max_length,
                                       device=args.device, show_progress=False)
     sim = cosine_matrix(encoder.encode(sentences))

@@ -168,7 +168,7 @@ def _fit_grid(x, y, C, sets, l2_np, cfg) -> FitResult:
         train_rows.append(train)
         val_rows.append(val)
     val_idx, val_mask = (torch.from_numpy(a).to(device) for a in _pad(val_rows))
-    val_count = val_mask.sum(1, keepdim=True)  # (S, 1)
+    val_count = val_mask.sum(1, keepdim=True).double()  # (S, 1)
     l2 = torch.tensor(np.array(l2_np), dtype=torch.float32, device=device)  # (S, R)
 
     # nn.Linear's default init, the same for every model (SentEval seeds torch per model)
@@ -184,35 +184,43 @@ def _fit_grid(x, y, C, sets, l2_np, cfg) -> FitResult:
     best_W, best_b = W.clone(), b.clone()
     stop_count = np.zeros((S, R), dtype=np.int64)
     stopped = np.zeros((S, R), dtype=bool)
+    live = np.arange(S)  # sets with a model still training; W, b, l2, opt hold only these
     B = cfg.batch_size
     xb = torch.empty(S, B, d, device=device)  # reused batch buffer (fresh ones page-fault)
     nepoch = 0
-    while not stopped.all() and nepoch <= cfg.max_epoch:
+    while live.size and nepoch <= cfg.max_epoch:
+        L = live.size
         for _ in range(cfg.epoch_size):
-            perms = [train_rows[s][rngs[s].permutation(len(train_rows[s]))] for s in range(S)]
+            perms = [train_rows[s][rngs[s].permutation(len(train_rows[s]))] for s in live]
             for start in range(0, max(len(p) for p in perms), B):
                 idx, mask = _pad([p[start : start + B] for p in perms])
-                width = idx.shape[1]
                 idx_t, mask_t = torch.from_numpy(idx).to(device), torch.from_numpy(mask).to(device)
-                if width == B:
-                    torch.index_select(x, 0, idx_t.view(-1), out=xb.view(-1, d))
-                    batch = xb
+                if idx.shape[1] == B:
+                    batch = xb[:L]
+                    torch.index_select(x, 0, idx_t.view(-1), out=batch.view(-1, d))
                 else:  # the last, shorter batch of an epoch
                     batch = x[idx_t]
                 _step(batch, yt[idx_t], mask_t, W, b, l2, opt)
         nepoch += cfg.epoch_size
-        # every model's validation accuracy from one (S, N, R*C) product
-        logits = torch.matmul(x, W.view(S, d, R * C)).view(S, n, R, C) + b[:, None]
-        pred = logits.argmax(-1)  # (S, N, R)
-        hit = (pred.gather(1, val_idx[:, :, None].expand(-1, -1, R)) == yt[val_idx][:, :, None]).float()
-        acc = ((hit * val_mask[:, :, None]).sum(1) / val_count).double().cpu().numpy()  # (S, R)
-        improved = (acc > best_acc) & ~stopped
-        for s, r in zip(*np.nonzero(improved)):
-            best_W[s, :, r], best_b[s, r] = W[s, :, r], b[s, r]
-        best_acc = np.where(improved, acc, best_acc)
-        waiting = ~improved & ~stopped
-        stopped |= waiting & (stop_count >= cfg.tenacity)  # SentEval: test, then count
-        stop_count += waiting
+        # validation accuracy of every live model: one (N, D) x (D, L*R*C) product
+        logits = (x @ W.permute(1, 0, 2, 3).reshape(d, L * R * C)).view(n, L, R, C) + b[None]
+        pred = logits.argmax(-1)  # (N, L, R)
+        rows = val_idx[live]  # (L, V)
+        hit = (pred[rows, torch.arange(L, device=device)[:, None]] == yt[rows][:, :, None]).double()
+        acc = ((hit * val_mask[live][:, :, None]).sum(1) / val_count[live]).cpu().numpy()  # (L, R)
+        improved = (acc > best_acc[live]) & ~stopped[live]
+        for j, r in zip(*np.nonzero(improved)):
+            best_W[live[j], :, r], best_b[live[j], r] = W[j, :, r], b[j, r]
+        best_acc[live] = np.where(improved, acc, best_acc[live])
+        waiting = ~improved & ~stopped[live]
+        stopped[live] |= waiting & (stop_count[live] >= cfg.tenacity)  # SentEval: test, then count
+        stop_count[live] += waiting
+        keep = ~stopped[live].all(axis=1)
+        if not keep.all():  # drop finished sets from the computation
+            keep_t = torch.from_numpy(keep).to(device)
+            W, b, l2 = W[keep_t], b[keep_t], l2[keep_t]
+            opt.keep(keep_t)
+            live = live[keep]
     return FitResult(best_acc, best_W, best_b)
 
 
@@ -240,6 +248,10 @@ class _Optimizer:
         self.t = torch.zeros(S, device=W.device)
         self.mW, self.vW = torch.zeros_like(W), torch.zeros_like(W)
         self.mb, self.vb = torch.zeros_like(b), torch.zeros_like(b)
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep the state of the sets selected by the bool mask ``rows``."""
+        self.t, self.mW, self.vW, self.mb, self.vb = (a[rows] for a in (self.t, self.mW, self.vW, self.mb, self.vb))
 
     def step(self, W, gW, b, gb, active: Tensor) -> None:
         on = active.float()

@@ -81,5 +81,5 @@ def plot_similarity(
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi)
+    fig.savefig(out, dpi=dpi, bbox_inches="tight")  # long labels stay inside the image
     return out

@@ -108,6 +108,13 @@ def _candidates(positives: Tensor, negatives: Tensor | None, pos_mask, neg_mask)
     return cands, valid, owner, is_pos, pos_mask
 
 
+def _own_positive_logits(logits: Tensor, B: int, P: int) -> Tensor:
+    """``[B, P]``: anchor i's own positives are candidate columns ``i*P .. i*P + P - 1``."""
+    rows = torch.arange(B, device=logits.device)[:, None]
+    cols = rows * P + torch.arange(P, device=logits.device)[None, :]
+    return logits[rows, cols]
+
+
 def _logits(anchor: Tensor, cands: Tensor, temperature, similarity: str) -> Tensor:
     sim = _similarity(anchor, cands, similarity == "cos", EPS)
     return sim / temperature
@@ -128,7 +135,7 @@ def supmpn(
     big_r = torch.where(in_r, logits.exp(), torch.zeros_like(logits)).sum(1)  # R_i
     if own_positives == "zero_logit":
         big_r = big_r + (pos_mask.sum(1) - 1).clamp_min(0).to(big_r.dtype)
-    pos_l = torch.stack([logits[i, i * P:(i + 1) * P] for i in range(B)])  # [B, P]
+    pos_l = _own_positive_logits(logits, B, P)
     terms = -pos_l + torch.log(pos_l.exp() + big_r[:, None])
     terms = torch.where(pos_mask, terms, torch.zeros_like(terms))
     per_anchor = terms.sum(1) / pos_mask.sum(1).clamp_min(1)
@@ -144,7 +151,7 @@ def supcon(
     cands, valid, _, _, pos_mask = _candidates(positives, negatives, pos_mask, neg_mask)
     logits = _logits(anchor, cands, temperature, similarity)
     lse = torch.logsumexp(logits.masked_fill(~valid[None, :], float("-inf")), dim=1)
-    pos_l = torch.stack([logits[i, i * P:(i + 1) * P] for i in range(B)])
+    pos_l = _own_positive_logits(logits, B, P)
     terms = torch.where(pos_mask, lse[:, None] - pos_l, torch.zeros_like(pos_l))
     per_anchor = terms.sum(1) / pos_mask.sum(1).clamp_min(1)
     return _reduce(per_anchor, pos_mask.any(1), reduction)

@@ -1,0 +1,1 @@
+"""Benchmark support shared by ``benchmarks/`` and the memory tests: cases and meters."""

@@ -1,0 +1,80 @@
+"""Peak-memory meters: CUDA's max-allocated counter, and peak RSS of a fresh CPU process.
+
+CPU memory is measured in a *subprocess* so earlier allocations of the calling process do
+not hide or inflate the peak: the child builds the inputs, resets the kernel's high-water
+mark (``/proc/self/clear_refs``), runs the work and reports ``peak RSS - RSS before``.
+
+    python -m fastcl.bench.memory fastcl.bench.cases:loss_step '{"loss": "supmpn", "B": 1024, ...}'
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Reset the process's RSS high-water mark to its current RSS (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_extra_rss(run, warmup: bool = True) -> int:
+    """Bytes of peak RSS above the RSS before ``run()`` (call in a fresh process).
+
+    A first, unmeasured call loads the math libraries' code and thread pools, which would
+    otherwise count as the workload's memory.
+    """
+    import gc
+
+    if warmup:
+        run()
+    gc.collect()
+    reset_peak_rss()
+    before = _status_kib("VmRSS")
+    run()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600) -> int:
+    """Run ``factory(**kwargs)()`` in a fresh Python process and return its extra peak RSS.
+
+    ``factory`` is ``"module:function"``; the function builds its inputs and returns the
+    zero-argument callable to measure.
+    """
+    cmd = [sys.executable, "-m", "fastcl.bench.memory", factory, json.dumps(kwargs)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory probe failed ({' '.join(cmd)}):\n{out.stderr[-4000:]}")
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"])
+
+
+def cuda_extra_peak_bytes(run) -> int:
+    """Peak CUDA memory allocated by ``run()`` beyond what was allocated before it."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _main(argv: list[str]) -> None:
+    module, func = argv[0].split(":")
+    run = getattr(importlib.import_module(module), func)(**json.loads(argv[1]))
+    print(json.dumps({"extra_peak_bytes": measure_extra_rss(run)}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

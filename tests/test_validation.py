@@ -1,0 +1,63 @@
+"""Clear errors for bad input, raised before any compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastcl.losses as L
+
+A, P, N = torch.randn(4, 8), torch.randn(4, 2, 8), torch.randn(4, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: L.supmpn_loss(A[0], P, N), ValueError, "anchor must have shape"),
+        (lambda: L.supmpn_loss(A, P[:, 0], N), ValueError, "positives must have shape"),
+        (lambda: L.supmpn_loss(A, P[:3], N), ValueError, r"positives must have shape \[B=4"),
+        (lambda: L.supmpn_loss(A, torch.randn(4, 2, 7), N), ValueError, "d=8"),
+        (lambda: L.supmpn_loss(A, P, torch.randn(4, 3, 5)), ValueError, "negatives must have shape"),
+        (lambda: L.supmpn_loss(A, P, N[:, :, None]), ValueError, "negatives must have shape"),
+        (lambda: L.supmpn_loss(A, torch.randn(4, 0, 8)), ValueError, "P = 0"),
+        (lambda: L.supmpn_loss(torch.randn(0, 8), torch.randn(0, 1, 8)), ValueError, "non-empty"),
+        (lambda: L.supmpn_loss(A, P.double(), N), TypeError, "one dtype"),
+        (lambda: L.supmpn_loss(A.long(), P.long()), TypeError, "float16, bfloat16"),
+        (lambda: L.supmpn_loss(A, P, N, pos_mask=torch.ones(4, 3, dtype=torch.bool)), ValueError, "pos_mask must have shape"),
+        (lambda: L.supmpn_loss(A, P, N, neg_mask=torch.ones(4, 3)), TypeError, "torch.bool"),
+        (lambda: L.supmpn_loss(A, P, neg_mask=torch.ones(4, 3, dtype=torch.bool)), ValueError, "without negatives"),
+        (lambda: L.supmpn_loss(A, P, N, pos_mask=torch.zeros(4, 2, dtype=torch.bool)), ValueError, "no anchor has a valid positive"),
+        (lambda: L.supmpn_loss(A, P, N, temperature=0.0), ValueError, "temperature"),
+        (lambda: L.supmpn_loss(A, P, N, temperature=-1.0), ValueError, "temperature"),
+        (lambda: L.supmpn_loss(A, P, N, temperature=float("nan")), ValueError, "temperature"),
+        (lambda: L.supmpn_loss(A, P, N, temperature=torch.tensor(-0.1)), ValueError, "temperature"),
+        (lambda: L.supmpn_loss(A, P, N, temperature=torch.tensor([0.1, 0.2])), ValueError, "0-d"),
+        (lambda: L.supmpn_loss(A, P, N, temperature="0.1"), TypeError, "temperature"),
+        (lambda: L.supmpn_loss(A, P, N, reduction="avg"), ValueError, "reduction"),
+        (lambda: L.supmpn_loss(A, P, N, similarity="l2"), ValueError, "similarity"),
+        (lambda: L.supmpn_loss(A, P, N, own_positives="keep"), ValueError, "own_positives"),
+        (lambda: L.mnrl_loss(A, P, N), ValueError, "positive must have shape"),
+        (lambda: L.infonce_loss(A, A[:3]), ValueError, "positives must have shape"),
+        (lambda: L.edacse_loss(A, A, A, lam="x"), TypeError, "lam"),
+        (lambda: L.grouped_cosine_loss(A, A, group_size=3), ValueError, "does not divide"),
+        (lambda: L.grouped_cosine_loss(A, A[:, :4], group_size=4), ValueError, "same shape"),
+        (lambda: L.grouped_cosine_loss(A, A, group_size=0), TypeError, "group_size"),
+        (lambda: L.gclsr_loss(A, A, A, A, group_size=5), ValueError, "does not divide"),
+        (lambda: L.supcon_pool_loss(A, A, torch.tensor([[0], [1], [2], [9]])), ValueError, "pos_index must be in"),
+        (lambda: L.supcon_pool_loss(A, A, torch.tensor([[0.0]] * 4)), TypeError, "integer"),
+        (lambda: L.supmpn_loss(A, P, N, backend="nope"), RuntimeError, "unknown backend"),
+        (lambda: L.SupMPNLoss(temperature=0), ValueError, "temperature"),
+    ],
+)
+def test_bad_input_raises(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_finite_check_is_opt_in(monkeypatch):
+    bad = A.clone()
+    bad[0, 0] = float("nan")
+    L.infonce_loss(bad, A)  # no check by default: no host sync
+    monkeypatch.setenv("FASTCL_CHECK_FINITE", "1")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        L.infonce_loss(bad, A)

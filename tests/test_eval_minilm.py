@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from eval_support import minilm_path
+from .eval_support import minilm_path
 from fastcl.eval.encode import Encoder
 from fastcl.eval.sts import evaluate_sts
 

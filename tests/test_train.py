@@ -233,7 +233,12 @@ def test_cli_unknown_method(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_ddp_two_processes_match_one(setup, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("method, extra", [
+    ("supmpn", dict(pos_fill="mask", neg_fill="mask", num_positives=2, num_negatives=2)),  # no sampling
+    ("supcon", dict(pooling="mean")),  # Liao allpalln: pool loss over every rank's hypotheses
+])
+def test_ddp_two_processes_match_one(setup, tmp_path, method, extra):
     """torchrun-style 2-process gloo run (cross-device negatives through the loss's
     process_group, DDP gradient averaging) equals one process on the global batch."""
     import socket
@@ -242,16 +247,15 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
 
     from ._train_ddp_worker import run_rank, sgd
 
-    # deterministic data and encoder: masks instead of sampled fills, no dropout
-    common = dict(max_examples=16, max_steps=2, lr=0.5, model=setup["model_no_dropout"], pos_fill="mask",
-                  neg_fill="mask", num_positives=2, num_negatives=2)
-    recipe, cfg = parse(_argv("supmpn", _options(setup, "supmpn", tmp_path / "one", **common)))
+    # deterministic data and encoder: no sampled fills, no dropout
+    common = dict(max_examples=16, max_steps=2, lr=0.5, model=setup["model_no_dropout"], **extra)
+    recipe, cfg = parse(_argv(method, _options(setup, method, tmp_path / "one", **common)))
     recipe.build_optimizer = sgd
     train(recipe, cfg)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = _argv("supmpn", _options(setup, "supmpn", tmp_path / "two", **common))
+    argv = _argv(method, _options(setup, method, tmp_path / "two", **common))
     mp.spawn(run_rank, args=(2, port, argv), nprocs=2, join=True)
     one, two = _state(tmp_path / "one" / "checkpoint-2")["model"], _state(tmp_path / "two" / "checkpoint-2")["model"]
     for k in one:

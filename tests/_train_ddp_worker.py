@@ -11,7 +11,8 @@ def sgd(cfg, model):
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
 
 
-def run_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
+def run_rank(rank: int, world: int, port: int, argvs: list[list[str]]) -> None:
+    """Train each command line in ``argvs`` in turn, in one process group (spawn costs)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
@@ -20,10 +21,11 @@ def run_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
     from fastcl.cli.train import parse
     from fastcl.trainers.loop import train
 
-    recipe, cfg = parse(argv)
-    recipe.build_optimizer = sgd
     try:
-        train(recipe, cfg)
+        for argv in argvs:
+            recipe, cfg = parse(argv)
+            recipe.build_optimizer = sgd
+            train(recipe, cfg)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

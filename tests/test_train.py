@@ -234,11 +234,7 @@ def test_cli_unknown_method(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, extra", [
-    ("supmpn", dict(pos_fill="mask", neg_fill="mask", num_positives=2, num_negatives=2)),  # no sampling
-    ("supcon", dict(pooling="mean")),  # Liao allpalln: pool loss over every rank's hypotheses
-])
-def test_ddp_two_processes_match_one(setup, tmp_path, method, extra):
+def test_ddp_two_processes_match_one(setup, tmp_path):
     """torchrun-style 2-process gloo run (cross-device negatives through the loss's
     process_group, DDP gradient averaging) equals one process on the global batch."""
     import socket
@@ -247,16 +243,23 @@ def test_ddp_two_processes_match_one(setup, tmp_path, method, extra):
 
     from ._train_ddp_worker import run_rank, sgd
 
-    # deterministic data and encoder: no sampled fills, no dropout
-    common = dict(max_examples=16, max_steps=2, lr=0.5, model=setup["model_no_dropout"], **extra)
-    recipe, cfg = parse(_argv(method, _options(setup, method, tmp_path / "one", **common)))
-    recipe.build_optimizer = sgd
-    train(recipe, cfg)
+    cases = {  # deterministic data and encoder: no sampled fills, no dropout
+        "supmpn": dict(pos_fill="mask", neg_fill="mask", num_positives=2, num_negatives=2),
+        "supcon": dict(pooling="mean"),  # Liao allpalln: pool loss over every rank's hypotheses
+    }
+    argvs = []
+    for method, extra in cases.items():
+        common = dict(max_examples=16, max_steps=2, lr=0.5, model=setup["model_no_dropout"], **extra)
+        recipe, cfg = parse(_argv(method, _options(setup, method, tmp_path / method / "one", **common)))
+        recipe.build_optimizer = sgd
+        train(recipe, cfg)
+        argvs.append(_argv(method, _options(setup, method, tmp_path / method / "two", **common)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = _argv(method, _options(setup, method, tmp_path / "two", **common))
-    mp.spawn(run_rank, args=(2, port, argv), nprocs=2, join=True)
-    one, two = _state(tmp_path / "one" / "checkpoint-2")["model"], _state(tmp_path / "two" / "checkpoint-2")["model"]
-    for k in one:
-        torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-5, msg=k)  # float summation order
+    mp.spawn(run_rank, args=(2, port, argvs), nprocs=2, join=True)
+    for method in cases:
+        one = _state(tmp_path / method / "one" / "checkpoint-2")["model"]
+        two = _state(tmp_path / method / "two" / "checkpoint-2")["model"]
+        for k in one:  # float summation order differs
+            torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-5, msg=f"{method}: {k}")

@@ -4,7 +4,8 @@
 embeddings ``[n, H]`` with :func:`fastcl.pooling.pool`; with ``mlp`` set it applies
 SimCSE's head (Linear(H, H) + tanh) on top. Saving writes a folder that loads with
 ``AutoModel.from_pretrained`` and with ``sentence_transformers.SentenceTransformer``
-(Transformer + Pooling [+ Dense(tanh)] modules reproducing the evaluation embedding), plus
+(Transformer [+ WeightedLayerPooling for avg_first_last / avg_top2] + Pooling [+ Dense(tanh)]
+modules reproducing the evaluation embedding), plus
 ``fastcl_model.json`` naming the pooling to use with :mod:`fastcl.eval`.
 """
 
@@ -122,7 +123,18 @@ def save_pretrained(encoder: SentenceEncoder, tokenizer, path: str | os.PathLike
 def _save_st(encoder: SentenceEncoder, path: Path, use_mlp: bool) -> bool:
     """sentence-transformers modules beside the HF files; False when the pooling has no
     sentence-transformers equivalent (the folder still loads with AutoModel)."""
-    mode = _ST_POOLING.get(encoder.pooling)
+    layers = encoder.backbone.config.num_hidden_layers
+    if encoder.pooling in _ST_POOLING:
+        mode, layer_weights = _ST_POOLING[encoder.pooling], None
+    elif encoder.pooling in ("avg_first_last", "avg_top2") and layers >= 2:
+        # WeightedLayerPooling over hidden_states[start:] then a masked mean: weights 1 on the
+        # two averaged layers, 0 elsewhere, reproduce fastcl.pooling exactly
+        start = 1 if encoder.pooling == "avg_first_last" else layers - 1
+        weights = [0.0] * (layers + 1 - start)
+        weights[0] = weights[-1] = 1.0
+        mode, layer_weights = "mean", (start, weights)
+    else:
+        mode = None
     if mode is None:
         return False
     try:
@@ -131,7 +143,14 @@ def _save_st(encoder: SentenceEncoder, path: Path, use_mlp: bool) -> bool:
         return False
     m = _st_modules()
     hidden = encoder.backbone.config.hidden_size
-    modules = [m.Transformer(str(path)), m.Pooling(hidden, pooling_mode=mode)]
+    if layer_weights is None:
+        modules = [m.Transformer(str(path))]
+    else:  # the transformer must return every layer (saved as output_hidden_states in config.json)
+        start, weights = layer_weights
+        modules = [m.Transformer(str(path), config_kwargs={"output_hidden_states": True}),
+                   m.WeightedLayerPooling(hidden, num_hidden_layers=layers, layer_start=start,
+                                          layer_weights=nn.Parameter(torch.tensor(weights)))]
+    modules.append(m.Pooling(hidden, pooling_mode=mode))
     if use_mlp:
         lin = encoder.mlp[0]
         modules.append(m.Dense(hidden, hidden, activation_function=nn.Tanh(),

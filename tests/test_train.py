@@ -51,14 +51,17 @@ def _losses(out):
     return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-@pytest.mark.parametrize("method", ["simcse-unsup", "simcse-sup", "supmpn", "supcon", "edacse"])
-def test_recipe_learns_and_saves(setup, tmp_path, method):
+@pytest.mark.parametrize("method, cap", [("simcse-unsup", None), ("simcse-sup", None), ("supmpn", None),
+                                         ("supcon", "allpalln"), ("supcon", "3p3n"), ("edacse", None)])
+def test_recipe_learns_and_saves(setup, tmp_path, method, cap):
     out = tmp_path / method
     # the same 8 examples every step (max_examples = batch), a large lr: the loss must fall
     # A random tiny BERT's [CLS] + a fresh MLP (SimCSE's default) is erratic at this lr; mean
     # pooling (still with the MLP head, train-only or kept) learns steadily. The [CLS] + MLP
     # save path is tested in test_mlp_head_saved_for_automodel_and_sentence_transformers.
     extra = {"pooling": "mean"} if method in ("simcse-unsup", "simcse-sup", "edacse") else {}
+    if cap is not None:
+        extra["cap"] = cap
     args = _argv(method, _options(setup, method, out, max_examples=8, max_steps=8, lr=3e-3, schedule="constant", **extra))
     assert cli(["train", *args]) == 0
     losses = _losses(out)
@@ -263,3 +266,36 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
         two = _state(tmp_path / method / "two" / "checkpoint-2")["model"]
         for k in one:  # float summation order differs
             torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-5, msg=f"{method}: {k}")
+
+
+@pytest.mark.parametrize("similarity", ["dot", "cos"])
+def test_liao_3p3n_local_loss_equals_pool_loss_when_sets_cover_the_batch(similarity):
+    """local_supcon (3p3n's per-anchor denominators) equals the fused supcon_pool_loss when
+    every anchor's positives and negatives are the whole candidate pool (allpalln)."""
+    import random
+
+    from fastcl.data import liao_in_batch
+    from fastcl.data.collate import _pad
+    from fastcl.losses import supcon_pool_loss
+    from fastcl.trainers.recipes.supcon import local_supcon
+
+    rows = [{"premise": p, "hypothesis": f"{p}{i}", "label": lab} for p, i, lab in [
+        ("A", 0, "entailment"), ("A", 1, "entailment"), ("A", 2, "neutral"), ("B", 3, "entailment"),
+        ("B", 4, "contradiction"), ("C", 5, "contradiction"), ("D", 6, "entailment")]]
+    built = liao_in_batch(rows, "allpalln")
+    pos_index, pos_mask = _pad(built["pos_index"])
+    neg_index, neg_mask = _pad(built["neg_index"])
+    anchors = torch.randn(len(built["anchor_rows"]), 16, dtype=torch.float64, requires_grad=True)
+    cands = torch.randn(len(rows), 16, dtype=torch.float64, requires_grad=True)
+    tau = 1.0 if similarity == "dot" else 0.1
+    local = local_supcon(anchors, cands, pos_index, pos_mask, neg_index, neg_mask, tau, similarity == "cos")
+    fused = supcon_pool_loss(anchors, cands, pos_index, pos_mask=pos_mask, temperature=tau, similarity=similarity,
+                             backend="reference")
+    torch.testing.assert_close(local.double(), fused)
+    g_local = torch.autograd.grad(local, (anchors, cands))
+    g_fused = torch.autograd.grad(fused, (anchors, cands))
+    for a, b in zip(g_local, g_fused):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)  # local computes in float32
+    # 3p3n trains end to end (sampled caps come from ctx.rng)
+    out = liao_in_batch(rows, "3p3n", random.Random(0))
+    assert all(len(p) <= 3 and len(n) <= 3 for p, n in zip(out["pos_index"], out["neg_index"]))

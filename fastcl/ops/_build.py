@@ -130,7 +130,9 @@ class Extension:
             log = build_dir / "build-error.log"
             log.write_text(f"{type(exc).__name__}: {exc}\n")
             first = _first_error_line(str(exc))
-            return f"the {self.describe} backend failed to build: {first} (full log: {log})"
+            why = f"the {self.describe} backend failed to build: {first} (full log: {log})"
+            print(f"fastcl: {why}; `python -m fastcl.info` lists the backends in use", file=sys.stderr, flush=True)
+            return why
         self.library = str(build_dir / f"{self.name}.so")
         if not cached:
             print(f"fastcl: {self.describe} backend built in {time.perf_counter() - start:.0f} s",

@@ -27,10 +27,14 @@ TORCH_LIBRARY(fastcl, m) {
       "Tensor tau, bool cosine, float eps, *, Tensor(a!) lse, Tensor(b!) mean_logit) -> ()");
 
   // Recompute backward: given lse [B] from lse_forward and grad_lse [B] = dLoss/dlse,
-  // d_anchor [B, d], d_block0 [N0, d], d_block1 [N1, d].
+  // d_anchor [B, d], d_block0 [N0, d], d_block1 [N1, d]. With d_pos [B, P] (the gradient of
+  // the own-positive logits, anchor i's positive k being row pos_offset + i*P + k of
+  // block0; see OwnPositives in contract.py) that gradient is folded in too, before the
+  // normalisation backward and the rounding to the input dtype.
   m.def(
       "lse_backward(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
-      "Tensor tau, bool cosine, float eps, Tensor lse, Tensor grad_lse, *, Tensor(a!) d_anchor, "
+      "Tensor tau, bool cosine, float eps, Tensor lse, Tensor grad_lse, Tensor? d_pos, int pos_offset, "
+      "*, Tensor(a!) d_anchor, "
       "Tensor(b!) d_block0, Tensor(c!) d_block1) -> ()");
 
   // Gradient in forward: the loss head (head = "supcon" | "supmpn", pos_logits [B, P],
@@ -39,10 +43,13 @@ TORCH_LIBRARY(fastcl, m) {
   // (unweighted per-anchor loss), d_pos [B, P] (weighted dLoss/dpos_logits), d_anchor,
   // d_block0, d_block1 (weighted gradients) and g_dot_mean_logit (0-d,
   // sum_i w_i dloss_i/dlse_i * mean_logit_i: the temperature gradient is -that/tau).
+  // fold_positives: the pos_logits are those of rows pos_offset + i*P + k of block0, and
+  // d_pos is folded into d_anchor / d_block0 as in lse_backward (d_pos is still output,
+  // for the temperature gradient of the positive logits).
   m.def(
       "lse_fused(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
       "Tensor tau, bool cosine, float eps, str head, Tensor pos_logits, Tensor? pos_mask, "
-      "Tensor? log_extra, Tensor weights, *, Tensor(a!) lse, Tensor(b!) mean_logit, "
+      "Tensor? log_extra, Tensor weights, int pos_offset, bool fold_positives, *, Tensor(a!) lse, Tensor(b!) mean_logit, "
       "Tensor(c!) loss_rows, Tensor(d!) d_pos, Tensor(e!) d_anchor, Tensor(f!) d_block0, "
       "Tensor(g!) d_block1, Tensor(h!) g_dot_mean_logit) -> ()");
 }

@@ -17,7 +17,7 @@ import torch
 
 from fastcl.ops import _build, _cpp, dispatch
 from fastcl.ops._torch_impl import TorchLSE
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, poison_outputs, structured_tags
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs, structured_tags
 from fastcl.ops.contrastive import contrastive_loss
 from fastcl.ops.head import HeadInputs, reduction_weights
 from fastcl.ops.positive_logits import positive_logits
@@ -30,8 +30,10 @@ def cpp_backend():
     require("cpp")
 
 
-def _problem(B, N0, N1, d, dtype=torch.float64, cosine=True, gen=None):
-    """Random tags: padding, all-rows and owner tags mixed; row 0 loses every candidate."""
+def _problem(B, N0, N1, d, dtype=torch.float64, cosine=True, gen=None, positives=None):
+    """Random tags: padding, all-rows and owner tags mixed; row 0 loses every candidate.
+    ``positives``: an ``OwnPositives`` layout in block 0 (their tags stay random: the fold
+    must not care whether a positive is also in the denominator)."""
     g = gen or torch.Generator().manual_seed(0)
     a = torch.randn(B, d, generator=g).to(dtype)
     b0 = torch.randn(N0, d, generator=g).to(dtype)
@@ -42,7 +44,7 @@ def _problem(B, N0, N1, d, dtype=torch.float64, cosine=True, gen=None):
         t0 = torch.where(t0 == -1, 0, t0).to(torch.int32)
         t0 = torch.where(t0 == 1, TAG_PADDING, t0).to(torch.int32)  # keep some padding
         t1 = torch.full_like(t1, TAG_PADDING) if N1 else t1
-    return LSEProblem(a, (b0, b1), (t0, t1), cosine)
+    return LSEProblem(a, (b0, b1), (t0, t1), cosine, positives=positives)
 
 
 def _head(B, P, kind, gen, dtype=torch.float64, masks=True, log_extra=False):
@@ -56,10 +58,13 @@ def _head(B, P, kind, gen, dtype=torch.float64, masks=True, log_extra=False):
 # ----------------------------------------------------------------- gradients in float64
 
 
+@pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 @pytest.mark.parametrize("kind, zero_logit", [("supcon", False), ("supmpn", False), ("supmpn", True)])
 @pytest.mark.parametrize("cosine", [True, False])
-def test_gradcheck_cpp(monkeypatch, strategy, kind, zero_logit, cosine):
+def test_gradcheck_cpp(monkeypatch, strategy, kind, zero_logit, cosine, folded):
+    """Folded: the backend adds the positives' gradient itself (OwnPositives); not folded:
+    precomputed differentiable positive logits (shared positives)."""
     monkeypatch.setenv("FASTCL_STRATEGY", strategy)
     B, P, Q, d = 4, 2, 3, 5
     a = torch.randn(B, d, dtype=torch.float64, requires_grad=True)
@@ -74,8 +79,9 @@ def test_gradcheck_cpp(monkeypatch, strategy, kind, zero_logit, cosine):
     log_extra = (pos_mask.sum(1) - 1).clamp_min(0).double().log() if zero_logit else None
 
     def f(a, pos, neg, tau):
-        pl = positive_logits(a, pos, tau, cosine=cosine, eps=1e-8)
-        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tags, pl, tau, kind=kind,
+        pl = None if folded else positive_logits(a, pos, tau, cosine=cosine, eps=1e-8)
+        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tags, tau, kind=kind,
+                                positives=OwnPositives(0, P) if folded else None, pos_logits=pl,
                                 pos_mask=pos_mask, weights=weights, reduction="mean", cosine=cosine,
                                 eps=1e-8, log_extra=log_extra, backend="cpp")
 
@@ -91,12 +97,13 @@ def _op_cases(requires_grad: bool):
     args = (anchor, *prob.blocks, *prob.tags, torch.tensor(0.1), True, 1e-8)
     B, d = 5, 4
     g = torch.Generator().manual_seed(1)
-    head = _head(B, 2, "supmpn", g, torch.float32, log_extra=True)
+    head = _head(B, 1, "supmpn", g, torch.float32, log_extra=True)  # folded: rows 0 .. 4 of block0
     yield "lse_forward", args, dict(lse=torch.empty(B), mean_logit=torch.empty(B))
-    yield "lse_backward", args + (torch.randn(B), torch.randn(B)), dict(
-        d_anchor=torch.empty(B, d), d_block0=torch.empty(7, d), d_block1=torch.empty(3, d))
-    yield "lse_fused", args + ("supmpn", head.pos_logits, head.pos_mask, head.log_extra, head.weights), dict(
-        lse=torch.empty(B), mean_logit=torch.empty(B), loss_rows=torch.empty(B), d_pos=torch.empty(B, 2),
+    for d_pos in (None, torch.randn(B, 1)):  # positives at rows 2 + i of block0
+        yield "lse_backward", args + (torch.randn(B), torch.randn(B), d_pos, 2), dict(
+            d_anchor=torch.empty(B, d), d_block0=torch.empty(7, d), d_block1=torch.empty(3, d))
+    yield "lse_fused", args + ("supmpn", head.pos_logits, head.pos_mask, head.log_extra, head.weights, 0, True), dict(
+        lse=torch.empty(B), mean_logit=torch.empty(B), loss_rows=torch.empty(B), d_pos=torch.empty(B, 1),
         d_anchor=torch.empty(B, d), d_block0=torch.empty(7, d), d_block1=torch.empty(3, d),
         g_dot_mean_logit=torch.empty(()))
 
@@ -123,24 +130,44 @@ def _compare_fused(prob, head, tau, atol):
     return got
 
 
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("rows", ["1", "3", "64"])
 @pytest.mark.parametrize("kind, log_extra", [("supcon", False), ("supmpn", False), ("supmpn", True)])
-def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_extra):
+def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_extra, folded):
     """Forced block sizes make many waves and short last blocks; the head in C++ must
-    agree with fastcl/ops/head.py row by row (masks, empty rows, log_extra)."""
+    agree with fastcl/ops/head.py row by row (masks, empty rows, log_extra); folded own
+    positives (3 per anchor from row 5 of block 0) must match ``_fold_positives``."""
     monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
     g = torch.Generator().manual_seed(int(rows) * 7 + len(kind))
     B = 37
-    prob = _problem(B, 53, 29, 19, gen=g)
+    prob = _problem(B, 5 + 3 * B + 4, 29, 19, gen=g, positives=OwnPositives(5, 3) if folded else None)
     head = _head(B, 3, kind, g, log_extra=log_extra)
+    _compare_fused(prob, head, torch.tensor(0.2, dtype=torch.float64), 1e-10)
+
+
+@pytest.mark.parametrize("kind", ["supcon", "supmpn"])
+def test_empty_row_among_others(monkeypatch, kind):
+    """Every candidate tagged 0 or padding: row 0 has none (lse -inf, no gradient, no NaN)
+    while the other rows have all of them; folded own positives one per anchor."""
+    monkeypatch.setenv("FASTCL_CPP_ROWS", "2")
+    g = torch.Generator().manual_seed(11)
+    B, d = 5, 6
+    tags0 = torch.where(torch.rand(B + 3, generator=g) < 0.3, TAG_PADDING, 0).to(torch.int32)
+    tags1 = torch.tensor([0, TAG_PADDING, 0], dtype=torch.int32)
+    prob = LSEProblem(torch.randn(B, d, dtype=torch.float64, generator=g),
+                      (torch.randn(B + 3, d, dtype=torch.float64, generator=g),
+                       torch.randn(3, d, dtype=torch.float64, generator=g)),
+                      (tags0, tags1), positives=OwnPositives(3, 1))
+    head = _head(B, 1, kind, g, masks=False)
     got = _compare_fused(prob, head, torch.tensor(0.2, dtype=torch.float64), 1e-10)
     assert got.lse[0] == float("-inf") and got.mean_logit[0] == 0
+    assert torch.isfinite(got.lse[1:]).all() and torch.isfinite(got.d_anchor).all()
 
 
 @pytest.mark.parametrize("cosine", [True, False])
 def test_forward_and_backward_match_torch(monkeypatch, cosine):
     monkeypatch.setenv("FASTCL_CPP_ROWS", "4")
-    prob = _problem(23, 31, 17, 9, cosine=cosine)
+    prob = _problem(23, 2 * 23 + 1, 17, 9, cosine=cosine, positives=OwnPositives(1, 2))
     tau = torch.tensor(0.1, dtype=torch.float64)
     ref = TorchLSE()
     with poison_outputs():
@@ -150,11 +177,14 @@ def test_forward_and_backward_match_torch(monkeypatch, cosine):
     torch.testing.assert_close(ml, want_ml, rtol=1e-12, atol=1e-12)
     g = torch.randn(23, dtype=torch.float64)
     g[3] = 0  # a zero row gradient takes the shortcut
-    with poison_outputs():
-        d_a, (d0, d1) = _cpp.CppLSE().backward(prob, tau, lse, g)
-    w_a, (w0, w1) = ref.backward(prob, tau, want_lse, g)
-    for x, y in ((d_a, w_a), (d0, w0), (d1, w1)):
-        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    d_pos = torch.randn(23, 2, dtype=torch.float64)
+    d_pos[5] = 0
+    for dp in (None, d_pos):  # with and without folded own positives
+        with poison_outputs():
+            d_a, (d0, d1) = _cpp.CppLSE().backward(prob, tau, lse, g, dp)
+        w_a, (w0, w1) = ref.backward(prob, tau, want_lse, g, dp)
+        for x, y in ((d_a, w_a), (d0, w0), (d1, w1)):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
     padded = prob.tags[1] == TAG_PADDING
     assert (d1[padded] == 0).all()
 
@@ -227,6 +257,9 @@ def test_bad_arguments_raise_before_compute():
     bad_tags = torch.full((4,), -3, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="tags must be -2"):
         torch.ops.fastcl.lse_forward(args[0], args[1], args[2], bad_tags, *args[4:], **out)
+    grads = dict(d_anchor=torch.empty(3, 5), d_block0=torch.empty(4, 5), d_block1=torch.empty(2, 5))
+    with pytest.raises(RuntimeError, match="do not fit in block0"):  # 3 anchors x 2 positives > 4 rows
+        torch.ops.fastcl.lse_backward(*args, torch.zeros(3), torch.ones(3), torch.ones(3, 2), 0, **grads)
 
 
 def test_unsupported_lists_reasons():

@@ -161,6 +161,11 @@ struct Sweep {
   const T* grad_lse = nullptr;    // [B] (backward)
   const Head<T>* head = nullptr;  // fused
   T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
+  // Own positives to fold (backward with d_pos, fused with fold_positives): anchor i's
+  // positive k is column fold_offset + i * fold_count + k of block 0, its logit gradient
+  // fold_dpos[i * fold_count + k] (the head's d_pos output in fused mode).
+  const T* fold_dpos = nullptr;
+  int64_t fold_offset = 0, fold_count = 0;
   at::Tensor d_a, d_c0, d_c1;     // [B, d], [N0, d], [N1, d] out (backward, fused)
 };
 
@@ -233,6 +238,20 @@ void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64
       const T g = sw.head->row(gi, sw.lse[gi]);
       sw.g_rows[gi] = g;
       if (sums[i] > T(0)) rows::scale(s + i * N, g * inv_a[gi] * p.inv_tau / sums[i], inv_c, N);
+    }
+  }
+  if (sw.fold_dpos) {
+    // The positive logit l = <a_i, c> * inv_a_i * inv_c / tau is one more entry of the
+    // row's weights X (zero until now when the loss leaves it out of the denominator):
+    // the GEMMs below then accumulate it in the compute dtype with everything else,
+    // before the normalisation backward and any rounding (contract.py, OwnPositives).
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t gi = r0 + i;
+      const T row_scale = inv_a[gi] * p.inv_tau;
+      T* row = s + i * N;
+      const T* dp = sw.fold_dpos + gi * sw.fold_count;
+      const int64_t c0 = sw.fold_offset + gi * sw.fold_count;
+      for (int64_t k = 0; k < sw.fold_count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
     }
   }
   at::Tensor e_a = sw.d_a.narrow(0, r0, R);
@@ -323,6 +342,12 @@ void check_inputs(const at::Tensor& anchor, const at::Tensor& block0, const at::
   }
 }
 
+// Own positives pos_offset + i * P + k, i < B, k < P, must be rows of block 0.
+void check_positives(int64_t offset, int64_t P, int64_t B, int64_t N0) {
+  TORCH_CHECK(offset >= 0 && offset + B * P <= N0, "fastcl: own positives at rows ", offset, " + i * ", P,
+              " (B = ", B, ") do not fit in block0 of ", N0, " rows");
+}
+
 at::ScalarType compute_dtype(const at::Tensor& anchor) {
   return anchor.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -363,7 +388,8 @@ void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::T
 
 void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                   const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-                  const at::Tensor& lse, const at::Tensor& grad_lse, const at::Tensor& d_anchor,
+                  const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
+                  int64_t pos_offset, const at::Tensor& d_anchor,
                   const at::Tensor& d_block0, const at::Tensor& d_block1) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -375,11 +401,23 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
   check_out(d_anchor, "d_anchor", {B, d}, cd);
   check_out(d_block0, "d_block0", {block0.size(0), d}, cd);
   check_out(d_block1, "d_block1", {block1.size(0), d}, cd);
+  int64_t P = 0;
+  if (d_pos) {
+    TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
+    P = d_pos->size(1);
+    check_positives(pos_offset, P, B, block0.size(0));
+  }
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
     const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
+    const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
     Sweep<T> sw{Mode::kBackward};
+    if (d_pos) {
+      sw.fold_dpos = dpos_c.data_ptr<T>();
+      sw.fold_offset = pos_offset;
+      sw.fold_count = P;
+    }
     sw.lse_in = lse_c.data_ptr<T>();
     sw.grad_lse = g_c.data_ptr<T>();
     sw.d_a = d_anchor;
@@ -392,7 +430,8 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
 void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
-               const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, const at::Tensor& lse,
+               const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
+               bool fold_positives, const at::Tensor& lse,
                const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
                const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
                const at::Tensor& g_dot_mean_logit) {
@@ -418,6 +457,7 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   check_out(d_block0, "d_block0", {block0.size(0), d}, cd);
   check_out(d_block1, "d_block1", {block1.size(0), d}, cd);
   check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd);
+  if (fold_positives) check_positives(pos_offset, P, B, block0.size(0));
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
@@ -438,6 +478,11 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
     sw.mean_logit = mean_logit.data_ptr<T>();
     sw.head = &h;
     sw.g_rows = g_rows.data_ptr<T>();
+    if (fold_positives) {
+      sw.fold_dpos = d_pos.data_ptr<T>();
+      sw.fold_offset = pos_offset;
+      sw.fold_count = P;
+    }
     sw.d_a = d_anchor;
     sw.d_c0 = d_block0;
     sw.d_c1 = d_block1;

@@ -30,7 +30,9 @@ _capability, _vec_flags = cpu_capability_flags()
 EXTENSION = Extension(
     name="fastcl_cpp",
     sources=["registration.cpp", "cpu/lse_cpu.cpp"],
-    cflags=["-O3", "-fopenmp", *_vec_flags],
+    # no FMA contraction: the normalisation backward relies on exact cancellation
+    # (x_hat <x_hat, d_hat> == d_hat for d = 1), as in fastcl/ops/normalize.py
+    cflags=["-O3", "-ffp-contract=off", "-fopenmp", *_vec_flags],
     ldflags=["-fopenmp"],
     describe=f"C++ CPU ({_capability})",
 )
@@ -68,6 +70,7 @@ class CppLSE:
 
     name = "cpp"
     autograd = False
+    folds_positives = True  # takes d_pos and adds it before rounding (contract.py, OwnPositives)
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         why = []
@@ -88,16 +91,23 @@ class CppLSE:
         _ops().lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
         return lse, mean_logit
 
-    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor):
-        """``(d anchor [B, d], (d block0, d block1))`` from ``g = dLoss/dlse`` (recomputes logits)."""
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        """``(d anchor [B, d], (d block0, d block1))`` from ``g = dLoss/dlse`` ``[B]`` (recomputes
+        logits); ``d_pos [B, P]``, the own-positive logits' gradient, is folded in when
+        ``problem.positives`` is set (ignored otherwise, like the torch backend)."""
         cd = compute_dtype(problem.dtype)
         d_anchor, d0, d1 = (new_output(t.shape, dtype=cd, device=problem.device)
                             for t in (problem.anchor, *problem.blocks))
-        _ops().lse_backward(*_args(problem, tau), lse.to(cd), g.to(cd), d_anchor=d_anchor, d_block0=d0, d_block1=d1)
+        fold = d_pos is not None and problem.positives is not None
+        offset = problem.positives.offset if fold else 0
+        _ops().lse_backward(*_args(problem, tau), lse.to(cd), g.to(cd), d_pos.to(cd) if fold else None, offset,
+                            d_anchor=d_anchor, d_block0=d0, d_block1=d1)
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
-        """Loss rows, their gradients and the primitive's outputs in one sweep (see ``TorchLSE.fused``)."""
+        """Loss rows, their gradients and the primitive's outputs in one sweep (see ``TorchLSE.fused``);
+        with ``problem.positives`` the head's ``d_pos`` is also folded into ``d_anchor`` and
+        ``d_blocks[0]`` (and still returned, for the temperature gradient)."""
         cd, B, dev = compute_dtype(problem.dtype), problem.num_anchors, problem.device
         out = FusedResult(new_output(B, dtype=cd, device=dev), new_output(B, dtype=cd, device=dev))
         out.loss_rows = new_output(B, dtype=cd, device=dev)
@@ -108,6 +118,7 @@ class CppLSE:
         _ops().lse_fused(
             *_args(problem, tau), head.kind, head.pos_logits.to(cd), head.pos_mask,
             None if head.log_extra is None else head.log_extra.to(cd), head.weights.to(cd),
+            0 if problem.positives is None else problem.positives.offset, problem.positives is not None,
             lse=out.lse, mean_logit=out.mean_logit, loss_rows=out.loss_rows, d_pos=out.d_pos,
             d_anchor=out.d_anchor, d_block0=out.d_blocks[0], d_block1=out.d_blocks[1],
             g_dot_mean_logit=out.g_dot_mean_logit,

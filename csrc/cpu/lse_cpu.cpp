@@ -37,11 +37,19 @@
 #include <tuple>
 #include <vector>
 
+#include "../checks.h"
 #include "head.h"
 #include "rows.h"
 
 namespace fastcl::cpu {
 namespace {
+
+using fastcl::check_inputs;
+using fastcl::check_out;
+using fastcl::check_positives;
+using fastcl::compute_dtype;
+
+constexpr c10::DeviceType kDev = c10::DeviceType::CPU;
 
 enum class Mode { kForward, kBackward, kFused };
 
@@ -319,45 +327,6 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   }
 }
 
-// ------------------------------------------------------------------ argument checks
-
-void check_inputs(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau) {
-  TORCH_CHECK(anchor.dim() == 2 && block0.dim() == 2 && block1.dim() == 2,
-              "fastcl: anchor, block0 and block1 must be 2-D [rows, d]");
-  const auto dt = anchor.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
-              "fastcl: unsupported dtype ", dt, " (float32, float64, bfloat16 or float16)");
-  TORCH_CHECK(block0.scalar_type() == dt && block1.scalar_type() == dt,
-              "fastcl: anchor and candidate blocks must share a dtype");
-  TORCH_CHECK(block0.size(1) == anchor.size(1) && block1.size(1) == anchor.size(1),
-              "fastcl: anchor and candidate blocks must share d");
-  TORCH_CHECK(tags0.scalar_type() == at::kInt && tags1.scalar_type() == at::kInt, "fastcl: tags must be int32");
-  TORCH_CHECK(tags0.dim() == 1 && tags0.size(0) == block0.size(0) && tags1.dim() == 1 &&
-                  tags1.size(0) == block1.size(0),
-              "fastcl: tags0/tags1 must have one entry per row of block0/block1");
-  TORCH_CHECK(tau.numel() == 1, "fastcl: tau must be a 0-d tensor");
-  for (const at::Tensor* t : {&anchor, &block0, &block1, &tags0, &tags1, &tau}) {
-    TORCH_CHECK(t->device().is_cpu(), "fastcl: the CPU kernels take CPU tensors");
-  }
-}
-
-// Own positives pos_offset + i * P + k, i < B, k < P, must be rows of block 0.
-void check_positives(int64_t offset, int64_t P, int64_t B, int64_t N0) {
-  TORCH_CHECK(offset >= 0 && offset + B * P <= N0, "fastcl: own positives at rows ", offset, " + i * ", P,
-              " (B = ", B, ") do not fit in block0 of ", N0, " rows");
-}
-
-at::ScalarType compute_dtype(const at::Tensor& anchor) {
-  return anchor.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-void check_out(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype) {
-  TORCH_CHECK(t.sizes() == shape, "fastcl: output ", name, " must have shape ", shape, ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == dtype, "fastcl: output ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "fastcl: output ", name, " must be a contiguous CPU tensor");
-}
-
 template <typename F>
 void dispatch_compute(at::ScalarType cd, const F& f) {
   if (cd == at::kDouble) f(double{});
@@ -371,11 +340,11 @@ void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::T
                  const at::Tensor& lse, const at::Tensor& mean_logit) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs(anchor, block0, block1, tags0, tags1, tau);
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0);
-  check_out(lse, "lse", {B}, cd);
-  check_out(mean_logit, "mean_logit", {B}, cd);
+  check_out(lse, "lse", {B}, cd, kDev);
+  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
@@ -393,14 +362,14 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
                   const at::Tensor& d_block0, const at::Tensor& d_block1) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs(anchor, block0, block1, tags0, tags1, tau);
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
   TORCH_CHECK(lse.dim() == 1 && lse.size(0) == B && grad_lse.dim() == 1 && grad_lse.size(0) == B,
               "fastcl: lse and grad_lse must be [B]");
-  check_out(d_anchor, "d_anchor", {B, d}, cd);
-  check_out(d_block0, "d_block0", {block0.size(0), d}, cd);
-  check_out(d_block1, "d_block1", {block1.size(0), d}, cd);
+  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
+  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, kDev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
   int64_t P = 0;
   if (d_pos) {
     TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
@@ -437,7 +406,7 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& g_dot_mean_logit) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs(anchor, block0, block1, tags0, tags1, tau);
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
   TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
@@ -449,14 +418,14 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   }
   if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
   TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
-  check_out(lse, "lse", {B}, cd);
-  check_out(mean_logit, "mean_logit", {B}, cd);
-  check_out(loss_rows, "loss_rows", {B}, cd);
-  check_out(d_pos, "d_pos", {B, P}, cd);
-  check_out(d_anchor, "d_anchor", {B, d}, cd);
-  check_out(d_block0, "d_block0", {block0.size(0), d}, cd);
-  check_out(d_block1, "d_block1", {block1.size(0), d}, cd);
-  check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd);
+  check_out(lse, "lse", {B}, cd, kDev);
+  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
+  check_out(loss_rows, "loss_rows", {B}, cd, kDev);
+  check_out(d_pos, "d_pos", {B, P}, cd, kDev);
+  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
+  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, kDev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
+  check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd, kDev);
   if (fold_positives) check_positives(pos_offset, P, B, block0.size(0));
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);

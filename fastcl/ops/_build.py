@@ -70,6 +70,7 @@ class Extension:
     cuda_cflags: list[str] = field(default_factory=list)
     ldflags: list[str] = field(default_factory=list)
     describe: str = "C++"
+    key_extra: str = ""  # what else the binary depends on (the CUDA architectures)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _tried: bool = False
     _error: str | None = None
@@ -83,7 +84,7 @@ class Extension:
             h.update((root / src).read_bytes())
         for part in (self.cflags, self.cuda_cflags, self.ldflags):
             h.update(repr(part).encode())
-        h.update(f"{sys.version_info[:2]} {torch.__version__} {torch.version.cuda}".encode())
+        h.update(f"{sys.version_info[:2]} {torch.__version__} {torch.version.cuda} {self.key_extra}".encode())
         return h.hexdigest()[:16]
 
     def build_dir(self) -> Path:

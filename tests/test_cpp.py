@@ -309,3 +309,22 @@ def test_info_shows_cpp_status():
     from fastcl.info import report
 
     assert "cpp" in report()
+
+
+def test_ninja_missing_is_a_reason(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
+    why = _build.Extension(name="fastcl_noninja", sources=[], describe="test").error()
+    assert why and "ninja" in why and "pip install ninja" in why
+
+
+def test_second_process_loads_the_cached_build():
+    """The library built for this session is reused by a new process: no compile message."""
+    code = "import fastcl.ops._cpp as c, sys; sys.exit(1 if c.unavailable() else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "compiling" not in out.stderr, out.stderr

@@ -21,7 +21,10 @@ Common keyword arguments:
     backend: ``"auto"`` (``FASTCL_BACKEND`` or the best available), ``"reference"``,
         ``"torch"``, ``"cpp"``, ``"triton"``, ``"cuda"``. An explicit backend that cannot
         take the inputs raises ``BackendUnavailableError`` saying why.
-    process_group: ``torch.distributed`` group whose ranks' candidates become negatives.
+    process_group: ``torch.distributed`` group (e.g. ``dist.group.WORLD``): every rank's
+        candidates join every anchor's denominator, scaled so that DDP's gradient averaging
+        gives exactly the gradient of the global-batch loss (``mean_r loss_r`` equals the
+        one-process loss); all ranks must pass the same shapes. See ``fastcl.distributed``.
     similarity: ``"cos"`` (default) or ``"dot"`` (raw dot products, Liao's released code).
 """
 
@@ -33,8 +36,8 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
-from . import _checks
-from .ops.contract import EPS, empty_block, pool_tags, structured_tags
+from . import _checks, distributed
+from .ops.contract import EPS, OwnPositives, empty_block, pool_tags, structured_tags
 from .ops.contrastive import contrastive_loss
 from .ops.grouped_cosine import grouped_cosine
 from .ops.head import reduction_weights
@@ -58,13 +61,19 @@ def _no_autocast(t: Tensor):
     return nullcontext()
 
 
-def _gather(blocks, tags, process_group):
-    """Cross-device candidates: all-gather blocks (with gradient) and tags (rank-offset)."""
+def _candidates(blocks, tags, has_pos, *, reduction, dtype, process_group, sizes, pos_mask):
+    """The candidate set and reduction weights: this rank's, or every rank's (``fastcl.distributed``).
+
+    Returns blocks, tags, weights and the row of block 0 where this rank's own candidates
+    (hence its anchors' own positives) start.
+    """
     if process_group is None:
-        return blocks, tags
-    raise NotImplementedError(
-        "process_group (cross-device negatives) is not implemented in this build of fastcl"
+        return blocks, tags, reduction_weights(has_pos, reduction, dtype), 0
+    g = distributed.gather_candidates(
+        blocks, tags, has_pos, sizes=sizes, reduction=reduction, weight_dtype=dtype,
+        check_positive=pos_mask is not None, group=process_group,
     )
+    return g.blocks, g.tags, g.weights, g.offset
 
 
 def _lse_loss(
@@ -108,13 +117,15 @@ def _lse_loss(
         Q = negatives.shape[1]
     _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
     _checks.check_mask("neg_mask", neg_mask, (B, Q), anchor.device)
-    _checks.check_some_positive(pos_mask)
+    if process_group is None:  # with a group the check is global (a rank may have none)
+        _checks.check_some_positive(pos_mask)
+    else:
+        distributed.check_group(process_group)
     tau = _checks.as_temperature(temperature, anchor)
     cosine = similarity == "cos"
     dev = anchor.device
 
     with _no_autocast(anchor):
-        pos_logits = positive_logits(anchor, positives, tau, cosine=cosine, eps=EPS)
         pos_block = positives.reshape(B * P, d)
         pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
         if Q:
@@ -122,17 +133,19 @@ def _lse_loss(
             neg_tags = structured_tags(B, Q, neg_mask, device=dev, exclude_owner=False)
         else:
             neg_block, neg_tags = empty_block(anchor)
-        blocks, tags = _gather((pos_block, neg_block), (pos_tags, neg_tags), process_group)
-
         has_pos = torch.ones(B, dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
-        weights = reduction_weights(has_pos, reduction, compute_dtype(anchor.dtype))
+        blocks, tags, weights, pos_offset = _candidates(
+            (pos_block, neg_block), (pos_tags, neg_tags), has_pos, reduction=reduction,
+            dtype=compute_dtype(anchor.dtype), process_group=process_group,
+            sizes={"B": B, "P": P, "Q": Q, "d": d}, pos_mask=pos_mask,
+        )
         log_extra = None
         if zero_logit_own:
             count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
         return contrastive_loss(
-            anchor, blocks, tags, pos_logits, tau,
-            kind=kind, pos_mask=pos_mask, weights=weights, reduction=reduction,
+            anchor, blocks, tags, tau, kind=kind, positives=OwnPositives(pos_offset, P), pos_logits=None,
+            pos_mask=pos_mask, weights=weights, reduction=reduction,
             cosine=cosine, eps=EPS, log_extra=log_extra, backend=backend,
         )
 
@@ -140,6 +153,7 @@ def _lse_loss(
 # --------------------------------------------------------------------------- functions
 
 
+@distributed.agree_on_errors
 def supmpn_loss(
     anchor: Tensor,
     positives: Tensor,
@@ -185,6 +199,7 @@ def supmpn_loss(
     )
 
 
+@distributed.agree_on_errors
 def supcon_loss(
     anchor: Tensor,
     positives: Tensor,
@@ -218,6 +233,7 @@ def supcon_loss(
     )
 
 
+@distributed.agree_on_errors
 def mnrl_loss(
     anchor: Tensor,
     positive: Tensor,
@@ -255,6 +271,7 @@ def mnrl_loss(
     )
 
 
+@distributed.agree_on_errors
 def infonce_loss(
     anchor: Tensor,
     positive: Tensor,
@@ -288,6 +305,7 @@ def infonce_loss(
     return 0.5 * (rows + mnrl_loss(positive, anchor, **kw))
 
 
+@distributed.agree_on_errors
 def edacse_loss(
     anchor: Tensor,
     dropout_view: Tensor,
@@ -311,10 +329,20 @@ def edacse_loss(
     """
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
         raise TypeError(f"lam must be a finite float, got {lam!r}")
+    # Validate all three views before the first term runs (with a process group, a failure
+    # in the second term would come after the first term's collectives).
+    _checks.check_embeddings(anchor=anchor, dropout_view=dropout_view, augmented_view=augmented_view)
+    _checks.check_rank("anchor", anchor, 2, "[B, d]")
+    if tuple(dropout_view.shape) != tuple(anchor.shape) or tuple(augmented_view.shape) != tuple(anchor.shape):
+        raise ValueError(
+            f"anchor, dropout_view and augmented_view must all have shape [B, d]; got {tuple(anchor.shape)}, "
+            f"{tuple(dropout_view.shape)}, {tuple(augmented_view.shape)}"
+        )
     kw = dict(temperature=temperature, reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
     return infonce_loss(anchor, dropout_view, **kw) + lam * infonce_loss(anchor, augmented_view, **kw)
 
 
+@distributed.agree_on_errors
 def supcon_pool_loss(
     anchor: Tensor,
     candidates: Tensor,
@@ -362,7 +390,10 @@ def supcon_pool_loss(
     if cand_mask is not None:  # a positive that is not a valid candidate is no positive
         valid = cand_mask[pos_index]
         pos_mask = valid if pos_mask is None else pos_mask & valid
-    _checks.check_some_positive(pos_mask)
+    if process_group is None:  # with a group the check is global (a rank may have none)
+        _checks.check_some_positive(pos_mask)
+    else:
+        distributed.check_group(process_group)
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
     tau = _checks.as_temperature(temperature, anchor)
@@ -370,12 +401,15 @@ def supcon_pool_loss(
     with _no_autocast(anchor):
         pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS)
         empty, empty_tags = empty_block(anchor)
-        blocks, tags = _gather((candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags), process_group)
         has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
-        weights = reduction_weights(has_pos, reduction, compute_dtype(anchor.dtype))
+        blocks, tags, weights, _ = _candidates(
+            (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags), has_pos,
+            reduction=reduction, dtype=compute_dtype(anchor.dtype), process_group=process_group,
+            sizes={"B": B, "N": N, "d": d}, pos_mask=pos_mask,
+        )
         return contrastive_loss(
-            anchor, blocks, tags, pos_logits, tau, kind="supcon", pos_mask=pos_mask, weights=weights,
-            reduction=reduction, cosine=cosine, eps=EPS, backend=backend,
+            anchor, blocks, tags, tau, kind="supcon", positives=None, pos_logits=pos_logits, pos_mask=pos_mask,
+            weights=weights, reduction=reduction, cosine=cosine, eps=EPS, backend=backend,
         )
 
 

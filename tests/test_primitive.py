@@ -7,7 +7,7 @@ import torch
 
 import fastcl.losses as L
 from fastcl.ops import dispatch
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, poison_outputs, structured_tags
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs, structured_tags
 from fastcl.ops.contrastive import contrastive_loss
 from fastcl.ops.grouped_cosine import GroupedCosine
 from fastcl.ops.head import reduction_weights
@@ -47,8 +47,8 @@ def test_gradcheck_contrastive_lse(monkeypatch, strategy, reduction, kind, cosin
     weights = reduction_weights(pos_mask.any(1), reduction, torch.float64)
 
     def f(a, pos, neg, tau):
-        pl = positive_logits(a, pos, tau, cosine=cosine, eps=1e-8)
-        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tags, pl, tau, kind=kind,
+        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tags, tau, kind=kind,
+                                positives=OwnPositives(0, P), pos_logits=None,
                                 pos_mask=pos_mask, weights=weights, reduction=reduction, cosine=cosine,
                                 eps=1e-8, backend="torch")
 

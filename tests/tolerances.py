@@ -28,6 +28,10 @@ ATOL_RMS = {
     torch.bfloat16: 1e-3,
 }
 EAGER_FACTOR = 4.0
+# The temperature gradient is one scalar, -(1/tau) * sum_i g_i * (mean_logit_i - l_i+): a
+# sum over rows of differences of two logits of size ~1/tau. Its relative error grows
+# with that cancellation, so below float64 its floor is wider than an element's.
+SCALAR_SUM_FACTOR = 10.0
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -53,10 +57,14 @@ def bound(dtype: torch.dtype, eager: torch.Tensor | None = None, ref: torch.Tens
     return max(floor, EAGER_FACTOR * eager_err) if math.isfinite(eager_err) else floor
 
 
-def assert_close(name: str, got, ref, dtype: torch.dtype, eager=None) -> None:
+def assert_close(name: str, got, ref, dtype: torch.dtype, eager=None, *, scalar_sum: bool = False) -> None:
+    """Fail unless ``got`` matches ``ref`` (see the module docstring); ``scalar_sum`` marks
+    a scalar formed by a cancelling sum (the temperature gradient)."""
     assert got is not None, f"{name}: no value (gradient missing?)"
     assert tuple(got.shape) == tuple(ref.shape), f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     err, b = rel_err(got, ref), bound(dtype, eager, ref)
+    if scalar_sum and dtype != torch.float64:
+        b = max(b, SCALAR_SUM_FACTOR * FLOOR[dtype])
     if err <= b or rms_err(got, ref) <= ATOL_RMS[dtype]:
         return
     raise AssertionError(f"{name}: relative error {err:.3e} > {b:.3e} ({dtype}); rms {rms_err(got, ref):.2e}")

@@ -49,10 +49,14 @@ class _Prepared:
 
 def _prepare(problem: LSEProblem) -> _Prepared:
     a_hat, a_norm = normalize_rows(problem.anchor, problem.eps, problem.cosine)
-    parts = [normalize_rows(b, problem.eps, problem.cosine) for b in problem.blocks]
-    c_hat = torch.cat([p[0] for p in parts])
+    # one [N, d] matrix of both blocks; no concatenation copy when the second is empty
+    nonempty = [i for i, b in enumerate(problem.blocks) if b.shape[0] > 0] or [0]
+    parts = [normalize_rows(problem.blocks[i], problem.eps, problem.cosine) for i in nonempty]
+    tags = [problem.tags[i] for i in nonempty]
+    if len(parts) == 1:
+        return _Prepared(a_hat, a_norm, parts[0][0], parts[0][1], tags[0])
     c_norm = None if not problem.cosine else torch.cat([p[1] for p in parts])
-    return _Prepared(a_hat, a_norm, c_hat, c_norm, torch.cat(problem.tags))
+    return _Prepared(a_hat, a_norm, torch.cat([p[0] for p in parts]), c_norm, torch.cat(tags))
 
 
 @dataclass
@@ -66,17 +70,30 @@ class _SweepOut:
     d_pos: Tensor | None = None
 
 
+def _fold_positives(prep: _Prepared, problem: LSEProblem, d_pos: Tensor, inv_tau: Tensor,
+                    d_a_hat: Tensor, d_c_hat: Tensor) -> None:
+    """Add the own-positive logits' gradient to the float32 accumulators, in place."""
+    B, d = prep.a_hat.shape
+    rows = problem.positives.rows(0, B)
+    scaled = d_pos.to(d_a_hat.dtype) * inv_tau  # [B, P]
+    c_pos = prep.c_hat[rows].view(B, -1, d)
+    d_a_hat.add_(torch.bmm(scaled.unsqueeze(1), c_pos).squeeze(1))
+    d_c_hat[rows].view(B, -1, d).addcmul_(scaled.unsqueeze(-1), prep.a_hat.unsqueeze(1))
+
+
 def _sweep(
     problem: LSEProblem,
     tau: Tensor,
     *,
     row_grad: Tensor | None = None,
     head: HeadInputs | None = None,
+    d_pos: Tensor | None = None,
 ) -> _SweepOut:
     """One pass over blocks of anchor rows.
 
     With neither ``row_grad`` nor ``head``: forward only. With ``row_grad`` (``[B]``,
-    ``dLoss/dlse``): recompute-backward. With ``head``: gradient in forward.
+    ``dLoss/dlse``) and optionally ``d_pos`` (``[B, P]``, folded when
+    ``problem.positives`` is set): recompute-backward. With ``head``: gradient in forward.
     """
     prep = _prepare(problem)
     B, N = prep.a_hat.shape[0], prep.c_hat.shape[0]
@@ -124,6 +141,8 @@ def _sweep(
         d_c_hat.addmm_(d_sim.T, a_blk)
 
     out = _SweepOut(lse, mean_logit)
+    if want_grad and d_pos is not None and problem.positives is not None:
+        _fold_positives(prep, problem, d_pos, inv_tau, d_a_hat, d_c_hat)
     if want_grad:
         d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
         d_c = normalize_backward(prep.c_hat, prep.c_norm, d_c_hat, problem.eps)
@@ -142,6 +161,7 @@ class TorchLSE:
 
     name = "torch"
     autograd = False  # implements explicit forward/backward for fastcl's Function
+    folds_positives = True  # takes d_pos and adds it before rounding (contract.py)
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         return []
@@ -150,8 +170,8 @@ class TorchLSE:
         out = _sweep(problem, tau)
         return out.lse, out.mean_logit
 
-    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor):
-        out = _sweep(problem, tau, row_grad=g)
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        out = _sweep(problem, tau, row_grad=g, d_pos=d_pos)
         return out.d_anchor, out.d_blocks
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs):

@@ -22,6 +22,13 @@ Problem
              ``i >= 0``  valid, but left out of row ``i`` only (an own positive of anchor ``i``
                          when the loss excludes own positives from its denominator, SupMPN)
              ==========  ====================================================================
+``positives`` optional :class:`OwnPositives`: anchor ``i``'s own positive ``k`` is row
+             ``offset + i * count + k`` of block 0 (the losses' layout). Backends with
+             ``folds_positives = True`` then also take the gradient of the own-positive
+             logits (``d_pos [B, P]``) and add it to their float32 accumulators *before*
+             rounding to the input dtype: ``d anchor`` is a small difference of two large
+             terms once the softmax concentrates on the positive, and rounding each term
+             to bf16 separately would lose it.
 ``cosine``   ``True``: logits ``l_ic = cos(a_i, c) / tau`` with norms clamped at ``eps``;
              ``False`` (``similarity="dot"``): ``l_ic = <a_i, c> / tau``.
 ``tau``      0-d float32 tensor on the problem's device (no host sync to read it).
@@ -33,8 +40,9 @@ All float outputs are float32 (float64 when the inputs are float64: the oracle's
 ``lse``          ``[B]``, ``log sum_{c in S_i} exp(l_ic)``; ``-inf`` when ``S_i`` is empty.
 ``mean_logit``   ``[B]``, ``sum_c softmax_i(c) * l_ic`` (0 for an empty row): the
                  temperature gradient of the LSE part is ``-(1/tau) * sum_i g_i * mean_logit_i``.
-Backward, given ``g = dLoss/dlse`` (``[B]``): ``d anchor`` and ``d blocks`` with
-respect to the *raw* embeddings, in the input dtype; padded candidates get exactly zero.
+Backward, given ``g = dLoss/dlse`` (``[B]``) and, for folding backends, ``d_pos``:
+``d anchor`` and ``d blocks`` with respect to the *raw* embeddings, in the input dtype;
+padded candidates get exactly zero.
 
 Extra memory allowed beyond inputs, outputs and their gradients: O((B + N) * d) plus a
 bounded working set (a block of rows times N is fine, B x N never is).
@@ -55,6 +63,18 @@ EPS = 1e-8
 
 
 @dataclass(frozen=True)
+class OwnPositives:
+    """Anchor ``i``'s own positive ``k`` is row ``offset + i * count + k`` of block 0."""
+
+    offset: int
+    count: int
+
+    def rows(self, r0: int, r1: int) -> slice:
+        """Block-0 rows holding the own positives of anchors ``r0 .. r1 - 1``."""
+        return slice(self.offset + r0 * self.count, self.offset + r1 * self.count)
+
+
+@dataclass(frozen=True)
 class LSEProblem:
     """Inputs of the masked-LSE primitive (see the module docstring for the semantics)."""
 
@@ -63,6 +83,7 @@ class LSEProblem:
     tags: tuple[Tensor, Tensor]  # int32 [N0], [N1]
     cosine: bool = True
     eps: float = EPS
+    positives: OwnPositives | None = None
 
     @property
     def num_anchors(self) -> int:

@@ -39,5 +39,5 @@ def normalize_backward(x_hat: Tensor, norm: Tensor | None, d_hat: Tensor, eps: f
     if norm is None:
         return d_hat
     unclamped = (norm > eps).to(d_hat.dtype).unsqueeze(-1)
-    radial = (x_hat * d_hat).sum(-1, keepdim=True) * unclamped
-    return (d_hat - x_hat * radial) / norm.clamp_min(eps).unsqueeze(-1)
+    radial = torch.linalg.vecdot(x_hat, d_hat).unsqueeze(-1) * unclamped
+    return torch.addcmul(d_hat, x_hat, radial, value=-1).div_(norm.clamp_min(eps).unsqueeze(-1))

@@ -1,9 +1,14 @@
 """Own-positive logits ``l_ik = s(a_i, p_ik) / tau`` as a ``[B, P]`` float32 tensor.
 
 Cheap (``B * P * d``) but done with care: computed in float32 (float64 for float64) in
-blocks of rows so that no float32 copy of ``positives`` outlives a block, and with an
-explicit backward that recomputes the block. Autograd's version would keep float32 copies
-of all positives alive until backward, which is more than the fused loss itself needs.
+blocks of rows so that no float32 copy of ``positives`` outlives a block.
+
+* :func:`own_positive_similarities`: values only; the fused Function uses them when the
+  backend folds the positives' gradient into its own accumulators (``OwnPositives``).
+* :class:`PositiveLogits`: differentiable, with an explicit backward that recomputes the
+  block; used where positives are shared between anchors (``supcon_pool_loss``) or the
+  backend does not fold. Autograd's version would keep float32 copies of all positives
+  alive until backward, which is more than the fused loss itself needs.
 """
 
 from __future__ import annotations
@@ -21,22 +26,28 @@ def _rows_per_block(num_pos: int, dim: int, batch: int) -> int:
     return max(1, min(batch, BLOCK_ELEMENTS // max(num_pos * dim, 1)))
 
 
+def own_positive_similarities(anchor: Tensor, positives: Tensor, cosine: bool, eps: float) -> Tensor:
+    """``[B, P]`` similarities ``s(a_i, p_ik)`` in the compute dtype (no autograd)."""
+    B, P, d = positives.shape
+    sim = new_output((B, P), dtype=compute_dtype(anchor.dtype), device=anchor.device)
+    step = _rows_per_block(P, d, B)
+    for r0 in range(0, B, step):
+        a_hat, _ = normalize_rows(anchor[r0:r0 + step], eps, cosine)
+        p_hat, _ = normalize_rows(positives[r0:r0 + step], eps, cosine)
+        sim[r0:r0 + step] = torch.linalg.vecdot(p_hat, a_hat[:, None, :])
+    return sim
+
+
 class PositiveLogits(torch.autograd.Function):
     """``anchor [B, d]``, ``positives [B, P, d]``, ``tau`` (0-d) -> logits ``[B, P]``."""
 
     @staticmethod
     def forward(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, cosine: bool, eps: float) -> Tensor:
         B, P, d = positives.shape
-        cd = compute_dtype(anchor.dtype)
-        sim = new_output((B, P), dtype=cd, device=anchor.device)
-        step = _rows_per_block(P, d, B)
-        for r0 in range(0, B, step):
-            a_hat, _ = normalize_rows(anchor[r0:r0 + step], eps, cosine)
-            p_hat, _ = normalize_rows(positives[r0:r0 + step], eps, cosine)
-            sim[r0:r0 + step] = torch.linalg.vecdot(p_hat, a_hat[:, None, :])
+        sim = own_positive_similarities(anchor, positives, cosine, eps)
         ctx.save_for_backward(anchor, positives, tau, sim)
-        ctx.cosine, ctx.eps, ctx.step = cosine, eps, step
-        return sim / tau.to(cd)
+        ctx.cosine, ctx.eps, ctx.step = cosine, eps, _rows_per_block(P, d, B)
+        return sim / tau.to(sim.dtype)
 
     @staticmethod
     def backward(ctx, d_logits: Tensor):

@@ -1,0 +1,292 @@
+"""Cross-device negatives: every anchor sees the candidates of every rank of a process group.
+
+Pass ``process_group=dist.group.WORLD`` (or any group) to an LSE loss of ``fastcl.losses``.
+Each rank keeps its own anchors; the candidate blocks (positives and negatives, ``[N, d]``
+with ``N = B * (P + Q)``) are all-gathered *with gradient* before the fused primitive runs,
+so every backend works unchanged. The structural tags travel with their candidates: a
+padded slot stays padding (``TAG_PADDING``) and an own-positive tag ``i >= 0`` keeps its
+meaning only on the rank that owns anchor ``i`` (anchors are local, rows ``0..B-1``); on
+every other rank it becomes ``TAG_ALL`` -- another rank's positive is a plain negative here.
+This is the "owner index offset by rank" of the single-process batch, without ever
+materialising the global anchor index.
+
+Semantics (exact, also with uneven masks)
+-----------------------------------------
+Let ``L`` be the loss of one process on the concatenated global batch (ranks in order) and
+``W`` the world size. With ``reduction="mean"`` rank ``r`` returns ::
+
+    L_r = (W / n_valid_global) * sum_{anchors i of rank r with a valid positive} loss_i
+
+so that (1) ``mean_r L_r == L``; (2) the gradient each rank receives for its own embeddings
+is ``W * dL/d(its slice)`` (the gather's backward sums every rank's contribution and hands
+each rank its slice); hence (3) after DDP's gradient averaging, parameter gradients equal
+those of ``L`` on one process. ``n_valid_global`` is the number of anchors with a valid
+positive over all ranks: when every rank has the same number of valid anchors, ``L_r`` is
+exactly the mean over the rank's own anchors. With uneven masks the mean over own anchors
+would weigh a rank's anchors by ``1 / n_r`` instead of ``1 / n_valid_global`` and the
+identities above would be off, so we use the global count; the price is that a rank's
+value is not its local mean (log ``all_reduce(L_r, AVG)`` to see ``L``). A rank with no
+valid anchor returns 0 but still gathers, and its candidates still receive gradient from
+the other ranks' anchors. If no anchor of any rank has a valid positive every rank raises
+the same ``ValueError`` (the single-process error).
+
+``reduction="sum"``: ``L_r = W * sum_{i of r} loss_i``, with the same three identities.
+``reduction="none"``: the rows are exactly the single-process rows of the rank's slice,
+unscaled; the gather's backward still sums over ranks, so if every rank backpropagates
+``rows.sum()`` each receives the single-process gradient of the *global* sum -- multiply
+by ``W`` yourself to keep identity (3) under DDP.
+
+A learnable temperature gets ``dL_r/dtau``; identity (3) holds for it when it is a
+parameter of the DDP-wrapped module (DDP averages it); otherwise average it yourself.
+Every rank must call ``backward()`` on its loss (as DDP requires anyway): the gather's
+backward is a collective.
+
+Gradient caching: embeddings produced by ``fastcl.gradcache`` are ordinary autograd
+tensors, so the loss-side gather needs nothing special (gathered once per loss call).
+
+Requirements and cost
+---------------------
+All ranks must pass the same sizes (``B, P, Q, d`` for the structured losses, ``B, N, d``
+for ``supcon_pool_loss``) and dtype; masks may differ. Pad with masks to a common shape.
+Per loss call (``symmetric=True`` and EdaCSE make two): one *handshake* all-gather of a
+few int64 (sizes, dtype, status) read on the host, one all-gather of the int32 tags
+(carrying each rank's valid-anchor count, summed on device: no host sync), one all-gather
+of the candidates in the input dtype (``W * N * d`` elements) and, in backward, one
+reduce-scatter of their gradient. The handshake goes through the group's CPU backend when
+it has one (``gloo``, or the default ``"cpu:gloo,cuda:nccl"`` of
+``init_process_group()``): a host round trip, no GPU sync. On an NCCL-only group it runs
+on the GPU and reading it is one device sync per call; this is the price of a clear error
+instead of a hang or corrupted memory (a collective with mismatched sizes is undefined).
+As in the single-process path, a rank that passes ``pos_mask`` reads the global
+valid-anchor count once to raise the "no valid positive" error (a sync on CUDA).
+A rank whose inputs fail validation still joins the handshake with a failure flag, so the
+other ranks raise too instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .ops.contract import TAG_ALL
+from .ops.head import reduction_weights
+
+_FLOAT_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_SIZES = 6
+_OK, _FAILED = 0, 1
+
+# Newer torch renames the tensor collectives; use whichever this build has.
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What the fused loss runs on after the gather (see the module docstring).
+
+    ``blocks``: ``([W * N, d], [0, d])`` every rank's candidates, rank-major, in the input
+    dtype, differentiable. ``tags``: int32 ``[W * N]`` and ``[0]``. ``weights``: ``[B]``
+    reduction weights with the global denominator and the ``W`` factor. ``offset``: the
+    row of ``blocks[0]`` where this rank's own candidates start (``rank * N``).
+    """
+
+    blocks: tuple[Tensor, Tensor]
+    tags: tuple[Tensor, Tensor]
+    weights: Tensor
+    offset: int
+
+
+def check_group(group) -> None:
+    """``TypeError``/``RuntimeError`` unless ``group`` is a usable process group of this rank."""
+    if not dist.is_available():
+        raise RuntimeError("process_group given but torch.distributed is not available in this build of torch")
+    if not dist.is_initialized():
+        raise RuntimeError("process_group given but torch.distributed is not initialised (call init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup this rank belongs to "
+            f"(e.g. dist.group.WORLD), got {type(group).__name__}"
+        )
+
+
+# --------------------------------------------------------------------------- handshake
+
+# The outermost public loss call running with a process group (see ``agree_on_errors``).
+_CALL: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastcl_distributed_call", default=None)
+
+
+def _handshake_device(group) -> torch.device:
+    """CPU when the group has a CPU backend (no GPU sync), else its accelerator."""
+    types = getattr(group, "_device_types", None)  # private; absent on old torch
+    if types is None:
+        cpu = dist.get_backend(group) in ("gloo", "mpi")
+        types = [torch.device("cpu")] if cpu else [torch.device("cuda")]
+    if not types or torch.device("cpu") in types:
+        return torch.device("cpu")
+    kind = types[0].type
+    module = getattr(torch, kind, None)
+    index = module.current_device() if hasattr(module, "current_device") else 0
+    return torch.device(kind, index)
+
+
+def _handshake(group, status: int, layout: int = 0, dtype_code: int = -1, sizes: tuple[int, ...] = ()) -> list[list[int]]:
+    """All-gather ``[status, layout, dtype, sizes...]`` of every rank; read on the host."""
+    call = _CALL.get()
+    if call is not None:
+        call["handshakes"] += 1
+    values = [status, layout, dtype_code, *sizes] + [0] * (_MAX_SIZES - len(sizes))
+    device = _handshake_device(group)
+    local = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cpu":
+        local = local.pin_memory().to(device, non_blocking=True)
+    table = local.new_empty(dist.get_world_size(group) * len(values))  # flat: gloo wants the cat form
+    _all_gather_single(table, local, group=group)
+    return table.view(-1, len(values)).tolist()
+
+
+def _check_handshake(table: list[list[int]], names: tuple[str, ...]) -> None:
+    failed = [r for r, row in enumerate(table) if row[0] != _OK]
+    if failed:
+        raise RuntimeError(
+            f"fastcl: rank(s) {failed} rejected their inputs to a distributed loss (their own error "
+            f"says why); every rank stops here instead of waiting in a collective"
+        )
+    signatures = {tuple(row[1:3 + len(names)]) for row in table}
+    if len(signatures) == 1:
+        return
+
+    def describe(row):
+        if row[1] != table[0][1]:
+            return "a different loss"
+        sizes = ", ".join(f"{n}={v}" for n, v in zip(names, row[3:]))
+        return f"{sizes}, {_FLOAT_CODES[row[2]]}"
+
+    got = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(table))
+    raise ValueError(
+        f"fastcl: every rank of the process group must pass the same sizes ({', '.join(names)}) and "
+        f"dtype to a distributed loss (masks may differ: pad to a common shape and mask); got {got}"
+    )
+
+
+def agree_on_errors(fn):
+    """Decorator for the public losses: a rank that fails validation tells the others.
+
+    Without it, one rank raising before its first collective leaves the others waiting in
+    the handshake forever. With it, the failing rank joins that handshake with a failure
+    flag before re-raising, and the other ranks raise a ``RuntimeError`` naming it. Errors
+    after a rank's first handshake are raised identically on every rank by construction
+    (size mismatch, no valid positive) or come from the backend (then, as with any
+    collective, the other ranks wait until the process group's timeout).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        group = kwargs.get("process_group")
+        if group is None or _CALL.get() is not None:  # single process, or an outer call guards
+            return fn(*args, **kwargs)
+        call = {"handshakes": 0}
+        token = _CALL.set(call)
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            if call["handshakes"] == 0 and dist.is_available() and dist.is_initialized() and isinstance(group, dist.ProcessGroup):
+                _handshake(group, _FAILED)
+            raise
+        finally:
+            _CALL.reset(token)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------- gather
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """``[n, ...]`` on each rank -> ``[W * n, ...]`` rank-major; backward: this rank's slice
+    of the sum of every rank's gradient (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, group) -> Tensor:
+        ctx.group = group
+        out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
+        _all_gather_single(out, local.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        world = dist.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
+        _reduce_scatter_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_gather_with_grad(local: Tensor, group) -> Tensor:
+    """All-gather ``local`` (same shape on every rank) along dim 0, differentiably.
+
+    Backward returns each rank ``sum over ranks of the gradient`` restricted to its slice,
+    so every rank must call backward (a collective).
+    """
+    return _AllGatherWithGrad.apply(local, group)
+
+
+def gather_candidates(
+    blocks: tuple[Tensor, Tensor],
+    tags: tuple[Tensor, Tensor],
+    has_pos: Tensor,
+    *,
+    sizes: dict[str, int],
+    reduction: str,
+    weight_dtype: torch.dtype,
+    check_positive: bool,
+    group,
+) -> Gathered:
+    """Gather every rank's candidates and tags; reduction weights with the global count.
+
+    Args:
+        blocks: this rank's candidate blocks ``[N0, d]``, ``[N1, d]`` (see ``ops.contract``).
+        tags: their int32 tags ``[N0]``, ``[N1]`` (owner indices are local anchor rows).
+        has_pos: ``[B]`` bool, anchors of this rank with a valid positive.
+        sizes: the named sizes that must agree across ranks (for the error message), e.g.
+            ``{"B": B, "P": P, "Q": Q, "d": d}``; at most six.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``. weight_dtype: dtype of the weights.
+        check_positive: read the global valid-anchor count and raise ``ValueError`` when it is
+            0 (done where the single-process path checks: when ``pos_mask`` was given).
+        group: the process group.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dtype = blocks[0].dtype
+    names = tuple(sizes)
+    layout = functools.reduce(lambda h, c: (h * 131 + ord(c)) % (1 << 31), ",".join(names), 7)
+    table = _handshake(group, _OK, layout, _FLOAT_CODES.index(dtype), tuple(sizes.values()))
+    _check_handshake(table, names)
+
+    # Tags and this rank's valid-anchor count in one int32 collective.
+    n0, n1 = blocks[0].shape[0], blocks[1].shape[0]
+    count = has_pos.sum().to(torch.int32).reshape(1)
+    local_tags = torch.cat([tags[0], tags[1], count])
+    all_tags = local_tags.new_empty(world * (n0 + n1 + 1))
+    _all_gather_single(all_tags, local_tags, group=group)
+    all_tags = all_tags.view(world, n0 + n1 + 1)
+    global_count = all_tags[:, -1].sum()
+    if check_positive and int(global_count) == 0:
+        raise ValueError("no anchor of any rank has a valid positive (pos_mask is all False everywhere): the loss is undefined")
+    cand_tags = all_tags[:, :-1]
+    foreign = torch.arange(world, device=cand_tags.device)[:, None] != rank
+    cand_tags = torch.where(foreign & (cand_tags >= 0), torch.full_like(cand_tags, TAG_ALL), cand_tags)
+
+    # One collective for both blocks: the contract only needs the candidate set and its tags.
+    local = blocks[0] if n1 == 0 else torch.cat(blocks)
+    gathered = all_gather_with_grad(local, group)
+
+    weights = reduction_weights(has_pos, reduction, weight_dtype, denominator=global_count.to(weight_dtype))
+    if reduction != "none":
+        weights = weights * world
+    empty = gathered.new_empty((0, gathered.shape[1]))
+    empty_tags = cand_tags.new_empty((0,))
+    return Gathered((gathered, empty), (cand_tags.reshape(-1).contiguous(), empty_tags), weights, rank * (n0 + n1))

@@ -33,11 +33,18 @@ import torch
 import triton
 import triton.language as tl
 
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING
+
 # Triton chooses interpreted or compiled kernels when a kernel module is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 IS_INTERPRETER = tl.constexpr(INTERPRET)
 
 RECORD_ENV = "FASTCL_TRITON_RECORD"
+
+# The contract's tags (fastcl/ops/contract.py) as jit-time constants: the kernels apply the
+# rule of ``contract.excluded`` with these values, never their own literals.
+PAD_TAG = tl.constexpr(TAG_PADDING)
+ALL_TAG = tl.constexpr(TAG_ALL)
 
 # ---------------------------------------------------------------------------------------
 # jit helpers
@@ -105,9 +112,20 @@ def raw_dot_tile(X, Y, rows, cols, n_rows, n_cols, d, stride_x, stride_y,
 
 
 @triton.jit
+def load_tags(TAGS, cols, col_ok):
+    """Tags of a tile's columns; columns past the end read as padding."""
+    return tl.load(TAGS + cols, mask=col_ok, other=PAD_TAG)
+
+
+@triton.jit
 def structural_mask(rows, n_rows, tags, col_ok):
-    """The contract's rule on a tile: valid unless padding (-2), tagged with the row, or out of range."""
-    keep = (tags[None, :] != -2) & (tags[None, :] != rows[:, None]) & col_ok[None, :]
+    """``~contract.excluded`` on a ``[BM, BN]`` tile, restricted to in-range rows and columns.
+
+    A column is left out of row ``r`` when its tag is ``PAD_TAG`` or equals ``r``
+    (``ALL_TAG`` and other rows' tags keep it); ``tests/test_triton_kernels.py`` checks this
+    against ``contract.excluded`` on random tags.
+    """
+    keep = (tags[None, :] != PAD_TAG) & (tags[None, :] != rows[:, None]) & col_ok[None, :]
     return keep & (rows < n_rows)[:, None]
 
 

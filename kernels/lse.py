@@ -68,6 +68,7 @@ from ._common import (
     dtype_class,
     dummy,
     launch,
+    load_tags,
     online_lse,
     raw_dot_tile,
     register_op,
@@ -129,7 +130,7 @@ def _lse_fwd_kernel(
     for c0 in range(c_begin, c_end, BN):
         cols = c0 + tl.arange(0, BN)
         col_ok = cols < c_end
-        tags = tl.load(TAGS + cols, mask=col_ok, other=-2)
+        tags = load_tags(TAGS, cols, col_ok)
         s = raw_dot_tile(A, C, rows, cols, B, c_end, d, d, d, BM, BN, BK, ACC, PRECISION)
         logits = _logits(s, rows, cols, B, NC, IA, IC, inv_tau, COSINE)
         m, l, u = online_lse(m, l, u, logits, structural_mask(rows, B, tags, col_ok))
@@ -156,16 +157,17 @@ def _lse_combine_kernel(PARTS, LSE, MEAN_LOGIT, B, n_slots, BR: tl.constexpr):
         l += w * tl.load(PARTS + (n_slots + s) * B + rows, mask=ok, other=0.0)
         u += w * tl.load(PARTS + (2 * n_slots + s) * B + rows, mask=ok, other=0.0)
     nonempty = l > 0
-    tl.store(LSE + rows, tl.where(nonempty, m_ref + tl.log(l), float("-inf")), mask=ok)
-    tl.store(MEAN_LOGIT + rows, tl.where(nonempty, u / l, 0.0), mask=ok)
+    l_safe = tl.where(nonempty, l, 1.0)  # an empty row: -inf and 0 without log(0) or 0/0
+    tl.store(LSE + rows, tl.where(nonempty, m_ref + tl.log(l_safe), float("-inf")), mask=ok)
+    tl.store(MEAN_LOGIT + rows, tl.where(nonempty, u / l_safe, 0.0), mask=ok)
 
 
 @triton.jit
 def _lse_ds_kernel(
-    A, C, TAGS, IA, IC, TAU, LSE, G, DS, ROWW, COLW,
-    B, NC, d, stride_ds, stride_roww, stride_colw, n_row_parts, n_col_parts,
+    A, C, TAGS, IA, IC, TAU, LSE, G, DPOS, DS, ROWW, COLW,
+    B, NC, d, stride_ds, stride_roww, stride_colw, n_row_parts, n_col_parts, pos_offset, pos_count,
     tune_m, tune_n, tune_d,
-    COSINE: tl.constexpr, FOLD_NORMS: tl.constexpr, PRECISION: tl.constexpr,
+    COSINE: tl.constexpr, FOLD_NORMS: tl.constexpr, FOLD_POS: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PART: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
@@ -176,13 +178,20 @@ def _lse_ds_kernel(
     row_ok = rows < B
     col_ok = cols < NC
     inv_tau = 1.0 / tl.load(TAU)
-    tags = tl.load(TAGS + cols, mask=col_ok, other=-2)
+    tags = load_tags(TAGS, cols, col_ok)
     s = raw_dot_tile(A, C, rows, cols, B, NC, d, d, d, BM, BN, BK, ACC, PRECISION)
     logits = _logits(s, rows, cols, B, NC, IA, IC, inv_tau, COSINE)
     keep = structural_mask(rows, B, tags, col_ok)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
     g = tl.load(G + rows, mask=row_ok, other=0.0)
     grad = tl.where(keep, tl.exp(logits - lse[:, None]), 0.0) * g[:, None]  # dLoss/dlogit
+    if FOLD_POS:
+        # the own-positive logits' gradient d_pos [B, P] (contract: OwnPositives): column c
+        # is positive k = c - pos_offset - row * P of its row; added to the float32 dS
+        # before any rounding, whatever the tag (as the torch backend's _fold_positives)
+        k = cols[None, :] - pos_offset - rows[:, None] * pos_count
+        is_pos = (k >= 0) & (k < pos_count) & row_ok[:, None] & col_ok[None, :]
+        grad += tl.load(DPOS + rows[:, None] * pos_count + k, mask=is_pos, other=0.0)
     if COSINE:
         # <G, l> per row and per column, for the radial part of the normalisation
         # backward; stored per PART-wide group so the layout does not depend on BM/BN
@@ -314,14 +323,16 @@ def ds_dtype(dtype: torch.dtype, fp32_ds: bool) -> torch.dtype:
     return torch.float32 if fp32_ds and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def ds_spec(dtype: torch.dtype, cosine: bool, fp32_ds: bool) -> Spec:
+def ds_spec(dtype: torch.dtype, cosine: bool, fp32_ds: bool, fold_pos: bool = False) -> Spec:
+    """``fold_pos``: the chunk holds own positives whose ``d_pos`` is added to dS."""
     sc, acc = _scales_type(dtype, cosine), _t(acc_dtype(dtype))
     parts = acc if cosine else "*fp32"
     sig = {"A": _t(dtype), "C": _t(dtype), "TAGS": "*i32", "IA": sc, "IC": sc, "TAU": acc, "LSE": acc, "G": acc,
-           "DS": _t(ds_dtype(dtype, fp32_ds)), "ROWW": parts, "COLW": parts,
+           "DPOS": acc if fold_pos else "*fp32", "DS": _t(ds_dtype(dtype, fp32_ds)), "ROWW": parts, "COLW": parts,
            **dict.fromkeys(["B", "NC", "d", "stride_ds", "stride_roww", "stride_colw", "n_row_parts",
-                            "n_col_parts", "tune_m", "tune_n", "tune_d"], "i32")}
-    flags = {"COSINE": cosine, "FOLD_NORMS": fold_norms(dtype, cosine), "PRECISION": dot_precision(dtype)}
+                            "n_col_parts", "pos_offset", "pos_count", "tune_m", "tune_n", "tune_d"], "i32")}
+    flags = {"COSINE": cosine, "FOLD_NORMS": fold_norms(dtype, cosine), "FOLD_POS": fold_pos,
+             "PRECISION": dot_precision(dtype)}
     return Spec.make(DS, dtype_class(dtype), sig, flags)
 
 
@@ -365,7 +376,8 @@ def specialisations(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.
         for cosine in (True, False):
             specs.append(fwd_spec(dt, cosine))
             for fp32_ds in (True, False):  # the same specs for fp32 and fp64 (deduplicated)
-                specs += [ds_spec(dt, cosine, fp32_ds), mm_spec(dt, cosine, fp32_ds, "d_candidates")]
+                specs += [ds_spec(dt, cosine, fp32_ds, fold_pos) for fold_pos in (False, True)]
+                specs.append(mm_spec(dt, cosine, fp32_ds, "d_candidates"))
                 specs += [mm_spec(dt, cosine, fp32_ds, "d_anchor", first, last)
                           for first in (True, False) for last in (True, False)]
         out.update((s.key, s) for s in specs)
@@ -567,7 +579,13 @@ def _lse_forward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, 
 
 
 def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor,
-                  lse: Tensor, g: Tensor, cosine: bool, eps: float, fp32_ds: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  lse: Tensor, g: Tensor, d_pos: Tensor | None, pos_offset: int, cosine: bool, eps: float,
+                  fp32_ds: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``d anchor, d block0, d block1`` (input dtype) from ``g = dLoss/dlse [B]``.
+
+    ``d_pos [B, P]`` (or None): gradient of the own-positive logits, anchor ``i``'s positive
+    ``k`` being row ``pos_offset + i * P + k`` of block 0; folded into dS (float32).
+    """
     dev, dt = anchor.device, anchor.dtype
     B, d = anchor.shape
     acc = acc_dtype(dt)
@@ -585,6 +603,10 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
     ws = backward_plan(B, sizes, d, dt, cosine, arch, fp32_ds).allocate(dev)
     tau, sizes, views = _prepare(anchor, blocks, (tags0, tags1), tau, cosine, eps, ws.get("norms"), arch)
     lse, g = lse.to(acc).contiguous(), g.to(acc).contiguous()
+    pos_count = 0 if d_pos is None else d_pos.shape[1]
+    dpos = None
+    if pos_count:
+        dpos = d_pos.to(acc).contiguous()
     part = partial_width(arch, dtype_class(dt))
     fold = fold_norms(dt, cosine)
     none = dummy(dev)
@@ -600,9 +622,13 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
         ic, rc = (views[bi + 1][0][c0:c1], views[bi + 1][1][c0:c1]) if cosine else (none, none)
         n_row_parts, n_col_parts = _cdiv(B, part), _cdiv(nc, part)
 
+        # does this chunk of block 0 hold rows pos_offset .. pos_offset + B * P - 1?
+        fold_pos = bi == 0 and pos_count > 0 and c0 < pos_offset + B * pos_count and pos_offset < c1
         grid = lambda meta, nc=nc: (triton.cdiv(B, meta["BM"]), triton.cdiv(nc, meta["BN"]))  # noqa: E731
-        launch(ds_spec(dt, cosine, fp32_ds), arch, grid, anchor, blk, tg, ia, ic, tau, lse, g, ds, row_parts, col_parts,
-               B, nc, d, width, B, width, n_row_parts, n_col_parts, _tune(B), _tune(width), d, )
+        launch(ds_spec(dt, cosine, fp32_ds, fold_pos), arch, grid, anchor, blk, tg, ia, ic, tau, lse, g,
+               dpos if fold_pos else none, ds, row_parts, col_parts,
+               B, nc, d, width, B, width, n_row_parts, n_col_parts, pos_offset - c0 if fold_pos else 0,
+               pos_count if fold_pos else 0, _tune(B), _tune(width), d)
         if cosine:
             grid = lambda meta: (triton.cdiv(B, meta["BR"]),)  # noqa: E731
             launch(sum_parts_spec(dt, not first), arch, grid, row_parts, row_w, B, n_col_parts, B)

@@ -6,7 +6,9 @@ tests only: it is slow). Compiled Triton is never chosen for CPU tensors: it can
 there.
 
 Strategy: forward keeps only ``lse`` and backward recomputes logit tiles (no ``fused``
-method, so ``ContrastiveLSE`` always recomputes). Gradient-in-forward would save one of
+method, so ``ContrastiveLSE`` always recomputes). Own positives are folded
+(``folds_positives``): ``d_pos`` joins the recomputed float32 dS tile, so the positives'
+large gradient and the softmax's nearly equal one cancel before anything is rounded. Gradient-in-forward would save one of
 four GEMM passes but must keep an fp32 ``[N, d]`` accumulator for ``d candidates``
 across row blocks (126 MB at N = 40960, d = 768: over the 64 MB budget) and hold both
 gradients from forward to backward; see docs/triton.md.
@@ -81,6 +83,7 @@ class TritonLSE:
 
     name = "triton"
     autograd = False
+    folds_positives = True  # backward adds d_pos to the float32 dS tile (contract.py)
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         tensors = [problem.anchor, *problem.blocks, *problem.tags]
@@ -96,11 +99,19 @@ class TritonLSE:
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         return k.lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
 
-    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor):
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        """``d_pos [B, P]``: own-positive logit gradient, folded when ``problem.positives`` is set."""
         k = _kernels()
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
-        d_anchor, d_b0, d_b1 = k.lse_backward(problem.anchor, b0, b1, t0, t1, tau, lse, g, problem.cosine,
-                                              problem.eps, ds_precision() == "fp32")
+        pos = problem.positives
+        if pos is None or d_pos is None:
+            d_pos, offset = None, 0
+        else:
+            if tuple(d_pos.shape) != (problem.num_anchors, pos.count):
+                raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {(problem.num_anchors, pos.count)}")
+            offset = pos.offset
+        d_anchor, d_b0, d_b1 = k.lse_backward(problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, offset,
+                                              problem.cosine, problem.eps, ds_precision() == "fp32")
         return d_anchor, (d_b0, d_b1)
 
 

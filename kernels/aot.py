@@ -219,9 +219,15 @@ def run_keys(keys, workers: int = 1, progress: bool = True) -> list[Result]:
     return results
 
 
-def compile_all(archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True) -> list[Result]:
-    """Fully compile every ``(spec, arch, config)``; one :class:`Result` each."""
-    return run_keys(job_keys(jobs(archs, kernel)), workers, progress)
+def compile_all(archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True,
+                every_spec: bool = False) -> list[Result]:
+    """Fully compile every config of :func:`representatives` (or of every spec) for each arch,
+    and run every other spec through the frontend; one :class:`Result` each."""
+    pairs = jobs(archs, kernel)
+    reps = {s.key for s in representatives()}
+    full = [p for p in pairs if every_spec or p[0].key in reps]
+    rest = [p for p in pairs if not (every_spec or p[0].key in reps) and p[2] == p[0].kernel.configs(p[1], p[0].dclass)[0]]
+    return run_keys(job_keys(full) + job_keys(rest, frontend_only=True), workers, progress)
 
 
 def table(results: list[Result]) -> str:
@@ -241,6 +247,9 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma list of sm80, sm90")
     parser.add_argument("--kernel", default=None, help="only this kernel (e.g. _lse_fwd_kernel)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    parser.add_argument("--every-spec", action="store_true",
+                        help="fully compile every specialisation x config (hours on a small CPU), "
+                             "not only one representative spec per kernel and dtype class")
     args = parser.parse_args(argv)
     if INTERPRET:
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the kernels AOT compiles")
@@ -248,7 +257,7 @@ def main(argv=None) -> int:
     unknown = set(archs) - set(ARCHS)
     if unknown:
         parser.error(f"unknown arch {sorted(unknown)}; choose from {ARCHS}")
-    results = compile_all(archs, args.kernel, args.jobs)
+    results = compile_all(archs, args.kernel, args.jobs, every_spec=args.every_spec)
     print(table(results))
     bad = [r for r in results if not r.ok]
     print(f"\n{len(results)} compiled, {len(bad)} failed", file=sys.stderr)

@@ -232,7 +232,7 @@ def _sum_parts_kernel(PARTS, OUT, n, n_parts, stride_p, ACCUMULATE: tl.constexpr
 
 _C = Cfg.of
 _ROWWISE = {a: {"16": [_C(4, 1, BR=32, BD=128)]} for a in ("sm80", "sm90")}
-_ROWWISE["interp"] = {"16": [_C(BR=16, BD=16)]}
+_ROWWISE["interp"] = {"16": [_C(BR=16, BD=64)]}
 _REDUCE = {a: {"16": [_C(4, 1, BR=256)]} for a in ("sm80", "sm90")}
 _REDUCE["interp"] = {"16": [_C(BR=16)]}
 
@@ -252,7 +252,9 @@ _TILES = {
         "32": [_C(8, 3, BM=128, BN=128, BK=32), _C(4, 3, BM=64, BN=64, BK=32)],
         "64": [_C(4, 2, BM=64, BN=64, BK=16)],
     },
-    "interp": {"16": [_C(BM=16, BN=16, BK=16)]},
+    # interpreter: 16-wide tiles so small test shapes cross tile edges; BK=32 halves the
+    # (Python-speed) feature loop, d > 32 still crosses its edge
+    "interp": {"16": [_C(BM=16, BN=16, BK=32)]},
 }
 _TUNE_KEY = ["tune_m", "tune_n", "tune_d"]
 

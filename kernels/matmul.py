@@ -102,7 +102,8 @@ MM = Tuned(
             "32": [_C(8, 3, BM=128, BN=128, BK=32, GROUP_M=8), _C(4, 3, BM=64, BN=64, BK=32, GROUP_M=8)],
             "64": [_C(4, 2, BM=64, BN=64, BK=16, GROUP_M=8)],
         },
-        "interp": {"16": [_C(BM=16, BN=16, BK=16, GROUP_M=2)]},
+        # interpreter: wide along d (fewer Python-speed programs), still crossing d > 64
+        "interp": {"16": [_C(BM=16, BN=64, BK=16, GROUP_M=2)]},
     },
     key=["tune_m", "tune_n", "tune_k"],
     # ACCUMULATE may read and write the same buffer: benchmarking configs must not compound

@@ -237,20 +237,27 @@ _REDUCE = {a: {"16": [_C(4, 1, BR=256)]} for a in ("sm80", "sm90")}
 _REDUCE["interp"] = {"16": [_C(BR=16)]}
 
 # Logit tiles: a GEMM main loop over d with an online-softmax (forward) or gradient
-# (backward) epilogue. sm_80: mma.sync, 2-4 stages of cp.async; sm_90: wgmma over
-# 64-row warpgroups, deeper stages fit 228 KB of shared memory.
+# (backward) epilogue; sm_80 mma.sync, sm_90 wgmma. Chosen from compiled candidates with
+# `python -m fastcl.kernels.aot` (docs/triton.md has registers and spills per config):
+# * the epilogue keeps about three [BM, BN] fp32 tensors live (logits, mask, p), so a
+#   thread may own at most 32 tile elements (BM * BN <= 1024 * num_warps): 64x64 on 4
+#   warps, 128x64 on 8; 128x128 on 8 warps and every BK=64 config on sm_80 spilled;
+# * BK=32 with 4 stages keeps the operand loads small beside the epilogue (BK=64 spilled
+#   on sm_80); on sm_90 wgmma keeps its accumulator out of the general registers' way
+#   enough that 128x64x64 and 64x128x64 do not spill, and are offered to the tuner;
+# * fp32 (3xTF32: three MMAs and hi/lo splits per product) needs BK=16 to stay spill-free
+#   on sm_80; fp64 (no fp64 tensor-core path worth tuning) gets 32-row tiles.
 _TILES = {
     "sm80": {
-        "16": [_C(8, 3, BM=128, BN=128, BK=32), _C(4, 4, BM=64, BN=128, BK=32),
-               _C(4, 3, BM=128, BN=64, BK=64), _C(4, 4, BM=64, BN=64, BK=64)],
-        "32": [_C(8, 3, BM=128, BN=64, BK=32), _C(4, 3, BM=64, BN=64, BK=32)],
-        "64": [_C(4, 2, BM=64, BN=64, BK=16)],
+        "16": [_C(8, 4, BM=128, BN=64, BK=32), _C(4, 4, BM=64, BN=64, BK=32)],
+        "32": [_C(4, 3, BM=64, BN=64, BK=16), _C(8, 3, BM=128, BN=64, BK=16)],
+        "64": [_C(4, 2, BM=32, BN=64, BK=16), _C(4, 2, BM=32, BN=32, BK=16)],
     },
     "sm90": {
-        "16": [_C(8, 3, BM=128, BN=128, BK=64), _C(8, 4, BM=128, BN=128, BK=32),
-               _C(4, 4, BM=64, BN=128, BK=64), _C(8, 3, BM=128, BN=256, BK=32)],
-        "32": [_C(8, 3, BM=128, BN=128, BK=32), _C(4, 3, BM=64, BN=64, BK=32)],
-        "64": [_C(4, 2, BM=64, BN=64, BK=16)],
+        "16": [_C(8, 4, BM=128, BN=64, BK=32), _C(8, 3, BM=128, BN=64, BK=64), _C(8, 3, BM=64, BN=128, BK=64),
+               _C(4, 4, BM=64, BN=64, BK=32)],
+        "32": [_C(4, 3, BM=64, BN=64, BK=16), _C(8, 3, BM=128, BN=64, BK=16), _C(8, 3, BM=64, BN=64, BK=32)],
+        "64": [_C(4, 2, BM=32, BN=64, BK=16), _C(4, 2, BM=32, BN=32, BK=16)],
     },
     # interpreter: 16-wide tiles so small test shapes cross tile edges; BK=32 halves the
     # (Python-speed) feature loop, d > 32 still crosses its edge

@@ -84,23 +84,30 @@ def _mm_kernel(
 
 
 _C = Cfg.of
+# Chosen from compiled candidates (docs/triton.md): the 16-bit rows are for the heaviest
+# variant, SPLIT_X (fp32 dS fed as two 16-bit halves: two operand tiles and two MMAs per
+# step). 128x128 tiles and 64x128x64 spilled on sm_80 (and 128x128, 128x256 on sm_90), so
+# the largest tiles are 128x64; BK=64 x 3 stages or BK=32 x 4 stages hide global latency
+# within 72 KiB of shared memory. GROUP_M=8: programs that run together share Y panels in
+# L2. fp32 (3xTF32) stays at BK=16/32; fp64 at 32-row tiles.
+_MM_32 = [_C(4, 3, BM=64, BN=64, BK=16, GROUP_M=8), _C(8, 3, BM=128, BN=64, BK=16, GROUP_M=8),
+          _C(8, 3, BM=64, BN=64, BK=32, GROUP_M=8)]
+_MM_64 = [_C(4, 2, BM=32, BN=64, BK=16, GROUP_M=8), _C(4, 2, BM=32, BN=32, BK=16, GROUP_M=8)]
 MM = Tuned(
     _mm_kernel,
     {
-        # A100: 164 KB shared memory; 128x128x32 in 4 stages is the classic cuBLAS-like tile,
-        # the smaller ones keep enough programs when M x N is small (B = 1024).
         "sm80": {
-            "16": [_C(8, 3, BM=128, BN=128, BK=32, GROUP_M=8), _C(4, 4, BM=128, BN=64, BK=32, GROUP_M=8),
-                   _C(4, 4, BM=64, BN=64, BK=64, GROUP_M=8), _C(8, 3, BM=128, BN=128, BK=64, GROUP_M=8)],
-            "32": [_C(8, 3, BM=128, BN=64, BK=32, GROUP_M=8), _C(4, 3, BM=64, BN=64, BK=32, GROUP_M=8)],
-            "64": [_C(4, 2, BM=64, BN=64, BK=16, GROUP_M=8)],
+            "16": [_C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8), _C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8),
+                   _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8), _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8)],
+            "32": _MM_32,
+            "64": _MM_64,
         },
-        # H100: wgmma wants 64-row warpgroups; 228 KB shared memory allows 128x256x64 x3.
         "sm90": {
-            "16": [_C(8, 3, BM=128, BN=128, BK=64, GROUP_M=8), _C(8, 3, BM=128, BN=256, BK=64, GROUP_M=8),
-                   _C(4, 4, BM=64, BN=128, BK=64, GROUP_M=8), _C(4, 4, BM=64, BN=64, BK=64, GROUP_M=8)],
-            "32": [_C(8, 3, BM=128, BN=128, BK=32, GROUP_M=8), _C(4, 3, BM=64, BN=64, BK=32, GROUP_M=8)],
-            "64": [_C(4, 2, BM=64, BN=64, BK=16, GROUP_M=8)],
+            "16": [_C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8), _C(8, 3, BM=64, BN=128, BK=64, GROUP_M=8),
+                   _C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8), _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8),
+                   _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8)],
+            "32": _MM_32,
+            "64": _MM_64,
         },
         # interpreter: wide along d (fewer Python-speed programs), still crossing d > 64
         "interp": {"16": [_C(BM=16, BN=64, BK=16, GROUP_M=2)]},

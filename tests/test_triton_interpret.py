@@ -244,3 +244,19 @@ def test_every_launched_specialisation_is_in_the_aot_list(tmp_path, monkeypatch)
     launched = {json.loads(line) for line in record.read_text().splitlines()}
     known = {s.key for s in aot.all_specs()}
     assert launched and launched <= known, sorted(launched - known)
+
+
+def test_torch_compile_traces_the_ops():
+    """``torch.compile`` (eager backend, whole graph) traces through the registered ops."""
+    gen = torch.Generator().manual_seed(13)
+    a, c0 = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    t0 = torch.full((6,), TAG_ALL, dtype=torch.int32)
+    c1, t1 = torch.empty(0, 8), torch.empty(0, dtype=torch.int32)
+    tau = torch.tensor(0.5)
+
+    def f(a, c0):
+        lse, _ = torch.ops.fastcl_triton.lse_forward(a, c0, c1, t0, t1, tau, True, 1e-8)
+        return lse.sum()
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(a, c0), f(a, c0))

@@ -126,7 +126,10 @@ def test_recipe_steps_decrease_the_loss(recipe_cfg):
         loss.backward()
         opt.step()
         sched.step()
+        ctx.step = step + 1  # as the shared loop does: steps done
         recipe.on_step_end(model, opt, ctx)
+        if step + 1 == math.ceil(0.2 * total) - 1:
+            assert opt.param_groups[0]["momentum"] == 0.9
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and "std_z" in metrics
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -175,3 +178,20 @@ def test_two_view_loss_helper():
     mask = torch.ones(4, 5, dtype=torch.bool)
     loss = two_view_loss(model, x, mask, PWVA(seed=0), generator=torch.Generator().manual_seed(1))
     assert loss.dim() == 0 and -1.0 <= loss.item() <= 1.0
+
+
+def test_cli_train_gclsr_end_to_end(recipe_cfg, tmp_path):
+    """``python -m fastcl train gclsr`` through the shared loop, then reload and encode."""
+    from fastcl.__main__ import main
+
+    _, cfg = recipe_cfg
+    out = tmp_path / "run"
+    rc = main(["train", "gclsr", "--word-vectors", cfg.word_vectors, "--train-file", cfg.train_file,
+               "--output-dir", str(out), "--batch-size", "8", "--max-steps", "3", "--eval-steps", "0",
+               "--region-sizes", "1,2", "--filters", "8", "--proj-dim", "32", "--pred-hidden", "8",
+               "--progress", "false", "--tensorboard", "false"])
+    assert rc == 0
+    enc = load_pretrained(out / "final", progress=False)
+    assert enc.encode(["the man plays", "a dog runs"]).shape == (2, 16)
+    assert main(["train", "gclsr", "--word-vectors", cfg.word_vectors, "--train-file", cfg.train_file,
+                 "--group-size", "5", "--output-dir", str(out)]) == 2  # validated before any compute

@@ -203,7 +203,8 @@ class GCLSRRecipe(Recipe):
         return gclsr_scheduler(optimizer, total_steps, self._warmup_steps)
 
     def on_step_end(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
-        set_momentum(optimizer, ctx.step + 1, self._warmup_steps, *self._momentum)
+        # the loop sets ctx.step to the number of optimiser steps done before calling this
+        set_momentum(optimizer, ctx.step, self._warmup_steps, *self._momentum)
 
     # ------------------------------------------------------------------ evaluation and saving
     def encoder(self, model: nn.Module) -> GCLSREncoder:

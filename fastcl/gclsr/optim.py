@@ -55,7 +55,8 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
 def gclsr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int):
     """``LambdaLR`` with :func:`warmup_cosine` on scheduled groups and 1.0 on ``fix_lr`` groups."""
     if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps <= total_steps, got {total_steps}, {warmup_steps}")
+        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
+                         f"got {total_steps} and {warmup_steps}")
     lambdas = [
         (lambda s: 1.0) if g.get("fix_lr") else (lambda s: warmup_cosine(s, warmup_steps, total_steps))
         for g in optimizer.param_groups

@@ -1,13 +1,15 @@
 """Logistic regression on frozen embeddings, trained the way SentEval's PyTorch classifier is.
 
-Implemented with torch (no scikit-learn estimator), many models at once. Each model is one
-``(training rows, validation rows, L2)`` job and follows SentEval's ``PyTorchClassifier``
-(``nhid=0``): a Linear layer, cross-entropy (mean over the batch), Adam or RMSprop with
-PyTorch's default hyper-parameters and ``weight_decay = L2`` (on weight and bias),
-mini-batches in a fresh permutation every epoch, accuracy on the validation rows after every
-``epoch_size`` epochs, the best snapshot kept, and a stop after ``tenacity + 1``
-non-improving checks (SentEval's counter is not reset by an improvement) or
-``max_epoch``. Without validation rows, a seeded 5 % of the training rows is held out.
+Implemented with torch (scikit-learn only makes the folds), many models at once. Each
+model is one (training rows, validation rows, L2) triple and follows SentEval's
+``PyTorchClassifier`` (``nhid=0``): a Linear layer, cross-entropy (mean over the batch),
+Adam or RMSprop with PyTorch's default hyper-parameters and ``weight_decay = L2`` (on
+weight and bias), mini-batches in a fresh permutation every epoch, accuracy on the
+validation rows after every ``epoch_size`` epochs, the best snapshot kept, and a stop after
+``tenacity + 1`` non-improving checks (SentEval's counter is not reset by an improvement)
+or ``max_epoch``. Without validation rows, a seeded 5 % of the training rows is held out.
+SentEval's loss sets ``size_average = False`` on a CrossEntropyLoss built with the default
+reduction, which PyTorch >= 1.0 ignores: the loss it trained with is the batch mean, as here.
 
 Models run together: for S training sets and R L2 values the weights are stacked
 ``(S, D, R, C)``; each step gathers one batch per set (the R models of a set share it, as
@@ -24,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 OPTIMIZERS = ("adam", "rmsprop")
 
@@ -61,8 +64,8 @@ class ClassifierConfig:
 PRESETS = {
     "full": ClassifierConfig(),
     "fast": ClassifierConfig(optim="rmsprop", batch_size=128, tenacity=3, epoch_size=2, kfold=5),
-    # for tests and smoke runs only: tiny budget, one L2 value; numbers are not comparable
-    "test": ClassifierConfig(optim="adam", batch_size=128, tenacity=0, epoch_size=1, max_epoch=2, kfold=2, l2_grid=(1e-4,)),
+    # tests and smoke runs only: 2-fold, one L2 value, at most 6 epochs; not comparable
+    "test": ClassifierConfig(optim="rmsprop", batch_size=128, tenacity=0, epoch_size=2, max_epoch=4, kfold=2, l2_grid=(1e-5,)),
 }
 
 
@@ -110,7 +113,9 @@ def _pad(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return idx, mask
 
 
-def fit_grid(x: Tensor, y, nclasses: int, sets: list[TrainSet], l2, cfg: ClassifierConfig) -> FitResult:
+def fit_grid(
+    x: Tensor, y, nclasses: int, sets: list[TrainSet], l2, cfg: ClassifierConfig, desc: str | None = None
+) -> FitResult:
     """Train one logistic regression per (training set, L2 value).
 
     Args:
@@ -119,6 +124,7 @@ def fit_grid(x: Tensor, y, nclasses: int, sets: list[TrainSet], l2, cfg: Classif
         sets: S training/validation row sets.
         l2: ``(S, R)`` L2 values (or a length-R sequence used for every set).
         cfg: optimiser, batch size, early stopping, seed.
+        desc: show a progress bar (one tick per validation check) with this label.
 
     The R models of a set see the same batches (SentEval reseeds every model alike), so a
     batch is gathered once per set and the R models are one wider matrix product.
@@ -140,12 +146,12 @@ def fit_grid(x: Tensor, y, nclasses: int, sets: list[TrainSet], l2, cfg: Classif
         # waits at barriers (measured 10-20x slower per step here)
         torch.set_num_threads(1)
     try:
-        return _fit_grid(x.to(torch.float32).contiguous(), y, nclasses, sets, l2, cfg)
+        return _fit_grid(x.to(torch.float32).contiguous(), y, nclasses, sets, l2, cfg, desc)
     finally:
         torch.set_num_threads(threads)
 
 
-def _fit_grid(x, y, C, sets, l2_np, cfg) -> FitResult:
+def _fit_grid(x, y, C, sets, l2_np, cfg, desc) -> FitResult:
     device = x.device
     n, d = x.shape
     S, R = l2_np.shape
@@ -188,6 +194,8 @@ def _fit_grid(x, y, C, sets, l2_np, cfg) -> FitResult:
     B = cfg.batch_size
     xb = torch.empty(S, B, d, device=device)  # reused batch buffer (fresh ones page-fault)
     nepoch = 0
+    checks = cfg.max_epoch // cfg.epoch_size + 1
+    bar = tqdm(total=checks, desc=desc, unit="check", leave=False, disable=desc is None)
     while live.size and nepoch <= cfg.max_epoch:
         L = live.size
         for _ in range(cfg.epoch_size):
@@ -221,6 +229,9 @@ def _fit_grid(x, y, C, sets, l2_np, cfg) -> FitResult:
             W, b, l2 = W[keep_t], b[keep_t], l2[keep_t]
             opt.keep(keep_t)
             live = live[keep]
+        bar.set_postfix(training=f"{int((~stopped).sum())}/{S * R} models")
+        bar.update()
+    bar.close()
     return FitResult(best_acc, best_W, best_b)
 
 

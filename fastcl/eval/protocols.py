@@ -38,7 +38,7 @@ def _pick(scores: list[float]) -> tuple[int, float]:
     return best, rounded[best]
 
 
-def inner_kfold(x: Tensor, y: np.ndarray, nclasses: int, cfg: ClassifierConfig) -> dict:
+def inner_kfold(x: Tensor, y: np.ndarray, nclasses: int, cfg: ClassifierConfig, desc: str | None = None) -> dict:
     """Nested cross-validation (MR, CR, SUBJ, MPQA). Returns ``devacc``, ``acc``, ``l2``."""
     y = np.asarray(y)
     outer = _folds(y, cfg.kfold, cfg.seed)
@@ -47,13 +47,13 @@ def inner_kfold(x: Tensor, y: np.ndarray, nclasses: int, cfg: ClassifierConfig) 
     sets = [
         TrainSet(train[tr], train[te]) for train, _ in outer for tr, te in _folds(y[train], cfg.kfold, cfg.seed)
     ]
-    inner = fit_grid(x, y, nclasses, sets, grid, cfg).val_accuracy.reshape(len(outer), cfg.kfold, len(grid))
+    inner = fit_grid(x, y, nclasses, sets, grid, cfg, desc).val_accuracy.reshape(len(outer), cfg.kfold, len(grid))
     dev, chosen = [], []
     for o in range(len(outer)):
         r, score = _pick(list(inner[o].mean(axis=0)))
         chosen.append(grid[r])
         dev.append(score)
-    final = fit_grid(x, y, nclasses, [TrainSet(train) for train, _ in outer], np.array(chosen)[:, None], cfg)
+    final = fit_grid(x, y, nclasses, [TrainSet(train) for train, _ in outer], np.array(chosen)[:, None], cfg, desc)
     test = []
     for o, (_, te) in enumerate(outer):
         pred = final.predict(x[te], o, 0)
@@ -61,26 +61,28 @@ def inner_kfold(x: Tensor, y: np.ndarray, nclasses: int, cfg: ClassifierConfig) 
     return {"devacc": round(float(np.mean(dev)), 2), "acc": round(float(np.mean(test)), 2), "l2": chosen}
 
 
-def kfold(x_train: Tensor, y_train, x_test: Tensor, y_test, nclasses: int, cfg: ClassifierConfig) -> dict:
+def kfold(
+    x_train: Tensor, y_train, x_test: Tensor, y_test, nclasses: int, cfg: ClassifierConfig, desc: str | None = None
+) -> dict:
     """k-fold L2 selection on train, refit, score on test (TREC, MRPC). Adds ``pred``."""
     y_train, y_test = np.asarray(y_train), np.asarray(y_test)
     folds = _folds(y_train, cfg.kfold, cfg.seed)
     grid = cfg.l2_grid
-    scan = fit_grid(x_train, y_train, nclasses, [TrainSet(tr, te) for tr, te in folds], grid, cfg).val_accuracy
+    scan = fit_grid(x_train, y_train, nclasses, [TrainSet(tr, te) for tr, te in folds], grid, cfg, desc).val_accuracy
     r, devacc = _pick(list(scan.mean(axis=0)))
-    final = fit_grid(x_train, y_train, nclasses, [TrainSet(np.arange(len(y_train)))], [grid[r]], cfg)
+    final = fit_grid(x_train, y_train, nclasses, [TrainSet(np.arange(len(y_train)))], [grid[r]], cfg, desc)
     pred = final.predict(x_test, 0, 0)
     acc = round(100 * float((pred == y_test).mean()), 2)
     return {"devacc": devacc, "acc": acc, "l2": grid[r], "pred": pred}
 
 
-def split(x_train, y_train, x_dev, y_dev, x_test, y_test, nclasses: int, cfg: ClassifierConfig) -> dict:
+def split(x_train, y_train, x_dev, y_dev, x_test, y_test, nclasses: int, cfg: ClassifierConfig, desc=None) -> dict:
     """Train / early-stop on dev / test (SST-2)."""
     x = torch.cat([x_train, x_dev])
     y = np.concatenate([np.asarray(y_train), np.asarray(y_dev)])
     rows = TrainSet(np.arange(len(y_train)), np.arange(len(y_train), len(y)))
     grid = cfg.l2_grid
-    fit = fit_grid(x, y, nclasses, [rows], grid, cfg)
+    fit = fit_grid(x, y, nclasses, [rows], grid, cfg, desc)
     r, devacc = _pick(list(fit.val_accuracy[0]))
     # SentEval refits the chosen L2 identically (same data and seed): reuse that model
     pred = fit.predict(x_test, 0, r)

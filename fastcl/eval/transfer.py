@@ -50,7 +50,7 @@ def _f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:
     return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
 
 
-def score_transfer(data: TransferData, embed, cfg: ClassifierConfig, device=None) -> TransferResult:
+def score_transfer(data: TransferData, embed, cfg: ClassifierConfig, device=None, progress: bool = False) -> TransferResult:
     """Run ``data``'s SentEval protocol; ``embed(list[str], desc) -> (N, H)`` tensor."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,14 +64,17 @@ def score_transfer(data: TransferData, embed, cfg: ClassifierConfig, device=None
     labels = {name: sp.labels for name, sp in data.splits.items()}
     sizes = {name: len(sp) for name, sp in data.splits.items()}
     k = data.nclasses
+    desc = f"fit {data.name}" if progress else None
     if data.name in ("mr", "cr", "subj", "mpqa"):
-        out = protocols.inner_kfold(feats["all"], labels["all"], k, cfg)
+        out = protocols.inner_kfold(feats["all"], labels["all"], k, cfg, desc)
         protocol = f"{cfg.kfold}-fold nested CV"
     elif data.name == "sst2":
-        out = protocols.split(feats["train"], labels["train"], feats["dev"], labels["dev"], feats["test"], labels["test"], k, cfg)
+        out = protocols.split(
+            feats["train"], labels["train"], feats["dev"], labels["dev"], feats["test"], labels["test"], k, cfg, desc
+        )
         protocol = "train/dev/test"
     else:
-        out = protocols.kfold(feats["train"], labels["train"], feats["test"], labels["test"], k, cfg)
+        out = protocols.kfold(feats["train"], labels["train"], feats["test"], labels["test"], k, cfg, desc)
         protocol = f"{cfg.kfold}-fold CV on train, test set"
     extra = {"l2": out["l2"]}
     if data.name == "mrpc":
@@ -95,7 +98,8 @@ def evaluate_transfer(
     results = {}
     for data in loaded:
         start = time.perf_counter()
-        res = score_transfer(data, lambda s, desc: encoder.encode(s, desc=desc), cfg, device)
+        progress = bool(getattr(encoder, "show_progress", False))
+        res = score_transfer(data, lambda s, desc: encoder.encode(s, desc=desc), cfg, device, progress)
         res.extra["seconds"] = round(time.perf_counter() - start, 1)
         results[data.name] = res
     return results

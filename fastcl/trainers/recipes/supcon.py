@@ -64,6 +64,16 @@ def local_supcon(anchor: Tensor, candidates: Tensor, pos_index: Tensor, pos_mask
     return per_anchor.mean() if per_anchor.numel() else anchor.sum() * 0.0
 
 
+def _pad_to_all_rows(batch, B: int) -> tuple[Tensor, Tensor]:
+    """``pos_index/pos_mask`` as ``[B, B]``: row r = premise r (empty unless an entailment row)."""
+    rows, index, mask = batch["anchor_rows"], batch["pos_index"], batch["pos_mask"]
+    full_index = index.new_zeros(B, B)
+    full_mask = mask.new_zeros(B, B)
+    full_index[rows, : index.shape[1]] = index
+    full_mask[rows, : mask.shape[1]] = mask
+    return full_index, full_mask
+
+
 class SupCon(HFRecipe):
     name = "supcon"
     help = "Liao: (1-lam) * CE (SBERT softmax head) + lam * supervised contrastive, 3p3n / allpalln"
@@ -114,14 +124,17 @@ class SupCon(HFRecipe):
         cfg, B = ctx.cfg, batch["batch_size"]
         u, v = split_rows(ctx.encode(model, **batch["inputs"]), B, B)
         ce = F.cross_entropy(unwrap(model).head(u, v).float(), batch["labels"])
-        anchors = u[batch["anchor_rows"]]
+        anchors, pos_index, pos_mask = u[batch["anchor_rows"]], batch["pos_index"], batch["pos_mask"]
         cosine = cfg.similarity == "cos"
-        if anchors.shape[0] == 0:  # no entailment row in this batch: CE only
+        if cfg.cap == "allpalln" and ctx.process_group is not None:
+            # every rank must pass the same shapes to the gathering loss: all B premises as
+            # anchors (non-entailment rows fully masked), positive slots padded to B
+            anchors, pos_index, pos_mask = u, *_pad_to_all_rows(batch, B)
+        if cfg.cap == "allpalln" and (anchors.shape[0] or ctx.process_group is not None):
+            scl = supcon_pool_loss(anchors, v, pos_index, pos_mask=pos_mask, temperature=cfg.temperature,
+                                   similarity=cfg.similarity, process_group=ctx.process_group).float()
+        elif anchors.shape[0] == 0:  # no entailment row in this batch: CE only
             scl = ce * 0.0
-        elif cfg.cap == "allpalln":
-            scl = supcon_pool_loss(anchors, v, batch["pos_index"], pos_mask=batch["pos_mask"],
-                                   temperature=cfg.temperature, similarity=cfg.similarity,
-                                   process_group=ctx.process_group).float()
         else:
             scl = local_supcon(anchors, v, batch["pos_index"], batch["pos_mask"], batch["neg_index"],
                                batch["neg_mask"], cfg.temperature, cosine)

@@ -10,6 +10,7 @@ RECIPES = {
     "supmpn": "fastcl.trainers.recipes.supmpn:SupMPN",
     "supcon": "fastcl.trainers.recipes.supcon:SupCon",
     "edacse": "fastcl.trainers.recipes.edacse:EdaCSE",
+    "gclsr": "fastcl.gclsr.recipe:GCLSRRecipe",
 }
 
 

@@ -29,6 +29,7 @@ from tests import _st_common as common  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 F64_TOL = 1e-10
+DEFAULT = fst.DEFAULT_SCALE
 
 
 def _columns(B: int, d: int, n: int, dtype=torch.float64) -> list[torch.Tensor]:
@@ -187,6 +188,7 @@ def test_scale_is_one_over_temperature():
     cfg = loss.get_config_dict()
     assert cfg["scale"] == pytest.approx(40.0) and cfg["num_positives"] == 2 and cfg["similarity_fct"] == "cos_sim"
     assert fst.CachedMultipleNegativesRankingLoss(m).mini_batch_size == 32
+    assert fst.InfoNCELoss(None, scale=DEFAULT).temperature == pytest.approx(1 / DEFAULT)
 
 
 @pytest.mark.parametrize(
@@ -200,6 +202,7 @@ def test_scale_is_one_over_temperature():
         (lambda m: fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=None), "mini_batch_size"),
         (lambda m: fst.SupMPNLoss(m, num_positives=0), "num_positives"),
         (lambda m: fst.SupMPNLoss(m, own_positives="keep"), "own_positives"),
+        (lambda m: fst.SupConLoss(m, backend="fast"), "backend"),
     ],
 )
 def test_bad_arguments_raise(make, match):

@@ -88,6 +88,7 @@ except ImportError:  # pragma: no cover - older sentence-transformers
 
 from .. import losses as fl
 from ..gradcache import GradCache
+from ..ops.dispatch import BACKEND_MODULES
 
 __all__ = [
     "MultipleNegativesRankingLoss",
@@ -142,7 +143,8 @@ class _FastCLSTLoss(nn.Module):
     """Shared machinery: columns -> embeddings (plain or gradient-cached) -> a fastcl loss.
 
     Args:
-        model: the ``SentenceTransformer`` (the trainer may swap in its DDP-wrapped form).
+        model: the ``SentenceTransformer`` (the trainer may swap in its DDP-wrapped form);
+            None allows only :meth:`compute_loss_from_embeddings`.
         scale: sentence-transformers' logit scale, ``1 / temperature``; default 20.0.
         similarity_fct: ``util.cos_sim`` (default), ``util.dot_score``, ``"cos"`` or ``"dot"``.
         temperature: fastcl's name for ``1 / scale`` (give one of the two).
@@ -173,8 +175,10 @@ class _FastCLSTLoss(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        if not callable(model):
+        if model is not None and not callable(model):  # None: compute_loss_from_embeddings only, as in ST
             raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
+        if backend != "auto" and backend not in BACKEND_MODULES:
+            raise ValueError(f"backend={backend!r}; expected 'auto' or one of {tuple(BACKEND_MODULES)}")
         if mini_batch_size is not None and (
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1
         ):

@@ -23,6 +23,7 @@ and under-report (eager's 16 MiB logits at B = 2048 read 22 to 37 MiB from run t
 
     pytest benchmarks/bench_st.py --benchmark-only          # CPU grid, ~1.5 min
     FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_st.py     # skip the memory probes
+    FASTCL_BENCH_ST_GRID="8192,0,64" pytest benchmarks/bench_st.py   # other (B, Q, d)
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ CPU_GRID = [
     (1024, 1, 384),
     (4096, 0, 64),
 ]
+if os.environ.get("FASTCL_BENCH_ST_GRID"):  # e.g. "8192,0,64;2048,3,384"
+    CPU_GRID = [tuple(int(v) for v in case.split(",")) for case in os.environ["FASTCL_BENCH_ST_GRID"].split(";")]
 MINI_BATCH_SIZE = 32
 IMPLS = ["eager", "st_cached", "fastcl-torch", "fastcl-cpp"]
 THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "1"))

@@ -60,6 +60,15 @@ def test_importing_fastcl_does_not_import_sentence_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_missing_sentence_transformers_says_which_extra():
+    code = (
+        "import sys; sys.modules['sentence_transformers'] = None\n"
+        "try:\n    import fastcl.integrations.sentence_transformers\n"
+        "except ImportError as e:\n    assert \"fastcl[st]\" in str(e), e\nelse:\n    raise SystemExit('imported')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 # --------------------------------------------------------------------------- vs ST's MNRL
 
 

@@ -12,6 +12,8 @@ import sys
 # command -> module defining ``add_parser(subparsers)`` and ``run(args)``
 COMMANDS = {
     "info": "fastcl.cli.info",
+    "eval": "fastcl.cli.eval",
+    "plot-similarity": "fastcl.cli.plot_similarity",
 }
 
 

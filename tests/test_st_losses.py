@@ -234,3 +234,20 @@ def test_gather_without_process_group_is_single_process():
     assert gathered._group() is None
     _assert_same(_value_and_grads(gathered.compute_loss_from_embeddings, embs),
                  _value_and_grads(plain.compute_loss_from_embeddings, embs))
+
+
+def test_matryoshka_wraps_the_plain_loss(tmp_path):
+    """MatryoshkaLoss around fastcl's MNRL gives the gradients of MatryoshkaLoss around ST's."""
+    model = common.tiny_model(tmp_path, dropout=0.0)
+    rows = common.sentences(10, seed=5)
+    features = [model.preprocess(rows[:5]), model.preprocess(rows[5:])]
+    dims = [common.HIDDEN, common.HIDDEN // 2]
+    ref_value, ref_grads = _st_step(model, st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model), dims), features)
+    value, grads = _st_step(model, st_losses.MatryoshkaLoss(model, fst.MultipleNegativesRankingLoss(model), dims), features)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=2e-4, atol=2e-6, msg=k)
+    # The cached form re-encodes in backward, outside Matryoshka's patch: an error, not a wrong gradient.
+    cached = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), dims)
+    with pytest.raises(RuntimeError, match="shape"):
+        _st_step(model, cached, features)

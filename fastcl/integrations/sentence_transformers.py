@@ -52,8 +52,9 @@ defaults to 32, like sentence-transformers' cached loss) encodes each column wit
 :class:`fastcl.gradcache.GradCache`: chunks of ``mini_batch_size`` rows without grad, the
 fused loss, then a chunk-by-chunk re-encoding with grad during ``backward()`` (dropout
 masks replayed), so encoder memory is that of one chunk. Values and gradients equal the
-uncached loss. Not combinable with ``MatryoshkaLoss`` / ``AdaptiveLayerLoss`` (they patch
-the model's forward only during the loss's forward; the re-encoding runs in backward).
+uncached loss. The uncached losses work inside ``MatryoshkaLoss``; the cached ones do not
+(it patches the model's forward only during the loss's forward, while the re-encoding runs
+in backward: ``backward()`` raises a shape-mismatch ``RuntimeError``).
 Feature tensors must all be indexed by row (``input_ids``, ``attention_mask``, ...).
 
 Cross-device negatives. ``gather_across_devices=True`` (sentence-transformers' flag) means

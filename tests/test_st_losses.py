@@ -251,3 +251,20 @@ def test_matryoshka_wraps_the_plain_loss(tmp_path):
     cached = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), dims)
     with pytest.raises(RuntimeError, match="shape"):
         _st_step(model, cached, features)
+
+
+def test_cached_chunks_drop_unused_padding(tmp_path):
+    """A chunk of short sentences is encoded at its own width (and to the same embeddings)."""
+    model = common.tiny_model(tmp_path, dropout=0.0).eval()
+    short, long = ["the cat sat"] * 2, ["a big red dog ran fast under the blue sky today"] * 2
+    features = model.preprocess(short + long)
+    widths = []
+    encode = fst._SentenceEmbedding(model)
+    original = model.forward
+    model.forward = lambda f, **kw: (widths.append(f["input_ids"].shape[1]), original(f, **kw))[1]
+    try:
+        chunks = [encode(**{k: v[i:i + 2] if torch.is_tensor(v) else v for k, v in features.items()}) for i in (0, 2)]
+    finally:
+        del model.forward
+    assert widths == [5, features["input_ids"].shape[1]]  # [CLS] the cat sat [SEP]
+    torch.testing.assert_close(torch.cat(chunks), model(dict(features))["sentence_embedding"], rtol=1e-5, atol=1e-6)

@@ -131,12 +131,27 @@ def _resolve_temperature(scale, temperature) -> float:
 
 
 class _SentenceEmbedding:
-    """``encode_fn`` for GradCache: a feature-dict chunk -> its ``[c, d]`` sentence embeddings."""
+    """``encode_fn`` for GradCache: a feature-dict chunk -> its ``[c, d]`` sentence embeddings.
+
+    Trailing padding columns that no row of the chunk uses are cut first (as
+    sentence-transformers' cached losses do), so a chunk of short sentences is not encoded
+    at the width of the batch's longest one. Deterministic, hence identical in both passes.
+    """
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __call__(self, **features) -> Tensor:
+        mask = features.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+            width = mask.shape[1]
+            used = mask.bool().any(0).nonzero()
+            end = int(used.max()) + 1 if used.numel() else width
+            if end < width:
+                features = {
+                    k: v[:, :end] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == width else v
+                    for k, v in features.items()
+                }
         return self.model(features)["sentence_embedding"]
 
 

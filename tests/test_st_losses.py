@@ -164,9 +164,7 @@ def test_cached_and_plain_match_sentence_transformers_through_a_model(tmp_path, 
     for name, loss in runs.items():
         value, grads = _st_step(model, loss, features)
         torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6, msg=name)
-        assert grads.keys() == ref_grads.keys(), name
-        for k in grads:
-            torch.testing.assert_close(grads[k], ref_grads[k], rtol=2e-4, atol=2e-6, msg=f"{name}: {k}")
+        common.assert_grads_close(grads, ref_grads, name)
 
 
 def test_cached_loss_under_no_grad_is_the_plain_value(tmp_path):
@@ -245,8 +243,7 @@ def test_matryoshka_wraps_the_plain_loss(tmp_path):
     ref_value, ref_grads = _st_step(model, st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model), dims), features)
     value, grads = _st_step(model, st_losses.MatryoshkaLoss(model, fst.MultipleNegativesRankingLoss(model), dims), features)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
-    for k in ref_grads:
-        torch.testing.assert_close(grads[k], ref_grads[k], rtol=2e-4, atol=2e-6, msg=k)
+    common.assert_grads_close(grads, ref_grads, "matryoshka")
     # The cached form re-encodes in backward, outside Matryoshka's patch: an error, not a wrong gradient.
     cached = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), dims)
     with pytest.raises(RuntimeError, match="shape"):

@@ -8,7 +8,8 @@ kept for the life of the process, and the failure reason is what dispatch and
 
 Build directory: ``$FASTCL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fastcl``, i.e.
 ``~/.cache/fastcl``) ``/torch_extensions/<name>-<key>``, where the key hashes the sources,
-the flags, the Python, torch and CUDA versions and the CPU capability: a cache shared by
+the flags, the Python, torch and CUDA versions, the CPU capability and the checkout's path
+(ninja names sources by absolute path): a cache shared by
 machines or checkouts never loads a library built for something else, and a rebuilt
 checkout does not disturb another one. ``FASTCL_NO_BUILD=1`` turns building off (the
 backends then report that reason).
@@ -85,6 +86,9 @@ class Extension:
         for part in (self.cflags, self.cuda_cflags, self.ldflags):
             h.update(repr(part).encode())
         h.update(f"{sys.version_info[:2]} {torch.__version__} {torch.version.cuda} {self.key_extra}".encode())
+        # ninja's build file names the sources by absolute path: two checkouts sharing one
+        # build folder would rebuild each other's binary on every switch
+        h.update(str(root.resolve()).encode())
         return h.hexdigest()[:16]
 
     def build_dir(self) -> Path:

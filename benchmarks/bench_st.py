@@ -1,0 +1,136 @@
+"""fastcl's sentence-transformers MNRL vs sentence-transformers' MNRL and cached MNRL.
+
+The loss stage only, on the same random float32 embeddings (anchor, positive and Q hard
+negative columns, ``[B, d]`` each): forward + backward to the embeddings, which is all a
+loss contributes to a training step (the encoder is the same for every implementation).
+
+* ``eager``: ``sentence_transformers.losses.MultipleNegativesRankingLoss`` (builds the
+  ``B x B(1+Q)`` logits; the reference the ratios are taken against).
+* ``st_cached``: ``sentence_transformers.losses.CachedMultipleNegativesRankingLoss``'s loss
+  stage (``calculate_loss(..., with_backward=True)``: logits in row chunks of
+  ``mini_batch_size`` = 32, backward per chunk, as in its gradient-cached step).
+* ``fastcl-<backend>``: ``fastcl.integrations.sentence_transformers.MultipleNegativesRankingLoss``
+  (the same class serves the cached variant: gradient caching changes only the encoder side).
+
+Time: pytest-benchmark in this process, median of 3 rounds after a warm-up, on
+``FASTCL_BENCH_THREADS`` (1) intra-op threads. Peak memory: ``fastcl.bench.memory``'s
+meter (extra peak RSS of one step in a fresh process, after a warm-up step), with two
+changes. The fresh processes fork from a ``forkserver`` that imported sentence-transformers
+once (a cold import costs 5-30 s on the shared CPU, per probe). And they run with
+``MALLOC_MMAP_THRESHOLD_=131072``: glibc's default *dynamic* threshold lets freed blocks of
+up to 32 MiB stay resident after the warm-up step, so the measured step would reuse them
+and under-report (eager's 16 MiB logits at B = 2048 read 22 to 37 MiB from run to run).
+
+    pytest benchmarks/bench_st.py --benchmark-only          # CPU grid, ~1.5 min
+    FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_st.py     # skip the memory probes
+    FASTCL_BENCH_ST_GRID="8192,0,64" pytest benchmarks/bench_st.py   # other (B, Q, d)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+
+from fastcl.bench.memory import measure_extra_rss  # noqa: E402
+from fastcl.ops import dispatch  # noqa: E402
+
+# (B, Q, d): triplets (one hard negative) at MiniLM's width, and a wide batch of pairs
+CPU_GRID = [
+    (1024, 1, 384),
+    (4096, 0, 64),
+]
+if os.environ.get("FASTCL_BENCH_ST_GRID"):  # e.g. "8192,0,64;2048,3,384"
+    CPU_GRID = [tuple(int(v) for v in case.split(",")) for case in os.environ["FASTCL_BENCH_ST_GRID"].split(";")]
+MINI_BATCH_SIZE = 32
+IMPLS = ["eager", "st_cached", "fastcl-torch", "fastcl-cpp"]
+THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "1"))
+
+
+def st_step(impl: str, B: int, Q: int, d: int, mini_batch_size: int = MINI_BATCH_SIZE, seed: int = 0):
+    """One forward + backward of ``impl``'s MNRL on fresh ``(2 + Q)`` columns of ``[B, d]``.
+
+    Returns the zero-argument step (also the factory of the memory probe).
+    """
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(seed)
+    columns = [torch.randn(B, d, generator=gen) for _ in range(2 + Q)]
+
+    def leaves():
+        return [c.detach().requires_grad_() for c in columns]
+
+    if impl == "eager":
+        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+        loss = MultipleNegativesRankingLoss(model=None)
+        return lambda: loss.compute_loss_from_embeddings(leaves(), None).backward()
+    if impl == "st_cached":
+        from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+        # The model is only inspected at construction (it must not be a StaticEmbedding).
+        loss = CachedMultipleNegativesRankingLoss(nn.Sequential(nn.Identity()), mini_batch_size=mini_batch_size)
+        return lambda: loss.calculate_loss([list(c.split(mini_batch_size)) for c in leaves()], None, with_backward=True)
+    if impl.startswith("fastcl-"):
+        from fastcl.integrations.sentence_transformers import MultipleNegativesRankingLoss
+
+        loss = MultipleNegativesRankingLoss(nn.Identity(), backend=impl.removeprefix("fastcl-"))
+        return lambda: loss.compute_loss_from_embeddings(leaves()).backward()
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+_FORKSERVER = None
+
+
+def _probe(case: dict) -> int:
+    torch.set_num_threads(THREADS)
+    return measure_extra_rss(st_step(**case))
+
+
+def peak_bytes(case: dict) -> int:
+    """Extra peak RSS of one ``st_step(**case)`` in a fresh process (see the module docstring)."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "sentence_transformers", "fastcl.integrations.sentence_transformers"])
+        saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # read by the server at its exec, inherited by probes
+        try:
+            with ctx.Pool(1) as pool:  # starts the server
+                pool.apply(int)
+        finally:
+            if saved is None:
+                os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+            else:
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+        _FORKSERVER = ctx
+    with _FORKSERVER.Pool(1) as pool:  # a fresh child per probe
+        return pool.apply(_probe, (case,))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("B, Q, d", CPU_GRID, ids=lambda v: str(v))
+def test_st_mnrl_fwd_bwd(benchmark, bench_record, B, Q, d, impl):
+    if impl.startswith("fastcl-"):
+        status = dispatch.describe()[impl.removeprefix("fastcl-")]
+        if status != "available":
+            pytest.skip(f"backend {impl!r}: {status}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        case = dict(impl=impl, B=B, Q=Q, d=d)
+        step = st_step(**case)
+        peak = None
+        if os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1":
+            peak = peak_bytes(case) / 2**20
+        benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(threads)
+    bench_record(
+        benchmark, workload=f"ST MNRL B={B} Q={Q} d={d} fp32 (eager = sentence-transformers MNRL)", impl=impl,
+        peak_mib=peak, threads=THREADS, mini_batch_size=MINI_BATCH_SIZE if impl == "st_cached" else None,
+    )

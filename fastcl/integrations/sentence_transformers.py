@@ -1,0 +1,407 @@
+"""fastcl's fused losses as sentence-transformers losses: change one import, keep the trainer.
+
+::
+
+    from sentence_transformers import SentenceTransformerTrainer
+    # was: from sentence_transformers.losses import MultipleNegativesRankingLoss
+    from fastcl.integrations.sentence_transformers import MultipleNegativesRankingLoss
+
+    loss = MultipleNegativesRankingLoss(model)          # scale=20.0, i.e. temperature 0.05
+    SentenceTransformerTrainer(model=model, train_dataset=ds, loss=loss).train()
+
+Every class here has sentence-transformers' loss interface: it is constructed with the
+``SentenceTransformer`` model and called by the trainer as ``loss(sentence_features,
+labels)``, where ``sentence_features`` holds one tokenized feature dict per input column of
+the dataset, in column order, and ``labels`` is ignored (the layout is given by the
+columns). ``compute_loss_from_embeddings(embeddings, labels=None)`` takes the ``[B, d]``
+embeddings of the columns directly. The loss itself is fastcl's fused primitive
+(``fastcl.losses``): it never builds the ``B x B(1+Q)`` logits.
+
+Column layouts (``B`` rows per column, every row needs every column):
+
+=====================================  ==============================================
+class                                  columns
+=====================================  ==============================================
+``MultipleNegativesRankingLoss``       anchor, positive, negative_1 .. negative_Q (Q >= 0)
+``CachedMultipleNegativesRankingLoss`` same, with gradient caching (``mini_batch_size=32``)
+``InfoNCELoss``                        anchor, positive (SimCSE-unsup: the same sentence twice)
+``SupMPNLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
+``SupConLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
+=====================================  ==============================================
+
+Temperature. sentence-transformers multiplies similarities by ``scale``; fastcl divides them
+by ``temperature``: ``scale = 1 / temperature``. Give one of ``scale=`` (sentence-
+transformers' name and default, ``20.0``) or ``temperature=`` (fastcl's name); the default
+``scale=20.0`` is ``temperature=0.05``, SimCSE's value. ``loss.scale`` and
+``loss.temperature`` read (and set) the same number.
+
+Similarity. ``similarity_fct`` accepts sentence-transformers' ``util.cos_sim`` (default) and
+``util.dot_score`` (or ``"cos"`` / ``"dot"``): fastcl computes similarities inside its
+fused kernel, so an arbitrary callable cannot be honoured and raises ``ValueError``.
+
+Where the losses coincide. ``MultipleNegativesRankingLoss`` equals sentence-transformers'
+``MultipleNegativesRankingLoss`` with its default ``directions=("query_to_doc",)``,
+``partition_mode="joint"`` and no hardness weighting (value and gradients on the same
+embeddings; the candidate order differs, which a log-sum-exp does not see).
+``InfoNCELoss(symmetric=True)`` equals it with ``directions=("query_to_doc",
+"doc_to_query"), partition_mode="per_direction"`` on (anchor, positive) pairs. Other
+directions and hardness modes are not offered.
+
+Gradient caching. ``mini_batch_size=`` (any class; ``CachedMultipleNegativesRankingLoss``
+defaults to 32, like sentence-transformers' cached loss) encodes each column with
+:class:`fastcl.gradcache.GradCache`: chunks of ``mini_batch_size`` rows without grad, the
+fused loss, then a chunk-by-chunk re-encoding with grad during ``backward()`` (dropout
+masks replayed), so encoder memory is that of one chunk. Values and gradients equal the
+uncached loss. The uncached losses work inside ``MatryoshkaLoss``; the cached ones do not
+(it patches the model's forward only during the loss's forward, while the re-encoding runs
+in backward: ``backward()`` raises a shape-mismatch ``RuntimeError``).
+Feature tensors must all be indexed by row (``input_ids``, ``attention_mask``, ...).
+
+Cross-device negatives. ``gather_across_devices=True`` (sentence-transformers' flag) means
+``process_group=torch.distributed.group.WORLD`` in fastcl (resolved at each call, so the
+loss may be built before the process group exists; a no-op outside a multi-process run).
+Every anchor then sees every rank's candidates; each rank's loss and gradients are those
+of sentence-transformers' ``gather_across_devices=True``, and after DDP's averaging the
+parameter gradients are those of the global batch (see ``fastcl.distributed``). An explicit
+``process_group=`` overrides the flag.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from sentence_transformers.util import cos_sim, dot_score
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "fastcl.integrations.sentence_transformers needs sentence-transformers: pip install 'fastcl[st]'"
+    ) from exc
+
+try:  # sentence-transformers >= 6: like-shaped candidate columns share one forward pass
+    from sentence_transformers.base.losses.merged_forward import embed_columns as _st_embed_columns
+except ImportError:  # pragma: no cover - older sentence-transformers
+    _st_embed_columns = None
+
+from .. import losses as fl
+from ..gradcache import GradCache
+from ..ops.dispatch import BACKEND_MODULES
+
+__all__ = [
+    "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesRankingLoss",
+    "InfoNCELoss",
+    "SupMPNLoss",
+    "SupConLoss",
+    "DEFAULT_SCALE",
+]
+
+DEFAULT_SCALE = 20.0  # sentence-transformers' default scale = 1 / fastcl's default temperature 0.05
+
+
+def _similarity_name(similarity_fct) -> str:
+    if isinstance(similarity_fct, str) and similarity_fct in ("cos", "dot"):
+        return similarity_fct
+    if similarity_fct is cos_sim:
+        return "cos"
+    if similarity_fct is dot_score:
+        return "dot"
+    raise ValueError(
+        f"similarity_fct={similarity_fct!r}: fastcl computes similarities inside its fused kernel and "
+        "supports only sentence_transformers.util.cos_sim, util.dot_score, 'cos' or 'dot'"
+    )
+
+
+def _positive_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _resolve_temperature(scale, temperature) -> float:
+    if scale is not None and temperature is not None:
+        raise ValueError("give scale or temperature, not both (scale = 1 / temperature)")
+    if temperature is not None:
+        return _positive_float("temperature", temperature)
+    return 1.0 / _positive_float("scale", DEFAULT_SCALE if scale is None else scale)
+
+
+class _SentenceEmbedding:
+    """``encode_fn`` for GradCache: a feature-dict chunk -> its ``[c, d]`` sentence embeddings.
+
+    Trailing padding columns that no row of the chunk uses are cut first (as
+    sentence-transformers' cached losses do), so a chunk of short sentences is not encoded
+    at the width of the batch's longest one. Deterministic, hence identical in both passes.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, **features) -> Tensor:
+        mask = features.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+            width = mask.shape[1]
+            used = mask.bool().any(0).nonzero()
+            end = int(used.max()) + 1 if used.numel() else width
+            if end < width:
+                features = {
+                    k: v[:, :end] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == width else v
+                    for k, v in features.items()
+                }
+        return self.model(features)["sentence_embedding"]
+
+
+class _FastCLSTLoss(nn.Module):
+    """Shared machinery: columns -> embeddings (plain or gradient-cached) -> a fastcl loss.
+
+    Args:
+        model: the ``SentenceTransformer`` (the trainer may swap in its DDP-wrapped form);
+            None allows only :meth:`compute_loss_from_embeddings`.
+        scale: sentence-transformers' logit scale, ``1 / temperature``; default 20.0.
+        similarity_fct: ``util.cos_sim`` (default), ``util.dot_score``, ``"cos"`` or ``"dot"``.
+        temperature: fastcl's name for ``1 / scale`` (give one of the two).
+        gather_across_devices: every rank's candidates join every anchor's denominator
+            (``process_group=torch.distributed.group.WORLD``).
+        process_group: an explicit ``torch.distributed`` group; overrides the flag.
+        mini_batch_size: encode with fastcl's gradient cache in chunks of this many rows
+            (None: one ordinary forward per column, as sentence-transformers' uncached losses).
+        show_progress_bar: tqdm bars over the cached chunks.
+        backend: fastcl backend (``"auto"``, ``"torch"``, ``"triton"``, ...; see ``fastcl.losses``).
+    """
+
+    min_columns = 2
+    max_columns: int | None = None
+    layout = "(anchor, positive)"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float | None = None,
+        similarity_fct=cos_sim,
+        *,
+        temperature: float | None = None,
+        gather_across_devices: bool = False,
+        process_group=None,
+        mini_batch_size: int | None = None,
+        show_progress_bar: bool = False,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if model is not None and not callable(model):  # None: compute_loss_from_embeddings only, as in ST
+            raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
+        if backend != "auto" and backend not in BACKEND_MODULES:
+            raise ValueError(f"backend={backend!r}; expected 'auto' or one of {tuple(BACKEND_MODULES)}")
+        if mini_batch_size is not None and (
+            isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1
+        ):
+            raise ValueError(f"mini_batch_size must be a positive int or None, got {mini_batch_size!r}")
+        if not isinstance(gather_across_devices, bool):
+            raise TypeError(f"gather_across_devices must be a bool, got {gather_across_devices!r}")
+        self.model = model
+        self.temperature = _resolve_temperature(scale, temperature)
+        self.similarity = _similarity_name(similarity_fct)
+        self.gather_across_devices = gather_across_devices
+        self.process_group = process_group
+        self.mini_batch_size = mini_batch_size
+        self.show_progress_bar = show_progress_bar
+        self.backend = backend
+
+    # -- sentence-transformers' vocabulary ---------------------------------------------
+
+    @property
+    def scale(self) -> float:
+        """sentence-transformers' logit scale: ``1 / temperature``."""
+        return 1.0 / self.temperature
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.temperature = 1.0 / _positive_float("scale", value)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """Hyperparameters, as sentence-transformers' losses report them (model cards)."""
+        return {
+            "scale": self.scale,
+            "temperature": self.temperature,
+            "similarity_fct": {"cos": "cos_sim", "dot": "dot_score"}[self.similarity],
+            "gather_across_devices": self.gather_across_devices,
+            "mini_batch_size": self.mini_batch_size,
+            "backend": self.backend,
+        } | self._extra_config()
+
+    def _extra_config(self) -> dict[str, Any]:
+        return {}
+
+    # -- forward -----------------------------------------------------------------------
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        """``sentence_features``: one tokenized feature dict per column; ``labels`` is ignored.
+
+        Returns the 0-d mean loss over the batch's anchors (float32 for float32 embeddings).
+        """
+        features = list(sentence_features)
+        self._check_columns(len(features))
+        for i, f in enumerate(features):
+            if not isinstance(f, dict):
+                raise TypeError(f"sentence_features[{i}] must be a tokenized feature dict, got {type(f).__name__}")
+        return self.compute_loss_from_embeddings(self._embed(features), labels)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        """The loss from the columns' ``[B, d]`` embeddings (same dtype and device)."""
+        embeddings = list(embeddings)
+        self._check_columns(len(embeddings))
+        return self._loss(embeddings)
+
+    def _check_columns(self, n: int) -> None:
+        if n < self.min_columns or (self.max_columns is not None and n > self.max_columns):
+            want = f"{self.min_columns}" if self.max_columns == self.min_columns else (
+                f"at least {self.min_columns}" if self.max_columns is None else f"{self.min_columns}..{self.max_columns}"
+            )
+            raise ValueError(f"{type(self).__name__} takes {want} columns {self.layout}, got {n}")
+
+    def _embed(self, features: list[dict]) -> list[Tensor]:
+        if self.mini_batch_size is None:
+            if _st_embed_columns is not None:
+                return _st_embed_columns(self.model, features)
+            return [self.model(f)["sentence_embedding"] for f in features]
+        # One GradCache per step: every column hangs off one flush node, so the backward
+        # re-encodes all columns' chunks in one pass (and syncs DDP once, after the last).
+        ddp = self.model if isinstance(self.model, nn.parallel.DistributedDataParallel) else None
+        gc = GradCache(_SentenceEmbedding(self.model), self.mini_batch_size, ddp=ddp, progress=self.show_progress_bar)
+        return [gc(**f) for f in features]
+
+    def _options(self) -> dict[str, Any]:
+        return dict(
+            temperature=self.temperature, backend=self.backend, process_group=self._group(), similarity=self.similarity
+        )
+
+    def _group(self):
+        if self.process_group is not None:
+            return self.process_group
+        dist = torch.distributed
+        if self.gather_across_devices and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.group.WORLD
+        return None
+
+    def _loss(self, embeddings: list[Tensor]) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.get_config_dict().items())
+
+
+def _stack(columns: list[Tensor]) -> Tensor | None:
+    """``Q`` columns of ``[B, d]`` -> ``[B, Q, d]`` (None for Q = 0)."""
+    return torch.stack(columns, dim=1) if columns else None
+
+
+class MultipleNegativesRankingLoss(_FastCLSTLoss):
+    """MNRL / SimCSE-sup with fastcl's fused kernel: columns (anchor, positive, negative_1..Q).
+
+    ``loss_i = -s(a_i, p_i) * scale + LSE_c s(a_i, c) * scale`` over every positive and every
+    hard negative of the batch (:func:`fastcl.losses.mnrl_loss`); the mean over anchors.
+    Drop-in for ``sentence_transformers.losses.MultipleNegativesRankingLoss`` with its
+    default directions; see the module docstring for the arguments.
+    """
+
+    layout = "(anchor, positive, negative_1, ..., negative_Q)"
+
+    def _loss(self, embeddings):
+        anchor, positive, *negatives = embeddings
+        return fl.mnrl_loss(anchor, positive, _stack(negatives), **self._options())
+
+
+class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
+    """:class:`MultipleNegativesRankingLoss` with gradient caching, ``mini_batch_size=32`` by default.
+
+    Drop-in for ``sentence_transformers.losses.CachedMultipleNegativesRankingLoss``: encoder
+    memory is that of one mini-batch, the loss needs no ``B x N`` logits either, and values
+    and gradients equal the uncached loss.
+    """
+
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, mini_batch_size: int = 32, **kw):
+        if mini_batch_size is None:
+            raise ValueError("CachedMultipleNegativesRankingLoss needs a mini_batch_size (int)")
+        super().__init__(model, scale, similarity_fct, mini_batch_size=mini_batch_size, **kw)
+
+
+class InfoNCELoss(_FastCLSTLoss):
+    """InfoNCE / SimCSE-unsup: columns (anchor, positive); ``symmetric=True`` adds positive -> anchor.
+
+    For SimCSE-unsup put the same sentence in both columns: the two forward passes draw
+    different dropout masks. :func:`fastcl.losses.infonce_loss`.
+    """
+
+    max_columns = 2
+
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, symmetric: bool = False, **kw):
+        super().__init__(model, scale, similarity_fct, **kw)
+        if not isinstance(symmetric, bool):
+            raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
+        self.symmetric = symmetric
+
+    def _extra_config(self):
+        return {"symmetric": self.symmetric}
+
+    def _loss(self, embeddings):
+        anchor, positive = embeddings
+        return fl.infonce_loss(anchor, positive, symmetric=self.symmetric, **self._options())
+
+
+class _MultiPositiveLoss(_FastCLSTLoss):
+    """Columns (anchor, ``num_positives`` positives, Q >= 0 negatives)."""
+
+    layout = "(anchor, positive_1..positive_P, negative_1..negative_Q)"
+
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, num_positives: int = 1, **kw):
+        super().__init__(model, scale, similarity_fct, **kw)
+        if isinstance(num_positives, bool) or not isinstance(num_positives, int) or num_positives < 1:
+            raise ValueError(f"num_positives must be a positive int, got {num_positives!r}")
+        self.num_positives = num_positives
+        self.min_columns = 1 + num_positives
+
+    def _split(self, embeddings):
+        P = self.num_positives
+        return embeddings[0], torch.stack(embeddings[1 : 1 + P], dim=1), _stack(embeddings[1 + P :])
+
+    def _extra_config(self):
+        return {"num_positives": self.num_positives}
+
+
+class SupMPNLoss(_MultiPositiveLoss):
+    """SupMPN (Dehghan & Amasyali 2022): several positives and hard negatives per anchor.
+
+    Columns: anchor, then ``num_positives`` positive columns, then any number of negative
+    columns. Each own positive is contrasted against every candidate of the batch except
+    the anchor's other positives (:func:`fastcl.losses.supmpn_loss`);
+    ``own_positives="zero_logit"`` reproduces the authors' released code.
+    """
+
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, own_positives: str = "exclude", **kw):
+        super().__init__(model, scale, similarity_fct, **kw)
+        if own_positives not in fl.OWN_POSITIVES:
+            raise ValueError(f"own_positives={own_positives!r}; expected one of {fl.OWN_POSITIVES}")
+        self.own_positives = own_positives
+
+    def _extra_config(self):
+        return super()._extra_config() | {"own_positives": self.own_positives}
+
+    def _loss(self, embeddings):
+        anchor, positives, negatives = self._split(embeddings)
+        return fl.supmpn_loss(anchor, positives, negatives, own_positives=self.own_positives, **self._options())
+
+
+class SupConLoss(_MultiPositiveLoss):
+    """Supervised contrastive loss (Khosla et al. 2020, L_out) over column-given positives.
+
+    Columns as :class:`SupMPNLoss`; each own positive is contrasted against every candidate
+    of the batch, own positives included (:func:`fastcl.losses.supcon_loss`). With
+    ``num_positives=1`` this is :class:`MultipleNegativesRankingLoss`.
+    """
+
+    def _loss(self, embeddings):
+        anchor, positives, negatives = self._split(embeddings)
+        return fl.supcon_loss(anchor, positives, negatives, **self._options())

@@ -1,0 +1,76 @@
+"""``gather_across_devices=True`` is sentence-transformers' gathering: a 2-process gloo run.
+
+On every rank, fastcl's losses with ``gather_across_devices=True`` (or an explicit
+``process_group``) give the value and the embedding gradients of sentence-transformers'
+``MultipleNegativesRankingLoss(gather_across_devices=True)`` (symmetric InfoNCE: its
+``doc_to_query`` / ``per_direction`` form); and a DDP-wrapped tiny BERT trained with
+fastcl's cached MNRL gets the parameter gradients of sentence-transformers' cached MNRL.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("sentence_transformers")
+
+from tests import _st_distributed_worker as W  # noqa: E402
+from tests._st_common import assert_grads_close  # noqa: E402
+
+WORLD = 2
+SPAWN_TIMEOUT_S = 150
+pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = str(tmp_path_factory.mktemp("st_dist"))
+    seed = int(torch.initial_seed() % 10_000)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=W.worker, args=(r, WORLD, os.path.join(tmp, "store"), tmp, seed), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+    if errors:
+        pytest.fail(f"{WORLD}-process run failed (seed {seed}):\n" + "\n".join(errors))
+    codes = [p.exitcode for p in procs]
+    if codes != [0] * WORLD:
+        pytest.fail(f"{WORLD}-process run did not finish in {SPAWN_TIMEOUT_S}s or crashed: exit codes {codes}")
+    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", ["mnrl", "mnrl_group", "infonce_symmetric"])
+def test_gathered_loss_equals_sentence_transformers(ranks, case):
+    for rank, result in enumerate(ranks):
+        (ref_value, ref_grads), (value, grads) = result["embeddings"][case]
+        torch.testing.assert_close(value, ref_value, rtol=1e-10, atol=1e-10, msg=f"rank {rank}")
+        for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+            assert rg.abs().max() > 0, f"rank {rank} column {i}: zero reference gradient"
+            torch.testing.assert_close(g, rg, rtol=1e-10, atol=1e-10, msg=f"rank {rank} column {i}")
+
+
+def test_ddp_cached_parameter_gradients_equal_sentence_transformers(ranks):
+    for rank, result in enumerate(ranks):
+        ref_value, ref_grads = result["ddp_cached"]["st"]
+        value, grads = result["ddp_cached"]["fastcl"]
+        torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+        assert_grads_close(grads, ref_grads, f"rank {rank}")
+    # DDP averaged: both ranks hold the same parameter gradients
+    for k, g in ranks[0]["ddp_cached"]["fastcl"][1].items():
+        torch.testing.assert_close(ranks[1]["ddp_cached"]["fastcl"][1][k], g, rtol=1e-6, atol=1e-8, msg=k)

@@ -12,6 +12,7 @@ import sys
 # command -> module defining ``add_parser(subparsers)`` and ``run(args)``
 COMMANDS = {
     "info": "fastcl.cli.info",
+    "bench-report": "fastcl.bench.report",
 }
 
 

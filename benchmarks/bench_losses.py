@@ -10,6 +10,7 @@ implementation's loss value is asserted equal to the float64 reference (like wit
 
 Per case (``extra_info``): median time of forward + backward (pytest-benchmark, one
 warm-up round), peak memory (CPU: extra peak RSS of a fresh process running one step,
+forked per case from a probe server that imported the libraries once,
 ``fastcl.bench.memory``; CUDA: max allocated beyond the inputs), achieved TFLOP/s on
 ``8 * B * N * d`` and its share of a GEMM of the same shape measured in the same run.
 
@@ -23,6 +24,7 @@ warm-up round), peak memory (CPU: extra peak RSS of a fresh process running one 
 from __future__ import annotations
 
 import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -30,16 +32,16 @@ import torch
 
 from fastcl.bench import peers
 from fastcl.bench.cases import make_inputs
-from fastcl.bench.memory import cpu_extra_peak_bytes, cuda_extra_peak_bytes
+from fastcl.bench.memory import cpu_extra_peak_bytes_many, cuda_extra_peak_bytes
 from fastcl.bench.metrics import gemm_tflops, loss_flops, num_candidates, synchronize
 from fastcl.ops.dispatch import BackendUnavailableError
 
 # (loss, P, Q, d, dtype, batch sizes). SupMPN's setting P = Q = 5; SimCSE-sup (MNRL with
 # one hard negative); SimCSE-unsup (InfoNCE) at d = 128 to reach larger B on 2 cores.
 CPU_GRID = [
-    ("supmpn", 5, 5, 768, "float32", (128, 512)),
-    ("supcon", 5, 5, 768, "float32", (128, 512)),
-    ("mnrl", 1, 1, 768, "float32", (512, 2048)),
+    ("supmpn", 5, 5, 768, "float32", (64, 256)),
+    ("supcon", 5, 5, 768, "float32", (64, 256)),
+    ("mnrl", 1, 1, 768, "float32", (256, 1024)),
     ("infonce", 1, 0, 128, "float32", (1024, 2048, 4096)),
 ]
 # GPU: bf16 at BERT-base width, B up to 65536 and beyond (eager runs out of memory first:
@@ -55,7 +57,9 @@ SELECTED = [s for s in os.environ.get("FASTCL_BENCH_IMPLS", "").split(",") if s]
 IMPLS = [name for name in peers.IMPLS if not SELECTED or name in SELECTED]
 MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
 MEMORY_WORKERS = int(os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "2"))
-ROUNDS = {"cpu": 3, "cuda": 10}
+ROUNDS = {"cpu": 3, "cuda": 5}
+# imported once by the memory probe server, before it forks a child per case
+PRELOAD = ("fastcl.bench.peers", "sentence_transformers", "pytorch_metric_learning")
 
 
 def _cases(grid, device, marks=()):
@@ -74,11 +78,27 @@ def workload_name(case: dict) -> str:
     return f"{case['loss']} B={case['B']} P={case['P']} Q={case['Q']} d={case['d']} {case['dtype']} {case['device']}"
 
 
-def _probe(case: dict) -> float | None:
+# pytorch-metric-learning's NTXentLoss matches each positive pair with its negatives through
+# a [pairs, negative pairs] mask: O(B * N * B * P) work and memory (B = 512 InfoNCE takes
+# ~20 s per step on one core, B = 1024 ~150 s). Cases beyond this size skip it, saying so.
+MAX_WORK = {"pml-ntxent": 2**25}
+
+
+def too_big(case: dict) -> str | None:
+    limit = MAX_WORK.get(case["backend"])
+    B, P = case["B"], case["P"]
+    work = B * num_candidates(case["loss"], B, P, case["Q"]) * B * P
+    if limit and work > limit:
+        return f"O(B*N*B*P) pair bookkeeping: {work:.2g} > {limit:.2g} at B={B} (minutes per step)"
+    return None
+
+
+def _probe_many(cases: list[dict]) -> list[float | None]:
     try:
-        return cpu_extra_peak_bytes("fastcl.bench.cases:loss_step", case) / 2**20
-    except RuntimeError:  # the test itself reports why this implementation cannot run
-        return None
+        peaks = cpu_extra_peak_bytes_many("fastcl.bench.cases:loss_step", cases, preload=PRELOAD)
+    except (RuntimeError, subprocess.TimeoutExpired):  # the tests report what they can
+        return [None] * len(cases)
+    return [None if p is None else p / 2**20 for p in peaks]
 
 
 @pytest.fixture(scope="session")
@@ -90,11 +110,17 @@ def cpu_memory(request) -> dict:
     wanted = []
     for item in request.session.items:
         case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-        if case and case["device"] == "cpu" and not peers.unavailable(case["backend"], case["loss"], "cpu"):
+        if (case and case["device"] == "cpu" and not peers.unavailable(case["backend"], case["loss"], "cpu")
+                and not too_big(case)):
             wanted.append(case)
+    # one probe server per worker; each case still runs in its own fresh (forked) process
+    chunks = [wanted[i::MEMORY_WORKERS] for i in range(MEMORY_WORKERS)]
     with ThreadPoolExecutor(max_workers=MEMORY_WORKERS) as pool:
-        peaks = list(pool.map(_probe, wanted))
-    return {workload_name(c) + "|" + c["backend"]: p for c, p in zip(wanted, peaks)}
+        peaks = list(pool.map(_probe_many, chunks))
+    out = {}
+    for chunk, values in zip(chunks, peaks):
+        out.update({workload_name(c) + "|" + c["backend"]: p for c, p in zip(chunk, values)})
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +135,7 @@ def test_loss_fwd_bwd(benchmark, bench_record, bench_skip, cpu_memory, reference
     workload = workload_name(case)
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("GPU grid: no CUDA device")
-    why = peers.unavailable(impl, loss, device)
+    why = peers.unavailable(impl, loss, device) or too_big(case)
     if why:
         bench_skip(workload, impl, why)
     B, P, Q, d = case["B"], case["P"], case["Q"], case["d"]

@@ -235,6 +235,8 @@ def unavailable(name: str, loss: str, device: str | torch.device) -> str | None:
     if impl.family == "fastcl":
         from fastcl.ops import dispatch
 
+        if name == "triton" and device.type == "cpu":
+            return "fastcl backend 'triton' runs on CUDA (its CPU interpreter is for tests, not timing)"
         status = dispatch.describe()[name]
         return None if status == "available" else f"fastcl backend {name!r}: {status}"
     return None

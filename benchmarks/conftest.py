@@ -112,7 +112,7 @@ def pytest_terminal_summary(terminalreporter):
                 line += f"  ({base['benchmark'].stats.stats.median / t:5.2f}x eager speed)"
             if mem is not None:
                 line += f"  peak {mem:8.1f} MiB"
-                if base is not None and base.get("peak_mib"):
+                if base is not None and (base.get("peak_mib") or 0) >= 1:
                     line += f" ({mem / base['peak_mib']:.3f}x eager)"
             if r.get("tflops") is not None:
                 line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"

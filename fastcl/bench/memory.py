@@ -67,9 +67,14 @@ def cpu_extra_peak_bytes_many(factory: str, cases: list[dict], preload: tuple[st
     no earlier allocations (and no OpenMP pool to inherit), builds that case and reports
     its extra peak RSS. ``None`` where the child failed (the benchmark reports why).
     """
+    import os
+
     payload = json.dumps({"factory": factory, "cases": cases, "preload": list(preload)})
     cmd = [sys.executable, "-m", "fastcl.bench.memory", "--many"]
-    out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout)
+    # glibc: every block above 64 KiB is its own mapping, returned to the kernel when freed,
+    # so the measured step cannot reuse heap left over from its warm-up run unseen
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"memory probe server failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"]

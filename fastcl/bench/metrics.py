@@ -37,7 +37,7 @@ _MAX_GEMM_ELEMENTS = 2**26
 
 
 @lru_cache(maxsize=None)
-def gemm_tflops(B: int, N: int, d: int, dtype: str = "float32", device: str = "cpu", repeats: int = 3) -> float:
+def gemm_tflops(B: int, N: int, d: int, dtype: str = "float32", device: str = "cpu", repeats: int = 5) -> float:
     """Measured TFLOP/s of ``[B, d] @ [d, N]`` in ``dtype`` on ``device`` (best of ``repeats``).
 
     Cached per shape for the process. On CUDA, bf16/fp16 use tensor cores and float32 uses

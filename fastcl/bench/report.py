@@ -118,7 +118,8 @@ def table(g: Group) -> str:
     for r in g.rows:
         e = _eager(g, r.B)
         speed = f"{e.seconds / r.seconds:.2f}x" if e else "–"
-        mem = f"{r.peak_mib / e.peak_mib:.3f}x" if e and e.peak_mib and r.peak_mib is not None else "–"
+        # below 1 MiB the RSS meter sees page-level noise, not the workload: no ratio
+        mem = f"{r.peak_mib / e.peak_mib:.3f}x" if e and e.peak_mib and e.peak_mib >= 1 and r.peak_mib is not None else "–"
         rate_value = None if r.tflops is None else (r.tflops if gpu else r.tflops * 1e3)
         share = None if r.gemm_share is None else 100 * r.gemm_share
         name = f"**{r.impl}**" if r.family == "fastcl" else r.impl
@@ -178,7 +179,7 @@ def summary(g: Group) -> str | None:
             parts.append(f"{e.seconds / best.seconds:.2f}x faster than eager")
         else:
             parts.append(f"{best.seconds / e.seconds:.2f}x slower than eager")
-        if e.peak_mib and best.peak_mib is not None:
+        if e.peak_mib and e.peak_mib >= 1 and best.peak_mib is not None:
             parts.append(f"{best.peak_mib / e.peak_mib:.2f}x eager's peak memory")
     others = [r for r in at if r.family != "fastcl" and r.impl != "eager"]
     if others:

@@ -22,6 +22,7 @@ import pytest
 
 _RESULTS: list[dict] = []
 _SKIPPED: list[dict] = []
+_LOAD_AT_START: list[float] = []
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / ".benchmarks" / "fastcl-latest.json"
 
 
@@ -50,6 +51,7 @@ def bench_skip():
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     # before pytest-benchmark reads its options: save JSON by default for the report
+    _LOAD_AT_START[:] = os.getloadavg()
     target = os.environ.get("FASTCL_BENCH_JSON", str(DEFAULT_JSON))
     if getattr(config.option, "benchmark_json", "absent") is None and target != "0":
         Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "loadavg_start": list(os.getloadavg()),
+        "loadavg_start": list(_LOAD_AT_START) or None,
         "backends": dispatch.describe(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

@@ -147,7 +147,7 @@ def plot(g: Group, path: Path) -> None:
         style = styles.get(rows[0].family, "-")
         width = 2.4 if rows[0].family == "fastcl" else 1.4
         ax_t.plot([r.B for r in rows], [r.seconds * 1e3 for r in rows], style, marker="o", lw=width, label=impl)
-        mem = [(r.B, r.peak_mib) for r in rows if r.peak_mib is not None]
+        mem = [(r.B, r.peak_mib) for r in rows if r.peak_mib is not None and r.peak_mib > 0]  # log axis
         if mem:
             ax_m.plot(*zip(*mem), style, marker="o", lw=width, label=impl)
     for ax, ylabel in ((ax_t, "forward + backward (ms)"), (ax_m, "peak memory (MiB)")):
@@ -185,7 +185,7 @@ def summary(g: Group) -> str | None:
     if others:
         fastest = min(others, key=lambda r: r.seconds)
         verb = "beats" if best.seconds < fastest.seconds else "loses to"
-        parts.append(f"{verb} the fastest other, `{fastest.impl}` ({fastest.seconds / best.seconds:.2f}x fastcl's speed)")
+        parts.append(f"{verb} the fastest other, `{fastest.impl}` (its time {fastest.seconds / best.seconds:.2f}x fastcl's)")
         leanest = min((r for r in others if r.peak_mib is not None), key=lambda r: r.peak_mib, default=None)
         if leanest is not None and best.peak_mib is not None:
             parts.append(f"memory {best.peak_mib:.0f} MiB vs the leanest other, `{leanest.impl}`, {leanest.peak_mib:.0f} MiB")
@@ -204,11 +204,10 @@ def _machine_lines(m: dict) -> list[str]:
         f"({f.get('cpu_count', '?')} CPUs, {f.get('torch_threads', '?')} torch threads), "
         f"python {m.get('python_version', '?')}",
     ]
-    if "loadavg_start" in f:
-        end = f.get("loadavg_end")
-        end_s = f"{end[0]:.1f}" if end else "?"
-        lines.append(f"  - load average (1 min): {f['loadavg_start'][0]:.1f} at start, {end_s} at end "
-                     "(other processes shared the cores)")
+    start, end = f.get("loadavg_start"), f.get("loadavg_end")
+    if start or end:
+        said = [f"{x[0]:.1f} at {when}" for x, when in ((start, "start"), (end, "end")) if x]
+        lines.append(f"  - load average (1 min): {', '.join(said)} (other processes shared the cores)")
     if f.get("versions"):
         lines.append("  - versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in f["versions"].items()))
     if f.get("backends"):

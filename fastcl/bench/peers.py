@@ -185,10 +185,13 @@ def _build_torch_lce(loss: str, t: dict):
 def _build_inf_cl(loss: str, t: dict):
     from inf_cl import cal_inf_loss
 
+    # a tensor: Inf-CL routes the scale through its own autograd Function; mean over rows
+    scale = torch.tensor(1 / TEMPERATURE, device=t["anchor"].device, dtype=torch.float32)
+
     def fn():
         q = F.normalize(t["anchor"], dim=-1, eps=1e-8)
         k = F.normalize(t["positive"], dim=-1, eps=1e-8)
-        return cal_inf_loss(q, k, scale=1 / TEMPERATURE)
+        return cal_inf_loss(q, k, scale=scale)
 
     return fn
 

@@ -68,6 +68,13 @@ def _versions() -> dict:
     return out
 
 
+def _backends(dispatch) -> dict:
+    try:
+        return dispatch.describe()
+    except Exception as exc:  # reported, not fatal: the cases say which backends ran
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
     import torch
 
@@ -80,7 +87,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "loadavg_start": list(_LOAD_AT_START) or None,
-        "backends": dispatch.describe(),
+        "backends": _backends(dispatch),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
     machine_info["fastcl"] = info

@@ -240,7 +240,10 @@ def unavailable(name: str, loss: str, device: str | torch.device) -> str | None:
 
         if name == "triton" and device.type == "cpu":
             return "fastcl backend 'triton' runs on CUDA (its CPU interpreter is for tests, not timing)"
-        status = dispatch.describe()[name]
+        try:
+            status = dispatch.describe()[name]
+        except Exception as exc:  # a backend whose own check crashes must not take the suite down
+            return f"fastcl backend check failed: {type(exc).__name__}: {exc}"
         return None if status == "available" else f"fastcl backend {name!r}: {status}"
     return None
 

@@ -30,7 +30,6 @@ Families:
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -12,6 +12,9 @@ import sys
 # command -> module defining ``add_parser(subparsers)`` and ``run(args)``
 COMMANDS = {
     "info": "fastcl.cli.info",
+    "train": "fastcl.cli.train",
+    "eval": "fastcl.cli.eval",
+    "plot-similarity": "fastcl.cli.plot_similarity",
     "bench-report": "fastcl.bench.report",
 }
 

@@ -51,6 +51,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from .pooling import POOLINGS, check_pooling, needs_hidden_states, pool
+
 __all__ = ["GradCache", "HFEncoder", "POOLINGS"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -344,38 +346,6 @@ class GradCache:
 # --------------------------------------------------------------------------- Hugging Face
 
 
-# Same names and semantics as SimCSE's evaluation code (and fastcl's eval pooling).
-POOLINGS = ("cls", "cls_before_pooler", "mean", "avg_first_last")
-
-
-def _masked_mean(states: Tensor, mask: Tensor) -> Tensor:
-    """Mean over unmasked tokens, reduced in float32 (float64 stays), in the states' dtype."""
-    acc = torch.float64 if states.dtype == torch.float64 else torch.float32
-    m = mask.to(acc).unsqueeze(-1)
-    return ((states.to(acc) * m).sum(1) / m.sum(1).clamp_min(1.0)).to(states.dtype)
-
-
-def _pool(outputs, attention_mask: Tensor, pooling: str) -> Tensor:
-    """``[n, L, H]`` token states -> ``[n, H]``.
-
-    Private and minimal on purpose: ``fastcl.pooling.pool`` (from the eval package) has the
-    same names and semantics and should replace it once both are merged.
-    """
-    if pooling == "cls":
-        if getattr(outputs, "pooler_output", None) is None:
-            raise ValueError("pooling='cls' uses the model's pooler_output, which this model does not "
-                             "return; use 'cls_before_pooler' for the raw [CLS] state")
-        return outputs.pooler_output
-    if pooling == "cls_before_pooler":
-        return outputs.last_hidden_state[:, 0]
-    if pooling == "mean":
-        return _masked_mean(outputs.last_hidden_state, attention_mask)
-    # avg_first_last: hidden_states[1] is the first transformer layer (the embeddings are
-    # [0]; SimCSE's pre-2022 numbers used those by mistake).
-    first, last = outputs.hidden_states[1], outputs.hidden_states[-1]
-    return _masked_mean((first + last) / 2, attention_mask)
-
-
 class HFEncoder(nn.Module):
     """``encode_fn`` for :class:`GradCache` from any Hugging Face ``AutoModel`` plus pooling.
 
@@ -385,7 +355,7 @@ class HFEncoder(nn.Module):
             ``"cls_before_pooler"`` (the raw [CLS] state of the last layer), ``"mean"`` (mean
             of the last layer over the attention mask, as sentence-transformers) or
             ``"avg_first_last"`` (SimCSE / SupMPN: masked mean of the average of the first
-            and the last transformer layer). Under DDP with ``find_unused_parameters=False``
+            and the last transformer layer) or ``"avg_top2"``; see :mod:`fastcl.pooling`. Under DDP with ``find_unused_parameters=False``
             and any pooling but ``"cls"``, load BERT-style models with
             ``add_pooling_layer=False``: their pooler would receive no gradient.
 
@@ -395,8 +365,7 @@ class HFEncoder(nn.Module):
 
     def __init__(self, model: nn.Module, pooling: str):
         super().__init__()
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling={pooling!r}; expected one of {POOLINGS}")
+        check_pooling(pooling)
         self.model = model
         self.pooling = pooling
 
@@ -404,7 +373,7 @@ class HFEncoder(nn.Module):
         if attention_mask is None:
             ref = input_ids if input_ids is not None else model_kwargs["inputs_embeds"]
             attention_mask = torch.ones(ref.shape[:2], dtype=torch.long, device=ref.device)
-        if self.pooling == "avg_first_last":
+        if needs_hidden_states(self.pooling):
             model_kwargs["output_hidden_states"] = True
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
-        return _pool(outputs, attention_mask, self.pooling)
+        return pool(outputs, attention_mask, self.pooling)

@@ -173,3 +173,13 @@ def test_grouped_cosine_matches_reference(dtype, shape, group):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     scale = max(h64.grad.abs().max().item(), 1e-3)  # group_size 1: the true gradient is 0
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=tol, atol=tol * scale)
+
+
+def test_own_positives_must_fit_in_block0():
+    from fastcl.ops.contract import LSEProblem, OwnPositives
+
+    a, b0, b1 = torch.randn(3, 4), torch.randn(6, 4), torch.randn(0, 4)
+    tags = (torch.full((6,), -1, dtype=torch.int32), torch.empty(0, dtype=torch.int32))
+    LSEProblem(a, (b0, b1), tags, positives=OwnPositives(0, 2))  # 3 anchors x 2 = 6 rows: fits
+    with pytest.raises(ValueError, match="do not fit"):
+        LSEProblem(a, (b0, b1), tags, positives=OwnPositives(1, 2))

@@ -118,11 +118,15 @@ def _sweep(
         logits = (a_blk @ prep.c_hat.T).mul_(inv_tau)  # [R, N]
         rows = torch.arange(r0, r1, device=problem.device)
         masked = logits.masked_fill(excluded(prep.tags, rows), float("-inf"))
-        blk_lse = torch.logsumexp(masked, dim=1)  # -inf for an empty row
+        # log-sum-exp by hand so exp runs once: its result becomes the softmax in place
+        row_max = masked.amax(dim=1)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty row
+        probs = masked.sub_(row_max[:, None]).exp_()
+        total = probs.sum(dim=1)
+        blk_lse = total.log().add_(row_max)  # -inf for an empty row
         lse[r0:r1] = blk_lse
-        # softmax weights; an empty row gets all zeros instead of NaN
-        safe = torch.where(torch.isfinite(blk_lse), blk_lse, torch.zeros_like(blk_lse))
-        probs = masked.sub_(safe[:, None]).exp_()
+        # an empty row gets all-zero softmax weights instead of NaN
+        probs.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))[:, None])
         blk_ml = torch.linalg.vecdot(probs, logits)
         mean_logit[r0:r1] = blk_ml
         if not want_grad:

@@ -1,0 +1,78 @@
+// The loss head of fastcl/ops/head.py for one anchor row, in C++ (used by lse_fused on
+// CPU and, compiled by nvcc as host-device code, by the CUDA row kernel).
+//
+// head.py is the definition; this is a line-by-line transcription of head_rows() and
+// HeadInputs.rows() for one row, and tests/test_cpp.py checks the two agree:
+//
+//   r      = lse                       (or logaddexp(lse, log_extra) when given)
+//   x_k    = r - pos_k                 over valid own positives k
+//   supcon:  phi = x,           dphi = 1
+//   supmpn:  phi = softplus(x), dphi = sigmoid(x)
+//   loss   = sum_k phi / max(count, 1)                       (unweighted)
+//   dlse   = sum_k dphi / max(count, 1) * exp(lse - r) * w   (0 when r = -inf)
+//   dpos_k = -dphi_k / max(count, 1) * w
+#pragma once
+
+#include <math.h>  // the float and double overloads of exp/log1p in the global namespace
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FASTCL_HD __host__ __device__
+#else
+#define FASTCL_HD
+#endif
+
+namespace fastcl::cpu {
+
+template <typename T>
+struct Head {
+  bool supmpn;
+  int64_t num_pos;     // P
+  const T* pos;        // [B, P] own-positive logits
+  const bool* mask;    // [B, P] or nullptr (all valid)
+  const T* log_extra;  // [B] or nullptr
+  const T* weights;    // [B]
+  T* loss_rows;        // [B] out
+  T* d_pos;            // [B, P] out
+
+  FASTCL_HD static T inf() { return static_cast<T>(HUGE_VAL); }
+  FASTCL_HD static T logaddexp(T a, T b) {
+    const T m = a > b ? a : b;
+    if (m == -inf()) return m;
+    return m + ::log1p(::exp(-(a > b ? a - b : b - a)));
+  }
+  FASTCL_HD static T softplus(T x) { return x > T(20) ? x : ::log1p(::exp(x)); }  // torch's threshold
+  FASTCL_HD static T sigmoid(T x) { return T(1) / (T(1) + ::exp(-x)); }
+
+  // Writes loss_rows[i] and d_pos[i, :]; returns w_i * dloss_i/dlse_i.
+  FASTCL_HD T row(int64_t i, T lse) const {
+    const T* p = pos + i * num_pos;
+    const bool* m = mask ? mask + i * num_pos : nullptr;
+    T* dp = d_pos + i * num_pos;
+    T count = 0;
+    for (int64_t k = 0; k < num_pos; ++k) count += (!m || m[k]) ? T(1) : T(0);
+    const T inv_count = T(1) / (count > T(1) ? count : T(1));
+    const T w = weights[i];
+    const T r = log_extra ? logaddexp(lse, log_extra[i]) : lse;
+    T sum_phi = 0, sum_dphi = 0;
+    for (int64_t k = 0; k < num_pos; ++k) {
+      if (m && !m[k]) {
+        dp[k] = T(0);
+        continue;
+      }
+      const T x = r - p[k];
+      const T phi = supmpn ? softplus(x) : x;
+      const T dphi = supmpn ? sigmoid(x) : T(1);
+      sum_phi += phi;
+      sum_dphi += dphi;
+      dp[k] = -dphi * inv_count * w;
+    }
+    loss_rows[i] = sum_phi * inv_count;
+    T dlse = sum_dphi * inv_count;
+    if (log_extra) dlse *= (r > -inf() && r < inf()) ? ::exp(lse - r) : T(0);
+    return dlse * w;
+  }
+};
+
+}  // namespace fastcl::cpu

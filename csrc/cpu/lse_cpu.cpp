@@ -1,0 +1,476 @@
+// CPU kernels of the masked-LSE primitive (schemas and semantics: ../registration.cpp).
+//
+// Strategy. Anchor rows are cut into blocks of R rows. A block's raw dot products with
+// every candidate, [R, N] in the compute dtype, are formed by one GEMM into a per-thread
+// buffer; then each row turns into logits (inverse norms and 1/tau applied on the fly,
+// masked columns set to -inf), its LSE and mean logit, and, when a gradient is wanted,
+// into the weights X_ic = dLoss/d<a_i, c> = g_i softmax_ic / (tau |a_i| |c|), all in
+// place (rows.h). Two more GEMMs give
+//     E_a = X C        (d anchor, rows of this block only)
+//     E_c += X^T A     (d candidates, every block contributes)
+// and the normalisation backward is applied to E_a / E_c row by row. That is three
+// GEMM-sized passes for the gradient-in-forward op (like eager autograd) and never a
+// B x N buffer; the normalised inputs are never materialised (only inverse norms).
+//
+// Parallelism and determinism. Blocks are processed in waves of T blocks (T threads):
+// phase 1 runs one block per thread (logits, LSE, head, X, E_a rows); phase 2 splits the
+// candidates into chunks across threads and adds the whole wave's X^T A to each chunk of
+// E_c, visiting the wave's rows in order. Every element of every output is thus written
+// by exactly one thread in a fixed order: results are bitwise reproducible run to run for
+// a given torch.get_num_threads() (a different thread count changes the block sizes and
+// so the rounding). The alternative, per-thread partial E_c buffers reduced at the end,
+// costs T * N * d extra floats (8 GB for T = 64, N = 40960, d = 768): rejected. The waves
+// cost one barrier per T blocks and T * R * N floats of buffers (T * FASTCL_CPP_TILE).
+//
+// Inputs of any of the four dtypes are read as the compute dtype: float32 and float64
+// inputs directly, bfloat16 and float16 through one float32 copy of anchor and
+// candidates (O((B + N) d), within the contract), so every GEMM is a float32 (float64)
+// BLAS call with float32 (float64) accumulation.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "../checks.h"
+#include "head.h"
+#include "rows.h"
+
+namespace fastcl::cpu {
+namespace {
+
+using fastcl::check_inputs;
+using fastcl::check_out;
+using fastcl::check_positives;
+using fastcl::compute_dtype;
+
+constexpr c10::DeviceType kDev = c10::DeviceType::CPU;
+
+enum class Mode { kForward, kBackward, kFused };
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* s = std::getenv(name);
+  return (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : fallback;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// at::parallel_for whose workers, like the calling thread, dispatch the kernel's own ATen
+// calls (GEMMs on views of the inputs) below autograd: thread-local dispatch state is
+// not inherited by OpenMP workers.
+template <typename F>
+void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  at::parallel_for(begin, end, grain, [&](int64_t b0, int64_t b1) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    f(b0, b1);
+  });
+}
+
+// How the rows are cut: `rows` per block, `threads` blocks per wave.
+struct Plan {
+  int64_t rows;
+  int64_t threads;
+};
+
+// FASTCL_CPP_TILE: elements of one thread's [R, N] block (default 2^20, 4 MB in float32;
+// measured in benchmarks/RESULTS-cpp.md). FASTCL_CPP_ROWS forces R (tests use it to
+// cross block edges).
+Plan make_plan(int64_t B, int64_t N) {
+  int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
+  if (std::getenv("FASTCL_CPP_ROWS") == nullptr || rows < 1) {
+    // enough rows for an efficient GEMM, few enough for the buffer; then even the
+    // blocks out so that the last wave keeps every thread busy
+    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", int64_t(1) << 20) / std::max<int64_t>(N, 1), 8, 512);
+    int64_t blocks = std::min(B, ceil_div(ceil_div(B, rows), threads) * threads);
+    rows = ceil_div(B, std::max<int64_t>(blocks, 1));
+  }
+  rows = std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
+  threads = std::clamp<int64_t>(ceil_div(B, rows), 1, threads);
+  return {rows, threads};
+}
+
+// The problem in the compute dtype T (float or double), with everything a block needs.
+template <typename T>
+struct Prepared {
+  int64_t B = 0, N0 = 0, N1 = 0, N = 0, d = 0;
+  bool cosine = true;
+  double eps = 0;
+  T inv_tau = 1;
+  at::Tensor a, c0, c1;      // [B, d], [N0, d], [N1, d] in T, contiguous
+  at::Tensor norm_a, norm_c; // [B], [N] raw norms (cosine only)
+  at::Tensor inv_a, inv_c;   // [B], [N] 1 / max(norm, eps); ones for dot similarity
+  at::Tensor col_add;        // [N] 0, or -inf for a padded candidate
+  std::vector<int64_t> own_ptr, own_col;  // CSR: the columns row i leaves out by tag
+};
+
+template <typename T>
+Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                    const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
+                    double eps) {
+  const auto st = c10::CppTypeToScalarType<T>::value;
+  Prepared<T> p;
+  p.B = anchor.size(0);
+  p.d = anchor.size(1);
+  p.N0 = block0.size(0);
+  p.N1 = block1.size(0);
+  p.N = p.N0 + p.N1;
+  p.cosine = cosine;
+  p.eps = eps;
+  const double t = tau.item<double>();
+  TORCH_CHECK(t > 0 && std::isfinite(t), "fastcl: tau must be finite and > 0, got ", t);
+  p.inv_tau = T(1) / T(t);
+  p.a = anchor.to(st).contiguous();
+  p.c0 = block0.to(st).contiguous();
+  p.c1 = block1.to(st).contiguous();
+  auto opts = p.a.options();
+  if (cosine) {
+    p.norm_a = at::linalg_vector_norm(p.a, 2, {1}, false, st);
+    p.norm_c = at::cat({at::linalg_vector_norm(p.c0, 2, {1}, false, st),
+                        at::linalg_vector_norm(p.c1, 2, {1}, false, st)});
+    p.inv_a = p.norm_a.clamp_min(eps).reciprocal();
+    p.inv_c = p.norm_c.clamp_min(eps).reciprocal();
+  } else {
+    p.inv_a = at::ones({p.B}, opts);
+    p.inv_c = at::ones({p.N}, opts);
+  }
+
+  const at::Tensor tags = at::cat({tags0, tags1}).contiguous();
+  const int32_t* tg = tags.data_ptr<int32_t>();
+  p.col_add = at::zeros({p.N}, opts);
+  T* add = p.col_add.template data_ptr<T>();
+  p.own_ptr.assign(p.B + 1, 0);
+  for (int64_t c = 0; c < p.N; ++c) {
+    TORCH_CHECK(tg[c] >= -2, "fastcl: tags must be -2 (padding), -1 (all rows) or a row index >= 0; got ", tg[c]);
+    if (tg[c] == -2) add[c] = rows::neg_inf<T>();
+    if (tg[c] >= 0 && tg[c] < p.B) ++p.own_ptr[tg[c] + 1];
+  }
+  for (int64_t i = 0; i < p.B; ++i) p.own_ptr[i + 1] += p.own_ptr[i];
+  p.own_col.resize(p.own_ptr[p.B]);
+  std::vector<int64_t> fill(p.own_ptr.begin(), p.own_ptr.end() - 1);
+  for (int64_t c = 0; c < p.N; ++c) {
+    if (tg[c] >= 0 && tg[c] < p.B) p.own_col[fill[tg[c]]++] = c;
+  }
+  return p;
+}
+
+// Where a sweep reads its row gradients from and writes its results to (unused: null).
+template <typename T>
+struct Sweep {
+  Mode mode;
+  T* lse = nullptr;               // [B] out (forward, fused)
+  T* mean_logit = nullptr;        // [B] out (forward, fused)
+  const T* lse_in = nullptr;      // [B] (backward)
+  const T* grad_lse = nullptr;    // [B] (backward)
+  const Head<T>* head = nullptr;  // fused
+  T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
+  // Own positives to fold (backward with d_pos, fused with fold_positives): anchor i's
+  // positive k is column fold_offset + i * fold_count + k of block 0, its logit gradient
+  // fold_dpos[i * fold_count + k] (the head's d_pos output in fused mode).
+  const T* fold_dpos = nullptr;
+  int64_t fold_offset = 0, fold_count = 0;
+  at::Tensor d_a, d_c0, d_c1;     // [B, d], [N0, d], [N1, d] out (backward, fused)
+};
+
+// out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
+template <typename T>
+void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const at::Tensor& m0,
+               const at::Tensor& m1) {
+  if (p.N0) at::mm_out(out, x.narrow(1, 0, p.N0), m0);
+  if (p.N1) {
+    if (p.N0) out.addmm_(x.narrow(1, p.N0, p.N1), m1);
+    else at::mm_out(out, x.narrow(1, p.N0, p.N1), m1);
+  }
+  if (p.N == 0) out.zero_();
+}
+
+// Normalisation backward of gradient rows [r0, r1) of e against the raw rows of x.
+// (A clamped norm's gradient is e itself: d_hat / eps with d_hat = e * eps.)
+template <typename T>
+void unnormalize_rows(T* e, const T* x, const T* norm, int64_t r0, int64_t r1, int64_t d, double eps) {
+  for (int64_t i = r0; i < r1; ++i) {
+    if (norm[i] > eps) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
+  }
+}
+
+// Phase 1 for anchor rows [r0, r0 + R) in buffer rows s[0 : R]: see the file comment.
+template <typename T>
+void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64_t r0) {
+  const int64_t R = S.size(0), N = p.N;
+  const at::Tensor a_blk = p.a.narrow(0, r0, R);
+  at::Tensor s0 = S.narrow(1, 0, p.N0), s1 = S.narrow(1, p.N0, p.N1);
+  if (p.N0) at::mm_out(s0, a_blk, p.c0.t());
+  if (p.N1) at::mm_out(s1, a_blk, p.c1.t());
+  T* s = S.data_ptr<T>();
+  const T* inv_a = p.inv_a.template data_ptr<T>();
+  const T* inv_c = p.inv_c.template data_ptr<T>();
+  const T* add = p.col_add.template data_ptr<T>();
+  std::vector<T> sums(R, T(0));
+
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t gi = r0 + i;
+    T* row = s + i * N;
+    for (int64_t k = p.own_ptr[gi]; k < p.own_ptr[gi + 1]; ++k) row[p.own_col[k]] = rows::neg_inf<T>();
+    const T row_scale = inv_a[gi] * p.inv_tau;
+    if (sw.mode == Mode::kBackward) {
+      const T lse = sw.lse_in[gi], g = sw.grad_lse[gi];
+      if (lse == rows::neg_inf<T>() || g == T(0)) {
+        std::fill(row, row + N, T(0));
+      } else {
+        rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N);
+      }
+      continue;
+    }
+    const T m = rows::logits_and_max(row, inv_c, add, row_scale, N);
+    if (m == rows::neg_inf<T>()) {  // no candidate: lse = -inf, no gradient
+      sw.lse[gi] = m;
+      sw.mean_logit[gi] = T(0);
+      if (sw.mode != Mode::kForward) std::fill(row, row + N, T(0));
+      continue;
+    }
+    const auto [sp, spl] = rows::exp_and_sums(row, m, N);
+    sums[i] = sp;
+    sw.lse[gi] = m + std::log(sp);
+    sw.mean_logit[gi] = spl / sp;
+  }
+  if (sw.mode == Mode::kForward) return;
+
+  if (sw.mode == Mode::kFused) {
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t gi = r0 + i;
+      const T g = sw.head->row(gi, sw.lse[gi]);
+      sw.g_rows[gi] = g;
+      if (sums[i] > T(0)) rows::scale(s + i * N, g * inv_a[gi] * p.inv_tau / sums[i], inv_c, N);
+    }
+  }
+  if (sw.fold_dpos) {
+    // The positive logit l = <a_i, c> * inv_a_i * inv_c / tau is one more entry of the
+    // row's weights X (zero until now when the loss leaves it out of the denominator):
+    // the GEMMs below then accumulate it in the compute dtype with everything else,
+    // before the normalisation backward and any rounding (contract.py, OwnPositives).
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t gi = r0 + i;
+      const T row_scale = inv_a[gi] * p.inv_tau;
+      T* row = s + i * N;
+      const T* dp = sw.fold_dpos + gi * sw.fold_count;
+      const int64_t c0 = sw.fold_offset + gi * sw.fold_count;
+      for (int64_t k = 0; k < sw.fold_count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
+    }
+  }
+  at::Tensor e_a = sw.d_a.narrow(0, r0, R);
+  mm_blocks(e_a, S, p, p.c0, p.c1);
+  if (p.cosine) {
+    unnormalize_rows(sw.d_a.template data_ptr<T>(), p.a.template data_ptr<T>(), p.norm_a.template data_ptr<T>(), r0,
+                     r0 + R, p.d, p.eps);
+  }
+}
+
+template <typename T>
+void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
+  const bool grad = sw.mode != Mode::kForward;
+  if (grad) {
+    sw.d_c0.zero_();
+    sw.d_c1.zero_();
+  }
+  if (p.B == 0) return;
+  const Plan plan = make_plan(p.B, p.N);
+  const int64_t R = plan.rows, T_ = plan.threads;
+  at::Tensor buf = at::empty({T_ * R, p.N}, p.a.options());
+  const int64_t wave_rows = T_ * R;
+
+  // candidate chunks of phase 2: (block, first row, rows)
+  std::vector<std::tuple<int, int64_t, int64_t>> chunks;
+  if (grad) {
+    const int64_t target = std::max<int64_t>(64, ceil_div(p.N, 4 * T_));
+    for (int blk = 0; blk < 2; ++blk) {
+      const int64_t n = blk ? p.N1 : p.N0;
+      for (int64_t c = 0; c < n; c += target) chunks.emplace_back(blk, c, std::min(target, n - c));
+    }
+  }
+
+  for (int64_t w0 = 0; w0 < p.B; w0 += wave_rows) {
+    const int64_t w1 = std::min(p.B, w0 + wave_rows);
+    const int64_t nblocks = ceil_div(w1 - w0, R);
+    parallel(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t r0 = w0 + b * R, r1 = std::min(w1, r0 + R);
+        process_block(p, sw, buf.narrow(0, b * R, r1 - r0), r0);
+      }
+    });
+    if (!grad) continue;
+    // buffer rows 0 .. w1 - w0 are anchors w0 .. w1 in order (only the last block is short)
+    const at::Tensor x_wave = buf.narrow(0, 0, w1 - w0);
+    const at::Tensor a_wave = p.a.narrow(0, w0, w1 - w0);
+    parallel(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const auto [blk, c, n] = chunks[j];
+        at::Tensor e_c = (blk ? sw.d_c1 : sw.d_c0).narrow(0, c, n);
+        e_c.addmm_(x_wave.narrow(1, (blk ? p.N0 : 0) + c, n).t(), a_wave);
+      }
+    });
+  }
+
+  if (grad && p.cosine) {
+    const T* norm_c = p.norm_c.template data_ptr<T>();
+    parallel(0, p.N0, 64, [&](int64_t c0, int64_t c1) {
+      unnormalize_rows(sw.d_c0.template data_ptr<T>(), p.c0.template data_ptr<T>(), norm_c, c0, c1, p.d, p.eps);
+    });
+    parallel(0, p.N1, 64, [&](int64_t c0, int64_t c1) {
+      unnormalize_rows(sw.d_c1.template data_ptr<T>(), p.c1.template data_ptr<T>(), norm_c + p.N0, c0, c1, p.d,
+                       p.eps);
+    });
+  }
+}
+
+template <typename F>
+void dispatch_compute(at::ScalarType cd, const F& f) {
+  if (cd == at::kDouble) f(double{});
+  else f(float{});
+}
+
+// ------------------------------------------------------------------ ops
+
+void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                 const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                 const at::Tensor& lse, const at::Tensor& mean_logit) {
+  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0);
+  check_out(lse, "lse", {B}, cd, kDev);
+  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
+    Sweep<T> sw{Mode::kForward};
+    sw.lse = lse.data_ptr<T>();
+    sw.mean_logit = mean_logit.data_ptr<T>();
+    sweep(p, sw);
+  });
+}
+
+void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                  const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
+                  int64_t pos_offset, const at::Tensor& d_anchor,
+                  const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0), d = anchor.size(1);
+  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == B && grad_lse.dim() == 1 && grad_lse.size(0) == B,
+              "fastcl: lse and grad_lse must be [B]");
+  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
+  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, kDev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
+  int64_t P = 0;
+  if (d_pos) {
+    TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
+    P = d_pos->size(1);
+    check_positives(pos_offset, P, B, block0.size(0));
+  }
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
+    const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
+    const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
+    Sweep<T> sw{Mode::kBackward};
+    if (d_pos) {
+      sw.fold_dpos = dpos_c.data_ptr<T>();
+      sw.fold_offset = pos_offset;
+      sw.fold_count = P;
+    }
+    sw.lse_in = lse_c.data_ptr<T>();
+    sw.grad_lse = g_c.data_ptr<T>();
+    sw.d_a = d_anchor;
+    sw.d_c0 = d_block0;
+    sw.d_c1 = d_block1;
+    sweep(p, sw);
+  });
+}
+
+void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+               const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+               std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
+               const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
+               bool fold_positives, const at::Tensor& lse,
+               const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
+               const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
+               const at::Tensor& g_dot_mean_logit) {
+  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0), d = anchor.size(1);
+  TORCH_CHECK(pos_logits.dim() == 2 && pos_logits.size(0) == B, "fastcl: pos_logits must be [B, P]");
+  const int64_t P = pos_logits.size(1);
+  if (pos_mask) {
+    TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes(),
+                "fastcl: pos_mask must be a bool [B, P] tensor");
+  }
+  if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
+  TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
+  check_out(lse, "lse", {B}, cd, kDev);
+  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
+  check_out(loss_rows, "loss_rows", {B}, cd, kDev);
+  check_out(d_pos, "d_pos", {B, P}, cd, kDev);
+  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
+  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, kDev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
+  check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd, kDev);
+  if (fold_positives) check_positives(pos_offset, P, B, block0.size(0));
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
+    const at::Tensor pos_c = pos_logits.to(cd).contiguous(), w_c = weights.to(cd).contiguous();
+    const at::Tensor mask_c = pos_mask ? pos_mask->contiguous() : at::Tensor();
+    const at::Tensor extra_c = log_extra ? log_extra->to(cd).contiguous() : at::Tensor();
+    at::Tensor g_rows = at::empty({B}, p.a.options());
+    const Head<T> h{head == "supmpn",
+                    P,
+                    pos_c.data_ptr<T>(),
+                    mask_c.defined() ? mask_c.data_ptr<bool>() : nullptr,
+                    extra_c.defined() ? extra_c.data_ptr<T>() : nullptr,
+                    w_c.data_ptr<T>(),
+                    loss_rows.data_ptr<T>(),
+                    d_pos.data_ptr<T>()};
+    Sweep<T> sw{Mode::kFused};
+    sw.lse = lse.data_ptr<T>();
+    sw.mean_logit = mean_logit.data_ptr<T>();
+    sw.head = &h;
+    sw.g_rows = g_rows.data_ptr<T>();
+    if (fold_positives) {
+      sw.fold_dpos = d_pos.data_ptr<T>();
+      sw.fold_offset = pos_offset;
+      sw.fold_count = P;
+    }
+    sw.d_a = d_anchor;
+    sw.d_c0 = d_block0;
+    sw.d_c1 = d_block1;
+    sweep(p, sw);
+    // temperature gradient, summed in row order (deterministic)
+    const T* g = sw.g_rows;
+    const T* ml = sw.mean_logit;
+    T acc = 0;
+    for (int64_t i = 0; i < B; ++i) acc += g[i] * ml[i];
+    g_dot_mean_logit.fill_(acc);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastcl, CPU, m) {
+  m.impl("lse_forward", &lse_forward);
+  m.impl("lse_backward", &lse_backward);
+  m.impl("lse_fused", &lse_fused);
+}
+
+}  // namespace fastcl::cpu

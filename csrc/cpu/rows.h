@@ -1,0 +1,142 @@
+// Vectorised passes over one row of a logits block (at::vec), used by lse_cpu.cpp.
+//
+// A row holds the raw dot products s_c = <a_i, c> of one anchor with every candidate.
+// The logit is l_c = s_c * row_scale * col_scale[c] + col_add[c], where row_scale is
+// 1/(max(|a_i|, eps) * tau), col_scale[c] = 1/max(|c|, eps) (1 for dot similarity) and
+// col_add[c] is 0, or -inf for a padded candidate; the columns a row excludes by tag are
+// set to -inf before the first pass (row_scale and col_scale are > 0, so they stay -inf).
+//
+// Each pass writes its result back into the row, so a row block needs no other buffer.
+// Reductions keep one accumulator per vector lane and add the lanes in a fixed order:
+// results do not depend on threads.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+namespace fastcl::cpu::rows {
+
+using at::vec::Vectorized;
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+template <typename T, typename Op>
+T reduce_lanes(const Vectorized<T>& v, T init, Op op) {
+  T lanes[Vectorized<T>::size()];
+  v.store(lanes);
+  T out = init;
+  for (int k = 0; k < Vectorized<T>::size(); ++k) out = op(out, lanes[k]);
+  return out;
+}
+
+// row[c] <- logit l_c; returns max_c l_c (-inf when every column is excluded).
+template <typename T>
+T logits_and_max(T* row, const T* col_scale, const T* col_add, T row_scale, int64_t n) {
+  using V = Vectorized<T>;
+  const V rs(row_scale);
+  V vmax(neg_inf<T>());
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    V l = V::loadu(row + c) * rs * V::loadu(col_scale + c) + V::loadu(col_add + c);
+    l.store(row + c);
+    vmax = at::vec::maximum(vmax, l);
+  }
+  T m = reduce_lanes<T>(vmax, neg_inf<T>(), [](T x, T y) { return x > y ? x : y; });
+  for (; c < n; ++c) {
+    T l = row[c] * row_scale * col_scale[c] + col_add[c];
+    row[c] = l;
+    m = l > m ? l : m;
+  }
+  return m;
+}
+
+// row[c] <- p_c = exp(l_c - m); returns (sum_c p_c, sum_c p_c * l_c), excluded columns
+// (l = -inf, p = 0) adding nothing to either sum. m must be finite.
+template <typename T>
+std::pair<T, T> exp_and_sums(T* row, T m, int64_t n) {
+  using V = Vectorized<T>;
+  const V vm(m), zero(T(0)), ninf(neg_inf<T>());
+  V sum_p(T(0)), sum_pl(T(0));
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    V l = V::loadu(row + c);
+    V p = (l - vm).exp();
+    p.store(row + c);
+    sum_p = sum_p + p;
+    sum_pl = sum_pl + V::blendv(p * l, zero, l == ninf);
+  }
+  auto add = [](T x, T y) { return x + y; };
+  T s = reduce_lanes<T>(sum_p, T(0), add);
+  T spl = reduce_lanes<T>(sum_pl, T(0), add);
+  for (; c < n; ++c) {
+    T l = row[c];
+    T p = std::exp(l - m);
+    row[c] = p;
+    s += p;
+    if (l != neg_inf<T>()) spl += p * l;
+  }
+  return {s, spl};
+}
+
+// row[c] <- row[c] * row_factor * col_scale[c]
+template <typename T>
+void scale(T* row, T row_factor, const T* col_scale, int64_t n) {
+  using V = Vectorized<T>;
+  const V rf(row_factor);
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    (V::loadu(row + c) * rf * V::loadu(col_scale + c)).store(row + c);
+  }
+  for (; c < n; ++c) row[c] = row[c] * row_factor * col_scale[c];
+}
+
+// Recompute backward in one pass: row[c] <- exp(l_c - lse) * row_factor * col_scale[c]
+// with l_c formed from the raw dot product as in logits_and_max. lse must be finite.
+template <typename T>
+void softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T lse, T row_factor,
+                     int64_t n) {
+  using V = Vectorized<T>;
+  const V rs(row_scale), vlse(lse), rf(row_factor);
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    V cs = V::loadu(col_scale + c);
+    V l = V::loadu(row + c) * rs * cs + V::loadu(col_add + c);
+    ((l - vlse).exp() * rf * cs).store(row + c);
+  }
+  for (; c < n; ++c) {
+    T l = row[c] * row_scale * col_scale[c] + col_add[c];
+    row[c] = std::exp(l - lse) * row_factor * col_scale[c];
+  }
+}
+
+// Normalisation backward for one row x (norm |x| > eps) from e = sum_c X_c c, the
+// gradient formed against the raw rows, which is dL/dx_hat / |x|. Written exactly as
+// normalize_backward() in fastcl/ops/normalize.py, with x_hat = x / |x| by division, so
+// that degenerate cases cancel exactly as there (d = 1: the gradient is exactly 0):
+//     d_hat = e |x|,   e <- (d_hat - x_hat <x_hat, d_hat>) / |x|
+template <typename T>
+void normalize_backward(T* e, const T* x, T norm, int64_t n) {
+  using V = Vectorized<T>;
+  const V vn(norm);
+  V acc(T(0));
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    acc = at::vec::fmadd(V::loadu(x + c) / vn, V::loadu(e + c) * vn, acc);
+  }
+  T radial = reduce_lanes<T>(acc, T(0), [](T a, T b) { return a + b; });
+  for (; c < n; ++c) radial += (x[c] / norm) * (e[c] * norm);
+  const V vr(radial);
+  c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    ((V::loadu(e + c) * vn - (V::loadu(x + c) / vn) * vr) / vn).store(e + c);
+  }
+  for (; c < n; ++c) e[c] = (e[c] * norm - (x[c] / norm) * radial) / norm;
+}
+
+}  // namespace fastcl::cpu::rows

@@ -1,0 +1,278 @@
+// CUDA implementations of the fastcl ops (schemas: ../registration.cpp), the torch glue
+// around the kernels of lse_rows.cu and lse_forward_tc.cu.
+//
+// Strategy: the CPU backend's, on the GPU. Anchor rows are cut into blocks of R rows
+// (R * N <= FASTCL_CUDA_TILE elements, default 2^24 = 64 MB in float32): one cuBLAS GEMM
+// forms the block's raw dot products, rows_kernel turns them into LSE / mean logit and,
+// for a gradient, into the weights X in place (own positives folded in), and two more
+// GEMMs add X C to d anchor and X^T A to d candidates; the normalisation backward runs
+// once at the end. Three GEMM-sized passes for the gradient-in-forward op, never a B x N
+// buffer, float32 (float64) accumulation throughout.
+//
+// Inputs are read as the compute dtype: float32/float64 directly; float16/bfloat16 through
+// one float32 copy of anchor and candidates (O((B + N) d)), except for the forward-only op,
+// which runs the tensor-core kernel on the 16-bit inputs themselves.
+//
+// No host synchronisation: tau stays on the device (the kernels read 1/tau there); the
+// tag values are checked by the Python layer (fastcl.ops.contract.structured_tags).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+#include <string_view>
+
+#include "../checks.h"
+#include "launch.h"
+
+namespace fastcl::cuda {
+namespace {
+
+constexpr c10::DeviceType kDev = c10::DeviceType::CUDA;
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "fastcl: CUDA kernel ", what, " failed: ", cudaGetErrorString(err));
+}
+
+int64_t rows_per_block(int64_t B, int64_t N) {
+  const char* s = std::getenv("FASTCL_CUDA_TILE");
+  const int64_t tile = (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : (int64_t(1) << 24);
+  return std::clamp<int64_t>(tile / std::max<int64_t>(N, 1), 1, std::max<int64_t>(B, 1));
+}
+
+// The problem in the compute dtype T, candidates of both blocks as one [N, d] matrix.
+struct Prepared {
+  int64_t B = 0, N0 = 0, N = 0, d = 0;
+  at::Tensor a, c;             // [B, d], [N, d] compute dtype
+  at::Tensor norm_a, norm_c;   // raw norms (cosine) or undefined
+  at::Tensor inv_a, inv_c;     // 1 / max(norm, eps), ones for dot similarity
+  at::Tensor tags;             // [N] int32
+  at::Tensor inv_tau;          // 0-d, compute dtype, on the device
+};
+
+Prepared prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                 const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                 at::ScalarType st, bool copy_inputs = true) {
+  Prepared p;
+  p.B = anchor.size(0);
+  p.d = anchor.size(1);
+  p.N0 = block0.size(0);
+  p.N = p.N0 + block1.size(0);
+  const at::Tensor c_in = at::cat({block0, block1}).contiguous();
+  const at::Tensor a_in = anchor.contiguous();
+  p.a = copy_inputs ? a_in.to(st) : a_in;
+  p.c = copy_inputs ? c_in.to(st) : c_in;
+  auto opts = anchor.options().dtype(st);
+  if (cosine) {
+    p.norm_a = at::linalg_vector_norm(a_in, 2, {1}, false, st);
+    p.norm_c = at::linalg_vector_norm(c_in, 2, {1}, false, st);
+    p.inv_a = p.norm_a.clamp_min(eps).reciprocal();
+    p.inv_c = p.norm_c.clamp_min(eps).reciprocal();
+  } else {
+    p.inv_a = at::ones({p.B}, opts);
+    p.inv_c = at::ones({p.N}, opts);
+  }
+  p.tags = at::cat({tags0, tags1}).contiguous();
+  p.inv_tau = tau.reshape({}).to(st).reciprocal();
+  return p;
+}
+
+template <typename T>
+RowArgs<T> row_args(const Prepared& p, int mode) {
+  RowArgs<T> r;
+  r.mode = mode;
+  r.N = p.N;
+  r.inv_a = p.inv_a.data_ptr<T>();
+  r.inv_c = p.inv_c.data_ptr<T>();
+  r.tags = p.tags.data_ptr<int32_t>();
+  r.inv_tau = p.inv_tau.data_ptr<T>();
+  return r;
+}
+
+// The block loop; d_a / d_c (undefined for forward) receive the gradients against the raw
+// rows (normalisation backward included).
+template <typename T>
+void sweep(const Prepared& p, RowArgs<T> args, const at::Tensor& d_a, const at::Tensor& d_c, bool cosine,
+           double eps) {
+  const bool grad = args.mode != kForward;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (grad) d_c.zero_();
+  if (p.B == 0) return;
+  const int64_t R = rows_per_block(p.B, p.N);
+  at::Tensor buf = at::empty({R, p.N}, p.a.options());
+  for (int64_t r0 = 0; r0 < p.B; r0 += R) {
+    const int64_t rows = std::min(R, p.B - r0);
+    at::Tensor s = buf.narrow(0, 0, rows);
+    const at::Tensor a_blk = p.a.narrow(0, r0, rows);
+    if (p.N) at::mm_out(s, a_blk, p.c.t());
+    args.r0 = r0;
+    args.R = rows;
+    args.s = s.data_ptr<T>();
+    check_launch(launch_rows<T>(args, stream), "rows");
+    if (!grad) continue;
+    at::Tensor e_a = d_a.narrow(0, r0, rows);
+    if (p.N) at::mm_out(e_a, s, p.c);
+    else e_a.zero_();
+    if (p.N) d_c.addmm_(s.t(), a_blk);
+  }
+  if (grad && cosine) {
+    check_launch(launch_normalize_backward<T>(d_a.data_ptr<T>(), p.a.data_ptr<T>(), p.norm_a.data_ptr<T>(), p.B, p.d,
+                                              eps, stream),
+                 "normalize_backward");
+    check_launch(launch_normalize_backward<T>(d_c.data_ptr<T>(), p.c.data_ptr<T>(), p.norm_c.data_ptr<T>(), p.N, p.d,
+                                              eps, stream),
+                 "normalize_backward");
+  }
+}
+
+template <typename F>
+void dispatch_compute(at::ScalarType cd, const F& f) {
+  if (cd == at::kDouble) f(double{});
+  else f(float{});
+}
+
+void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                 const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                 const at::Tensor& lse, const at::Tensor& mean_logit) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  c10::cuda::CUDAGuard guard(anchor.device());
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0);
+  check_out(lse, "lse", {B}, cd, kDev);
+  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
+  const auto dt = anchor.scalar_type();
+  if (dt == at::kHalf || dt == at::kBFloat16) {  // tensor cores on the 16-bit inputs
+    const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, at::kFloat, false);
+    check_launch(launch_forward_tc(dt == at::kHalf ? 0 : 1, p.a.data_ptr(), p.c.data_ptr(), p.B, p.N, p.d,
+                                   p.inv_a.data_ptr<float>(), p.inv_c.data_ptr<float>(), p.tags.data_ptr<int32_t>(),
+                                   p.inv_tau.data_ptr<float>(), lse.data_ptr<float>(), mean_logit.data_ptr<float>(),
+                                   c10::cuda::getCurrentCUDAStream()),
+                 "forward_tc");
+    return;
+  }
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
+    RowArgs<T> args = row_args<T>(p, kForward);
+    args.lse = lse.data_ptr<T>();
+    args.mean_logit = mean_logit.data_ptr<T>();
+    sweep<T>(p, args, at::Tensor(), at::Tensor(), cosine, eps);
+  });
+}
+
+void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                  const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
+                  int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+                  const at::Tensor& d_block1) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  c10::cuda::CUDAGuard guard(anchor.device());
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0), d = anchor.size(1), N0 = block0.size(0);
+  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == B && grad_lse.dim() == 1 && grad_lse.size(0) == B,
+              "fastcl: lse and grad_lse must be [B]");
+  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
+  check_out(d_block0, "d_block0", {N0, d}, cd, kDev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
+  int64_t P = 0;
+  if (d_pos) {
+    TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
+    P = d_pos->size(1);
+    check_positives(pos_offset, P, B, N0);
+  }
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
+    const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
+    const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
+    RowArgs<T> args = row_args<T>(p, kBackward);
+    args.lse_in = lse_c.data_ptr<T>();
+    args.grad_lse = g_c.data_ptr<T>();
+    if (d_pos) {
+      args.fold_dpos = dpos_c.data_ptr<T>();
+      args.fold_offset = pos_offset;
+      args.fold_count = P;
+    }
+    at::Tensor d_c = at::empty({p.N, d}, p.a.options());
+    sweep<T>(p, args, d_anchor, d_c, cosine, eps);
+    d_block0.copy_(d_c.narrow(0, 0, N0));
+    d_block1.copy_(d_c.narrow(0, N0, p.N - N0));
+  });
+}
+
+void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+               const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+               std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
+               const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
+               bool fold_positives, const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
+               const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+               const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  c10::cuda::CUDAGuard guard(anchor.device());
+  TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0), d = anchor.size(1), N0 = block0.size(0);
+  TORCH_CHECK(pos_logits.dim() == 2 && pos_logits.size(0) == B, "fastcl: pos_logits must be [B, P]");
+  const int64_t P = pos_logits.size(1);
+  if (pos_mask) {
+    TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes(),
+                "fastcl: pos_mask must be a bool [B, P] tensor");
+  }
+  if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
+  TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
+  check_out(lse, "lse", {B}, cd, kDev);
+  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
+  check_out(loss_rows, "loss_rows", {B}, cd, kDev);
+  check_out(d_pos, "d_pos", {B, P}, cd, kDev);
+  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
+  check_out(d_block0, "d_block0", {N0, d}, cd, kDev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
+  check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd, kDev);
+  if (fold_positives) check_positives(pos_offset, P, B, N0);
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
+    const at::Tensor pos_c = pos_logits.to(cd).contiguous(), w_c = weights.to(cd).contiguous();
+    const at::Tensor mask_c = pos_mask ? pos_mask->contiguous() : at::Tensor();
+    const at::Tensor extra_c = log_extra ? log_extra->to(cd).contiguous() : at::Tensor();
+    at::Tensor g_rows = at::empty({B}, p.a.options());
+    RowArgs<T> args = row_args<T>(p, kFused);
+    args.lse = lse.data_ptr<T>();
+    args.mean_logit = mean_logit.data_ptr<T>();
+    args.g_rows = g_rows.data_ptr<T>();
+    args.head = fastcl::cpu::Head<T>{head == "supmpn",
+                                     P,
+                                     pos_c.data_ptr<T>(),
+                                     mask_c.defined() ? mask_c.data_ptr<bool>() : nullptr,
+                                     extra_c.defined() ? extra_c.data_ptr<T>() : nullptr,
+                                     w_c.data_ptr<T>(),
+                                     loss_rows.data_ptr<T>(),
+                                     d_pos.data_ptr<T>()};
+    if (fold_positives) {
+      args.fold_dpos = d_pos.data_ptr<T>();
+      args.fold_offset = pos_offset;
+      args.fold_count = P;
+    }
+    at::Tensor d_c = at::empty({p.N, d}, p.a.options());
+    sweep<T>(p, args, d_anchor, d_c, cosine, eps);
+    d_block0.copy_(d_c.narrow(0, 0, N0));
+    d_block1.copy_(d_c.narrow(0, N0, p.N - N0));
+    g_dot_mean_logit.copy_(at::dot(g_rows, mean_logit));  // on the device, no sync
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastcl, CUDA, m) {
+  m.impl("lse_forward", &lse_forward);
+  m.impl("lse_backward", &lse_backward);
+  m.impl("lse_fused", &lse_fused);
+}
+
+}  // namespace fastcl::cuda

@@ -1,0 +1,129 @@
+"""The ``"cpp"`` backend: fused C++ CPU kernels of the masked-LSE primitive.
+
+Sources: ``csrc/registration.cpp`` (op schemas ``fastcl::lse_forward``, ``lse_backward``,
+``lse_fused``) and ``csrc/cpu/lse_cpu.cpp`` (kernels and their design notes). They are
+compiled with ninja the first time the backend is asked whether it is available (see
+``fastcl.ops._build``); importing this module compiles nothing.
+
+:class:`CppLSE` has the same methods as ``TorchLSE``: ``forward``/``backward``
+(recompute, used for ``reduction="none"`` and no-grad calls) and ``fused`` (gradient in
+forward, three GEMM passes). Outputs are allocated here with ``new_output`` and the
+kernels overwrite every element (tests poison them). All float outputs are in the
+compute dtype (float64 for float64 inputs, float32 otherwise); ``fastcl.ops.contrastive``
+casts gradients to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._build import Extension, cpu_capability_flags
+from ._torch_impl import _SweepOut as FusedResult
+from .contract import LSEProblem, new_output
+from .head import HeadInputs
+from .normalize import compute_dtype
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+_capability, _vec_flags = cpu_capability_flags()
+EXTENSION = Extension(
+    name="fastcl_cpp",
+    sources=["registration.cpp", "cpu/lse_cpu.cpp"],
+    # no FMA contraction: the normalisation backward relies on exact cancellation
+    # (x_hat <x_hat, d_hat> == d_hat for d = 1), as in fastcl/ops/normalize.py
+    cflags=["-O3", "-ffp-contract=off", "-fopenmp", *_vec_flags],
+    ldflags=["-fopenmp"],
+    describe=f"C++ CPU ({_capability})",
+)
+_fakes_registered = False
+
+
+def unavailable() -> str | None:
+    """Why the ``cpp`` backend cannot run here (builds it on the first call), or None."""
+    why = EXTENSION.error()
+    if why is None:
+        _register_fakes()
+    return why
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations so the ops trace under FakeTensor / torch.compile."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+    for op in ("lse_forward", "lse_backward", "lse_fused"):
+        torch.library.register_fake(f"fastcl::{op}")(lambda *args, **kwargs: None)
+
+
+def _ops():
+    return torch.ops.fastcl
+
+
+def _args(problem: LSEProblem, tau: Tensor) -> tuple:
+    return (problem.anchor, *problem.blocks, *problem.tags, tau, problem.cosine, float(problem.eps))
+
+
+class CppLSE:
+    """The ``"cpp"`` implementation of the masked-LSE primitive (see ``contract.py``)."""
+
+    name = "cpp"
+    autograd = False
+    folds_positives = True  # takes d_pos and adds it before rounding (contract.py, OwnPositives)
+
+    def unsupported(self, problem: LSEProblem) -> list[str]:
+        why = []
+        tensors = (problem.anchor, *problem.blocks, *problem.tags)
+        if any(t.device.type != "cpu" for t in tensors):
+            why.append(f"the cpp backend runs on CPU tensors only, got {problem.device}")
+        if problem.dtype not in DTYPES:
+            why.append(f"the cpp backend takes float32/float64/bfloat16/float16, got {problem.dtype}")
+        if any(t.dtype != torch.int32 for t in problem.tags):
+            why.append("the cpp backend takes int32 tags")
+        return why
+
+    def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        """``(lse [B], mean_logit [B])`` in the compute dtype."""
+        cd, B = compute_dtype(problem.dtype), problem.num_anchors
+        lse = new_output(B, dtype=cd, device=problem.device)
+        mean_logit = new_output(B, dtype=cd, device=problem.device)
+        _ops().lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
+        return lse, mean_logit
+
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        """``(d anchor [B, d], (d block0, d block1))`` from ``g = dLoss/dlse`` ``[B]`` (recomputes
+        logits); ``d_pos [B, P]``, the own-positive logits' gradient, is folded in when
+        ``problem.positives`` is set (ignored otherwise, like the torch backend)."""
+        cd = compute_dtype(problem.dtype)
+        d_anchor, d0, d1 = (new_output(t.shape, dtype=cd, device=problem.device)
+                            for t in (problem.anchor, *problem.blocks))
+        fold = d_pos is not None and problem.positives is not None
+        offset = problem.positives.offset if fold else 0
+        _ops().lse_backward(*_args(problem, tau), lse.to(cd), g.to(cd), d_pos.to(cd) if fold else None, offset,
+                            d_anchor=d_anchor, d_block0=d0, d_block1=d1)
+        return d_anchor, (d0, d1)
+
+    def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
+        """Loss rows, their gradients and the primitive's outputs in one sweep (see ``TorchLSE.fused``);
+        with ``problem.positives`` the head's ``d_pos`` is also folded into ``d_anchor`` and
+        ``d_blocks[0]`` (and still returned, for the temperature gradient)."""
+        cd, B, dev = compute_dtype(problem.dtype), problem.num_anchors, problem.device
+        out = FusedResult(new_output(B, dtype=cd, device=dev), new_output(B, dtype=cd, device=dev))
+        out.loss_rows = new_output(B, dtype=cd, device=dev)
+        out.d_pos = new_output(head.pos_logits.shape, dtype=cd, device=dev)
+        out.d_anchor = new_output(problem.anchor.shape, dtype=cd, device=dev)
+        out.d_blocks = tuple(new_output(b.shape, dtype=cd, device=dev) for b in problem.blocks)
+        out.g_dot_mean_logit = new_output((), dtype=cd, device=dev)
+        _ops().lse_fused(
+            *_args(problem, tau), head.kind, head.pos_logits.to(cd), head.pos_mask,
+            None if head.log_extra is None else head.log_extra.to(cd), head.weights.to(cd),
+            0 if problem.positives is None else problem.positives.offset, problem.positives is not None,
+            lse=out.lse, mean_logit=out.mean_logit, loss_rows=out.loss_rows, d_pos=out.d_pos,
+            d_anchor=out.d_anchor, d_block0=out.d_blocks[0], d_block1=out.d_blocks[1],
+            g_dot_mean_logit=out.g_dot_mean_logit,
+        )
+        return out
+
+
+OPS = {"lse": CppLSE()}

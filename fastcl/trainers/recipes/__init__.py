@@ -1,0 +1,1 @@
+"""The methods: SimCSE (unsup, sup), SupMPN, SupCon + CE (Liao), EdaCSE. See docs/training.md."""

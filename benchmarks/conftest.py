@@ -1,15 +1,29 @@
-"""pytest-benchmark setup: CPU defaults, peak memory in extra_info, a ratio table at the end.
+"""pytest-benchmark setup: ratios against eager at the end, skips and versions in the JSON.
 
-Every case records ``extra_info["group_key"]`` (the workload) and ``extra_info["impl"]``;
+Every case records ``extra_info["workload"]`` and ``extra_info["impl"]`` (``bench_record``);
 the terminal summary prints each implementation's time and peak memory as a ratio of the
-eager reference measured in the same run.
+eager reference measured in the same run. Implementations that cannot run are skipped
+through ``bench_skip`` so the reason reaches the JSON (``fastcl_skipped``) and the report.
+
+Without ``--benchmark-json`` the results are written to ``.benchmarks/fastcl-latest.json``
+(``FASTCL_BENCH_JSON`` changes the path, ``FASTCL_BENCH_JSON=0`` turns it off) for
+``python -m fastcl.bench report``.
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import os
+import platform
+from pathlib import Path
+
 import pytest
 
 _RESULTS: list[dict] = []
+_SKIPPED: list[dict] = []
+_LOAD_AT_START: list[float] = []
+DEFAULT_JSON = Path(__file__).resolve().parent.parent / ".benchmarks" / "fastcl-latest.json"
 
 
 def record(benchmark, *, workload: str, impl: str, **info) -> None:
@@ -18,9 +32,70 @@ def record(benchmark, *, workload: str, impl: str, **info) -> None:
     _RESULTS.append({"benchmark": benchmark, "workload": workload, "impl": impl, **info})
 
 
+def skip(workload: str, impl: str, reason: str):
+    """Skip this case, keeping the reason for the JSON and the report."""
+    _SKIPPED.append({"workload": workload, "impl": impl, "reason": reason})
+    pytest.skip(f"{impl}: {reason}")
+
+
 @pytest.fixture
 def bench_record():
     return record
+
+
+@pytest.fixture
+def bench_skip():
+    return skip
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # before pytest-benchmark reads its options: save JSON by default for the report
+    _LOAD_AT_START[:] = os.getloadavg()
+    target = os.environ.get("FASTCL_BENCH_JSON", str(DEFAULT_JSON))
+    if getattr(config.option, "benchmark_json", "absent") is None and target != "0":
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        config.option.benchmark_json = target
+
+
+def _versions() -> dict:
+    out = {}
+    for dist in ("torch", "triton", "sentence-transformers", "pytorch-metric-learning", "inf-cl", "fastcl"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _backends(dispatch) -> dict:
+    try:
+        return dispatch.describe()
+    except Exception as exc:  # reported, not fatal: the cases say which backends ran
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    import torch
+
+    from fastcl.ops import dispatch
+
+    info = {
+        "versions": _versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_start": list(_LOAD_AT_START) or None,
+        "backends": _backends(dispatch),
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    machine_info["fastcl"] = info
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    output_json["fastcl_skipped"] = list(_SKIPPED)
+    output_json["machine_info"].setdefault("fastcl", {})["loadavg_end"] = list(os.getloadavg())
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -32,17 +107,26 @@ def pytest_terminal_summary(terminalreporter):
     by_workload: dict[str, list[dict]] = {}
     for r in rows:
         by_workload.setdefault(r["workload"], []).append(r)
+    skipped: dict[str, list[dict]] = {}
+    for s in _SKIPPED:
+        skipped.setdefault(s["workload"], []).append(s)
     for workload, items in by_workload.items():
         base = next((r for r in items if r["impl"] == "eager"), None)
         tr.write_line(workload)
         for r in items:
             t = r["benchmark"].stats.stats.median
             mem = r.get("peak_mib")
-            line = f"  {r['impl']:<14} {t * 1e3:9.1f} ms"
+            line = f"  {r['impl']:<11} {t * 1e3:9.1f} ms"
             if base is not None:
                 line += f"  ({base['benchmark'].stats.stats.median / t:5.2f}x eager speed)"
             if mem is not None:
                 line += f"  peak {mem:8.1f} MiB"
-                if base is not None and base.get("peak_mib"):
+                if base is not None and (base.get("peak_mib") or 0) >= 1:
                     line += f" ({mem / base['peak_mib']:.3f}x eager)"
+            if r.get("tflops") is not None:
+                line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"
+                if r.get("gemm_share") is not None:
+                    line += f" ({100 * r['gemm_share']:.0f}% of GEMM)"
             tr.write_line(line)
+        for s in skipped.get(workload, []):
+            tr.write_line(f"  {s['impl']:<11} skipped: {s['reason'][:110]}")

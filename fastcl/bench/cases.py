@@ -49,14 +49,20 @@ def loss_fn(loss: str, backend: str):
 
 def loss_step(loss: str, backend: str, B: int, P: int = 1, Q: int = 0, d: int = 128, dtype: str = "float32",
               device: str = "cpu"):
-    """Build inputs, return a zero-argument callable running forward + backward once."""
+    """Build inputs, return a zero-argument callable running forward + backward once.
+
+    ``backend`` is any implementation of ``fastcl.bench.peers.IMPLS``: ``"eager"``, a fastcl
+    backend, ``"compile"`` or a peer (``"st-mnrl"``, ``"pml-ntxent"``, ...).
+    """
+    from fastcl.bench.peers import build
+
     inputs = make_inputs(loss, B, P, Q, d, dtype, device)
-    fn = loss_fn(loss, backend)
+    forward = build(backend, loss, inputs)
     leaves = [t for t in inputs.values() if t is not None]
 
     def step():
         for t in leaves:
             t.grad = None
-        fn(**inputs).backward()
+        forward().backward()
 
     return step

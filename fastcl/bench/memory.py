@@ -58,6 +58,58 @@ def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600) -> in
     return int(json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"])
 
 
+def cpu_extra_peak_bytes_many(factory: str, cases: list[dict], preload: tuple[str, ...] = (),
+                              timeout: float = 1800) -> list[int | None]:
+    """:func:`cpu_extra_peak_bytes` for many cases, paying Python's and the libraries' start-up once.
+
+    One fresh Python process imports ``factory``'s module and ``preload`` and runs no
+    tensor work; for each case it forks a child, which is therefore a fresh process with
+    no earlier allocations (and no OpenMP pool to inherit), builds that case and reports
+    its extra peak RSS. ``None`` where the child failed (the benchmark reports why).
+    """
+    import os
+
+    payload = json.dumps({"factory": factory, "cases": cases, "preload": list(preload)})
+    cmd = [sys.executable, "-m", "fastcl.bench.memory", "--many"]
+    # glibc: every block above 64 KiB is its own mapping, returned to the kernel when freed,
+    # so the measured step cannot reuse heap left over from its warm-up run unseen
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory probe server failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"]
+
+
+def _serve_many(request: dict) -> list[int | None]:
+    import os
+
+    module, func = request["factory"].split(":")
+    factory = getattr(importlib.import_module(module), func)
+    for name in request["preload"]:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional peer that is not installed: its cases skip
+            pass
+    results = []
+    for case in request["cases"]:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: a fresh process for this case only
+            os.close(read)
+            try:
+                value = measure_extra_rss(factory(**case))
+            except BaseException:  # reported as None; the benchmark says why
+                value = None
+            os.write(write, json.dumps(value).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            text = f.read()
+        os.waitpid(pid, 0)
+        results.append(json.loads(text) if text else None)
+    return results
+
+
 def cuda_extra_peak_bytes(run) -> int:
     """Peak CUDA memory allocated by ``run()`` beyond what was allocated before it."""
     import torch
@@ -71,6 +123,9 @@ def cuda_extra_peak_bytes(run) -> int:
 
 
 def _main(argv: list[str]) -> None:
+    if argv == ["--many"]:
+        print(json.dumps({"extra_peak_bytes": _serve_many(json.loads(sys.stdin.read()))}))
+        return
     module, func = argv[0].split(":")
     run = getattr(importlib.import_module(module), func)(**json.loads(argv[1]))
     print(json.dumps({"extra_peak_bytes": measure_extra_rss(run)}))

@@ -1,0 +1,116 @@
+"""Correctness at scale: every implementation's loss and gradients against float64.
+
+    python -m fastcl.bench correctness --device cuda --out results/correctness.json
+    python -m fastcl.bench correctness --device cpu --scale 0.03125   # a CPU dry run
+
+For each workload (loss, B, P, Q, d) and dtype, the float64 oracle on the same (rounded)
+inputs gives the reference loss and gradients; each available implementation of
+``fastcl.bench.peers`` is compared with it. fastcl backends must match the value within
+``peers.VALUE_TOL`` and every gradient within :data:`GRAD_RTOL` (relative Frobenius
+error); peers must match the value (their gradients are reported, not asserted: they are
+not ours to fix). Exit status 1 if anything fails; the JSON lists every comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fastcl.bench import peers
+from fastcl.bench.cases import LOSSES, make_inputs
+
+# (loss, B, P, Q, d) at scale 1: the oracle's float64 logits stay a few GiB on an H100
+WORKLOADS = [
+    ("infonce", 16384, 1, 0, 768),
+    ("mnrl", 8192, 1, 1, 768),
+    ("supmpn", 2048, 5, 5, 768),
+    ("supcon", 2048, 5, 5, 768),
+]
+GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float64: 1e-9}
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double(), ref.detach().double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _grads(fn, inputs: dict) -> tuple[float, dict]:
+    leaves = {k: v for k, v in inputs.items() if v is not None}
+    for v in leaves.values():
+        v.grad = None
+    loss = fn()
+    loss.backward()
+    return float(loss.detach()), {k: v.grad.detach().clone() for k, v in leaves.items()}
+
+
+def check_workload(loss: str, B: int, P: int, Q: int, d: int, dtype: str, device: str, impls: list[str]) -> list[dict]:
+    """One record per implementation (skipped ones carry the reason)."""
+    inputs = make_inputs(loss, B, P, Q, d, dtype, device)
+    t64 = {k: (None if v is None else v.detach().double().requires_grad_()) for k, v in inputs.items()}
+    oracle = LOSSES[loss][1]
+    ref_value, ref_grads = _grads(lambda: oracle(**t64, temperature=peers.TEMPERATURE), t64)
+    del t64
+    dt = inputs["anchor"].dtype
+    atol, rtol = peers.VALUE_TOL[dt]
+    out = []
+    for name in impls:
+        rec = {"loss": loss, "B": B, "P": P, "Q": Q, "d": d, "dtype": dtype, "device": device, "impl": name,
+               "family": peers.IMPLS[name].family}
+        why = peers.unavailable(name, loss, device)
+        if why:
+            out.append({**rec, "status": "skipped", "reason": why})
+            continue
+        try:
+            value, grads = _grads(peers.build(name, loss, inputs), inputs)
+        except Exception as exc:  # dispatch refusing the inputs, out of memory: report, go on
+            out.append({**rec, "status": "skipped", "reason": f"{type(exc).__name__}: {' '.join(str(exc).split())}"})
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        errs = {k: rel_err(g, ref_grads[k]) for k, g in grads.items()}
+        value_ok = abs(value - ref_value) <= atol + rtol * abs(ref_value)
+        grads_ok = all(e <= GRAD_RTOL[dt] for e in errs.values())
+        ok = value_ok and (grads_ok or rec["family"] != "fastcl")
+        out.append({**rec, "status": "ok" if ok else "FAIL", "value": value, "reference": ref_value,
+                    "abs_err": abs(value - ref_value), "grad_rel_err": errs, "grads_within_tol": grads_ok})
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated input dtypes")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every batch size (CPU dry run: 1/32)")
+    p.add_argument("--impls", default="", help="comma-separated implementations (default: all)")
+    p.add_argument("--out", default=None, help="JSON file for the records")
+
+
+def main(args: argparse.Namespace) -> int:
+    impls = [s for s in args.impls.split(",") if s] or [n for n in peers.IMPLS if n != "compile"]
+    jobs = [(w, dt) for w in WORKLOADS for dt in args.dtypes.split(",")]
+    records = []
+    for (loss, B, P, Q, d), dtype in tqdm(jobs, desc="correctness", unit="workload"):
+        B = max(2, int(B * args.scale))
+        records += check_workload(loss, B, P, Q, d, dtype, args.device, [n for n in impls if loss in peers.IMPLS[n].losses])
+    failed = [r for r in records if r["status"] == "FAIL"]
+    for r in records:
+        extra = r.get("reason") or (f"|dvalue| {r['abs_err']:.2e}, grad rel err "
+                                    + ", ".join(f"{k} {v:.1e}" for k, v in r["grad_rel_err"].items()))
+        print(f"{r['status']:>7}  {r['loss']:<7} B={r['B']:<6} {r['dtype']:<8} {r['impl']:<10} {extra}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"device": args.device, "records": records}, indent=1))
+    print(f"{len(records) - len(failed)} of {len(records)} comparisons passed or were skipped; {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,310 @@
+"""Every implementation the benchmarks compare, on the same inputs: fastcl, the reference, peers.
+
+An implementation turns the inputs of one loss (``fastcl.bench.cases.make_inputs``: raw
+embeddings, temperature :data:`TEMPERATURE`) into a zero-argument callable returning the
+loss, so the benchmark can time ``fn().backward()`` and check ``fn()`` against the
+float64 reference first (:func:`check_value`).
+
+Families:
+
+* ``reference``: ``eager`` (the oracle of ``fastcl.reference``, materialises ``[B, N]``)
+  and ``compile`` (``torch.compile`` of that oracle, dynamic shapes, one compile per loss
+  and process).
+* ``fastcl``: the backends of ``fastcl.ops.dispatch`` (``torch``, ``cpp``, ``triton``,
+  ``cuda``); one that cannot run here is skipped with dispatch's reason.
+* ``peer``: what a user would use instead, where it computes the same loss:
+
+  - ``st-mnrl`` / ``st-cmnrl``: sentence-transformers ``MultipleNegativesRankingLoss`` and
+    ``CachedMultipleNegativesRankingLoss`` (MNRL / InfoNCE; scale = 1 / temperature). The
+    cached loss runs its full GradCache path around an identity "encoder" that looks the
+    embeddings up, so its time is the chunked loss plus its two cheap re-embedding passes.
+  - ``pml-ntxent`` / ``pml-supcon``: pytorch-metric-learning ``NTXentLoss`` / ``SupConLoss``
+    with ``ref_emb``: anchors are the queries, the candidate set the references, labels say
+    which candidates are an anchor's own positives. NT-Xent's denominator per positive pair
+    is that positive plus every candidate of another label, which is SupMPN eq. 7 (also
+    MNRL and InfoNCE with P = 1); SupCon's denominator is every candidate (``L_out``).
+  - ``torch-lce``: PyTorch's chunked ``F.linear_cross_entropy`` (the logits never exist
+    whole) on normalised embeddings with weight ``candidates / tau``: MNRL and InfoNCE.
+  - ``inf-cl``: Inf-CL's ``cal_inf_loss`` (InfoNCE only; CUDA only, Triton kernels).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+TEMPERATURE = 0.05
+ALL_LOSSES = ("supmpn", "supcon", "mnrl", "infonce")
+FASTCL_BACKENDS = ("torch", "cpp", "triton", "cuda")
+CMNRL_MINI_BATCH = 512  # rows of the score matrix per chunk (ST's default is 32; 512 is kinder to GEMMs)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation: which losses it computes, what it needs, how to build it."""
+
+    name: str
+    family: str  # "reference" | "fastcl" | "peer"
+    losses: tuple[str, ...]
+    build: Callable[[str, dict], Callable[[], Tensor]]
+    requires: str | None = None  # importable module needed
+    cuda_only: bool = False
+
+
+# ---------------------------------------------------------------------------------------
+# Candidate layout shared by the peers: anchors [B, d] against candidates [N, d]
+# ---------------------------------------------------------------------------------------
+
+
+def _columns(loss: str, t: dict) -> tuple[Tensor, list[Tensor], int]:
+    """``(anchor, [candidate blocks], P)``: own positives first (anchor i's are rows
+    ``i*P .. i*P+P-1``), then negatives; the blocks concatenate to ``[N, d]``."""
+    anchor = t["anchor"]
+    B, d = anchor.shape
+    if loss in ("supmpn", "supcon"):
+        P = t["positives"].shape[1]
+        blocks = [t["positives"].reshape(B * P, d)]
+        if t.get("negatives") is not None:
+            blocks.append(t["negatives"].reshape(-1, d))
+        return anchor, blocks, P
+    blocks = [t["positive"]]
+    if t.get("negatives") is not None:
+        blocks.append(t["negatives"].reshape(-1, d))
+    return anchor, blocks, 1
+
+
+def _labels(B: int, P: int, N: int, device) -> tuple[Tensor, Tensor]:
+    """Anchor labels ``0..B-1``; candidate labels: the owner for own positives, unique
+    labels ``>= B`` for every other candidate (negatives are nobody's positive)."""
+    owners = torch.arange(B, device=device).repeat_interleave(P)
+    others = torch.arange(B, B + N - B * P, device=device)
+    return torch.arange(B, device=device), torch.cat([owners, others])
+
+
+# ---------------------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------------------
+
+
+def _build_eager(loss: str, t: dict):
+    from fastcl.bench.cases import LOSSES
+
+    oracle = LOSSES[loss][1]
+    return lambda: oracle(**t, temperature=TEMPERATURE)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _build_compile(loss: str, t: dict):
+    from fastcl.bench.cases import LOSSES
+
+    if loss not in _COMPILED:  # one dynamic-shape graph per loss and process
+        _COMPILED[loss] = torch.compile(LOSSES[loss][1], dynamic=True)
+    fn = _COMPILED[loss]
+    return lambda: fn(**t, temperature=TEMPERATURE)
+
+
+def _fastcl_builder(backend: str):
+    def build(loss: str, t: dict):
+        from fastcl.bench.cases import LOSSES
+
+        fused = LOSSES[loss][0]
+        return lambda: fused(**t, temperature=TEMPERATURE, backend=backend)
+
+    return build
+
+
+class _LookUp(nn.Module):
+    """An "encoder" whose input is the embeddings themselves (for ST's cached loss)."""
+
+    def forward(self, features: dict) -> dict:
+        return {"sentence_embedding": features["sentence_embedding"]}
+
+
+def _st_columns(loss: str, t: dict) -> list[Tensor]:
+    # ST's input columns: anchors, positives, then one column per hard-negative slot
+    cols = [t["anchor"], t["positive"]]
+    if t.get("negatives") is not None:
+        cols += list(t["negatives"].unbind(1))
+    return cols
+
+
+def _build_st_mnrl(loss: str, t: dict):
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    module = MultipleNegativesRankingLoss(nn.Sequential(_LookUp()), scale=1 / TEMPERATURE)
+    return lambda: module.compute_loss_from_embeddings(_st_columns(loss, t), None)
+
+
+def _build_st_cmnrl(loss: str, t: dict):
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    module = CachedMultipleNegativesRankingLoss(
+        nn.Sequential(_LookUp()), scale=1 / TEMPERATURE, mini_batch_size=CMNRL_MINI_BATCH
+    )
+    return lambda: module([{"sentence_embedding": c} for c in _st_columns(loss, t)], None)
+
+
+def _pml_builder(cls_name: str):
+    def build(loss: str, t: dict):
+        from pytorch_metric_learning import losses as pml
+
+        anchor, blocks, P = _columns(loss, t)
+        module = getattr(pml, cls_name)(temperature=TEMPERATURE)
+
+        def fn():
+            cands = torch.cat(blocks)
+            labels, ref_labels = _labels(anchor.shape[0], P, cands.shape[0], anchor.device)
+            return module(anchor, labels, ref_emb=cands, ref_labels=ref_labels)
+
+        return fn
+
+    return build
+
+
+def _build_torch_lce(loss: str, t: dict):
+    anchor, blocks, _ = _columns(loss, t)
+    target = torch.arange(anchor.shape[0], device=anchor.device)
+    options = torch.nn.LinearCrossEntropyOptions()  # opt in to the chunked path
+
+    def fn():
+        a = F.normalize(anchor, dim=-1, eps=1e-8)
+        c = F.normalize(torch.cat(blocks), dim=-1, eps=1e-8) / TEMPERATURE
+        return F.linear_cross_entropy(a, c, target, options=options)
+
+    return fn
+
+
+def _build_inf_cl(loss: str, t: dict):
+    from inf_cl import cal_inf_loss
+
+    # a tensor: Inf-CL routes the scale through its own autograd Function; mean over rows
+    scale = torch.tensor(1 / TEMPERATURE, device=t["anchor"].device, dtype=torch.float32)
+
+    def fn():
+        q = F.normalize(t["anchor"], dim=-1, eps=1e-8)
+        k = F.normalize(t["positive"], dim=-1, eps=1e-8)
+        return cal_inf_loss(q, k, scale=scale)
+
+    return fn
+
+
+IMPLS: dict[str, Impl] = {
+    "eager": Impl("eager", "reference", ALL_LOSSES, _build_eager),
+    "compile": Impl("compile", "reference", ALL_LOSSES, _build_compile),
+    **{b: Impl(b, "fastcl", ALL_LOSSES, _fastcl_builder(b)) for b in FASTCL_BACKENDS},
+    "st-mnrl": Impl("st-mnrl", "peer", ("mnrl", "infonce"), _build_st_mnrl, requires="sentence_transformers"),
+    "st-cmnrl": Impl("st-cmnrl", "peer", ("mnrl", "infonce"), _build_st_cmnrl, requires="sentence_transformers"),
+    "pml-ntxent": Impl("pml-ntxent", "peer", ("supmpn", "mnrl", "infonce"), _pml_builder("NTXentLoss"),
+                       requires="pytorch_metric_learning"),
+    "pml-supcon": Impl("pml-supcon", "peer", ("supcon", "mnrl", "infonce"), _pml_builder("SupConLoss"),
+                       requires="pytorch_metric_learning"),
+    "torch-lce": Impl("torch-lce", "peer", ("mnrl", "infonce"), _build_torch_lce),
+    "inf-cl": Impl("inf-cl", "peer", ("infonce",), _build_inf_cl, requires="inf_cl", cuda_only=True),
+}
+
+
+def _torch_lce_missing() -> str | None:
+    if not hasattr(F, "linear_cross_entropy"):
+        return f"torch {torch.__version__} has no F.linear_cross_entropy (chunked cross-entropy)"
+    return None
+
+
+def unavailable(name: str, loss: str, device: str | torch.device) -> str | None:
+    """Why ``name`` cannot run ``loss`` on ``device`` here (None: it can).
+
+    fastcl backends are checked by dispatch (``fastcl.ops.dispatch.describe``); whether a
+    backend takes the particular inputs is checked when it first runs (``build_checked``).
+    """
+    if name not in IMPLS:
+        return f"unknown implementation {name!r}; choose from {sorted(IMPLS)}"
+    impl = IMPLS[name]
+    if loss not in impl.losses:
+        return f"{name} does not compute {loss} (it computes {', '.join(impl.losses)})"
+    device = torch.device(device)
+    if impl.cuda_only and device.type != "cuda":
+        return f"{name} runs on CUDA only"
+    if impl.requires and importlib.util.find_spec(impl.requires) is None:
+        return f"{name} needs the optional package {impl.requires!r} (not installed)"
+    if name == "torch-lce":
+        return _torch_lce_missing()
+    if impl.family == "fastcl":
+        from fastcl.ops import dispatch
+
+        if name == "triton" and device.type == "cpu":
+            return "fastcl backend 'triton' runs on CUDA (its CPU interpreter is for tests, not timing)"
+        try:
+            status = dispatch.describe()[name]
+        except Exception as exc:  # a backend whose own check crashes must not take the suite down
+            return f"fastcl backend check failed: {type(exc).__name__}: {exc}"
+        return None if status == "available" else f"fastcl backend {name!r}: {status}"
+    return None
+
+
+def build(name: str, loss: str, inputs: dict) -> Callable[[], Tensor]:
+    """The forward callable of implementation ``name`` on ``inputs`` (see the module docstring)."""
+    why = unavailable(name, loss, inputs["anchor"].device)
+    if why:
+        raise RuntimeError(why)
+    return IMPLS[name].build(loss, inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# Correctness before timing
+# ---------------------------------------------------------------------------------------
+
+# |value - reference| <= ATOL + RTOL * |reference| per input dtype; the reference runs in
+# float64 on the same (already rounded) inputs.
+VALUE_TOL = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (3e-2, 2e-2),
+    torch.float16: (1e-2, 5e-3),
+}
+# Largest B x N for which the float64 oracle's logits are built whole; beyond it the
+# reference value comes from fastcl's chunked torch backend in float64 (memory-lean).
+MAX_EAGER_REFERENCE_ELEMENTS = 2**28
+
+
+class PeerMismatchError(AssertionError):
+    """An implementation's loss value differs from the float64 reference."""
+
+
+def reference_value(loss: str, inputs: dict) -> float:
+    """The loss in float64 on the same inputs (oracle, or the chunked torch backend when big)."""
+    from fastcl.bench.cases import LOSSES
+
+    fused, oracle, _ = LOSSES[loss]
+    t64 = {k: (None if v is None else v.detach().double()) for k, v in inputs.items()}
+    anchor, blocks, _ = _columns(loss, t64)
+    n = sum(b.shape[0] for b in blocks)
+    with torch.no_grad():
+        if anchor.shape[0] * n <= MAX_EAGER_REFERENCE_ELEMENTS:
+            return float(oracle(**t64, temperature=TEMPERATURE))
+        return float(fused(**t64, temperature=TEMPERATURE, backend="torch"))
+
+
+def check_value(name: str, loss: str, fn: Callable[[], Tensor], inputs: dict, expected: float | None = None) -> dict:
+    """Run ``fn()`` once and assert its loss equals the float64 reference within
+    :data:`VALUE_TOL` of the input dtype; returns ``{"value", "reference", "abs_err"}``.
+
+    Raises :class:`PeerMismatchError` naming the implementation when it does not.
+    """
+    dtype = inputs["anchor"].dtype
+    ref = reference_value(loss, inputs) if expected is None else expected
+    with torch.no_grad():
+        got = float(fn())
+    atol, rtol = VALUE_TOL[dtype]
+    err = abs(got - ref)
+    if not err <= atol + rtol * abs(ref):  # also catches NaN
+        raise PeerMismatchError(
+            f"{name} computes {loss} = {got!r}, the float64 reference gives {ref!r} "
+            f"(|diff| {err:.3g} > {atol} + {rtol} * |ref|): not the same loss, not timed"
+        )
+    return {"value": got, "reference": ref, "abs_err": err}

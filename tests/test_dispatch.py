@@ -66,3 +66,17 @@ def test_import_is_light():
     code = "import sys, fastcl, fastcl.losses; print('triton' in sys.modules, 'fastcl.ops._cpp' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_a_raising_availability_check_is_a_reason(monkeypatch):
+    import types
+
+    from fastcl.ops import dispatch
+
+    def boom():
+        raise FileNotFoundError("csrc/missing.cpp")
+
+    fake = types.SimpleNamespace(unavailable=boom, OPS={})
+    monkeypatch.setattr(dispatch, "_module", lambda name: (fake, None))
+    assert "FileNotFoundError" in dispatch.describe()["cpp"]
+    assert "FileNotFoundError" in dispatch.reasons("cpp", "lse")[0]

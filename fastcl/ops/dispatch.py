@@ -57,6 +57,14 @@ def _module(name: str) -> tuple[Any | None, str | None]:
     return module, None
 
 
+def _unavailable(name: str, module: Any) -> str | None:
+    """The backend's own reason, or the error its check raised (a broken build is a reason)."""
+    try:
+        return module.unavailable()
+    except Exception as exc:
+        return f"backend {name!r} failed its availability check: {type(exc).__name__}: {exc}"
+
+
 def reasons(name: str, op: str, *inputs: Any) -> list[str]:
     """Every reason why backend ``name`` cannot run ``op`` on ``inputs`` (empty: it can)."""
     if name not in BACKEND_MODULES:
@@ -64,7 +72,7 @@ def reasons(name: str, op: str, *inputs: Any) -> list[str]:
     module, why = _module(name)
     if module is None:
         return [why]
-    why = module.unavailable()
+    why = _unavailable(name, module)
     if why:
         return [why]
     impl = module.OPS.get(op)
@@ -106,6 +114,6 @@ def describe() -> dict[str, str]:
     for name in BACKEND_MODULES:
         module, why = _module(name)
         if module is not None:
-            why = module.unavailable()
+            why = _unavailable(name, module)
         out[name] = "available" if not why else why
     return out

@@ -114,10 +114,13 @@ def _sweep(
     step = rows_per_block(N, B)
     for r0 in range(0, B, step):
         r1 = min(B, r0 + step)
-        a_blk = prep.a_hat[r0:r1]
-        logits = (a_blk @ prep.c_hat.T).mul_(inv_tau)  # [R, N]
+        a_blk = prep.a_hat[r0:r1] * inv_tau  # 1/tau on the [R, d] side, not on [R, N]
+        logits = a_blk @ prep.c_hat.T  # [R, N]
         rows = torch.arange(r0, r1, device=problem.device)
-        masked = logits.masked_fill(excluded(prep.tags, rows), float("-inf"))
+        # with a gradient to form, mean_logit comes from a GEMM we do anyway (below), so the
+        # raw logits are not needed again and the mask goes in place
+        drop = excluded(prep.tags, rows)
+        masked = logits.masked_fill_(drop, float("-inf")) if want_grad else logits.masked_fill(drop, float("-inf"))
         # log-sum-exp by hand so exp runs once: its result becomes the softmax in place
         row_max = masked.amax(dim=1)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty row
@@ -127,11 +130,14 @@ def _sweep(
         lse[r0:r1] = blk_lse
         # an empty row gets all-zero softmax weights instead of NaN
         probs.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))[:, None])
-        blk_ml = torch.linalg.vecdot(probs, logits)
-        mean_logit[r0:r1] = blk_ml
         if not want_grad:
+            mean_logit[r0:r1] = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
             continue
 
+        # sum_c p_ic c_hat_c: the anchor-gradient GEMM, and <a_i/tau, .> is the mean logit
+        p_c = torch.mm(probs, prep.c_hat, out=d_a_hat[r0:r1])
+        blk_ml = torch.linalg.vecdot(a_blk, p_c)
+        mean_logit[r0:r1] = blk_ml
         if head is not None:
             blk_loss, g, blk_dpos = head.rows(r0, r1, blk_lse)
             loss_rows[r0:r1] = blk_loss
@@ -139,10 +145,9 @@ def _sweep(
         else:
             g = row_grad[r0:r1].to(cd)
         g_dot_ml += torch.dot(g, blk_ml)
-        # dLoss/dsim = g_i * softmax_ic / tau; padded columns have softmax 0 exactly
-        d_sim = probs.mul_((g * inv_tau)[:, None])
-        torch.mm(d_sim, prep.c_hat, out=d_a_hat[r0:r1])
-        d_c_hat.addmm_(d_sim.T, a_blk)
+        # dLoss/dsim_ic = g_i * p_ic / tau; padded columns have p = 0 exactly
+        p_c.mul_((g * inv_tau)[:, None])
+        d_c_hat.addmm_(probs.mul_(g[:, None]).T, a_blk)  # a_blk carries the 1/tau
 
     out = _SweepOut(lse, mean_logit)
     if want_grad and d_pos is not None and problem.positives is not None:

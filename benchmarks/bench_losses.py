@@ -18,6 +18,7 @@ forked per case from a probe server that imported the libraries once,
     pytest benchmarks/bench_losses.py -m gpu --benchmark-only  # GPU grid (needs CUDA)
     FASTCL_BENCH_MEMORY=0 ...                                # skip the memory probes
     FASTCL_BENCH_IMPLS=eager,torch,st-mnrl ...               # a subset of implementations
+    FASTCL_BENCH_TARGETS=1 ...                               # add the csrc CPU-target cases
     python -m fastcl.bench report .benchmarks/fastcl-latest.json   # RESULTS.md + plots
 """
 
@@ -44,6 +45,14 @@ CPU_GRID = [
     ("mnrl", 1, 1, 768, "float32", (256, 1024)),
     ("infonce", 1, 0, 128, "float32", (1024, 2048, 4096)),
 ]
+# The csrc issue's CPU targets, side by side in one run (opt-in, ~5 min more on 2 cores:
+# FASTCL_BENCH_TARGETS=1): time at B = 1024, P = Q = 5, d = 768 and memory at B = 8192,
+# P = Q = 5, d = 128 (eager holds several 2.5 GiB [B, N] float32 buffers there).
+CPU_TARGET_GRID = [
+    ("supmpn", 5, 5, 768, "float32", (1024,)),
+    ("supmpn", 5, 5, 128, "float32", (8192,)),
+]
+TARGET_IMPLS = ("eager", "torch", "cpp")
 # GPU: bf16 at BERT-base width, B up to 65536 and beyond (eager runs out of memory first:
 # such cases are skipped as "out of memory" and reported).
 GPU_GRID = [
@@ -62,16 +71,21 @@ ROUNDS = {"cpu": 3, "cuda": 5}
 PRELOAD = ("fastcl.bench.peers", "sentence_transformers", "pytorch_metric_learning")
 
 
-def _cases(grid, device, marks=()):
+def _cases(grid, device, marks=(), impls=None):
     for loss, P, Q, d, dtype, batches in grid:
         for B in batches:
             for impl in IMPLS:
-                if loss in peers.IMPLS[impl].losses:
+                if loss in peers.IMPLS[impl].losses and (impls is None or impl in impls):
                     case = dict(loss=loss, backend=impl, B=B, P=P, Q=Q, d=d, dtype=dtype, device=device)
                     yield pytest.param(case, id=f"{device}-{loss}-B{B}-P{P}-Q{Q}-d{d}-{dtype}-{impl}", marks=marks)
 
 
-CASES = [*_cases(CPU_GRID, "cpu"), *_cases(GPU_GRID, "cuda", marks=(pytest.mark.gpu,))]
+TARGETS = os.environ.get("FASTCL_BENCH_TARGETS", "0") == "1"
+CASES = [
+    *_cases(CPU_GRID, "cpu"),
+    *(_cases(CPU_TARGET_GRID, "cpu", impls=TARGET_IMPLS) if TARGETS else ()),
+    *_cases(GPU_GRID, "cuda", marks=(pytest.mark.gpu,)),
+]
 
 
 def workload_name(case: dict) -> str:

@@ -17,15 +17,13 @@ group stays usable after every error.
 
 from __future__ import annotations
 
-import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fastcl.losses as L
 from tests import distributed_cases as C
+from tests._spawn import spawn_ranks
 
 WORLDS = (2, 3)
 SPAWN_TIMEOUT_S = 150
@@ -40,29 +38,7 @@ _RUNS: dict[int, dict] = {}
 
 def _spawn(world: int, tmp: str, seed: int) -> list[dict]:
     """Run ``C.worker`` on ``world`` processes; kill them all if any fails or time runs out."""
-    ctx = mp.get_context("spawn")
-    store = os.path.join(tmp, "store")
-    procs = [ctx.Process(target=C.worker, args=(r, world, store, tmp, seed), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while any(p.is_alive() for p in procs):
-            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
-    if errors:
-        pytest.fail(f"{world}-process run failed (seed {seed}):\n" + "\n".join(errors))
-    codes = [p.exitcode for p in procs]
-    if codes != [0] * world:
-        pytest.fail(f"{world}-process run did not finish in {SPAWN_TIMEOUT_S}s or crashed: exit codes {codes}")
-    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return spawn_ranks(C.worker, world, tmp, seed, SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")

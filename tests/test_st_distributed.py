@@ -9,16 +9,14 @@ fastcl's cached MNRL gets the parameter gradients of sentence-transformers' cach
 
 from __future__ import annotations
 
-import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("sentence_transformers")
 
 from tests import _st_distributed_worker as W  # noqa: E402
+from tests._spawn import spawn_ranks  # noqa: E402
 from tests._st_common import assert_grads_close  # noqa: E402
 
 WORLD = 2
@@ -30,29 +28,7 @@ pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = str(tmp_path_factory.mktemp("st_dist"))
     seed = int(torch.initial_seed() % 10_000)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=W.worker, args=(r, WORLD, os.path.join(tmp, "store"), tmp, seed), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while any(p.is_alive() for p in procs):
-            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
-    if errors:
-        pytest.fail(f"{WORLD}-process run failed (seed {seed}):\n" + "\n".join(errors))
-    codes = [p.exitcode for p in procs]
-    if codes != [0] * WORLD:
-        pytest.fail(f"{WORLD}-process run did not finish in {SPAWN_TIMEOUT_S}s or crashed: exit codes {codes}")
-    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(W.worker, WORLD, tmp, seed, SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", ["mnrl", "mnrl_group", "infonce_symmetric"])

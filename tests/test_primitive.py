@@ -111,7 +111,8 @@ def test_upstream_gradient_scales(monkeypatch):
     g1 = a.grad.clone()
     a.grad = None
     L.infonce_loss(a, p, backend="reference").backward()
-    torch.testing.assert_close(g1, 3.5 * a.grad, rtol=1e-5, atol=1e-6)
+    want = 3.5 * a.grad  # float32 entries are differences of terms up to ~|want|.max()
+    torch.testing.assert_close(g1, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

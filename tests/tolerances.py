@@ -69,13 +69,14 @@ def assert_close(name: str, got, ref, dtype: torch.dtype, eager=None, *, scalar_
     a scalar formed by a cancelling sum (the temperature gradient). ``abs_scale``: the size
     of the terms ``got`` is a difference of (the logits, ``1/tau``, for a loss): an error
     of ``FLOOR[dtype]`` relative to *them* also passes, since a loss near 0 made of
-    logits near 20 cannot be closer than their rounding."""
+    logits near 20 cannot be closer than their rounding; for gradients (differences of
+    softmax-weighted terms of the same size) it scales the RMS floor."""
     assert got is not None, f"{name}: no value (gradient missing?)"
     assert tuple(got.shape) == tuple(ref.shape), f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     err, b = rel_err(got, ref), bound(dtype, eager, ref)
     if scalar_sum and dtype != torch.float64:
         b = max(b, SCALAR_SUM_FACTOR * FLOOR[dtype])
-    if err <= b or rms_err(got, ref) <= ATOL_RMS[dtype]:
+    if err <= b or rms_err(got, ref) <= ATOL_RMS[dtype] * (abs_scale or 1.0):
         return
     if abs_scale is not None and max_abs_err(got, ref) <= FLOOR[dtype] * abs_scale:
         return

@@ -42,6 +42,13 @@ inline at::ScalarType compute_dtype(const at::Tensor& anchor) {
   return anchor.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// Calls f(double{}) or f(float{}): the kernels' accumulation type for compute dtype cd.
+template <typename F>
+void dispatch_compute(at::ScalarType cd, const F& f) {
+  if (cd == at::kDouble) f(double{});
+  else f(float{});
+}
+
 inline void check_out(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype,
                       c10::DeviceType dev) {
   TORCH_CHECK(t.sizes() == shape, "fastcl: output ", name, " must have shape ", shape, ", got ", t.sizes());

@@ -327,12 +327,6 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   }
 }
 
-template <typename F>
-void dispatch_compute(at::ScalarType cd, const F& f) {
-  if (cd == at::kDouble) f(double{});
-  else f(float{});
-}
-
 // ------------------------------------------------------------------ ops
 
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,

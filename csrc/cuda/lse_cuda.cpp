@@ -128,12 +128,6 @@ void sweep(const Prepared& p, RowArgs<T> args, const at::Tensor& d_a, const at::
   }
 }
 
-template <typename F>
-void dispatch_compute(at::ScalarType cd, const F& f) {
-  if (cd == at::kDouble) f(double{});
-  else f(float{});
-}
-
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                  const at::Tensor& lse, const at::Tensor& mean_logit) {

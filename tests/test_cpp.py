@@ -17,12 +17,11 @@ import torch
 
 from fastcl.ops import _build, _cpp, dispatch
 from fastcl.ops._torch_impl import TorchLSE
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs, structured_tags
-from fastcl.ops.contrastive import contrastive_loss
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
 from fastcl.ops.head import HeadInputs, reduction_weights
-from fastcl.ops.positive_logits import positive_logits
 
 from .backends import require
+from .gradcheck_cases import gradcheck_contrastive
 
 
 @pytest.fixture(autouse=True)
@@ -66,26 +65,7 @@ def test_gradcheck_cpp(monkeypatch, strategy, kind, zero_logit, cosine, folded):
     """Folded: the backend adds the positives' gradient itself (OwnPositives); not folded:
     precomputed differentiable positive logits (shared positives)."""
     monkeypatch.setenv("FASTCL_STRATEGY", strategy)
-    B, P, Q, d = 4, 2, 3, 5
-    a = torch.randn(B, d, dtype=torch.float64, requires_grad=True)
-    pos = torch.randn(B, P, d, dtype=torch.float64, requires_grad=True)
-    neg = torch.randn(B, Q, d, dtype=torch.float64, requires_grad=True)
-    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    pos_mask = torch.tensor([[True, False], [True, True], [False, False], [False, True]])
-    neg_mask = torch.rand(B, Q) > 0.3
-    tags = (structured_tags(B, P, pos_mask, device=a.device, exclude_owner=kind == "supmpn"),
-            structured_tags(B, Q, neg_mask, device=a.device, exclude_owner=False))
-    weights = reduction_weights(pos_mask.any(1), "mean", torch.float64)
-    log_extra = (pos_mask.sum(1) - 1).clamp_min(0).double().log() if zero_logit else None
-
-    def f(a, pos, neg, tau):
-        pl = None if folded else positive_logits(a, pos, tau, cosine=cosine, eps=1e-8)
-        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tags, tau, kind=kind,
-                                positives=OwnPositives(0, P) if folded else None, pos_logits=pl,
-                                pos_mask=pos_mask, weights=weights, reduction="mean", cosine=cosine,
-                                eps=1e-8, log_extra=log_extra, backend="cpp")
-
-    assert torch.autograd.gradcheck(f, (a, pos, neg, tau))
+    gradcheck_contrastive("cpp", kind=kind, cosine=cosine, folded=folded, zero_logit=zero_logit)
 
 
 # ----------------------------------------------------------------- opcheck on every op

@@ -7,14 +7,13 @@ import torch
 
 import fastcl.losses as L
 from fastcl.ops import dispatch
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs, structured_tags
-from fastcl.ops.contrastive import contrastive_loss
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
 from fastcl.ops.grouped_cosine import GroupedCosine
-from fastcl.ops.head import reduction_weights
 from fastcl.ops.positive_logits import positive_logits
 from fastcl.reference import ReferenceLSE
 
 from .backends import backends_under_test, device_under_test, require
+from .gradcheck_cases import gradcheck_contrastive
 
 
 def _problem(B, N0, N1, d, dtype=torch.float64, device="cpu", cosine=True, exclude=True):
@@ -35,24 +34,7 @@ def test_gradcheck_contrastive_lse(monkeypatch, strategy, reduction, kind, cosin
     if strategy == "fused" and reduction == "none":
         pytest.skip("reduction='none' always recomputes")
     monkeypatch.setenv("FASTCL_STRATEGY", strategy)
-    B, P, Q, d = 4, 2, 3, 5
-    a = torch.randn(B, d, dtype=torch.float64, requires_grad=True)
-    pos = torch.randn(B, P, d, dtype=torch.float64, requires_grad=True)
-    neg = torch.randn(B, Q, d, dtype=torch.float64, requires_grad=True)
-    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    pos_mask = torch.tensor([[True, False], [True, True], [False, False], [False, True]])
-    neg_mask = torch.rand(B, Q) > 0.3
-    tags = (structured_tags(B, P, pos_mask, device=a.device, exclude_owner=kind == "supmpn"),
-            structured_tags(B, Q, neg_mask, device=a.device, exclude_owner=False))
-    weights = reduction_weights(pos_mask.any(1), reduction, torch.float64)
-
-    def f(a, pos, neg, tau):
-        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tags, tau, kind=kind,
-                                positives=OwnPositives(0, P), pos_logits=None,
-                                pos_mask=pos_mask, weights=weights, reduction=reduction, cosine=cosine,
-                                eps=1e-8, backend="torch")
-
-    assert torch.autograd.gradcheck(f, (a, pos, neg, tau))
+    gradcheck_contrastive("torch", kind=kind, reduction=reduction, cosine=cosine)
 
 
 @pytest.fixture(params=["reference", *backends_under_test()])

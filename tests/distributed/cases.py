@@ -1,4 +1,4 @@
-"""The multi-process side of tests/test_distributed.py: cases, the rank worker, DDP and errors.
+"""The multi-process side of tests/distributed/test_distributed.py: cases, the rank worker, DDP and errors.
 
 Each case builds one rank's inputs from ``(seed, case, rank)`` alone, so every process (and
 the pytest parent, which runs the one-process reference on the concatenated batch) builds
@@ -6,7 +6,7 @@ the same global batch without communication. Masks differ by rank on purpose: in
 masked cases ranks 0, 1, 2 have 3, 2 and 0 anchors with a valid positive.
 
 Run one world by hand (prints each case):
-    python -m tests.distributed_cases 3 /tmp/dist_out
+    python -m tests.distributed.cases 3 /tmp/dist_out
 """
 
 from __future__ import annotations

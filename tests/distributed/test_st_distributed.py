@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 
-from tests import _st_distributed_worker as W  # noqa: E402
-from tests._spawn import spawn_ranks  # noqa: E402
-from tests._st_common import assert_grads_close  # noqa: E402
+from tests.distributed import st_worker as W  # noqa: E402
+from tests.helpers.spawn import spawn_ranks  # noqa: E402
+from tests.helpers.st import assert_grads_close  # noqa: E402
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 150

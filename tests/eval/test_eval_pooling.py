@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .eval_support import minilm_path, tiny_bert
+from tests.helpers.eval import minilm_path, tiny_bert
 from fastcl.pooling import POOLINGS, masked_mean, needs_hidden_states, pool
 
 

@@ -1,4 +1,4 @@
-"""A torchrun-like rank for tests/test_train.py: env vars, then the ordinary CLI parse + loop."""
+"""A torchrun-like rank for tests/train/test_train.py: env vars, then the ordinary CLI parse + loop."""
 
 from __future__ import annotations
 

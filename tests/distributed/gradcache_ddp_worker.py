@@ -1,6 +1,6 @@
-"""One rank of the 2-process gloo DDP run of tests/test_gradcache_ddp.py.
+"""One rank of the 2-process gloo DDP run of tests/distributed/test_gradcache_ddp.py.
 
-Usage: python _gradcache_ddp_worker.py RANK WORLD PORT OUT.pt. Two accumulation steps of
+Usage: python -m tests.distributed.gradcache_ddp_worker RANK WORLD PORT OUT.pt. Two accumulation steps of
 SimCSE-unsup with gradient caching (two cached calls per step): the first backward inside
 the user's ``ddp.no_sync()``, the second synced. Saves the final parameter gradients and
 how many bucket all-reduces each backward issued (and a plain DDP backward, for scale).
@@ -15,10 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-if __package__:  # imported by the test module
-    from ._gradcache_common import make_batch, param_grads, tiny_encoder
-else:  # run as a script by the test
-    from _gradcache_common import make_batch, param_grads, tiny_encoder
+from tests.helpers.gradcache import make_batch, param_grads, tiny_encoder
 from fastcl.gradcache import GradCache
 from fastcl.losses import infonce_loss
 

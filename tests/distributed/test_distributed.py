@@ -1,6 +1,6 @@
 """Cross-device negatives: 2- and 3-process gloo runs equal one process on the concatenated batch.
 
-One spawn per world size (``tests/distributed_cases.py`` runs every case and backend in
+One spawn per world size (``tests/distributed/cases.py`` runs every case and backend in
 it, bounded by ``SPAWN_TIMEOUT_S``); the parent recomputes each case on one process and
 checks the identities documented in ``fastcl.distributed``:
 
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import fastcl.losses as L
-from tests import distributed_cases as C
-from tests._spawn import spawn_ranks
+from tests.distributed import cases as C
+from tests.helpers.spawn import spawn_ranks
 
 WORLDS = (2, 3)
 SPAWN_TIMEOUT_S = 150

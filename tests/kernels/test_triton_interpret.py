@@ -3,7 +3,7 @@
 Run in its own process, with the backend matrix::
 
     TRITON_INTERPRET=1 FASTCL_TEST_BACKENDS=triton FASTCL_TEST_SMALL=1 \\
-        pytest tests/test_backend_matrix.py tests/test_triton_interpret.py
+        pytest tests/ops/test_backend_matrix.py tests/kernels/test_triton_interpret.py
 
 (skipped without ``TRITON_INTERPRET=1``: the interpreter must be on before the kernels are
 imported). The matrix covers the losses end to end on small shapes; this file covers what
@@ -37,7 +37,7 @@ from fastcl.ops import _torch_impl, _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
 from fastcl.ops.positive_logits import own_positive_similarities  # noqa: E402
 
-from .tolerances import assert_close  # noqa: E402
+from tests.helpers.tolerances import assert_close  # noqa: E402
 
 TRITON = _triton.OPS["lse"]
 

@@ -9,7 +9,7 @@ github.com/embeddings-benchmark/results ``results/sentence-transformers__all-Min
 MTEB's hub sets are the staged files: ``mteb/sts1{2..6}-sts`` are SentEval's tokenised STS
 files (same pairs and character counts), ``mteb/stsbenchmark-sts`` is the original STS-B
 test text and ``mteb/sickr-sts`` is all 9,927 SICK pairs (train + trial + test), which is
-what ``protocol="mteb"`` reads (see tests/test_eval_data.py). sentence-transformers caps
+what ``protocol="mteb"`` reads (see tests/eval/test_eval_data.py). sentence-transformers caps
 this model at 256 tokens; no STS sentence is that long, we pass it anyway.
 
 Encoding ~29k distinct sentences takes 5-8 minutes on 2 busy CPU cores, so CI checks two
@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from .eval_support import minilm_path
+from tests.helpers.eval import minilm_path
 from fastcl.eval.encode import Encoder
 from fastcl.eval.sts import evaluate_sts
 

@@ -2,7 +2,7 @@
 nvcc for sm_80 and sm_90 without errors, local-memory spills or stack frames, within the
 static shared-memory limit; the torch glue passes a C++ syntax check; without a device the
 backend says why. With a GPU (``FASTCL_TEST_DEVICE=cuda``) the same backend matrix as
-``cpp`` runs it (tests/test_backend_matrix.py with ``FASTCL_TEST_BACKENDS=cuda``) and
+``cpp`` runs it (tests/ops/test_backend_matrix.py with ``FASTCL_TEST_BACKENDS=cuda``) and
 :func:`test_cuda_matches_torch_backend` below compares it with the torch backend.
 """
 
@@ -144,7 +144,7 @@ ptxas info    : Used 255 registers, used 1 barriers, 36608 bytes smem, 440 bytes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fold", [False, True])
 def test_cuda_matches_torch_backend(dtype, fold):
-    from .backends import require
+    from tests.helpers.backends import require
 
     require("cuda")
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ._gradcache_common import chunked_graph, make_batch, one_thread, param_grads, tiny_encoder  # noqa: F401
+from tests.helpers.gradcache import chunked_graph, make_batch, one_thread, param_grads, tiny_encoder  # noqa: F401
 from fastcl.gradcache import GradCache, HFEncoder
 from fastcl.losses import infonce_loss, supmpn_loss
 

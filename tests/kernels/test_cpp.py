@@ -1,8 +1,8 @@
 """The ``"cpp"`` backend beyond the shared matrix: gradcheck, opcheck, block edges, threads,
 determinism, poisoned outputs, and the lazy build (never at import, reasons kept).
 
-The shared backend matrix (tests/test_backend_matrix.py, tests/test_primitive.py,
-tests/test_memory.py) already runs ``"cpp"`` against the float64 oracles.
+The shared backend matrix (tests/ops/test_backend_matrix.py, tests/ops/test_primitive.py,
+tests/ops/test_memory.py) already runs ``"cpp"`` against the float64 oracles.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from fastcl.ops._torch_impl import TorchLSE
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
 from fastcl.ops.head import HeadInputs, reduction_weights
 
-from .backends import require
-from .gradcheck_cases import gradcheck_contrastive
+from tests.helpers.backends import require
+from tests.helpers.gradcheck import gradcheck_contrastive
 
 
 @pytest.fixture(autouse=True)

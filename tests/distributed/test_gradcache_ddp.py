@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ._gradcache_common import chunked_graph, one_thread, param_grads, tiny_encoder  # noqa: F401
-from ._gradcache_ddp_worker import CHUNK, STEPS, step_data
+from tests.helpers.gradcache import chunked_graph, one_thread, param_grads, tiny_encoder  # noqa: F401
+from tests.distributed.gradcache_ddp_worker import CHUNK, STEPS, step_data
 from fastcl.losses import infonce_loss
 
 WORLD = 2
@@ -32,12 +32,12 @@ def free_port() -> int:
 
 
 def run_workers(tmp_path: Path) -> list[dict]:
-    worker = Path(__file__).with_name("_gradcache_ddp_worker.py")
+    root = Path(__file__).resolve().parents[2]  # the worker imports tests.helpers: run it as a module from the root
     port, outs = free_port(), [tmp_path / f"rank{r}.pt" for r in range(WORLD)]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(worker), str(r), str(WORLD), str(port), str(outs[r])],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen([sys.executable, "-m", "tests.distributed.gradcache_ddp_worker", str(r), str(WORLD), str(port), str(outs[r])],
+                         env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(WORLD)
     ]
     logs = []

@@ -6,7 +6,7 @@ for every LSE loss, odd shapes (d = 1 ... 1024), masks with empty rows, fp32/bf1
 Outputs are poisoned with NaN before each kernel runs (``poison_outputs``), and padded
 slots must get exactly zero gradient.
 
-The backends come from ``tests/backends.py`` (``FASTCL_TEST_BACKENDS``), so the Triton
+The backends come from ``tests/helpers/backends.py`` (``FASTCL_TEST_BACKENDS``), so the Triton
 interpreter suite and a GPU run reuse this file unchanged.
 """
 
@@ -24,8 +24,8 @@ from fastcl import reference as R
 from fastcl.ops import _torch_impl
 from fastcl.ops.contract import poison_outputs
 
-from .backends import backends_under_test, require, small_only, device_under_test
-from .tolerances import FLOOR, assert_close
+from tests.helpers.backends import backends_under_test, require, small_only, device_under_test
+from tests.helpers.tolerances import FLOOR, assert_close
 
 SMALL_SHAPES = [  # (B, P, Q, d)
     (1, 1, 0, 1),

@@ -24,7 +24,7 @@ from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 from fastcl import reference as R  # noqa: E402
 from fastcl.integrations import sentence_transformers as fst  # noqa: E402
-from tests import _st_common as common  # noqa: E402
+from tests.helpers import st as common  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

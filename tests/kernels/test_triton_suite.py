@@ -20,8 +20,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("already inside the interpreter suite", allow_module_level=True)
 pytest.importorskip("triton")
 
-TESTS = Path(__file__).resolve().parent
-FILES = ["test_backend_matrix.py", "test_primitive.py", "test_triton_interpret.py"]
+TESTS = Path(__file__).resolve().parents[1]
+FILES = ["ops/test_backend_matrix.py", "ops/test_primitive.py", "kernels/test_triton_interpret.py"]
 
 
 def test_triton_interpreter_suite():

@@ -16,7 +16,7 @@ from fastcl.__main__ import main as cli
 from fastcl.cli.train import parse
 from fastcl.trainers.loop import train
 
-from ._train_common import make_samples, make_tiny_bert
+from tests.helpers.train import make_samples, make_tiny_bert
 
 pytestmark = pytest.mark.data
 NLI_METHODS = ("simcse-sup", "supmpn", "supcon")
@@ -244,7 +244,7 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
 
     import torch.multiprocessing as mp
 
-    from ._train_ddp_worker import run_rank, sgd
+    from tests.train.ddp_worker import run_rank, sgd
 
     cases = {  # deterministic data and encoder: no sampled fills, no dropout
         "supmpn": dict(pos_fill="mask", neg_fill="mask", num_positives=2, num_negatives=2),

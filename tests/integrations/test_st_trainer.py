@@ -20,7 +20,7 @@ from sentence_transformers import (  # noqa: E402
 )
 
 from fastcl.integrations import sentence_transformers as fst  # noqa: E402
-from tests import _st_common as common  # noqa: E402
+from tests.helpers import st as common  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

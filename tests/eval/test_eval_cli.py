@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from .eval_support import save_tiny_model
+from tests.helpers.eval import save_tiny_model
 from fastcl.__main__ import main
 from fastcl.cli.eval import parse_tasks
 

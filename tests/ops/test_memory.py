@@ -12,7 +12,7 @@ import pytest
 
 from fastcl.bench.memory import cpu_extra_peak_bytes
 
-from .backends import backends_under_test, require
+from tests.helpers.backends import backends_under_test, require
 
 B, P, Q, D = 4096, 5, 5, 32
 LOGITS_BYTES = B * B * (P + Q) * 4

@@ -1,4 +1,4 @@
-"""One rank of tests/test_st_distributed.py: sentence-transformers' gathered losses vs fastcl's.
+"""One rank of tests/distributed/test_st_distributed.py: sentence-transformers' gathered losses vs fastcl's.
 
 Each rank computes, on its own embeddings, sentence-transformers' loss with
 ``gather_across_devices=True`` and fastcl's with the same flag (and with an explicit
@@ -58,7 +58,7 @@ def _ddp_cached(model, seed: int, rank: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from fastcl.integrations import sentence_transformers as fst
-    from tests import _st_common as common
+    from tests.helpers import st as common
 
     ddp = DistributedDataParallel(model)
     rows = common.sentences(12, seed=seed * 100 + rank)
@@ -79,7 +79,7 @@ def _ddp_cached(model, seed: int, rank: int) -> dict:
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:
     try:
         torch.set_num_threads(1)
-        from tests import _st_common as common
+        from tests.helpers import st as common
 
         # Built before the group exists: transformers' save_pretrained writes only on rank 0 of a group.
         model = common.tiny_model(os.path.join(out_dir, f"model{rank}"), dropout=0.0, seed=seed)

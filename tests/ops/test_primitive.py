@@ -12,8 +12,8 @@ from fastcl.ops.grouped_cosine import GroupedCosine
 from fastcl.ops.positive_logits import positive_logits
 from fastcl.reference import ReferenceLSE
 
-from .backends import backends_under_test, device_under_test, require
-from .gradcheck_cases import gradcheck_contrastive
+from tests.helpers.backends import backends_under_test, device_under_test, require
+from tests.helpers.gradcheck import gradcheck_contrastive
 
 
 def _problem(B, N0, N1, d, dtype=torch.float64, device="cpu", cosine=True, exclude=True):

@@ -125,7 +125,11 @@ def check_output_file(path, flag: str) -> Path:
         raise ValueError(f"{flag} {path}: is a directory, expected a file path")
     if p.exists() and not os.access(p, os.W_OK):
         raise ValueError(f"{flag} {path}: exists and is not writable")
-    check_output_dir(p.parent, flag=f"{flag} {path}: parent")
+    base = _nearest_existing(p.parent)
+    if not base.is_dir():
+        raise ValueError(f"{flag} {path}: {base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {base} is not writable")
     return p
 
 

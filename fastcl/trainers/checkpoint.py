@@ -107,17 +107,20 @@ def save_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, sca
 def mark_complete(folder: Path, *, world_size: int, step: int, written: dict | None = None) -> None:
     """Rank 0, after every rank's :func:`save_checkpoint`: list the files, making the folder complete.
 
-    ``written``: digests already known (rank 0's own files); the other ranks' RNG files are
-    hashed from disk (they are small).
+    ``written``: the digests :func:`save_checkpoint` returned (under DDP, gathered from every
+    rank); a file without one is hashed from disk.
     """
     folder = Path(folder)
     written = written or {}
     files = {}
     for name in (STATE, *(rng_file(r) for r in range(world_size))):
+        if name in written:
+            files[name] = written[name]
+            continue
         path = folder / name
         if not path.is_file():
             raise RuntimeError(f"{path} was not written; checkpoint {folder} stays incomplete")
-        files[name] = written.get(name) or file_digest(path)
+        files[name] = file_digest(path)
     manifest = {"format": _FORMAT, "step": step, "world_size": world_size, "files": files}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 

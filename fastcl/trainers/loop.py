@@ -266,8 +266,10 @@ def train(recipe: Recipe, cfg) -> dict:
             folder = output_dir / f"{ckpt.PREFIX}{step}"
             written = ckpt.save_checkpoint(folder, rank=rank, model=model, optimizer=optimizer,
                                            scheduler=scheduler, scaler=scaler, progress=dict(progress), cfg=cfg)
-            if world > 1:
-                dist.barrier()  # every rank's files are on disk before the folder is marked complete
+            if world > 1:  # returns once every rank's files are on disk; rank 0 gets their digests
+                everyone = [None] * world
+                dist.all_gather_object(everyone, written)
+                written = {name: d for part in everyone for name, d in part.items()}
             if rank == 0:
                 ckpt.mark_complete(folder, world_size=world, step=step, written=written)
                 ckpt.prune(output_dir, cfg.save_total_limit)

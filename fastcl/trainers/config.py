@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fastcl._fsio import check_output_dir
 from fastcl.trainers.recipe import SCHEDULES, Recipe
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -38,6 +39,7 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "save_total_limit": 2,
     "log_steps": 10,
     "resume": None,
+    "allow_config_change": False,
     "device": None,
     "progress": True,
     "tensorboard": True,
@@ -79,6 +81,9 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-total-limit", type=int, help="keep the last N checkpoints")
     g.add_argument("--log-steps", type=int)
     g.add_argument("--resume", help="checkpoint folder to resume from, or 'auto' (latest in --output-dir)")
+    g.add_argument("--allow-config-change", action="store_true", default=None,
+                   help="resume even if method, batch size, lr, seed or other training options differ "
+                        "from the checkpoint's (they are refused by default)")
     g.add_argument("--device", help="cpu / cuda / cuda:N (default: cuda when available)")
     g.add_argument("--progress", type=_bool, help="tqdm progress bar (true/false)")
     g.add_argument("--tensorboard", type=_bool, help="TensorBoard event files (true/false)")
@@ -140,3 +145,4 @@ def check_shared(cfg: argparse.Namespace) -> None:
         raise ValueError(f"--precision must be one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    check_output_dir(cfg.output_dir, "--output-dir")

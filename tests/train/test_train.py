@@ -165,9 +165,10 @@ def test_resume_after_interruption_is_bit_identical(setup, tmp_path, method):
     _assert_same_tensors(full["model"], resumed["model"], "model")
     _assert_same_tensors(full["optimizer"], resumed["optimizer"], "optimizer")
     assert full["scheduler"] == resumed["scheduler"]
-    # the crashed run logged step 4 before dying; the resumed run logs it again, identically
+    # the crashed run logged step 4 before dying; the resumed run drops that record (it resumes
+    # from step 3) and logs step 4 again, identically: each step appears once
     def by_step(out):
-        return {r["step"]: r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())}
+        return [(r["step"], r["loss"]) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())]
 
     assert by_step(tmp_path / "full") == by_step(tmp_path / "cut")
 
@@ -261,7 +262,11 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(run_rank, args=(2, port, argvs), nprocs=2, join=True)
+    from fastcl.trainers.checkpoint import MANIFEST, problem
+
     for method in cases:
+        two_dir = tmp_path / method / "two" / "checkpoint-2"  # marked complete once both ranks wrote
+        assert problem(two_dir) is None and json.loads((two_dir / MANIFEST).read_text())["world_size"] == 2
         one = _state(tmp_path / method / "one" / "checkpoint-2")["model"]
         two = _state(tmp_path / method / "two" / "checkpoint-2")["model"]
         for k in one:  # float summation order differs

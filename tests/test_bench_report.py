@@ -161,3 +161,15 @@ def test_report_refuses_json_without_loss_records(tmp_path):
     path.write_text(json.dumps({"benchmarks": [], "machine_info": {}}))
     with pytest.raises(SystemExit, match="no fastcl loss benchmarks"):
         report.main(report.argparse.Namespace(json=[str(path)], out=str(tmp_path / "R.md"), plots=None, notes=None))
+
+
+def test_report_scaling_runs_only_feed_the_scaling_table(tmp_path):
+    one = _fake_run(tmp_path, threads=1, name="t1.json")
+    two = _fake_run(tmp_path, threads=2, name="t2.json", speed=1.6)
+    out = tmp_path / "RESULTS.md"
+    report.main(report.argparse.Namespace(json=[str(two)], scaling=[str(one)], out=str(out), plots=None, notes=None))
+    text = out.read_text()
+    assert "(cpu, 2 threads)" in text and "(cpu, 1 thread)" not in text
+    assert "| supmpn P=5 Q=5 d=64 float32 cpu | 128 | torch | 100.0 | 62.5 | 1.60x |" in text
+    assert "`t1.json`" in text and "`t2.json`" in text  # both runs listed
+    assert (tmp_path / "plots" / "cpu-supmpn-P5-Q5-d64-float32.png").exists()

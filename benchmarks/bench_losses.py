@@ -31,7 +31,7 @@ achieved TFLOP/s on ``8 * B * N * d`` and its share of a GEMM of the same shape,
     FASTCL_BENCH_MEMORY=0 ...                                # skip the memory probes
     FASTCL_BENCH_IMPLS=eager,torch,st-mnrl ...               # a subset of implementations
     FASTCL_BENCH_TARGETS=1 ...                               # add the csrc CPU-target cases
-    FASTCL_BENCH_BUDGET_S=6 FASTCL_BENCH_MIN_ROUNDS=3 FASTCL_BENCH_MAX_ROUNDS=30 ...
+    FASTCL_BENCH_BUDGET_S=5 FASTCL_BENCH_MIN_ROUNDS=3 FASTCL_BENCH_MAX_ROUNDS=30 ...
     python -m fastcl.bench report .benchmarks/fastcl-latest.json   # RESULTS.md + plots
 """
 

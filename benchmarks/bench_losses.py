@@ -49,7 +49,7 @@ import torch
 
 from fastcl.bench import peers, timing
 from fastcl.bench.cases import make_inputs
-from fastcl.bench.floor import plan_floor, floor_step, share_of_floor
+from fastcl.bench.floor import FLOOR_LIMITS, floor_step, plan_floor, share_of_floor
 from fastcl.bench.memory import cpu_extra_peak_bytes_many, cuda_extra_peak_bytes
 from fastcl.bench.metrics import gemm_tflops, loss_flops, num_candidates, synchronize
 from fastcl.ops.dispatch import BackendUnavailableError
@@ -237,7 +237,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
         steps[impl] = step
         run.info[impl] = dict(peak_mib=peak, loss_value=check["value"], reference_value=check["reference"],
                               abs_err=check["abs_err"], check_s=check_s)
-    plan = plan_floor(B, num_candidates(loss, B, P, Q), d)
+    plan = plan_floor(B, num_candidates(loss, B, P, Q), d, **FLOOR_LIMITS[torch.device(device).type])
     if steps:
         steps[FLOOR] = floor_step(plan, dtype, device)
     settings = dict(warmup=0, min_rounds=1, max_rounds=1) if disabled else TIMING

@@ -34,6 +34,11 @@ from fastcl.bench.cases import DTYPES
 FLOOR_MAX_ELEMENTS = 2**26
 # beyond 2^38 FLOPs (~3 s at 100 GFLOP/s) time a prefix of the blocks and scale
 FLOOR_MAX_FLOPS = 2**38
+# per device type: a GPU runs ~1000x the FLOPs in the same time and wants taller blocks
+FLOOR_LIMITS = {
+    "cpu": {"max_elements": FLOOR_MAX_ELEMENTS, "max_flops": FLOOR_MAX_FLOPS},
+    "cuda": {"max_elements": 2**28, "max_flops": 2**47},
+}
 
 
 def floor_flops(B: int, N: int, d: int) -> int:

@@ -123,7 +123,8 @@ def _case_header(workload: str, info: dict) -> str:
 
     if "rounds" not in info:
         return workload
-    line = f"{workload}  [{info.get('threads')} threads, {info['rounds']} rounds, {info.get('stopped')}]"
+    threads = info.get("threads")
+    line = f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, {info.get('stopped')}]"
     if info.get("noisy"):
         line += f"  NOISY: a spread above {100 * NOISY_SPREAD:.0f}%, ratios not to be trusted"
     return line

@@ -225,6 +225,9 @@ def plot(g: Group, path: Path) -> None:
         mem = [(r.B, r.peak_mib) for r in rows if r.peak_mib is not None and r.peak_mib > 0]  # log axis
         if mem:
             ax_m.plot(*zip(*mem), style, marker="o", lw=width, label=impl)
+    if g.floors:
+        bs = sorted(g.floors)
+        ax_t.plot(bs, [g.floors[b][0] * 1e3 for b in bs], "k-.", marker="x", lw=1.2, label="floor (3 GEMMs)")
     for ax, ylabel in ((ax_t, "forward + backward (ms)"), (ax_m, "peak memory (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -204,3 +204,44 @@ def test_fusable_losses_equal_the_oracles(loss):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+
+
+# --- one case of benchmarks/bench_losses.py, end to end on a tiny shape ----------------
+
+
+def test_run_case_checks_times_and_reports_each_implementation(monkeypatch):
+    from benchmarks import bench_losses as BL
+    from fastcl.ops.dispatch import BackendUnavailableError
+
+    def wrong(loss, t):  # a different loss: must fail the value check, never be timed
+        return lambda: (t["anchor"] * 0).sum() + 123.0
+
+    def refuses(loss, t):  # passes the check, then dispatch-style refusal while timed
+        calls = []
+
+        def fn():
+            calls.append(1)
+            if len(calls) > 1:
+                raise BackendUnavailableError("backend 'x' cannot take these inputs")
+            return peers.IMPLS["eager"].build(loss, t)()
+
+        return fn
+
+    extra = {"wrong": peers.Impl("wrong", "peer", ("mnrl",), wrong),
+             "refuses": peers.Impl("refuses", "peer", ("mnrl",), refuses)}
+    monkeypatch.setattr(peers, "IMPLS", {**peers.IMPLS, **extra})
+    monkeypatch.setattr(BL, "TIMING", dict(warmup=1, min_rounds=2, max_rounds=2, budget_s=0.0))
+    base = dict(loss="mnrl", B=8, P=1, Q=1, d=16, dtype="float32", device="cpu")
+    cases = [dict(base, backend=b) for b in ("eager", "torch", "wrong", "refuses")]
+    run = BL.run_case(cases, cpu_memory={BL.workload_name(cases[0]) + "|eager": 1.5})
+    assert run.outcomes["eager"] == ("ok", None) and run.outcomes["torch"] == ("ok", None)
+    kind, exc = run.outcomes["wrong"]
+    assert kind == "error" and isinstance(exc, peers.PeerMismatchError)
+    assert run.outcomes["refuses"] == ("skip", "backend 'x' cannot take these inputs")
+    assert set(run.samples) == {"eager", "torch"} and all(len(s) == 2 for s in run.samples.values())
+    info = run.info["eager"]
+    assert info["peak_mib"] == 1.5 and info["abs_err"] < 1e-5 and info["min_s"] == min(run.samples["eager"])
+    assert info["floor_share"] == pytest.approx(run.case_info["floor_s"] / info["min_s"])
+    assert run.case_info["rounds"] == 2 and run.case_info["floor_scale"] == 1.0
+    assert run.case_info["threads"] == torch.get_num_threads()
+    assert len(run.case_info["loadavg_before"]) == 3 and "noisy" in run.case_info

@@ -225,7 +225,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             check = peers.check_value(impl, loss, forward, inputs, expected=reference)
             check_s = time.perf_counter() - t0
             step = _make_step(forward, leaves, device)
-            # CUDA: this step is also the warm-up's predecessor; CPU: probed in fresh processes
+            # CUDA: measured on one step here; CPU: probed earlier, in fresh processes
             peak = cuda_extra_peak_bytes(step) / 2**20 if device == "cuda" else cpu_memory.get(f"{workload}|{impl}")
         except Exception as exc:  # noqa: BLE001 - each implementation's item reports its own outcome
             traceback.clear_frames(exc.__traceback__)  # no frame keeps (possibly huge) tensors alive
@@ -244,10 +244,12 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
     load_before = list(os.getloadavg())
     result = timing.interleave(steps, **settings) if steps else None
     load_after = list(os.getloadavg())
-    steps = inputs = leaves = None  # free the case's tensors before the next one
+    steps = inputs = leaves = forward = step = None  # free the case's tensors before the next one
     if result is None:
         return run
     for impl, exc in result.errors.items():
+        if impl == FLOOR:  # reported as floor_error below; the implementations still count
+            continue
         why = _why_skipped(exc, B)
         run.outcomes[impl] = ("skip", why) if why else ("error", exc)
     floor_samples = result.samples.get(FLOOR)

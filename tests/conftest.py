@@ -26,6 +26,7 @@ SLOW = (
     "kernels/test_cuda_compile.py",
     "ops/test_memory.py",
     "train/test_train.py",
+    "train/test_train_resume.py",
     "train/test_gclsr_train.py::test_recipe_steps_decrease_the_loss",
     "eval/test_eval_minilm.py",
     "eval/test_eval_cli.py",

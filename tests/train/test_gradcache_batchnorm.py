@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from ._gradcache_common import one_thread, param_grads  # noqa: F401
+from tests.helpers.gradcache import one_thread, param_grads  # noqa: F401
 from fastcl.gradcache import GradCache
 from fastcl.losses import infonce_loss
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from .eval_support import save_tiny_model
+from tests.helpers.eval import save_tiny_model
 from fastcl.__main__ import main
 from fastcl._fsio import check_model_path, looks_like_path
 

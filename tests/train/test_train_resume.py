@@ -11,8 +11,8 @@ from fastcl.__main__ import main as cli
 from fastcl.cli.train import parse
 from fastcl.trainers.loop import train
 
-from ._train_common import make_samples, make_tiny_bert
-from .test_train import _argv, _assert_same_tensors, _options, _state
+from tests.helpers.train import make_samples, make_tiny_bert
+from tests.train.test_train import _argv, _assert_same_tensors, _options, _state
 
 METHOD = "supmpn"  # sampled negatives and dropout: any replayed randomness shows
 

@@ -72,7 +72,7 @@ def test_scaled_lr_and_schedule():
         opt.step()
         sched.step()
         set_momentum(opt, step + 1, warm)
-    assert pred == [0.1] * total  # the predictor keeps the initial lr
+    assert pred == [1.0] * total  # the predictor keeps a constant 1.0 (paper sec. 5.3, Table 6)
     assert enc[:warm] == pytest.approx([0.1 * (s + 1) / warm for s in range(warm)])
     assert enc[warm] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(enc[warm:], enc[warm + 1 :]))  # cosine decay

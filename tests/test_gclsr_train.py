@@ -150,7 +150,7 @@ def test_recipe_collate_is_seeded(recipe_cfg):
 def test_recipe_validation(recipe_cfg):
     recipe, cfg = recipe_cfg
     for key, value in [("chunk_size", 4), ("group_size", 24), ("pwva_p", 1.5), ("region_sizes", "1,x"),
-                       ("precision", "fp16"), ("momentum", 1.0)]:
+                       ("precision", "fp16"), ("precision", "auto"), ("momentum", 1.0), ("pred_lr", 0.0)]:
         bad = argparse.Namespace(**vars(cfg))
         setattr(bad, key, value)
         with pytest.raises(ValueError):

@@ -145,8 +145,8 @@ class GCLSRRecipe(Recipe):
             # BatchNorm in the projector/predictor normalises over the whole batch: chunked
             # (gradient-cached) encoding would change the loss, not only its memory.
             raise ValueError("gclsr does not support --chunk-size: its BatchNorm heads need the whole batch")
-        if getattr(cfg, "precision", "fp32") == "fp16":
-            raise ValueError("gclsr trains in fp32 or bf16; fp16 is not supported")
+        if getattr(cfg, "precision", "fp32") in ("fp16", "auto"):  # auto may resolve to fp16 on CUDA
+            raise ValueError(f"gclsr trains in fp32 or bf16; --precision {cfg.precision} is not supported")
         if cfg.batch_size < 2:
             raise ValueError("gclsr needs --batch-size >= 2 (BatchNorm)")
         source = self._source(cfg)

@@ -22,10 +22,8 @@ from fastcl.cli.train import parse
 from fastcl.data import supmpn_groups
 from fastcl.gclsr import GCLSRModel
 from fastcl.gclsr.optim import build_sgd, gclsr_scheduler, set_momentum
-from fastcl.gclsr.recipe import GCLSRRecipe
-from fastcl.pooling import pool
-without_first_token = None
-resolve_precision = None
+from fastcl.pooling import pool, without_first_token
+from fastcl.trainers.config import resolve_precision
 
 from ._train_common import make_tiny_bert
 

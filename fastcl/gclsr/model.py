@@ -43,12 +43,13 @@ class TextCNN(nn.Module):
     how much padding the batch adds (plain TextCNN's max over every window does).
 
     Speed (same maths): regions of equal size run as one convolution (their filters
-    concatenated: the paper's three ``k = 1`` regions are one 900-filter GEMM); on the CPU
-    the weight gradient is one GEMM (:mod:`fastcl.gclsr.conv`) and the batch is cut into ``bucket_size`` sentences of similar length, each bucket
-    padded only to its own longest sentence. Since a sentence's output does not depend on
-    the padding, this equals the padded batch; it only skips the convolutions over padding
-    (wiki sentences average 17 words, but nearly every batch holds a 64-word one).
-    ``bucket_size=0`` turns bucketing off.
+    concatenated: the paper's three ``k = 1`` regions are one 900-filter GEMM). On the CPU
+    the weight gradient is one GEMM (:mod:`fastcl.gclsr.conv`), and the batch is cut into
+    buckets of ``bucket_size`` sentences of similar length, each padded only to its own
+    longest sentence. Since a sentence's output does not depend on the padding, this
+    equals the padded batch; it only skips the convolutions over padding (wiki sentences
+    average 17 words, but nearly every batch holds a 64-word one). ``bucket_size=0``
+    turns bucketing off.
     """
 
     def __init__(self, dim: int, region_sizes: Sequence[int] = (1, 1, 1, 6, 15, 20), filters: int = 300,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from fastcl._fsio import atomic_write_text
 from fastcl.trainers import checkpoint as ckpt
+from fastcl.trainers.config import resolve_precision
 from fastcl.trainers.recipe import Recipe, StepContext
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -138,6 +139,7 @@ def train(recipe: Recipe, cfg) -> dict:
     """Train ``recipe`` with the resolved options ``cfg``; returns a summary dict (rank 0)."""
     recipe.validate(cfg)
     rank, world, device, group = _setup_distributed(cfg)
+    cfg.precision = resolve_precision(cfg.precision, device)  # "auto" -> bf16/fp16 on CUDA, fp32 on CPU
     if cfg.batch_size % world:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the {world} processes")
     if cfg.precision == "fp16" and device.type != "cuda":

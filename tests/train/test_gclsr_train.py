@@ -72,7 +72,7 @@ def test_scaled_lr_and_schedule():
         opt.step()
         sched.step()
         set_momentum(opt, step + 1, warm)
-    assert pred == [0.1] * total  # the predictor keeps the initial lr
+    assert pred == [1.0] * total  # the predictor keeps a constant 1.0 (paper sec. 5.3, Table 6)
     assert enc[:warm] == pytest.approx([0.1 * (s + 1) / warm for s in range(warm)])
     assert enc[warm] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(enc[warm:], enc[warm + 1 :]))  # cosine decay
@@ -150,7 +150,7 @@ def test_recipe_collate_is_seeded(recipe_cfg):
 def test_recipe_validation(recipe_cfg):
     recipe, cfg = recipe_cfg
     for key, value in [("chunk_size", 4), ("group_size", 24), ("pwva_p", 1.5), ("region_sizes", "1,x"),
-                       ("precision", "fp16"), ("momentum", 1.0)]:
+                       ("precision", "fp16"), ("precision", "auto"), ("momentum", 1.0), ("pred_lr", 0.0)]:
         bad = argparse.Namespace(**vars(cfg))
         setattr(bad, key, value)
         with pytest.raises(ValueError):

@@ -25,7 +25,7 @@ from fastcl.gclsr.optim import build_sgd, gclsr_scheduler, set_momentum
 from fastcl.pooling import pool, without_first_token
 from fastcl.trainers.config import resolve_precision
 
-from ._train_common import make_tiny_bert
+from tests.helpers.train import make_tiny_bert
 
 
 # ---------------------------------------------------------------- 1, 2: GCLSR optimiser

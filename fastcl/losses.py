@@ -399,7 +399,7 @@ def supcon_pool_loss(
     tau = _checks.as_temperature(temperature, anchor)
     cosine = similarity == "cos"
     with _no_autocast(anchor):
-        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS)
+        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
         empty, empty_tags = empty_block(anchor)
         has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
         blocks, tags, weights, _ = _candidates(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import LSEProblem, excluded, new_output
+from .contract import TAG_PADDING, LSEProblem, excluded, new_output
 from .head import HeadInputs
 from .normalize import compute_dtype, normalize_backward, normalize_rows
 
@@ -51,7 +51,9 @@ def _prepare(problem: LSEProblem) -> _Prepared:
     a_hat, a_norm = normalize_rows(problem.anchor, problem.eps, problem.cosine)
     # one [N, d] matrix of both blocks; no concatenation copy when the second is empty
     nonempty = [i for i, b in enumerate(problem.blocks) if b.shape[0] > 0] or [0]
-    parts = [normalize_rows(problem.blocks[i], problem.eps, problem.cosine) for i in nonempty]
+    # padded candidates are read as zeros (never their values: they may hold NaN/Inf)
+    parts = [normalize_rows(problem.blocks[i], problem.eps, problem.cosine, problem.tags[i] != TAG_PADDING)
+             for i in nonempty]
     tags = [problem.tags[i] for i in nonempty]
     if len(parts) == 1:
         return _Prepared(a_hat, a_norm, parts[0][0], parts[0][1], tags[0])

@@ -89,7 +89,7 @@ class ContrastiveLSE(torch.autograd.Function):
         if folded:  # values only: their gradient is folded into the backend's accumulators
             P = spec.positives.count
             own = block0[spec.positives.rows(0, anchor.shape[0])].view(anchor.shape[0], P, -1)
-            pos_logits = own_positive_similarities(anchor, own, spec.cosine, spec.eps) / tau.to(cd)
+            pos_logits = own_positive_similarities(anchor, own, spec.cosine, spec.eps, spec.pos_mask) / tau.to(cd)
         pos_logits = pos_logits.detach().to(cd)
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
@@ -184,7 +184,7 @@ def contrastive_loss(
     folds = positives is not None and not impl.autograd and getattr(impl, "folds_positives", False)
     if positives is not None and not folds:  # the backend cannot fold: differentiate them outside
         own = blocks[0][positives.rows(0, anchor.shape[0])].view(anchor.shape[0], positives.count, -1)
-        pos_logits = positive_logits(anchor, own, tau, cosine=cosine, eps=eps)
+        pos_logits = positive_logits(anchor, own, tau, cosine=cosine, eps=eps, pos_mask=pos_mask)
     if impl.autograd:  # the reference: differentiate through materialised logits
         lse = impl.lse(problem, tau)
         loss_rows = head_rows(lse, pos_logits.to(lse.dtype), pos_mask, kind, log_extra)[0]

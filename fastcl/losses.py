@@ -95,6 +95,7 @@ def _lse_loss(
     """The structured layout shared by SupMPN, SupCon, MNRL and InfoNCE."""
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.requested_strategy()
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
     _checks.check_rank("positives", positives, 3, "[B, P, d]")
@@ -368,12 +369,19 @@ def supcon_pool_loss(
         pos_index: ``[B, P]`` int64 indices into ``candidates``.
         pos_mask: ``[B, P]`` bool, ``False`` = padding. cand_mask: ``[N]`` bool.
     """
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.requested_strategy()
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
+    if not isinstance(pos_index, Tensor):
+        raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
     _checks.check_rank("candidates", candidates, 2, "[N, d]")
     _checks.check_rank("pos_index", pos_index, 2, "[B, P]")
     B, d = anchor.shape
     N = candidates.shape[0]
+    if B == 0 or d == 0:
+        raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
     if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
         raise ValueError(
             f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
@@ -394,8 +402,6 @@ def supcon_pool_loss(
         _checks.check_some_positive(pos_mask)
     else:
         distributed.check_group(process_group)
-    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
-    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
     tau = _checks.as_temperature(temperature, anchor)
     cosine = similarity == "cos"
     with _no_autocast(anchor):
@@ -468,20 +474,26 @@ def gclsr_loss(
 class _TemperatureLoss(nn.Module):
     """Shared state of the LSE loss modules: a fixed or learnable temperature and options.
 
+    ``temperature``: a float or a 0-d tensor, the same rule as the functions'. A tensor that
+    requires grad is used as given (the caller trains it); otherwise its value is taken.
     ``learn_temperature=True`` keeps ``log(temperature)`` as a parameter (so it stays > 0).
     """
 
     def __init__(self, temperature=0.05, *, learn_temperature=False, reduction="mean", backend="auto",
                  process_group=None, similarity="cos"):
         super().__init__()
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+        # the losses' rule (fastcl._checks.check_temperature) in float32, the loose end:
+        # a float64 call checks again in float64
+        _checks.check_temperature(temperature)
         _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
         _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+        if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
+            temperature = float(temperature.detach())  # a value to start from / a constant
         if learn_temperature:
             self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
         else:
-            self._fixed_temperature = float(temperature)
+            # a float, or a tensor that requires grad: a temperature the caller trains
+            self._fixed_temperature = temperature
         self.learn_temperature = learn_temperature
         self.options = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
 

@@ -16,20 +16,19 @@ the upstream scalar; otherwise forward keeps ``lse`` and backward recomputes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .. import _checks
 from . import dispatch
 from .contract import LSEProblem, OwnPositives
 from .head import HeadInputs, head_rows
 from .normalize import compute_dtype
 from .positive_logits import own_positive_similarities, positive_logits
 
-STRATEGY_ENV = "FASTCL_STRATEGY"
-STRATEGIES = ("auto", "fused", "recompute")
+STRATEGY_ENV, STRATEGIES = _checks.STRATEGY_ENV, _checks.STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,7 @@ class LossSpec:
 
 
 def _strategy(impl, reduction: str) -> str:
-    wanted = os.environ.get(STRATEGY_ENV, "auto") or "auto"
-    if wanted not in STRATEGIES:
-        raise ValueError(f"{STRATEGY_ENV}={wanted!r}; expected one of {STRATEGIES}")
+    wanted = _checks.requested_strategy()
     can_fuse = hasattr(impl, "fused") and reduction != "none"
     if wanted == "fused" and not can_fuse:
         raise ValueError(

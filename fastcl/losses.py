@@ -61,6 +61,17 @@ def _no_autocast(t: Tensor):
     return nullcontext()
 
 
+def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
+    """``anchor`` with the rows of anchors that have no valid positive read as zeros.
+
+    Such an anchor contributes nothing (docs/losses.md): like a padded slot, whatever it
+    holds (NaN, Inf) must reach no value and no gradient; its gradient is exactly 0.
+    """
+    if pos_mask is None:
+        return anchor
+    return torch.where(pos_mask.any(1, keepdim=True), anchor, anchor.new_zeros(()))
+
+
 def _candidates(blocks, tags, has_pos, *, reduction, dtype, process_group, sizes, pos_mask):
     """The candidate set and reduction weights: this rank's, or every rank's (``fastcl.distributed``).
 
@@ -127,6 +138,7 @@ def _lse_loss(
     dev = anchor.device
 
     with _no_autocast(anchor):
+        anchor = _without_unused_anchors(anchor, pos_mask)
         pos_block = positives.reshape(B * P, d)
         pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
         if Q:
@@ -405,6 +417,7 @@ def supcon_pool_loss(
     tau = _checks.as_temperature(temperature, anchor)
     cosine = similarity == "cos"
     with _no_autocast(anchor):
+        anchor = _without_unused_anchors(anchor, pos_mask)
         pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
         empty, empty_tags = empty_block(anchor)
         has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)

@@ -250,3 +250,34 @@ def test_supmpn_head_exact_on_backends(backend):
     x = 2 / mpmath.mpf(tau)
     want = mpmath.log1p(mpmath.exp(x))
     assert abs(float(out) - float(want)) <= 1e-14 * float(want), (float(out), float(want))
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_anchor_without_positive_is_not_read(backend, bad):
+    a, p, n, pm, nm = _structured()
+    pm[2] = False  # anchor 2 has no valid positive: it contributes nothing
+    kw = dict(pos_mask=pm, neg_mask=nm, backend=backend, temperature=0.1)
+    clean = a.clone()
+    clean[2] = 0
+    a[2, 1] = BAD[bad]
+    want, want_g = _loss_and_grads(L.supmpn_loss, clean, p, n, **kw)
+    got, got_g = _loss_and_grads(L.supmpn_loss, a, p, n, **kw)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_g, want_g):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w)
+    assert (got_g[0][2] == 0).all()
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("Q", [0, 9])
+def test_nonfinite_only_candidate_of_a_row(backend, bad, Q):
+    """SupMPN, Q = 0: row 1's only candidate is anchor 0's positive; a NaN/Inf there must
+    not be skipped as if the row were empty (a NaN-dropping max made lse = -inf, loss 0)."""
+    gen = torch.Generator().manual_seed(7)
+    a, p = torch.randn(2, 3, generator=gen), torch.randn(2, 1, 3, generator=gen)
+    n = torch.randn(2, Q, 3, generator=gen) if Q else None
+    nm = torch.zeros(2, Q, dtype=torch.bool) if Q else None  # padded: no other candidate
+    p[0, 0, 1] = BAD[bad]
+    rows = L.supmpn_loss(a, p, n, neg_mask=nm, reduction="none", backend=backend)
+    assert torch.isnan(rows).all(), rows

@@ -7,7 +7,8 @@ positive and every valid negative of every anchor), plus the cheap ``[B, P]`` lo
 each anchor's own positives. The fused backends never build the ``[B, N]`` logits.
 
 Shapes: ``anchor [B, d]``, ``positives [B, P, d]``, ``negatives [B, Q, d]`` (Q may be 0),
-``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding. Embeddings
+``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding (a padded
+slot is never read: NaN/Inf there change nothing, see docs/losses.md). Embeddings
 are raw (fp16, bf16, fp32 or fp64, all one dtype); cosine similarity normalises them
 inside the op and the gradient flows to the raw tensors. The loss comes back in the input
 dtype; accumulation is float32 (float64 for float64 inputs).
@@ -15,7 +16,8 @@ dtype; accumulation is float32 (float64 for float64 inputs).
 Common keyword arguments:
     temperature: float or 0-d tensor > 0 (``logit = similarity / temperature``); a tensor
         that requires grad receives its gradient. sentence-transformers' ``scale`` is
-        ``1 / temperature``.
+        ``1 / temperature``. It must be finite with a finite ``1 / temperature`` in the
+        compute dtype (``fastcl._checks``; a CUDA tensor's value is not read).
     reduction: ``"mean"`` (over anchors with a valid positive), ``"sum"``, or ``"none"``
         (``[B]``, zeros for anchors without a positive).
     backend: ``"auto"`` (``FASTCL_BACKEND`` or the best available), ``"reference"``,

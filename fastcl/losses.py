@@ -7,7 +7,8 @@ positive and every valid negative of every anchor), plus the cheap ``[B, P]`` lo
 each anchor's own positives. The fused backends never build the ``[B, N]`` logits.
 
 Shapes: ``anchor [B, d]``, ``positives [B, P, d]``, ``negatives [B, Q, d]`` (Q may be 0),
-``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding. Embeddings
+``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding (a padded
+slot is never read: NaN/Inf there change nothing, see docs/losses.md). Embeddings
 are raw (fp16, bf16, fp32 or fp64, all one dtype); cosine similarity normalises them
 inside the op and the gradient flows to the raw tensors. The loss comes back in the input
 dtype; accumulation is float32 (float64 for float64 inputs).
@@ -15,7 +16,8 @@ dtype; accumulation is float32 (float64 for float64 inputs).
 Common keyword arguments:
     temperature: float or 0-d tensor > 0 (``logit = similarity / temperature``); a tensor
         that requires grad receives its gradient. sentence-transformers' ``scale`` is
-        ``1 / temperature``.
+        ``1 / temperature``. It must be finite with a finite ``1 / temperature`` in the
+        compute dtype (``fastcl._checks``; a CUDA tensor's value is not read).
     reduction: ``"mean"`` (over anchors with a valid positive), ``"sum"``, or ``"none"``
         (``[B]``, zeros for anchors without a positive).
     backend: ``"auto"`` (``FASTCL_BACKEND`` or the best available), ``"reference"``,
@@ -61,6 +63,17 @@ def _no_autocast(t: Tensor):
     return nullcontext()
 
 
+def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
+    """``anchor`` with the rows of anchors that have no valid positive read as zeros.
+
+    Such an anchor contributes nothing (docs/losses.md): like a padded slot, whatever it
+    holds (NaN, Inf) must reach no value and no gradient; its gradient is exactly 0.
+    """
+    if pos_mask is None:
+        return anchor
+    return torch.where(pos_mask.any(1, keepdim=True), anchor, anchor.new_zeros(()))
+
+
 def _candidates(blocks, tags, has_pos, *, reduction, dtype, process_group, sizes, pos_mask):
     """The candidate set and reduction weights: this rank's, or every rank's (``fastcl.distributed``).
 
@@ -95,6 +108,7 @@ def _lse_loss(
     """The structured layout shared by SupMPN, SupCon, MNRL and InfoNCE."""
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.requested_strategy()
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
     _checks.check_rank("positives", positives, 3, "[B, P, d]")
@@ -126,6 +140,7 @@ def _lse_loss(
     dev = anchor.device
 
     with _no_autocast(anchor):
+        anchor = _without_unused_anchors(anchor, pos_mask)
         pos_block = positives.reshape(B * P, d)
         pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
         if Q:
@@ -368,12 +383,19 @@ def supcon_pool_loss(
         pos_index: ``[B, P]`` int64 indices into ``candidates``.
         pos_mask: ``[B, P]`` bool, ``False`` = padding. cand_mask: ``[N]`` bool.
     """
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.requested_strategy()
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
+    if not isinstance(pos_index, Tensor):
+        raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
     _checks.check_rank("candidates", candidates, 2, "[N, d]")
     _checks.check_rank("pos_index", pos_index, 2, "[B, P]")
     B, d = anchor.shape
     N = candidates.shape[0]
+    if B == 0 or d == 0:
+        raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
     if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
         raise ValueError(
             f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
@@ -394,12 +416,11 @@ def supcon_pool_loss(
         _checks.check_some_positive(pos_mask)
     else:
         distributed.check_group(process_group)
-    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
-    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
     tau = _checks.as_temperature(temperature, anchor)
     cosine = similarity == "cos"
     with _no_autocast(anchor):
-        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS)
+        anchor = _without_unused_anchors(anchor, pos_mask)
+        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
         empty, empty_tags = empty_block(anchor)
         has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
         blocks, tags, weights, _ = _candidates(
@@ -468,20 +489,26 @@ def gclsr_loss(
 class _TemperatureLoss(nn.Module):
     """Shared state of the LSE loss modules: a fixed or learnable temperature and options.
 
+    ``temperature``: a float or a 0-d tensor, the same rule as the functions'. A tensor that
+    requires grad is used as given (the caller trains it); otherwise its value is taken.
     ``learn_temperature=True`` keeps ``log(temperature)`` as a parameter (so it stays > 0).
     """
 
     def __init__(self, temperature=0.05, *, learn_temperature=False, reduction="mean", backend="auto",
                  process_group=None, similarity="cos"):
         super().__init__()
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+        # the losses' rule (fastcl._checks.check_temperature) in float32, the loose end:
+        # a float64 call checks again in float64
+        _checks.check_temperature(temperature)
         _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
         _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+        if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
+            temperature = float(temperature.detach())  # a value to start from / a constant
         if learn_temperature:
             self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
         else:
-            self._fixed_temperature = float(temperature)
+            # a float, or a tensor that requires grad: a temperature the caller trains
+            self._fixed_temperature = temperature
         self.learn_temperature = learn_temperature
         self.options = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
 

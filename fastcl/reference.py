@@ -18,17 +18,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.contract import EPS, LSEProblem, excluded
+from .ops.contract import EPS, TAG_PADDING, LSEProblem, excluded
 
 # ---------------------------------------------------------------------------------------
 # The "reference" backend of the primitives
 # ---------------------------------------------------------------------------------------
 
 
+def _rows(x: Tensor, cosine: bool, eps: float) -> Tensor:
+    """``x / max(|x|, eps)`` (cosine) or ``x`` (dot), per row along the last dim.
+
+    ``|x|`` is ``m * |x / m|`` with ``m = max |x_k|`` (a constant for autograd): it neither
+    overflows (inputs ~1e30 in float32) nor underflows. A row holding NaN or Inf comes out
+    all NaN, for dot similarity too, so that no logit reading it can be finite.
+    """
+    m = x.detach().abs().amax(dim=-1, keepdim=True)
+    unit = torch.where(m > 0, m, torch.ones_like(m))  # NaN and Inf rows stay non-finite below
+    if not cosine:
+        return x + m * 0
+    norm = torch.linalg.vector_norm(x / unit, dim=-1, keepdim=True) * unit
+    return x / norm.clamp_min(eps)
+
+
 def _similarity(x: Tensor, y: Tensor, cosine: bool, eps: float) -> Tensor:
-    if cosine:
-        x, y = F.normalize(x, dim=-1, eps=eps), F.normalize(y, dim=-1, eps=eps)
-    return x @ y.T
+    return _rows(x, cosine, eps) @ _rows(y, cosine, eps).T
 
 
 def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
@@ -51,10 +64,14 @@ class ReferenceLSE:
 
     def lse(self, problem: LSEProblem, tau: Tensor) -> Tensor:
         cd = torch.float64 if problem.dtype == torch.float64 else torch.float32
+        tags = torch.cat(problem.tags)
         cands = torch.cat(problem.blocks).to(cd)
+        # a padded candidate is read as zeros: whatever it holds (NaN, Inf) reaches no value
+        # and no gradient (a masked NaN logit would still give NaN = 0 * NaN in backward)
+        cands = torch.where((tags != TAG_PADDING)[:, None], cands, torch.zeros((), dtype=cd, device=cands.device))
         logits = _similarity(problem.anchor.to(cd), cands, problem.cosine, problem.eps) / tau.to(cd)
         rows = torch.arange(problem.num_anchors, device=problem.device)
-        keep = ~excluded(torch.cat(problem.tags), rows)
+        keep = ~excluded(tags, rows)
         return _safe_logsumexp(logits, keep)
 
 
@@ -69,7 +86,7 @@ class ReferenceGroupedCosine:
         cd = torch.float64 if h.dtype == torch.float64 else torch.float32
         hg = h.to(cd).reshape(h.shape[0], -1, group_size)
         zg = z.detach().to(cd).reshape(z.shape[0], -1, group_size)
-        return (F.normalize(hg, dim=-1, eps=eps) * F.normalize(zg, dim=-1, eps=eps)).sum(-1)
+        return (_rows(hg, True, eps) * _rows(zg, True, eps)).sum(-1)
 
 
 OPS = {"lse": ReferenceLSE(), "grouped_cosine": ReferenceGroupedCosine()}

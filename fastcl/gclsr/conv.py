@@ -7,7 +7,7 @@ GEMM) costs about as much as the forward. The forward pass is the ordinary
 ``F.conv1d`` (which saves only ``x``); the backward rebuilds the unfolded input
 transiently, so memory stays that of a plain convolution. Values are those of
 ``F.conv1d``'s autograd up to float rounding (the sums run in another order);
-``tests/test_gclsr_model.py`` checks it against autograd in float64.
+``tests/train/test_gclsr_model.py`` checks it against autograd in float64.
 """
 
 from __future__ import annotations

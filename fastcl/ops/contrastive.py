@@ -16,20 +16,19 @@ the upstream scalar; otherwise forward keeps ``lse`` and backward recomputes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .. import _checks
 from . import dispatch
 from .contract import LSEProblem, OwnPositives
 from .head import HeadInputs, head_rows
 from .normalize import compute_dtype
 from .positive_logits import own_positive_similarities, positive_logits
 
-STRATEGY_ENV = "FASTCL_STRATEGY"
-STRATEGIES = ("auto", "fused", "recompute")
+STRATEGY_ENV, STRATEGIES = _checks.STRATEGY_ENV, _checks.STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,7 @@ class LossSpec:
 
 
 def _strategy(impl, reduction: str) -> str:
-    wanted = os.environ.get(STRATEGY_ENV, "auto") or "auto"
-    if wanted not in STRATEGIES:
-        raise ValueError(f"{STRATEGY_ENV}={wanted!r}; expected one of {STRATEGIES}")
+    wanted = _checks.requested_strategy()
     can_fuse = hasattr(impl, "fused") and reduction != "none"
     if wanted == "fused" and not can_fuse:
         raise ValueError(
@@ -89,7 +86,7 @@ class ContrastiveLSE(torch.autograd.Function):
         if folded:  # values only: their gradient is folded into the backend's accumulators
             P = spec.positives.count
             own = block0[spec.positives.rows(0, anchor.shape[0])].view(anchor.shape[0], P, -1)
-            pos_logits = own_positive_similarities(anchor, own, spec.cosine, spec.eps) / tau.to(cd)
+            pos_logits = own_positive_similarities(anchor, own, spec.cosine, spec.eps, spec.pos_mask) / tau.to(cd)
         pos_logits = pos_logits.detach().to(cd)
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
@@ -184,7 +181,7 @@ def contrastive_loss(
     folds = positives is not None and not impl.autograd and getattr(impl, "folds_positives", False)
     if positives is not None and not folds:  # the backend cannot fold: differentiate them outside
         own = blocks[0][positives.rows(0, anchor.shape[0])].view(anchor.shape[0], positives.count, -1)
-        pos_logits = positive_logits(anchor, own, tau, cosine=cosine, eps=eps)
+        pos_logits = positive_logits(anchor, own, tau, cosine=cosine, eps=eps, pos_mask=pos_mask)
     if impl.autograd:  # the reference: differentiate through materialised logits
         lse = impl.lse(problem, tau)
         loss_rows = head_rows(lse, pos_logits.to(lse.dtype), pos_mask, kind, log_extra)[0]

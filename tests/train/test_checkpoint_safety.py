@@ -2,7 +2,7 @@
 
 These tests build checkpoints of a tiny ``nn.Linear`` directly with
 :mod:`fastcl.trainers.checkpoint` (no data, no training); the end-to-end resume through the
-training loop is in tests/test_train_resume.py.
+training loop is in tests/train/test_train_resume.py.
 """
 
 from __future__ import annotations

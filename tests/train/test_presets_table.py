@@ -18,7 +18,7 @@ import pytest
 from fastcl.cli.train import parse
 from fastcl.trainers.registry import RECIPES, get_recipe
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "training.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 MARKER = "<!-- preset tables:"
 
 

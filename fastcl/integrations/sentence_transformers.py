@@ -69,7 +69,7 @@ parameter gradients are those of the global batch (see ``fastcl.distributed``). 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -237,16 +237,25 @@ class _FastCLSTLoss(nn.Module):
 
     # -- forward -----------------------------------------------------------------------
 
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        """``sentence_features``: one tokenized feature dict per column; ``labels`` is ignored.
+    def forward(self, sentence_features: Iterable[Mapping[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        """``sentence_features``: one tokenized feature mapping per column (a dict, or the
+        ``BatchEncoding`` of ``model.preprocess()`` / ``model.tokenize()``); ``labels`` is ignored.
 
         Returns the 0-d mean loss over the batch's anchors (float32 for float32 embeddings).
         """
         features = list(sentence_features)
         self._check_columns(len(features))
         for i, f in enumerate(features):
-            if not isinstance(f, dict):
-                raise TypeError(f"sentence_features[{i}] must be a tokenized feature dict, got {type(f).__name__}")
+            # any Mapping: sentence-transformers 6's model.preprocess()/tokenize() return a
+            # transformers BatchEncoding (a UserDict, not a dict)
+            if not isinstance(f, Mapping):
+                raise TypeError(
+                    f"sentence_features[{i}] must be a tokenized feature mapping (dict, BatchEncoding), "
+                    f"got {type(f).__name__}"
+                )
+        # plain dicts from here on: the model writes its outputs into the feature dict, and a
+        # read-only Mapping (or the caller's BatchEncoding) must not be modified or refuse it
+        features = [dict(f) for f in features]
         return self.compute_loss_from_embeddings(self._embed(features), labels)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:

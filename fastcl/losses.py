@@ -43,10 +43,13 @@ from .ops.grouped_cosine import grouped_cosine
 from .ops.head import reduction_weights
 from .ops.normalize import compute_dtype
 from .ops.positive_logits import positive_logits
+from .losses_mnrl import mnrl_directions_loss
+from .losses_mnrl import check_options as _check_mnrl_options
+from .losses_mnrl import is_default as _mnrl_is_default
 from .losses_supcon import supcon_labels_loss
 
 __all__ = [
-    "supmpn_loss", "supcon_loss", "supcon_labels_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
+    "supmpn_loss", "supcon_loss", "supcon_labels_loss", "mnrl_directions_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
     "grouped_cosine_loss", "gclsr_loss",
     "SupMPNLoss", "SupConLoss", "MNRLoss", "InfoNCELoss", "EdaCSELoss", "GroupedCosineLoss", "GCLSRLoss",
 ]
@@ -265,8 +268,18 @@ def mnrl_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    directions=("query_to_doc",),
+    partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
 ) -> Tensor:
     """Multiple negatives ranking loss = SimCSE supervised (Gao et al. 2021; SBERT's MNRL).
+
+    ``directions`` (``query_to_doc``, ``query_to_query``, ``doc_to_query``, ``doc_to_doc``),
+    ``partition_mode`` (``joint``, ``per_direction``) and ``hardness_mode`` /
+    ``hardness_strength`` are sentence-transformers 6's options, same semantics
+    (:mod:`fastcl.losses_mnrl`); beyond the default they do not take ``neg_mask`` or
+    ``process_group`` yet.
 
     ``loss_i = -l_{i,i} + LSE_c l_ic`` over every positive and every valid negative of the
     batch: cross-entropy of the ``B x B(1+Q)`` logits with the diagonal as target. SimCSE
@@ -280,6 +293,17 @@ def mnrl_loss(
 
         >>> mnrl_loss(torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32))
     """
+    directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+    if not _mnrl_is_default(directions, partition_mode, hardness_mode, hardness_strength):
+        if process_group is not None:
+            raise NotImplementedError("mnrl_loss: directions/hardness options do not support process_group yet")
+        if neg_mask is not None:
+            raise ValueError("mnrl_loss: directions/hardness options do not take neg_mask yet")
+        return mnrl_directions_loss(
+            anchor, positive, negatives, directions=directions, partition_mode=partition_mode,
+            hardness_mode=hardness_mode, hardness_strength=hardness_strength, temperature=temperature,
+            reduction=reduction, backend=backend, similarity=similarity,
+        )
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")
     if negatives is not None and negatives.dim() == 2:
@@ -538,10 +562,21 @@ class SupConLoss(_TemperatureLoss):
 
 
 class MNRLoss(_TemperatureLoss):
-    """Module form of :func:`mnrl_loss`; ``forward(anchor, positive, negatives=None, neg_mask=None)``."""
+    """Module form of :func:`mnrl_loss`; ``forward(anchor, positive, negatives=None, neg_mask=None)``.
+
+    Takes sentence-transformers 6's ``directions``, ``partition_mode``, ``hardness_mode`` and
+    ``hardness_strength`` at construction."""
+
+    def __init__(self, temperature=0.05, *, directions=("query_to_doc",), partition_mode="joint",
+                 hardness_mode=None, hardness_strength=0.0, **kw):
+        super().__init__(temperature, **kw)
+        self.directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.mnrl_options = dict(directions=self.directions, partition_mode=partition_mode,
+                                 hardness_mode=hardness_mode, hardness_strength=hardness_strength)
 
     def forward(self, anchor, positive, negatives=None, neg_mask=None):
-        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature, **self.options)
+        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature,
+                         **self.mnrl_options, **self.options)
 
 
 class InfoNCELoss(_TemperatureLoss):

@@ -39,13 +39,12 @@ Similarity. ``similarity_fct`` accepts sentence-transformers' ``util.cos_sim`` (
 ``util.dot_score`` (or ``"cos"`` / ``"dot"``): fastcl computes similarities inside its
 fused kernel, so an arbitrary callable cannot be honoured and raises ``ValueError``.
 
-Where the losses coincide. ``MultipleNegativesRankingLoss`` equals sentence-transformers'
-``MultipleNegativesRankingLoss`` with its default ``directions=("query_to_doc",)``,
-``partition_mode="joint"`` and no hardness weighting (value and gradients on the same
-embeddings; the candidate order differs, which a log-sum-exp does not see).
+Where the losses coincide. ``MultipleNegativesRankingLoss`` (and the cached one) equals
+sentence-transformers 6.2's ``MultipleNegativesRankingLoss`` with the same ``directions``,
+``partition_mode``, ``hardness_mode`` and ``hardness_strength`` (value and gradients on the
+same embeddings; the candidate order differs, which a log-sum-exp does not see).
 ``InfoNCELoss(symmetric=True)`` equals it with ``directions=("query_to_doc",
-"doc_to_query"), partition_mode="per_direction"`` on (anchor, positive) pairs. Other
-directions and hardness modes are not offered.
+"doc_to_query"), partition_mode="per_direction"`` on (anchor, positive) pairs.
 
 Gradient caching. ``mini_batch_size=`` (any class; ``CachedMultipleNegativesRankingLoss``
 defaults to 32, like sentence-transformers' cached loss) encodes each column with
@@ -68,6 +67,7 @@ parameter gradients are those of the global batch (see ``fastcl.distributed``). 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -99,6 +99,8 @@ __all__ = [
     "SupConLoss",
     "DEFAULT_SCALE",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SCALE = 20.0  # sentence-transformers' default scale = 1 / fastcl's default temperature 0.05
 
@@ -312,15 +314,43 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
 
     ``loss_i = -s(a_i, p_i) * scale + LSE_c s(a_i, c) * scale`` over every positive and every
     hard negative of the batch (:func:`fastcl.losses.mnrl_loss`); the mean over anchors.
-    Drop-in for ``sentence_transformers.losses.MultipleNegativesRankingLoss`` with its
-    default directions; see the module docstring for the arguments.
+    Drop-in for ``sentence_transformers.losses.MultipleNegativesRankingLoss``, including
+    sentence-transformers 6's ``directions`` (``query_to_doc``, ``query_to_query``,
+    ``doc_to_query``, ``doc_to_doc``), ``partition_mode`` (``joint``, ``per_direction``),
+    ``hardness_mode`` (``in_batch_negatives``, ``hard_negatives``, ``all_negatives``) and
+    ``hardness_strength``, with the same semantics (:mod:`fastcl.losses_mnrl`). Beyond the
+    default options, ``gather_across_devices`` in a multi-process run is not supported yet
+    (raises ``NotImplementedError``). See the module docstring for the other arguments.
     """
 
     layout = "(anchor, positive, negative_1, ..., negative_Q)"
 
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, directions=("query_to_doc",),
+                 partition_mode: str = "joint", hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                 **kw):
+        super().__init__(model, scale, similarity_fct, **kw)
+        self.directions = fl._check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.partition_mode = partition_mode
+        self.hardness_mode = hardness_mode
+        self.hardness_strength = float(hardness_strength)
+        if hardness_mode is not None and hardness_strength == 0:
+            logger.warning(
+                f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
+                "effect. Set hardness_strength to a positive value to enable it."
+            )
+
+    def _extra_config(self):
+        return {
+            "directions": self.directions, "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode, "hardness_strength": self.hardness_strength,
+        }
+
     def _loss(self, embeddings):
         anchor, positive, *negatives = embeddings
-        return fl.mnrl_loss(anchor, positive, _stack(negatives), **self._options())
+        return fl.mnrl_loss(
+            anchor, positive, _stack(negatives), directions=self.directions, partition_mode=self.partition_mode,
+            hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength, **self._options(),
+        )
 
 
 class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):

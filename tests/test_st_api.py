@@ -245,3 +245,27 @@ def test_plain_and_cached_match_sentence_transformers_through_a_model(tmp_path, 
         value, grads = _step(model, loss, [dict(f) for f in features])
         torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6, msg=name)
         common.assert_grads_close(grads, ref_grads, name)
+
+
+# --------------------------------------------------------------------------- memory: no B x N buffer
+
+MEM_B, MEM_D = 4096, 32
+ROW_BYTES = MEM_B * 3 * MEM_B * 4  # one float32 [B, 3B] buffer (a query row: 2B documents + B queries): 192 MiB
+
+
+def test_meter_sees_st_buffers():
+    from fastcl.bench.memory import cpu_extra_peak_bytes
+
+    peer = cpu_extra_peak_bytes("fastcl.bench.api_cases:mnrl_directions_step", dict(backend="st-mnrl", B=MEM_B, d=MEM_D))
+    assert peer > ROW_BYTES, f"ST's MNRL (GTE directions) peaked at only {peer / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("hardness_mode", [None, "in_batch_negatives"])
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_gte_directions_have_no_bxn_buffer(backend, hardness_mode):
+    require(backend)
+    from fastcl.bench.memory import cpu_extra_peak_bytes
+
+    extra = cpu_extra_peak_bytes("fastcl.bench.api_cases:mnrl_directions_step",
+                                 dict(backend=backend, B=MEM_B, d=MEM_D, hardness_mode=hardness_mode))
+    assert extra < ROW_BYTES / 2, f"{backend}: extra peak {extra / 2**20:.0f} MiB"

@@ -55,3 +55,41 @@ def supcon_labels_step(backend: str, N: int, d: int, num_labels: int, views: int
         fn().backward()
 
     return step
+
+
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def mnrl_directions_inputs(B: int, d: int, Q: int = 1, dtype=torch.float32, device="cpu", seed=0):
+    """``[query, positive, negative_1..Q]`` columns, each ``[B, d]``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [_leaf(gen, B, d, dtype=dtype, device=device) for _ in range(2 + Q)]
+
+
+def mnrl_directions_fn(impl: str, columns, *, directions=GTE, partition_mode="joint", hardness_mode=None,
+                       hardness_strength=0.0, temperature: float = 0.05):
+    """``() -> loss`` for ``impl``: a fastcl backend or ``"st-mnrl"`` (sentence-transformers)."""
+    opts = dict(directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
+                hardness_strength=hardness_strength)
+    if impl == "st-mnrl":
+        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+        peer = MultipleNegativesRankingLoss(None, scale=1.0 / temperature, **opts)
+        return lambda: peer.compute_loss_from_embeddings(columns, None)
+    from fastcl.losses import mnrl_loss
+
+    negatives = torch.stack(columns[2:], dim=1) if len(columns) > 2 else None
+    return lambda: mnrl_loss(columns[0], columns[1], negatives, temperature=temperature, backend=impl, **opts)
+
+
+def mnrl_directions_step(backend: str, B: int, d: int, Q: int = 1, hardness_mode: str | None = None,
+                         dtype: str = "float32", device: str = "cpu"):
+    columns = mnrl_directions_inputs(B, d, Q, getattr(torch, dtype), device)
+    fn = mnrl_directions_fn(backend, columns, hardness_mode=hardness_mode, hardness_strength=5.0 if hardness_mode else 0.0)
+
+    def step():
+        for c in columns:
+            c.grad = None
+        fn().backward()
+
+    return step

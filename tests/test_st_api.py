@@ -269,3 +269,39 @@ def test_gte_directions_have_no_bxn_buffer(backend, hardness_mode):
     extra = cpu_extra_peak_bytes("fastcl.bench.api_cases:mnrl_directions_step",
                                  dict(backend=backend, B=MEM_B, d=MEM_D, hardness_mode=hardness_mode))
     assert extra < ROW_BYTES / 2, f"{backend}: extra peak {extra / 2**20:.0f} MiB"
+
+
+# --------------------------------------------------------------------------- SupConLabelsLoss
+
+
+def test_supcon_labels_st_class_equals_pml():
+    pytest.importorskip("pytorch_metric_learning")
+    from pytorch_metric_learning.losses import SupConLoss
+
+    views = _embs(7, 5, 2, seed=41)
+    labels = torch.tensor([0, 1, 0, 2, 1, 2, 3])
+    got = fst.SupConLabelsLoss(torch.nn.Identity(), temperature=0.1).compute_loss_from_embeddings(views, labels)
+    want = SupConLoss(temperature=0.1)(torch.cat(views), labels.repeat(2))
+    torch.testing.assert_close(got, want, **F64)
+    for g, w in zip(torch.autograd.grad(got, views), torch.autograd.grad(want, views)):
+        torch.testing.assert_close(g, w, **F64)
+    with pytest.raises(ValueError, match="label"):
+        fst.SupConLabelsLoss(torch.nn.Identity()).compute_loss_from_embeddings(views)
+
+
+def test_supcon_labels_cached_equals_plain_through_a_model(tmp_path):
+    model = common.tiny_model(tmp_path, dropout=0.0).train()
+    rows = common.sentences(12, seed=43)
+    features = [model.preprocess(rows[:6]), model.preprocess(rows[6:])]
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    ref_value, ref_grads = _step_labels(model, fst.SupConLabelsLoss(model, temperature=0.1), features, labels)
+    value, grads = _step_labels(model, fst.SupConLabelsLoss(model, temperature=0.1, mini_batch_size=4), features, labels)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_grads_close(grads, ref_grads, "cached SupConLabelsLoss")
+
+
+def _step_labels(model, loss, features, labels):
+    model.zero_grad()
+    value = loss(features, labels)
+    value.backward()
+    return value.detach(), _param_grads(model)

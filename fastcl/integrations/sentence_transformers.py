@@ -53,9 +53,13 @@ defaults to 32, like sentence-transformers' cached loss) encodes each column wit
 :class:`fastcl.gradcache.GradCache`: chunks of ``mini_batch_size`` rows without grad, the
 fused loss, then a chunk-by-chunk re-encoding with grad during ``backward()`` (dropout
 masks replayed), so encoder memory is that of one chunk. Values and gradients equal the
-uncached loss. The uncached losses work inside ``MatryoshkaLoss``; the cached ones do not
-(it patches the model's forward only during the loss's forward, while the re-encoding runs
-in backward: ``backward()`` raises a shape-mismatch ``RuntimeError``).
+uncached loss. Inside sentence-transformers' ``MatryoshkaLoss`` / ``Matryoshka2dLoss``:
+the uncached losses work as any loss (the model's forward is patched); the cached ones
+follow sentence-transformers' gradient-cache protocol (``uses_gradient_cache`` and
+``calculate_loss``, which ``MatryoshkaLoss`` wraps to run one loss per truncated dimension
+on the cached embeddings), with the gradients of sentence-transformers' cached MNRL inside
+it. ``AdaptiveLayerLoss`` works with the uncached losses and, like sentence-transformers
+for its own cached losses, warns at construction for the cached ones.
 Feature tensors must all be indexed by row (``input_ids``, ``attention_mask``, ...).
 
 Cross-device negatives. ``gather_across_devices=True`` (sentence-transformers' flag) means
@@ -71,7 +75,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -106,6 +110,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_SCALE = 20.0  # sentence-transformers' default scale = 1 / fastcl's default temperature 0.05
+
+
+# what a SentenceTransformer's modules write into the feature mapping they are given
+_MODEL_OUTPUTS = ("token_embeddings", "sentence_embedding", "all_layer_embeddings")
 
 
 def _similarity_name(similarity_fct) -> str:
@@ -259,10 +267,58 @@ class _FastCLSTLoss(nn.Module):
                     f"sentence_features[{i}] must be a tokenized feature mapping (dict, BatchEncoding), "
                     f"got {type(f).__name__}"
                 )
-        # plain dicts from here on: the model writes its outputs into the feature dict, and a
-        # read-only Mapping (or the caller's BatchEncoding) must not be modified or refuse it
-        features = [dict(f) for f in features]
-        return self.compute_loss_from_embeddings(self._embed(features), labels)
+        # The model writes its outputs into the feature mapping, and sentence-transformers'
+        # AdaptiveLayerLoss relies on that (it hands every layer's embeddings between loss
+        # calls through these very objects): keep mutable ones (dict, BatchEncoding) as they
+        # are, as sentence-transformers' own losses do; copy only read-only mappings.
+        features = [f if isinstance(f, MutableMapping) else dict(f) for f in features]
+        embeddings = self._embed(features)
+        if self.mini_batch_size is not None and "calculate_loss" in vars(self):
+            return self._decorated_cached_loss(embeddings, labels)
+        return self.compute_loss_from_embeddings(embeddings, labels)
+
+    # -- sentence-transformers' gradient-cache protocol (MatryoshkaLoss, AdaptiveLayerLoss) --
+
+    @property
+    def uses_gradient_cache(self) -> bool:
+        """True for the cached form: the re-encoding runs in ``backward()``.
+
+        sentence-transformers reads this flag: ``MatryoshkaLoss`` then wraps
+        :meth:`calculate_loss` (one loss per truncated dimension on the cached embeddings)
+        instead of patching the model's forward, and ``AdaptiveLayerLoss`` warns at
+        construction that it cannot work, as for sentence-transformers' own cached losses.
+        """
+        return self.mini_batch_size is not None
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        """The loss of per-column lists of embedding chunks (sentence-transformers' cached-loss hook).
+
+        With ``with_backward`` the gradient goes into the chunks' ``.grad`` and the value
+        comes back detached, as sentence-transformers' cached losses do.
+        """
+        loss = self.compute_loss_from_embeddings([torch.cat(list(chunks)) for chunks in reps], labels)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+    def _decorated_cached_loss(self, embeddings: list[Tensor], labels) -> Tensor:
+        """Cached forward when sentence-transformers replaced :meth:`calculate_loss` (MatryoshkaLoss).
+
+        The wrapper needs leaf embeddings whose ``.grad`` it fills (one backward per
+        dimension); their summed gradient then flows into the GradCache outputs through a
+        zero-valued surrogate, so the chunks are re-encoded once, in the real ``backward()``.
+        """
+        if not torch.is_grad_enabled():
+            return self.calculate_loss([[e] for e in embeddings], labels)
+        leaves = [[e.detach().requires_grad_()] for e in embeddings]
+        value = self.calculate_loss(leaves, labels, with_backward=True)
+        terms = [(e * leaf[0].grad).sum() for e, leaf in zip(embeddings, leaves) if leaf[0].grad is not None]
+        if not terms:
+            return value
+        surrogate = torch.stack(terms).sum()
+        return value.detach().to(surrogate.dtype) + (surrogate - surrogate.detach())
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss from the columns' ``[B, d]`` embeddings (same dtype and device)."""
@@ -286,7 +342,9 @@ class _FastCLSTLoss(nn.Module):
         # re-encodes all columns' chunks in one pass (and syncs DDP once, after the last).
         ddp = self.model if isinstance(self.model, nn.parallel.DistributedDataParallel) else None
         gc = GradCache(_SentenceEmbedding(self.model), self.mini_batch_size, ddp=ddp, progress=self.show_progress_bar)
-        return [gc(**f) for f in features]
+        # A feature mapping that went through the model before holds its outputs too (the
+        # model writes them into it): encode from the tokenizer's inputs only.
+        return [gc(**{k: v for k, v in f.items() if k not in _MODEL_OUTPUTS}) for f in features]
 
     def _options(self) -> dict[str, Any]:
         return dict(

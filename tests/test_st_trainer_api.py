@@ -14,6 +14,7 @@ pytest.importorskip("sentence_transformers")
 datasets = pytest.importorskip("datasets")
 
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments  # noqa: E402
+from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
 
 from fastcl.integrations import sentence_transformers as fst  # noqa: E402
 from tests import _st_common as common  # noqa: E402
@@ -36,6 +37,10 @@ CASES = {
     "cached_mnrl_gte_all_negatives": (
         lambda m: fst.CachedMultipleNegativesRankingLoss(
             m, mini_batch_size=3, directions=GTE, hardness_mode="all_negatives", hardness_strength=5.0), QPN),
+    "matryoshka_cached_mnrl": (
+        lambda m: st_losses.MatryoshkaLoss(m, fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=3), [16, 8, 4]), QPN),
+    "matryoshka_2d_mnrl_gte": (
+        lambda m: st_losses.Matryoshka2dLoss(m, fst.MultipleNegativesRankingLoss(m, directions=GTE), [16, 8]), QPN),
     "supcon_labels": (lambda m: fst.SupConLabelsLoss(m, temperature=0.1), ["sentence", "label"]),
     "supcon_labels_two_views_cached": (
         lambda m: fst.SupConLabelsLoss(m, temperature=0.1, mini_batch_size=3), ["view_1", "view_2", "label"]),

@@ -278,8 +278,7 @@ def mnrl_loss(
     ``directions`` (``query_to_doc``, ``query_to_query``, ``doc_to_query``, ``doc_to_doc``),
     ``partition_mode`` (``joint``, ``per_direction``) and ``hardness_mode`` /
     ``hardness_strength`` are sentence-transformers 6's options, same semantics
-    (:mod:`fastcl.losses_mnrl`); beyond the default they do not take ``neg_mask`` or
-    ``process_group`` yet.
+    (:mod:`fastcl.losses_mnrl`); beyond the default they do not take ``neg_mask`` yet.
 
     ``loss_i = -l_{i,i} + LSE_c l_ic`` over every positive and every valid negative of the
     batch: cross-entropy of the ``B x B(1+Q)`` logits with the diagonal as target. SimCSE
@@ -295,14 +294,12 @@ def mnrl_loss(
     """
     directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
     if not _mnrl_is_default(directions, partition_mode, hardness_mode, hardness_strength):
-        if process_group is not None:
-            raise NotImplementedError("mnrl_loss: directions/hardness options do not support process_group yet")
         if neg_mask is not None:
             raise ValueError("mnrl_loss: directions/hardness options do not take neg_mask yet")
         return mnrl_directions_loss(
             anchor, positive, negatives, directions=directions, partition_mode=partition_mode,
             hardness_mode=hardness_mode, hardness_strength=hardness_strength, temperature=temperature,
-            reduction=reduction, backend=backend, similarity=similarity,
+            reduction=reduction, backend=backend, similarity=similarity, process_group=process_group,
         )
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")

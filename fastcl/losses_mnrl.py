@@ -46,9 +46,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from . import _checks
+from . import _checks, distributed
 from .ops.contract import EPS, TAG_ALL, OwnPositives, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.normalize import compute_dtype
@@ -114,20 +115,38 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class _Batch:
-    """The tensors and tags of one call, built once."""
+    """The tensors and tags of one call, built once.
 
-    def __init__(self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str):
+    ``q``, ``d`` (and ``negs``) are this rank's; ``cq``, ``cd``, ``cn`` are the candidate
+    queries, documents and flattened negatives: the same tensors in one process, every
+    rank's (all-gathered with gradient, rank-major) with a process group. Tags are relative
+    to this rank's anchors: candidate ``g`` of query/document ``offset + i`` is tagged ``i``.
+    """
+
+    def __init__(self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str,
+                 group=None):
         self.q, self.d, self.tau, self.cosine, self.backend = q, d, tau, cosine, backend
         B, dim = q.shape
         dev = q.device
         self.B = B
         self.Q = 0 if negs is None else negs.shape[1]
         self.negs = negs
-        self.negs_flat = negs.reshape(B * self.Q, dim) if self.Q else q.new_empty((0, dim))
-        self.own_b = torch.arange(B, dtype=torch.int32, device=dev)  # q_j / d_j left out of row j
-        self.own_n = self.own_b.repeat_interleave(self.Q)  # n_jq left out of row j
-        self.all_b = torch.full((B,), TAG_ALL, dtype=torch.int32, device=dev)
-        self.all_n = torch.full((B * self.Q,), TAG_ALL, dtype=torch.int32, device=dev)
+        negs_flat = negs.reshape(B * self.Q, dim) if self.Q else q.new_empty((0, dim))
+        if group is None:
+            world, self.offset = 1, 0
+            self.cq, self.cd, self.cn = q, d, negs_flat
+        else:
+            world, self.offset = dist.get_world_size(group), dist.get_rank(group) * B
+            self.cq, self.cd = distributed.all_gather_with_grad(q, group), distributed.all_gather_with_grad(d, group)
+            self.cn = distributed.all_gather_with_grad(negs_flat, group) if self.Q else negs_flat
+        self.world = world
+        owner = torch.arange(world * B, dtype=torch.int64, device=dev) - self.offset  # local anchor index
+        local = (owner >= 0) & (owner < B)
+        own = torch.where(local, owner, torch.full_like(owner, TAG_ALL)).to(torch.int32)
+        self.own_b = own  # q_j / d_j left out of row j (this rank's j only)
+        self.own_n = own.repeat_interleave(self.Q)  # n_jq left out of row j
+        self.all_b = torch.full((world * B,), TAG_ALL, dtype=torch.int32, device=dev)
+        self.all_n = torch.full((world * B * self.Q,), TAG_ALL, dtype=torch.int32, device=dev)
         self._pos = None
 
     def pos(self) -> Tensor:
@@ -139,8 +158,9 @@ class _Batch:
     def rows(self, anchor, block0, tags0, block1=None, tags1=None, *, fold=False, tau=None) -> Tensor:
         """``[B]``: per row, ``LSE over the tagged candidates - l(q_i, d_i)``.
 
-        ``fold``: the positive is row ``i`` of ``block0`` (``d`` for query rows, ``q`` for
-        document rows) and the backend folds its gradient; else it comes from :meth:`pos`.
+        ``fold``: the positive is row ``offset + i`` of ``block0`` (``cd`` for query rows,
+        ``cq`` for document rows) and the backend folds its gradient; else it comes from
+        :meth:`pos`.
         """
         if block1 is None:
             block1, tags1 = empty_block(anchor)
@@ -148,7 +168,7 @@ class _Batch:
         cd = compute_dtype(anchor.dtype)
         return contrastive_loss(
             anchor, (block0, block1), (tags0, tags1), tau, kind="supcon",
-            positives=OwnPositives(0, 1) if fold else None,
+            positives=OwnPositives(self.offset, 1) if fold else None,
             pos_logits=None if fold else self.pos()[:, None],
             pos_mask=None, weights=torch.ones(self.B, dtype=cd, device=anchor.device), reduction="none",
             cosine=self.cosine, eps=EPS, backend=self.backend,
@@ -167,13 +187,13 @@ def _cat(*pairs):
 
 def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tensor:
     """``[B]``: ``log Z_i - l(q_i, d_i)`` over ``query_to_doc`` (hardened) and ``query_to_query``."""
-    q, d = bt.q, bt.d
-    q2q = (q, bt.own_b) if with_q2q else (q[:0], bt.own_b[:0])
+    q = bt.q
+    q2q = (bt.cq, bt.own_b) if with_q2q else (bt.cq[:0], bt.own_b[:0])
     if hardness_mode == "hard_negatives" and bt.Q == 0:
         hardness_mode = None  # nothing to harden (ST: no effect without explicit negatives)
     if hardness_mode is None or alpha == 0:
-        b1, t1 = _cat((bt.negs_flat, bt.all_n), q2q)
-        return bt.rows(q, d, bt.all_b, b1, t1, fold=True)
+        b1, t1 = _cat((bt.cn, bt.all_n), q2q)
+        return bt.rows(q, bt.cd, bt.all_b, b1, t1, fold=True)
 
     tau = bt.tau
     pieces = []
@@ -183,14 +203,14 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
         hard = own + alpha * (own * tau.to(own.dtype)).detach()
         pieces.append(torch.logsumexp(hard - bt.pos()[:, None], dim=1))
         # unhardened: every other document and the queries
-        b1, t1 = _cat((bt.negs_flat, bt.own_n), q2q)
-        pieces.append(bt.rows(q, d, bt.all_b, b1, t1, fold=True))
+        b1, t1 = _cat((bt.cn, bt.own_n), q2q)
+        pieces.append(bt.rows(q, bt.cd, bt.all_b, b1, t1, fold=True))
     else:
         # hardened candidates: one primitive call at tau_h with gradients scaled back to 1/tau
         factor = (1.0 / (1.0 + alpha * tau)).detach()
         tau_h = tau / (1.0 + alpha * tau)
-        qs, ds = _ScaleGrad.apply(q, factor), _ScaleGrad.apply(d, factor)
-        ns = _ScaleGrad.apply(bt.negs_flat, factor) if bt.Q else bt.negs_flat
+        qs, ds = _ScaleGrad.apply(q, factor), _ScaleGrad.apply(bt.cd, factor)
+        ns = _ScaleGrad.apply(bt.cn, factor) if bt.Q else bt.cn
         neg_tags = bt.own_n if hardness_mode == "in_batch_negatives" else bt.all_n
         # the folded positive (left out by its tag) comes back as s/tau_h: add alpha*stopgrad(s)
         s_pos = (bt.pos() * tau.to(bt.pos().dtype)).detach()
@@ -202,18 +222,18 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
             own = positive_logits(q, bt.negs, tau, cosine=bt.cosine, eps=EPS)
             pieces.append(torch.logsumexp(own - bt.pos()[:, None], dim=1))
         if with_q2q:
-            pieces.append(bt.rows(q, q, bt.own_b))
+            pieces.append(bt.rows(q, bt.cq, bt.own_b))
     return torch.logsumexp(torch.stack(pieces), dim=0)
 
 
 def _doc_rows(bt: _Batch, with_d2q: bool, with_d2d: bool) -> Tensor:
     """``[B]``: ``LSE - l(q_i, d_i)`` of the rows of ``d_i`` (``doc_to_query`` and/or ``doc_to_doc``)."""
-    q, d = bt.q, bt.d
-    docs = _cat((d, bt.own_b), (bt.negs_flat, bt.own_n))  # a query's own documents leave its row
-    if with_d2q:  # the positive l(q_i, d_i) is row i of the queries: fold it
+    d = bt.d
+    docs = _cat((bt.cd, bt.own_b), (bt.cn, bt.own_n))  # a query's own documents leave its row
+    if with_d2q:  # the positive l(q_i, d_i) is row offset + i of the queries: fold it
         if with_d2d:
-            return bt.rows(d, q, bt.all_b, *docs, fold=True)
-        return bt.rows(d, q, bt.all_b, fold=True)
+            return bt.rows(d, bt.cq, bt.all_b, *docs, fold=True)
+        return bt.rows(d, bt.cq, bt.all_b, fold=True)
     return bt.rows(d, *docs)
 
 
@@ -230,6 +250,7 @@ def mnrl_directions_loss(
     reduction: str = "mean",
     backend: str = "auto",
     similarity: str = "cos",
+    process_group=None,
 ) -> Tensor:
     """MNRL with sentence-transformers 6's options (see the module docstring for the math).
 
@@ -240,6 +261,12 @@ def mnrl_directions_loss(
             ``MultipleNegativesRankingLoss`` (``hardness_strength`` is unscaled: the penalty is
             ``alpha * s`` added to ``s / temperature``).
         temperature, reduction, backend, similarity: as :func:`fastcl.losses.mnrl_loss`.
+        process_group: every rank's queries, documents and negatives are all-gathered with
+            gradient and join every direction's candidates; rows stay this rank's (as
+            sentence-transformers' ``gather_across_devices=True``). Scaling as every fastcl
+            loss (``fastcl.distributed``): ``mean`` returns the mean over this rank's rows
+            (then ``mean_r L_r`` is the global loss), ``sum`` ``W *`` the rank's sum. All
+            ranks must pass the same shapes.
     """
     directions = check_options(directions, partition_mode, hardness_mode, hardness_strength)
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
@@ -263,9 +290,12 @@ def mnrl_directions_loss(
     tau = _checks.as_temperature(temperature, anchor)
     alpha = float(hardness_strength) if hardness_mode is not None else 0.0
     dirs = set(directions)
+    if process_group is not None:
+        _check_same_sizes(process_group, anchor, 0 if negatives is None else negatives.shape[1])
 
     with _no_autocast(anchor):
-        bt = _Batch(anchor.contiguous(), positive.contiguous(), negatives, tau, similarity == "cos", backend)
+        bt = _Batch(anchor.contiguous(), positive.contiguous(), negatives, tau, similarity == "cos", backend,
+                    group=process_group)
         if partition_mode == "joint":
             rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
             if dirs & {"doc_to_query", "doc_to_doc"}:
@@ -276,6 +306,19 @@ def mnrl_directions_loss(
                 rows = 0.5 * (rows + _doc_rows(bt, True, False))
         if reduction == "none":
             out = rows
-        else:
-            out = rows.sum() if reduction == "sum" else rows.mean()
+        else:  # with a group: mean_r L_r and DDP's averaging give the global loss's gradient
+            out = bt.world * rows.sum() if reduction == "sum" else rows.mean()
         return out.to(anchor.dtype)
+
+
+def _check_same_sizes(group, anchor: Tensor, Q: int) -> None:
+    """Every rank passes the same ``(B, Q, d)`` and dtype (a gather of unequal sizes would hang)."""
+    distributed.check_group(group)
+    codes = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+    mine = torch.tensor([anchor.shape[0], Q, anchor.shape[1], codes[anchor.dtype]], dtype=torch.int64,
+                        device=anchor.device)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    rows = {tuple(t.tolist()) for t in table}
+    if len(rows) > 1:
+        raise ValueError(f"every rank must pass the same (B, Q, d, dtype code); got {sorted(rows)}")

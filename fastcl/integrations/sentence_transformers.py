@@ -380,9 +380,8 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
     sentence-transformers 6's ``directions`` (``query_to_doc``, ``query_to_query``,
     ``doc_to_query``, ``doc_to_doc``), ``partition_mode`` (``joint``, ``per_direction``),
     ``hardness_mode`` (``in_batch_negatives``, ``hard_negatives``, ``all_negatives``) and
-    ``hardness_strength``, with the same semantics (:mod:`fastcl.losses_mnrl`). Beyond the
-    default options, ``gather_across_devices`` in a multi-process run is not supported yet
-    (raises ``NotImplementedError``). See the module docstring for the other arguments.
+    ``hardness_strength``, with the same semantics (:mod:`fastcl.losses_mnrl`), also with
+    ``gather_across_devices``. See the module docstring for the other arguments.
     """
 
     layout = "(anchor, positive, negative_1, ..., negative_Q)"

@@ -22,6 +22,9 @@ How it stays fused, on every backend, with no kernel change and no ``B x N`` mas
   which autograd differentiates at O((B + N) * d) cost. It enters the primitive's head as
   a precomputed, differentiable one-column positive logit.
 
+With a ``process_group`` the features and labels of every rank are all-gathered (features
+with gradient) and the tags mark this rank's anchors at their offset in the gathered set.
+
 Anchors with no positive (a label seen once) contribute nothing and are left out of the
 mean: pytorch-metric-learning's default (``AvgNonZeroReducer``). SupContrast counts them as
 0 in its mean instead; both agree whenever every anchor has a positive (e.g. ``V >= 2``
@@ -33,10 +36,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks
+from . import _checks, distributed
 from .ops.contract import EPS, TAG_ALL, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.head import reduction_weights
@@ -71,6 +75,7 @@ def _flatten_views(features: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return features.transpose(0, 1).reshape(V * B, d), labels.repeat(V)
 
 
+@distributed.agree_on_errors
 def supcon_labels_loss(
     features: Tensor,
     labels: Tensor,
@@ -99,7 +104,11 @@ def supcon_labels_loss(
             (``[N]`` or ``[V*B]`` in the flattened order, 0 for anchors without positive).
         similarity: ``"cos"`` (default; pytorch-metric-learning's default distance) or ``"dot"``.
         backend: as every fastcl loss (``"auto"``, ``"reference"``, ``"torch"``, ``"cpp"``, ...).
-        process_group: not supported yet (raises ``NotImplementedError``).
+        process_group: ``torch.distributed`` group: every rank's features (and labels) join
+            every anchor's candidates and positive sets, all-gathered with gradient; anchors
+            stay this rank's. Scaled as every fastcl loss (``fastcl.distributed``):
+            ``mean_r L_r`` is the loss of the concatenated global batch and DDP's averaging
+            gives its gradient. All ranks pass the same shapes; not with ``ref_emb``.
 
     Memory: O((N + M) * d) beyond the inputs on the fused backends; no ``N x N`` mask or logits.
 
@@ -108,8 +117,6 @@ def supcon_labels_loss(
         >>> x, y = torch.randn(16, 2, 32), torch.randint(0, 4, (16,))
         >>> supcon_labels_loss(x, y, temperature=0.1)
     """
-    if process_group is not None:
-        raise NotImplementedError("supcon_labels_loss does not support process_group yet")
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
     _checks.check_embeddings(features=features, ref_emb=ref_emb)
@@ -136,11 +143,26 @@ def supcon_labels_loss(
     cosine = similarity == "cos"
     cd = compute_dtype(features.dtype)
     dev = features.device
+    world, offset = 1, 0
+    if process_group is not None:
+        if not self_set:
+            raise NotImplementedError("supcon_labels_loss: ref_emb with process_group is not supported yet")
+        from .losses_mnrl import _check_same_sizes
+
+        _check_same_sizes(process_group, features, 0)
+        world, offset = dist.get_world_size(process_group), dist.get_rank(process_group) * N
+        cands = distributed.all_gather_with_grad(features, process_group)  # [W*N, d], rank-major
+        gathered = [torch.empty_like(labels) for _ in range(world)]
+        dist.all_gather(gathered, labels.contiguous(), group=process_group)
+        cand_labels = torch.cat(gathered)
 
     # dense label ids shared by anchors and candidates: S is [num_labels, d], never [N, M]
-    if self_set:
+    if self_set and world == 1:
         uniq, anchor_id = torch.unique(labels, return_inverse=True)
         cand_id = anchor_id
+    elif self_set:  # the anchors are rows offset .. offset + N - 1 of the gathered candidates
+        uniq, cand_id = torch.unique(cand_labels, return_inverse=True)
+        anchor_id = cand_id[offset:offset + N]
     else:
         uniq, ids = torch.unique(torch.cat([labels, cand_labels]), return_inverse=True)
         anchor_id, cand_id = ids[:N], ids[N:]
@@ -148,31 +170,42 @@ def supcon_labels_loss(
     counts = torch.bincount(cand_id, minlength=num_labels)
     num_pos = counts[anchor_id] - (1 if self_set else 0)  # |P(i)|
     has_pos = num_pos > 0
-    _checks.check_some_positive(has_pos)
+    if world == 1:
+        _checks.check_some_positive(has_pos)
+        weights = reduction_weights(has_pos, reduction, cd)
+    else:
+        # every candidate is some rank's anchor: the global count of anchors with a positive
+        # is known here without a collective, and every rank raises (or not) alike
+        valid_global = (counts[cand_id] - 1 > 0).sum()
+        if not bool(valid_global > 0):
+            raise ValueError("no anchor of any rank has a positive (no label repeats in the global batch)")
+        w = has_pos.to(cd)
+        weights = w * (world / valid_global.to(cd)) if reduction == "mean" else w * world
 
     with _no_autocast(features):
         # mean positive logit, O((N + M) d): anchors . (label sum of candidates - self)
         a_hat = F.normalize(features.to(cd), dim=1, eps=EPS) if cosine else features.to(cd)
-        if self_set:
+        if self_set and world == 1:
             c_hat = a_hat
         else:
             c_hat = F.normalize(cands.to(cd), dim=1, eps=EPS) if cosine else cands.to(cd)
         label_sum = torch.zeros(num_labels, d, dtype=cd, device=dev).index_add(0, cand_id, c_hat)
         pos_sum = label_sum[anchor_id]
         if self_set:
-            pos_sum = pos_sum - c_hat
+            pos_sum = pos_sum - c_hat[offset:offset + N]
         mean_pos = torch.linalg.vecdot(a_hat, pos_sum) / (num_pos.clamp_min(1).to(cd) * tau.to(cd))
         mean_pos = torch.where(has_pos, mean_pos, torch.zeros_like(mean_pos))
 
         # denominator: the fused masked LSE, each anchor left out of its own row
-        if self_set:
-            tags = torch.arange(N, dtype=torch.int32, device=dev)
+        if self_set:  # candidate offset + i is anchor i: left out of row i (other ranks' rows: TAG_ALL)
+            tags = torch.full((cands.shape[0],), TAG_ALL, dtype=torch.int32, device=dev)
+            tags[offset:offset + N] = torch.arange(N, dtype=torch.int32, device=dev)
         else:
             tags = torch.full((cands.shape[0],), TAG_ALL, dtype=torch.int32, device=dev)
         empty, empty_tags = empty_block(features)
         return contrastive_loss(
             features, (cands, empty), (tags, empty_tags), tau, kind="supcon", positives=None,
             pos_logits=mean_pos[:, None], pos_mask=has_pos[:, None],
-            weights=reduction_weights(has_pos, reduction, cd), reduction=reduction,
+            weights=weights, reduction=reduction,
             cosine=cosine, eps=EPS, backend=backend,
         )

@@ -518,8 +518,8 @@ class SupConLabelsLoss(_FastCLSTLoss):
     (:func:`fastcl.losses.supcon_labels_loss`; SupContrast's ``SupConLoss`` with
     ``base_temperature = temperature``). Anchors whose label appears once in the batch
     contribute nothing (pytorch-metric-learning's convention); a batch where no label
-    repeats raises ``ValueError``. ``gather_across_devices`` in a multi-process run is not
-    supported yet (raises ``NotImplementedError``).
+    repeats raises ``ValueError``. ``gather_across_devices=True``: every rank's embeddings
+    join every anchor's candidates and positives (``fastcl.distributed`` scaling).
     """
 
     min_columns = 1

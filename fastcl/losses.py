@@ -45,9 +45,13 @@ from .ops.grouped_cosine import grouped_cosine
 from .ops.head import reduction_weights
 from .ops.normalize import compute_dtype
 from .ops.positive_logits import positive_logits
+from .losses_mnrl import mnrl_directions_loss
+from .losses_mnrl import check_options as _check_mnrl_options
+from .losses_mnrl import is_default as _mnrl_is_default
+from .losses_supcon import supcon_labels_loss
 
 __all__ = [
-    "supmpn_loss", "supcon_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
+    "supmpn_loss", "supcon_loss", "supcon_labels_loss", "mnrl_directions_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
     "grouped_cosine_loss", "gclsr_loss",
     "SupMPNLoss", "SupConLoss", "MNRLoss", "InfoNCELoss", "EdaCSELoss", "GroupedCosineLoss", "GCLSRLoss",
 ]
@@ -217,7 +221,7 @@ def supmpn_loss(
 @distributed.agree_on_errors
 def supcon_loss(
     anchor: Tensor,
-    positives: Tensor,
+    positives: Tensor | None = None,
     negatives: Tensor | None = None,
     *,
     pos_mask: Tensor | None = None,
@@ -227,8 +231,16 @@ def supcon_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    labels: Tensor | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020, L_out; Liao's SCL).
+
+    Two forms. ``supcon_loss(features, labels=y)`` (SupContrast / pytorch-metric-learning:
+    ``features [N, d]`` or ``[B, V, d]``, positives = same label, optional
+    ``ref_emb``/``ref_labels``) is :func:`fastcl.losses_supcon.supcon_labels_loss`; the
+    structured form below takes explicit positives and negatives.
 
     ``loss_i = mean_k [ -l_ik + LSE_{c in C} l_ic ]`` over valid own positives ``k``, where
     ``C`` is every valid candidate of the batch, own positives included. For Liao's recipe
@@ -241,6 +253,17 @@ def supcon_loss(
 
         >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
     """
+    if labels is not None:
+        if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
+            raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
+        return supcon_labels_loss(
+            anchor, labels, ref_emb=ref_emb, ref_labels=ref_labels, temperature=temperature, reduction=reduction,
+            backend=backend, similarity=similarity, process_group=process_group,
+        )
+    if positives is None:
+        raise TypeError("supcon_loss needs positives (structured form) or labels= (labels form)")
+    if ref_emb is not None or ref_labels is not None:
+        raise ValueError("supcon_loss: ref_emb/ref_labels belong to the labels form (give labels=)")
     return _lse_loss(
         "supcon", anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
         temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
@@ -260,8 +283,17 @@ def mnrl_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    directions=("query_to_doc",),
+    partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
 ) -> Tensor:
     """Multiple negatives ranking loss = SimCSE supervised (Gao et al. 2021; SBERT's MNRL).
+
+    ``directions`` (``query_to_doc``, ``query_to_query``, ``doc_to_query``, ``doc_to_doc``),
+    ``partition_mode`` (``joint``, ``per_direction``) and ``hardness_mode`` /
+    ``hardness_strength`` are sentence-transformers 6's options, same semantics
+    (:mod:`fastcl.losses_mnrl`); beyond the default they do not take ``neg_mask`` yet.
 
     ``loss_i = -l_{i,i} + LSE_c l_ic`` over every positive and every valid negative of the
     batch: cross-entropy of the ``B x B(1+Q)`` logits with the diagonal as target. SimCSE
@@ -275,6 +307,15 @@ def mnrl_loss(
 
         >>> mnrl_loss(torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32))
     """
+    directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+    if not _mnrl_is_default(directions, partition_mode, hardness_mode, hardness_strength):
+        if neg_mask is not None:
+            raise ValueError("mnrl_loss: directions/hardness options do not take neg_mask yet")
+        return mnrl_directions_loss(
+            anchor, positive, negatives, directions=directions, partition_mode=partition_mode,
+            hardness_mode=hardness_mode, hardness_strength=hardness_strength, temperature=temperature,
+            reduction=reduction, backend=backend, similarity=similarity, process_group=process_group,
+        )
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")
     if negatives is not None and negatives.dim() == 2:
@@ -535,18 +576,31 @@ class SupMPNLoss(_TemperatureLoss):
 
 
 class SupConLoss(_TemperatureLoss):
-    """Module form of :func:`supcon_loss`; ``forward(anchor, positives, negatives=None, pos_mask=None, neg_mask=None)``."""
+    """Module form of :func:`supcon_loss`: ``forward(anchor, positives, negatives=None, pos_mask=None,
+    neg_mask=None)`` or, labels form, ``forward(features, labels=y, ref_emb=None, ref_labels=None)``."""
 
-    def forward(self, anchor, positives, negatives=None, pos_mask=None, neg_mask=None):
-        return supcon_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
-                           temperature=self.temperature, **self.options)
+    def forward(self, anchor, positives=None, negatives=None, pos_mask=None, neg_mask=None, *,
+                labels=None, ref_emb=None, ref_labels=None):
+        return supcon_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask, labels=labels,
+                           ref_emb=ref_emb, ref_labels=ref_labels, temperature=self.temperature, **self.options)
 
 
 class MNRLoss(_TemperatureLoss):
-    """Module form of :func:`mnrl_loss`; ``forward(anchor, positive, negatives=None, neg_mask=None)``."""
+    """Module form of :func:`mnrl_loss`; ``forward(anchor, positive, negatives=None, neg_mask=None)``.
+
+    Takes sentence-transformers 6's ``directions``, ``partition_mode``, ``hardness_mode`` and
+    ``hardness_strength`` at construction."""
+
+    def __init__(self, temperature=0.05, *, directions=("query_to_doc",), partition_mode="joint",
+                 hardness_mode=None, hardness_strength=0.0, **kw):
+        super().__init__(temperature, **kw)
+        self.directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.mnrl_options = dict(directions=self.directions, partition_mode=partition_mode,
+                                 hardness_mode=hardness_mode, hardness_strength=hardness_strength)
 
     def forward(self, anchor, positive, negatives=None, neg_mask=None):
-        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature, **self.options)
+        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature,
+                         **self.mnrl_options, **self.options)
 
 
 class InfoNCELoss(_TemperatureLoss):

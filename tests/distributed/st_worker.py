@@ -37,7 +37,22 @@ def _embedding_cases(seed: int, rank: int) -> dict:
     sym = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
     st_mnrl = STMNRL(None, gather_across_devices=True)
     st_sym = STMNRL(None, gather_across_devices=True, **sym)
+    gte = dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"))
+    hard = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
+                hardness_mode="all_negatives", hardness_strength=4.0)
+    st_gte = STMNRL(None, gather_across_devices=True, hardness_mode="in_batch_negatives", hardness_strength=3.0, **gte)
+    st_hard = STMNRL(None, gather_across_devices=True, **hard)
     return {
+        "mnrl_gte_hardness": (
+            _grads(lambda e: st_gte.compute_loss_from_embeddings(e, None), triplet),
+            _grads(fst.MultipleNegativesRankingLoss(ident, gather_across_devices=True, hardness_mode="in_batch_negatives",
+                                                    hardness_strength=3.0, **gte).compute_loss_from_embeddings, triplet),
+        ),
+        "mnrl_per_direction_hardness": (
+            _grads(lambda e: st_hard.compute_loss_from_embeddings(e, None), triplet),
+            _grads(fst.MultipleNegativesRankingLoss(ident, process_group=dist.group.WORLD, **hard).compute_loss_from_embeddings,
+                   triplet),
+        ),
         "mnrl": (
             _grads(lambda e: st_mnrl.compute_loss_from_embeddings(e, None), triplet),
             _grads(fst.MultipleNegativesRankingLoss(ident, gather_across_devices=True).compute_loss_from_embeddings, triplet),

@@ -3,7 +3,8 @@
 On every rank, fastcl's losses with ``gather_across_devices=True`` (or an explicit
 ``process_group``) give the value and the embedding gradients of sentence-transformers'
 ``MultipleNegativesRankingLoss(gather_across_devices=True)`` (symmetric InfoNCE: its
-``doc_to_query`` / ``per_direction`` form); and a DDP-wrapped tiny BERT trained with
+``doc_to_query`` / ``per_direction`` form; sentence-transformers 6's directions and
+hardness options, gathered); and a DDP-wrapped tiny BERT trained with
 fastcl's cached MNRL gets the parameter gradients of sentence-transformers' cached MNRL.
 """
 
@@ -31,7 +32,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return spawn_ranks(W.worker, WORLD, tmp, seed, SPAWN_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("case", ["mnrl", "mnrl_group", "infonce_symmetric"])
+@pytest.mark.parametrize("case", ["mnrl", "mnrl_group", "infonce_symmetric", "mnrl_gte_hardness", "mnrl_per_direction_hardness"])
 def test_gathered_loss_equals_sentence_transformers(ranks, case):
     for rank, result in enumerate(ranks):
         (ref_value, ref_grads), (value, grads) = result["embeddings"][case]

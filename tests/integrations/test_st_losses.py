@@ -244,10 +244,12 @@ def test_matryoshka_wraps_the_plain_loss(tmp_path):
     value, grads = _st_step(model, st_losses.MatryoshkaLoss(model, fst.MultipleNegativesRankingLoss(model), dims), features)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
     common.assert_grads_close(grads, ref_grads, "matryoshka")
-    # The cached form re-encodes in backward, outside Matryoshka's patch: an error, not a wrong gradient.
+    # The cached form follows sentence-transformers' gradient-cache protocol (MatryoshkaLoss
+    # wraps its calculate_loss): same gradients (more cases in tests/test_st_api.py).
     cached = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), dims)
-    with pytest.raises(RuntimeError, match="shape"):
-        _st_step(model, cached, features)
+    value, grads = _st_step(model, cached, features)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_grads_close(grads, ref_grads, "cached matryoshka")
 
 
 def test_cached_chunks_drop_unused_padding(tmp_path):

@@ -33,6 +33,8 @@ SLOW = (
     "eval/test_eval_transfer.py",
     "eval/test_eval_classifier.py::test_fit_grid_equals_sentevals_classifier",
     "integrations/test_st_trainer.py",
+    "integrations/test_st_trainer_api.py",
+    "kernels/test_api_triton.py",
     "test_readme.py",
 )
 _TESTS = Path(__file__).resolve().parent

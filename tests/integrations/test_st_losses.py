@@ -245,7 +245,7 @@ def test_matryoshka_wraps_the_plain_loss(tmp_path):
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
     common.assert_grads_close(grads, ref_grads, "matryoshka")
     # The cached form follows sentence-transformers' gradient-cache protocol (MatryoshkaLoss
-    # wraps its calculate_loss): same gradients (more cases in tests/test_st_api.py).
+    # wraps its calculate_loss): same gradients (more cases in tests/integrations/test_st_api.py).
     cached = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), dims)
     value, grads = _st_step(model, cached, features)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""One rank of tests/test_supcon_labels_distributed.py: labels-SupCon with a process group."""
+"""One rank of tests/distributed/test_supcon_labels_distributed.py: labels-SupCon with a process group."""
 
 from __future__ import annotations
 

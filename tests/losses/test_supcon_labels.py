@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import fastcl.losses as L
 from fastcl.losses_supcon import supcon_labels_loss
 
-from .backends import require
+from tests.helpers.backends import require
 
 BACKENDS = ["reference", "torch", "cpp"]
 TOL = dict(rtol=1e-10, atol=1e-12)

@@ -1,7 +1,7 @@
 """SentenceTransformerTrainer smoke runs of the new options: labels-SupCon and ST-6 MNRL options.
 
 A few optimizer steps of a tiny offline BERT on a small in-memory dataset per option (as
-``tests/test_st_trainer.py``): the logged losses are finite and positive, and every encoder
+``tests/integrations/test_st_trainer.py``): the logged losses are finite and positive, and every encoder
 parameter moves.
 """
 
@@ -17,7 +17,7 @@ from sentence_transformers import SentenceTransformerTrainer, SentenceTransforme
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
 
 from fastcl.integrations import sentence_transformers as fst  # noqa: E402
-from tests import _st_common as common  # noqa: E402
+from tests.helpers import st as common  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,7 +21,7 @@ st = pytest.importorskip("sentence_transformers")
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
 
 from fastcl.integrations import sentence_transformers as fst  # noqa: E402
-from tests import _st_common as common  # noqa: E402
+from tests.helpers import st as common  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,7 +75,7 @@ from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 import fastcl.losses as L  # noqa: E402
 from fastcl.losses_mnrl import DIRECTIONS  # noqa: E402
 
-from .backends import require  # noqa: E402
+from tests.helpers.backends import require  # noqa: E402
 
 GTE = DIRECTIONS  # all four: the GTE "improved contrastive loss"
 OPTIONS = [  # (directions, partition_mode): every combination sentence-transformers accepts

@@ -8,8 +8,8 @@ import torch
 
 import fastcl.losses as L
 
-from .backends import require
-from .tolerances import FLOOR, rel_err
+from tests.helpers.backends import require
+from tests.helpers.tolerances import FLOOR, rel_err
 
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fastcl.losses import supcon_loss
-from tests import _supcon_labels_dist_worker as W
-from tests._spawn import spawn_ranks
+from tests.distributed import supcon_labels_worker as W
+from tests.helpers.spawn import spawn_ranks
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 150

@@ -79,7 +79,7 @@ def ds_precision() -> str:
 
 
 class TritonLSE:
-    """Masked LSE primitive on Triton kernels (see ``fastcl/kernels/lse.py``)."""
+    """Masked LSE primitive on Triton kernels (see ``kernels/lse_forward.py``, ``kernels/lse_backward.py``)."""
 
     name = "triton"
     autograd = False

@@ -2,7 +2,7 @@
 
 The interpreter must be switched on before Triton kernels are imported, so the suite
 (the core backend matrix and primitive tests for ``triton`` on small shapes, plus
-``test_triton_interpret.py``) runs in a child pytest process with
+``test_triton_interpret.py`` and ``test_triton_nonfinite.py``) runs in a child pytest process with
 ``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
 run fail there instead of skipping.
 """
@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 TESTS = Path(__file__).resolve().parent
-FILES = ["test_backend_matrix.py", "test_primitive.py", "test_triton_interpret.py"]
+FILES = ["test_backend_matrix.py", "test_primitive.py", "test_triton_interpret.py", "test_triton_nonfinite.py"]
 
 
 def test_triton_interpreter_suite():

@@ -173,7 +173,8 @@ def _compile(launch: Launch, arch: str, cfg, frontend_only: bool):
 
 def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False) -> Result:
     """Compile one pair for one arch; compile errors come back in ``Result.error``."""
-    common = dict(kernel=launch.kernel, spec=launch.describe(), arch=arch, config=str(cfg),
+    config = " ".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f" w{cfg.num_warps} s{cfg.num_stages}"
+    common = dict(kernel=launch.kernel, spec=launch.describe(), arch=arch, config=config.strip(),
                   shared_limit=SMEM_LIMIT[arch], needs_mma=uses_dot(launch) and not frontend_only)
     try:
         compiled, log = _compile(launch, arch, cfg, frontend_only)

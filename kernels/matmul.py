@@ -30,7 +30,7 @@ from ._common import PAD_TAG, Kernel, cast_to, cfg, mma
 
 @triton.jit
 def _mm_kernel(
-    X, Y, OUT, ACC_IN, KSCALE, MSCALE, RAD, RADW, Z, TAGS,
+    X, Y, OUT, ACC_IN, KSCALE, MSCALE, RINV, RADW, Z, TAGS,
     M, N, K, stride_xm, stride_xk, stride_yk, stride_yn, stride_om, n_parts, stride_radw,
     SPLIT_X: tl.constexpr, Y_KSCALE: tl.constexpr, M_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
     RADIAL: tl.constexpr, PAD_K: tl.constexpr, PAD_M: tl.constexpr, PRECISION: tl.constexpr,
@@ -90,7 +90,7 @@ def _mm_kernel(
         w = tl.zeros([BM], dtype=ACC)
         for p in range(0, n_parts):
             w += tl.load(RADW + p * stride_radw + rm, mask=m_ok, other=0.0).to(ACC)
-        rinv = tl.load(RAD + rm, mask=m_ok, other=0.0).to(ACC)
+        rinv = tl.load(RINV + rm, mask=m_ok, other=0.0).to(ACC)
         z = tl.load(Z + out_offs, mask=z_ok, other=0.0).to(ACC)
         acc -= (rinv * w)[:, None] * (z * rinv[:, None])
     if PAD_M:

@@ -15,5 +15,7 @@ from ._common import INTERPRET
 from .grouped_cosine import grouped_cosine_backward, grouped_cosine_forward
 from .lse_backward import lse_backward
 from .lse_forward import lse_forward
+from .plan import size_reasons
 
-__all__ = ["INTERPRET", "lse_forward", "lse_backward", "grouped_cosine_forward", "grouped_cosine_backward"]
+__all__ = ["INTERPRET", "lse_forward", "lse_backward", "grouped_cosine_forward", "grouped_cosine_backward",
+           "size_reasons"]

@@ -21,6 +21,9 @@ fp32/fp64 (where ``ia * ic`` underflows for rows of norm ~1e30) keep ``G / tau``
 let the GEMMs normalise their ``Y`` operand on load (``plan.fold_norms``).
 
 Padding: padded candidates are never read and get exactly zero gradient, whatever they hold.
+Offsets: the logit-tile kernels use 64-bit row offsets (any block size); the GEMM uses
+32-bit ones, so chunks stay under 2**31 elements and larger anchor blocks are refused
+(``plan.size_reasons``, also in the backend's ``unsupported``).
 """
 
 from __future__ import annotations
@@ -137,7 +140,10 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
     d_anchor = new_output((B, d), dtype=dt, device=dev)
     d_blocks = tuple(new_output(b.shape, dtype=dt, device=dev) for b in blocks)
     sizes = (block0.shape[0], block1.shape[0])
-    width = plan.chunk_width(B, sizes, dt, arch, fp32_ds)
+    too_big = plan.size_reasons(B, d)
+    if too_big:
+        raise ValueError(f"triton LSE backward: {too_big[0]}")
+    width = plan.chunk_width(B, sizes, d, dt, arch, fp32_ds)
     chunks = [(i, c0, min(c0 + width, n)) for i, n in enumerate(sizes) for c0 in range(0, n, width)]
     if B == 0 or not chunks:  # no anchor or no candidate: every gradient is zero
         for t in (d_anchor, *d_blocks):

@@ -47,12 +47,13 @@ def _mm_kernel(
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
+    # int32 offsets: the launcher keeps every operand of this GEMM under 2**31 elements
+    # (plan.chunk_width caps a chunk; lse_backward refuses larger anchor blocks), which
+    # keeps the main loop's registers free (64-bit offset tensors spilled on sm_80)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     m_ok = rm < M
     n_ok = rn < N
-    x_rows = X + rm.to(tl.int64)[:, None] * stride_xm
-    y_cols = Y + rn.to(tl.int64)[None, :] * stride_yn
     acc = tl.zeros([BM, BN], dtype=ACC)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
@@ -60,9 +61,10 @@ def _mm_kernel(
         y_ok = k_ok
         if PAD_K:
             y_ok = k_ok & (tl.load(TAGS + rk, mask=k_ok, other=PAD_TAG) != PAD_TAG)
-        rk64 = rk.to(tl.int64)
-        x = tl.load(x_rows + rk64[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        y = tl.load(y_cols + rk64[:, None] * stride_yk, mask=y_ok[:, None] & n_ok[None, :], other=0.0)
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        y = tl.load(Y + rk[:, None] * stride_yk + rn[None, :] * stride_yn, mask=y_ok[:, None] & n_ok[None, :],
+                    other=0.0)
         if Y_KSCALE:
             ks = tl.load(KSCALE + rk, mask=k_ok, other=0.0)
             y = cast_to(y.to(ACC) * ks[:, None], y.dtype)
@@ -78,7 +80,7 @@ def _mm_kernel(
 
     if M_SCALE:
         acc = acc * tl.load(MSCALE + rm, mask=m_ok, other=0.0)[:, None]
-    out_offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    out_offs = rm[:, None] * stride_om + rn[None, :]
     out_ok = m_ok[:, None] & n_ok[None, :]
     z_ok = out_ok
     if PAD_M:

@@ -183,21 +183,38 @@ def forward_plan(B: int, sizes: tuple[int, int], dtype: torch.dtype, cosine: boo
     return Plan(bufs)
 
 
-def chunk_width(B: int, sizes: tuple[int, int], dtype: torch.dtype, arch: str, fp32_ds: bool = True) -> int:
-    """Columns of one recomputed dS chunk (a chunk never spans two blocks)."""
+# The backward GEMM (matmul.py) addresses its operands with int32 offsets (64-bit offset
+# tensors spilled on sm_80): a dS chunk [B, width], a candidate chunk [width, d] and the
+# anchors [B, d] must each stay under 2**31 elements. Chunks are capped to fit; anchors
+# beyond it are refused (size_reasons).
+INT32_ELEMENTS = 2**31 - 1
+
+
+def size_reasons(B: int, d: int) -> list[str]:
+    """Why the backward cannot take ``B`` anchors of ``d`` features (empty: it can)."""
+    if B * d > INT32_ELEMENTS:
+        return [f"the anchor block has B * d = {B * d} >= 2**31 elements (the backward GEMM uses 32-bit "
+                "offsets); split the anchors into several calls"]
+    return []
+
+
+def chunk_width(B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, arch: str, fp32_ds: bool = True) -> int:
+    """Columns of one recomputed dS chunk (a chunk never spans two blocks), at most 2**31
+    elements in ``dS [B, width]`` and in the candidate chunk ``[width, d]``."""
     align = col_align(arch, dtype_class(dtype))
     if arch == "interp":
         width = INTERP_CHUNK
     else:
         elt = torch.empty((), dtype=ds_dtype(dtype, fp32_ds)).element_size()
         width = max(MIN_CHUNK, DS_CHUNK_BYTES // max(B * elt, 1) // align * align)
-    return min(width, _round_up(max(max(sizes), 1), align))
+    cap = INT32_ELEMENTS // max(B, d, 1) // align * align
+    return max(align, min(width, cap, _round_up(max(max(sizes), 1), align)))
 
 
 def backward_plan(B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, cosine: bool, arch: str,
                   fp32_ds: bool = True) -> Plan:
     acc = acc_dtype(dtype)
-    width = chunk_width(B, sizes, dtype, arch, fp32_ds)
+    width = chunk_width(B, sizes, d, dtype, arch, fp32_ds)
     part = partial_width(arch, dtype_class(dtype))
     chunks = sum(cdiv(n, width) for n in sizes)
     bufs = {"ds": Buffer((B, width), ds_dtype(dtype, fp32_ds))}

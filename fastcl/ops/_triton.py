@@ -92,6 +92,7 @@ class TritonLSE:
             reasons.append("candidate blocks must have the anchor's dtype")
         if any(t.dtype != torch.int32 for t in problem.tags):
             reasons.append("tags must be int32")
+        reasons += _kernels().size_reasons(*problem.anchor.shape)
         return reasons
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastcl.ops.contract import TAG_ALL
+
 from ._common import ARCHS, INTERPRET, Kernel, Launch, recording
 
 # shared memory one block may use (opt-in maximum), bytes
@@ -47,7 +49,7 @@ def _tiny_problem(dtype: torch.dtype, sizes: tuple[int, int], extra: int, B: int
     gen = torch.Generator().manual_seed(0)
     anchor = torch.randn(B, 8, generator=gen).to(dtype)
     blocks = [torch.randn(n, 8, generator=gen).to(dtype) for n in sizes]
-    tags = [torch.full((n,), -1, dtype=torch.int32) for n in sizes]
+    tags = [torch.full((n,), TAG_ALL, dtype=torch.int32) for n in sizes]
     tags[0][extra:extra + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
     return anchor, blocks, tags
 

@@ -14,7 +14,6 @@ loop (twice in backward) and writes ``B * G`` floats or ``d h``; no intermediate
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor

@@ -21,7 +21,6 @@ rows' ``lse`` NaN (the combine tells an empty row, ``l == 0``, from a NaN one).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor

@@ -33,7 +33,6 @@ from fastcl import reference as R  # noqa: E402
 from fastcl.kernels import _common, aot  # noqa: E402
 from fastcl.ops import _torch_impl, _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
-from fastcl.ops.positive_logits import own_positive_similarities  # noqa: E402
 
 from .tolerances import assert_close  # noqa: E402
 

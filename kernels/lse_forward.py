@@ -65,23 +65,27 @@ def _row_norms_kernel(X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr
     if HAS_TAGS:  # padded rows read as zero: their NaN/Inf cannot reach a norm
         read = ok & (tl.load(TAGS + rows, mask=ok, other=PAD_TAG) != PAD_TAG)
     x_rows = X + rows.to(tl.int64)[:, None] * d
-    # |x| = scale * sqrt(ssq) with scale a power of two near the running max |x_k|: the
-    # squares never overflow or underflow, and dividing by a power of two is exact
-    scale = tl.zeros([BR], dtype=ACC)
+    # |x| = scale * sqrt(ssq) with scale a power of two near the running max |x_k| (clamped
+    # to [LO, HI] so that 1/scale is a normal number): squares neither overflow nor
+    # underflow, and multiplying by 1/scale is exact
+    LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
+    HI: tl.constexpr = 3.273390607896142e+150 if ACC == tl.float64 else 1.2676506002282294e+30  # 2^500, 2^100
+    scale = tl.full([BR], LO, dtype=ACC)
     ssq = tl.zeros([BR], dtype=ACC)
     for k0 in range(0, d, BD):
         ks = k0 + tl.arange(0, BD)
         x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < d)[None, :], other=0.0).to(ACC)
-        new = tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1)))
-        safe = tl.where(new > 0, new, 1.0)
-        ratio = scale / safe
-        xs = x / safe[:, None]  # NaN and Inf entries make ssq NaN (tl.max may skip a NaN)
+        new = tl.minimum(tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1))), HI)
+        ratio = scale / new
+        xs = x * (1.0 / new)[:, None]
         ssq = ssq * ratio * ratio + tl.sum(xs * xs, 1)
         scale = new
     norm = scale * sqrt_rn(ssq)
-    inv = tl.where(norm != norm, norm, 1.0 / tl.maximum(norm, eps))  # NaN stays NaN
+    # only a NaN or Inf entry makes the norm NaN or Inf (tl.max may skip a NaN): keep NaN
+    bad = (norm != norm) | (norm == float("inf"))
+    inv = tl.where(bad, float("nan"), 1.0 / tl.maximum(norm, eps))
     tl.store(INV + rows, inv, mask=ok)
-    tl.store(RINV + rows, tl.where(norm > eps, inv, tl.where(norm != norm, norm, 0.0)), mask=ok)
+    tl.store(RINV + rows, tl.where(norm > eps, inv, tl.where(bad, inv, 0.0)), mask=ok)
 
 
 @triton.jit

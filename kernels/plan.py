@@ -17,7 +17,8 @@ from fastcl.ops.contract import new_output
 from ._common import acc_dtype, cfg, dtype_class
 
 # Row-wise pre-pass and reductions: memory-bound, one config.
-ROWWISE = {a: {"16": [cfg(4, 1, BR=32, BD=128)]} for a in ("sm80", "sm90")}
+# fp64 rows take half the feature chunk: 32 x 128 fp64 values spilled (2 KiB) in the norms.
+ROWWISE = {a: {"16": [cfg(4, 1, BR=32, BD=128)], "64": [cfg(4, 1, BR=32, BD=64)]} for a in ("sm80", "sm90")}
 ROWWISE["interp"] = {"16": [cfg(BR=16, BD=64)]}
 REDUCE = {a: {"16": [cfg(4, 1, BR=256)]} for a in ("sm80", "sm90")}
 REDUCE["interp"] = {"16": [cfg(BR=16)]}

@@ -215,8 +215,8 @@ class Kernel:
         """Every value block size ``name`` takes in a table (launchers size buffers with it)."""
         return [c.kwargs[name] for c in self.configs(arch, dclass)]
 
-    def runner(self, arch: str, dclass: str, tune: tuple[int, ...]):
-        """``(launchable, extra keyword arguments)`` for this arch, dtype class and size bucket."""
+    def runner(self, arch: str, dclass: str, tune: tuple):
+        """``(launchable, extra keyword arguments)`` for this arch, dtype class and tuning key."""
         if arch == "interp":
             (config,) = self.configs(arch, dclass)
             return self.fn, dict(config.kwargs)
@@ -308,14 +308,15 @@ def launch(kernel: Kernel, grid, arch: str, tune: tuple[int, ...] = (), **args) 
     if set(args) != expected:
         raise TypeError(f"{kernel.name}: missing {sorted(expected - set(args))}, "
                         f"unexpected {sorted(set(args) - expected)}")
+    names = [n for n in kernel.fn.arg_names if n in args]
+    flags = tuple((n, args[n]) for n in names if n in kernel.constexprs)
     if _STATE.records is not None:
-        names = [n for n in kernel.fn.arg_names if n in args]
         sig = tuple((n, triton_type(args[n])) for n in names if n not in kernel.constexprs)
-        flags = tuple((n, args[n]) for n in names if n in kernel.constexprs)
         _STATE.records.append(Launch(kernel.name, dclass, sig, flags))
     if _STATE.dry:
         return
-    fn, extra = kernel.runner(arch, dclass, tuple(bucket(n) for n in tune))
+    # one tuning per size bucket and specialisation (flags change the code being timed)
+    fn, extra = kernel.runner(arch, dclass, (tuple(bucket(n) for n in tune), flags))
     from torch.library import wrap_triton
 
     wrap_triton(fn)[grid](**args, **extra)

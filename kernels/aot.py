@@ -58,8 +58,8 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
     """Every distinct launch the LSE launchers make (dry runs on CPU tensors, interpreter plan:
     32-column chunks, so a 70-row block gives first, middle and last chunks, with and
     without own positives, and an 8-row block a first-and-last one)."""
-    from .lse_backward import _lse_backward
-    from .lse_forward import _lse_forward
+    from .lse_bwd import _lse_backward
+    from .lse_fwd import _lse_forward
 
     out: dict[str, Launch] = {}
     with recording(dry=True, arch="interp") as launches:

@@ -48,7 +48,7 @@ def _mm_kernel(
     pid_n = (pid % per_group) // group_rows
 
     # int32 offsets: the launcher keeps every operand of this GEMM under 2**31 elements
-    # (plan.chunk_width caps a chunk; lse_backward refuses larger anchor blocks), which
+    # (plan.chunk_width caps a chunk; lse_bwd refuses larger anchor blocks), which
     # keeps the main loop's registers free (64-bit offset tensors spilled on sm_80)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)

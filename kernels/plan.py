@@ -87,7 +87,7 @@ def _round_up(a: int, b: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# numerics chosen per dtype (see lse_backward.py)
+# numerics chosen per dtype (see lse_bwd.py)
 # ---------------------------------------------------------------------------------------
 
 

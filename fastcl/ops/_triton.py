@@ -79,7 +79,7 @@ def ds_precision() -> str:
 
 
 class TritonLSE:
-    """Masked LSE primitive on Triton kernels (see ``kernels/lse_forward.py``, ``kernels/lse_backward.py``)."""
+    """Masked LSE primitive on Triton kernels (see ``kernels/lse_fwd.py``, ``kernels/lse_bwd.py``)."""
 
     name = "triton"
     autograd = False

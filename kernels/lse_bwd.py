@@ -50,7 +50,7 @@ from ._common import (
     register_op,
     structural_mask,
 )
-from .lse_forward import _logits, prepare
+from .lse_fwd import _logits, prepare
 from .matmul import MM
 
 

@@ -14,14 +14,13 @@ loop (twice in backward) and writes ``B * G`` floats or ``d h``; no intermediate
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from fastcl.ops.contract import new_output
 
-from ._common import TRITON_TYPE, Cfg, cast_to, Spec, Tuned, acc_dtype, arch_of, launch, register_op, sqrt_rn
+from ._common import Kernel, acc_dtype, arch_of, cast_to, cfg, launch, register_op, sqrt_rn
 
 
 @triton.jit
@@ -73,11 +72,10 @@ def _grouped_cos_bwd_kernel(H, Z, DCOS, DH, n, gs, eps, BR: tl.constexpr, BG: tl
 
 # Memory-bound: 4 warps over 1024 elements per program (8 per thread: two 16-byte loads of
 # h and z each). 4096 needed 255 registers and spilled on sm_80 (see docs/triton.md).
-_TABLE = {a: {"16": [Cfg.of(4, 1)]} for a in ("sm80", "sm90")}
-_TABLE["interp"] = {"16": [Cfg.of()]}
-FWD = Tuned(_grouped_cos_fwd_kernel, _TABLE, key=[])
-BWD = Tuned(_grouped_cos_bwd_kernel, _TABLE, key=[])
-KERNELS = (FWD, BWD)
+_TABLE = {a: {"16": [cfg(4, 1)]} for a in ("sm80", "sm90")}
+_TABLE["interp"] = {"16": [cfg()]}
+FWD = Kernel(_grouped_cos_fwd_kernel, _TABLE, dtype_arg="H")
+BWD = Kernel(_grouped_cos_bwd_kernel, _TABLE, dtype_arg="H")
 
 GROUP_BLOCKS = (16, 32, 64, 128)
 ELEMENTS_PER_PROGRAM = 1024
@@ -91,23 +89,6 @@ def group_block(group_size: int) -> int:
 def _flags(group_size: int) -> dict[str, int]:
     bg = group_block(group_size)
     return {"BG": bg, "BR": ELEMENTS_PER_PROGRAM // bg}
-
-
-def fwd_spec(dtype: torch.dtype, group_size: int) -> Spec:
-    t, acc = "*" + TRITON_TYPE[dtype], "*" + TRITON_TYPE[acc_dtype(dtype)]
-    sig = {"H": t, "Z": t, "COS": acc, "n": "i32", "gs": "i32", "eps": "fp32"}
-    return Spec.make(FWD, "16", sig, _flags(group_size))
-
-
-def bwd_spec(dtype: torch.dtype, group_size: int) -> Spec:
-    t, acc = "*" + TRITON_TYPE[dtype], "*" + TRITON_TYPE[acc_dtype(dtype)]
-    sig = {"H": t, "Z": t, "DCOS": acc, "DH": t, "n": "i32", "gs": "i32", "eps": "fp32"}
-    return Spec.make(BWD, "16", sig, _flags(group_size))
-
-
-def specialisations(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64)) -> list[Spec]:
-    """Every specialisation the launchers can produce: dtype x group block."""
-    return [spec(dt, bg) for dt in dtypes for bg in GROUP_BLOCKS for spec in (fwd_spec, bwd_spec)]
 
 
 def _check(h: Tensor, z: Tensor, group_size: int) -> tuple[int, int]:
@@ -125,9 +106,9 @@ def _grouped_cosine_forward(h: Tensor, z: Tensor, group_size: int, eps: float) -
     cos = new_output((B, G), dtype=acc_dtype(h.dtype), device=h.device)
     n = B * G
     if n:
-        spec = fwd_spec(h.dtype, group_size)
-        grid = (triton.cdiv(n, dict(spec.flags)["BR"]),)
-        launch(spec, arch_of(h.device), grid, h, z, cos, n, group_size, float(eps))
+        flags = _flags(group_size)
+        launch(FWD, (triton.cdiv(n, flags["BR"]),), arch_of(h.device),
+               H=h, Z=z, COS=cos, n=n, gs=group_size, eps=float(eps), **flags)
     return cos
 
 
@@ -139,9 +120,9 @@ def _grouped_cosine_backward(h: Tensor, z: Tensor, group_size: int, eps: float, 
     d_h = new_output(h.shape, dtype=h.dtype, device=h.device)
     n = B * G
     if n:
-        spec = bwd_spec(h.dtype, group_size)
-        grid = (triton.cdiv(n, dict(spec.flags)["BR"]),)
-        launch(spec, arch_of(h.device), grid, h, z, d_cos, d_h, n, group_size, float(eps))
+        flags = _flags(group_size)
+        launch(BWD, (triton.cdiv(n, flags["BR"]),), arch_of(h.device),
+               H=h, Z=z, DCOS=d_cos, DH=d_h, n=n, gs=group_size, eps=float(eps), **flags)
     return d_h
 
 

@@ -79,7 +79,7 @@ def ds_precision() -> str:
 
 
 class TritonLSE:
-    """Masked LSE primitive on Triton kernels (see ``fastcl/kernels/lse.py``)."""
+    """Masked LSE primitive on Triton kernels (see ``kernels/lse_fwd.py``, ``kernels/lse_bwd.py``)."""
 
     name = "triton"
     autograd = False
@@ -92,6 +92,7 @@ class TritonLSE:
             reasons.append("candidate blocks must have the anchor's dtype")
         if any(t.dtype != torch.int32 for t in problem.tags):
             reasons.append("tags must be int32")
+        reasons += _kernels().size_reasons(*problem.anchor.shape)
         return reasons
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:

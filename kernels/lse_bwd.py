@@ -19,6 +19,9 @@ one owner, reductions run in a fixed order, no atomics. Extra memory: ``plan.bac
 Norms: bf16 folds ``ia * ic`` into dS; fp16 (whose range ``ia * ic / tau`` can leave) and
 fp32/fp64 (where ``ia * ic`` underflows for rows of norm ~1e30) keep ``G / tau`` in dS and
 let the GEMMs normalise their ``Y`` operand on load (``plan.fold_norms``).
+Dot similarity recomputes its logit tiles with the row scales 1 / NaN of the pre-pass
+(``lse_fwd``), as the forward does; the GEMMs then take raw rows (a NaN logit already made
+its dS entries NaN).
 
 Padding: padded candidates are never read and get exactly zero gradient, whatever they hold.
 Offsets: the logit-tile kernels use 64-bit row offsets (any block size); the GEMM uses
@@ -150,16 +153,16 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
             t.zero_()
         return (d_anchor, *d_blocks)
     ws = plan.backward_plan(B, sizes, d, dt, cosine, arch, fp32_ds).allocate(dev)
-    tau, sizes, views = prepare(anchor, blocks, tags, tau, cosine, eps, ws.get("norms"), arch)
+    tau, sizes, views = prepare(anchor, blocks, tags, tau, cosine, eps, ws["norms"], arch)
     lse, g = lse.to(acc).contiguous(), g.to(acc).contiguous()
     pos_count = 0 if d_pos is None else d_pos.shape[1]
     dpos = d_pos.to(acc).contiguous() if pos_count else None
     part = plan.partial_width(arch, dtype_class(dt))
     fold = plan.fold_norms(dt, cosine)
-    on_load = plan.scale_on_load(dt, cosine)
+    on_load = plan.scale_on_load(dt)
     on_load_mm = cosine and not fold  # the GEMMs normalise Y's rows and scale output rows
     none = dummy(dev)
-    ia, ra = views[0] if cosine else (none, none)
+    ia, ra = views[0]  # row scales: inverse norms (cosine) or 1 / NaN (dot)
     ds = ws["ds"]
     row_parts, col_parts = ws.get("row_parts", none), ws.get("col_parts", none)
     row_w = ws.get("row_w", none)
@@ -169,7 +172,7 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
         first, last = idx == 0, idx == len(chunks) - 1
         nc = c1 - c0
         blk, tg, d_blk = blocks[bi][c0:c1], tags[bi][c0:c1], d_blocks[bi][c0:c1]
-        ic, rc = (views[bi + 1][0][c0:c1], views[bi + 1][1][c0:c1]) if cosine else (none, none)
+        ic, rc = views[bi + 1][0][c0:c1], views[bi + 1][1][c0:c1]
         n_row_parts, n_col_parts = plan.cdiv(B, part), plan.cdiv(nc, part)
 
         # does this chunk of block 0 hold rows pos_offset .. pos_offset + B * P - 1?
@@ -181,7 +184,7 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
                B=B, NC=nc, d=d, stride_ds=width, stride_roww=B, stride_colw=width,
                n_row_parts=n_row_parts, n_col_parts=n_col_parts,
                pos_offset=pos_offset - c0 if fold_pos else 0, pos_count=pos_count if fold_pos else 0,
-               COSINE=cosine, SCALE_TILE=cosine and not on_load, SCALE_ON_LOAD=on_load, FOLD_NORMS=fold,
+               COSINE=cosine, SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, FOLD_NORMS=fold,
                FOLD_POS=fold_pos, PRECISION=precision)
         if cosine:
             grid = lambda meta: (triton.cdiv(B, meta["BR"]),)  # noqa: E731
@@ -192,7 +195,7 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
         # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
         launch(MM, mm_grid(nc), arch, tune=(nc, d, B),
                X=ds, Y=anchor, OUT=d_blk, ACC_IN=none, KSCALE=ia if on_load_mm else none,
-               MSCALE=ic if on_load_mm else none, RINV=rc, RADW=col_parts, Z=blk if cosine else none, TAGS=tg,
+               MSCALE=ic if on_load_mm else none, RINV=rc if cosine else none, RADW=col_parts, Z=blk if cosine else none, TAGS=tg,
                M=nc, N=d, K=B, stride_xm=1, stride_xk=width, stride_yk=d, stride_yn=1, stride_om=d,
                n_parts=n_row_parts, stride_radw=width,
                SPLIT_X=ds.dtype != dt, Y_KSCALE=on_load_mm, M_SCALE=on_load_mm, ACCUMULATE=False,

@@ -2,12 +2,15 @@
 
 The contract is ``fastcl/ops/contract.py``: anchors ``A [B, d]``, candidate blocks
 ``C0 [N0, d]``, ``C1 [N1, d]`` with int32 tags, ``l_ic = <a_i, c> * ia_i * ic_c / tau``
-where ``ia, ic`` are inverse clamped norms (1 for dot similarity).
+where ``ia, ic`` are inverse clamped norms (cosine) or row scales 1 / NaN (dot).
 
-Pre-pass (cosine only): ``_row_norms_kernel`` writes ``inv = 1 / max(|x|, eps)`` and
-``rinv`` (``inv``, or 0 where the norm is clamped) per row: O(B + N) floats, no
-normalised copy of any input. Norms are scale-free (power-of-two rescaling of the sum of
-squares), and padded candidate rows (tag ``PAD``) read as zero.
+Pre-pass (both similarities): ``_row_norms_kernel`` writes per row, O(B + N) floats and no
+normalised copy of any input: for cosine ``inv = 1 / max(|x|, eps)`` and ``rinv``
+(``inv``, or 0 where the norm is clamped), scale-free (power-of-two rescaling of the sum
+of squares); for dot similarity ``inv = 1``, or NaN for a row holding NaN/Inf, so that
+such a row's logits are all NaN (a raw ``+-inf`` dot product could give a ``-inf`` logit,
+which ``exp`` turns into a silent 0). NaN for a bad row in both cases. Padded candidate
+rows (tag ``PAD``) read as zero.
 
 Forward (never a B x N buffer): a ``_lse_fwd_kernel`` program owns ``BM`` anchor rows and
 one contiguous *split* of a block's columns; it streams ``BN``-column tiles (a GEMM main
@@ -56,8 +59,8 @@ def _pow2_floor(x):
 
 
 @triton.jit
-def _row_norms_kernel(X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr, BR: tl.constexpr,
-                      BD: tl.constexpr):
+def _row_norms_kernel(X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr, NORMS: tl.constexpr,
+                      BR: tl.constexpr, BD: tl.constexpr):
     ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = rows < n_rows
@@ -65,27 +68,40 @@ def _row_norms_kernel(X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr
     if HAS_TAGS:  # padded rows read as zero: their NaN/Inf cannot reach a norm
         read = ok & (tl.load(TAGS + rows, mask=ok, other=PAD_TAG) != PAD_TAG)
     x_rows = X + rows.to(tl.int64)[:, None] * d
-    # |x| = scale * sqrt(ssq) with scale a power of two near the running max |x_k| (clamped
-    # to [LO, HI] so that 1/scale is a normal number): squares neither overflow nor
-    # underflow, and multiplying by 1/scale is exact
-    LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
-    HI: tl.constexpr = 3.273390607896142e+150 if ACC == tl.float64 else 1.2676506002282294e+30  # 2^500, 2^100
-    scale = tl.full([BR], LO, dtype=ACC)
-    ssq = tl.zeros([BR], dtype=ACC)
-    for k0 in range(0, d, BD):
-        ks = k0 + tl.arange(0, BD)
-        x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < d)[None, :], other=0.0).to(ACC)
-        new = tl.minimum(tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1))), HI)
-        ratio = scale / new
-        xs = x * (1.0 / new)[:, None]
-        ssq = ssq * ratio * ratio + tl.sum(xs * xs, 1)
-        scale = new
-    norm = scale * sqrt_rn(ssq)
-    # only a NaN or Inf entry makes the norm NaN or Inf (tl.max may skip a NaN): keep NaN
-    bad = (norm != norm) | (norm == float("inf"))
-    inv = tl.where(bad, float("nan"), 1.0 / tl.maximum(norm, eps))
-    tl.store(INV + rows, inv, mask=ok)
-    tl.store(RINV + rows, tl.where(norm > eps, inv, tl.where(bad, inv, 0.0)), mask=ok)
+    if NORMS:
+        # |x| = scale * sqrt(ssq) with scale a power of two near the running max |x_k| (clamped
+        # to [LO, HI] so that 1/scale is a normal number): squares neither overflow nor
+        # underflow, and multiplying by 1/scale is exact
+        LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
+        HI: tl.constexpr = 3.273390607896142e+150 if ACC == tl.float64 else 1.2676506002282294e+30  # 2^500, 2^100
+        scale = tl.full([BR], LO, dtype=ACC)
+        ssq = tl.zeros([BR], dtype=ACC)
+        for k0 in range(0, d, BD):
+            ks = k0 + tl.arange(0, BD)
+            x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < d)[None, :], other=0.0).to(ACC)
+            new = tl.minimum(tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1))), HI)
+            ratio = scale / new
+            xs = x * (1.0 / new)[:, None]
+            ssq = ssq * ratio * ratio + tl.sum(xs * xs, 1)
+            scale = new
+        norm = scale * sqrt_rn(ssq)
+        # only a NaN or Inf entry makes the norm NaN or Inf (tl.max may skip a NaN): keep NaN
+        bad = (norm != norm) | (norm == float("inf"))
+        inv = tl.where(bad, float("nan"), 1.0 / tl.maximum(norm, eps))
+        tl.store(INV + rows, inv, mask=ok)
+        tl.store(RINV + rows, tl.where(norm > eps, inv, tl.where(bad, inv, 0.0)), mask=ok)
+    else:
+        # dot similarity: a row scale of 1 for a finite row, NaN for a row holding NaN or Inf
+        # (|x| < inf is false exactly there); the tile kernels multiply rows by it, so every
+        # logit of a non-finite row is NaN and no -inf logit can vanish as exp(-inf) = 0
+        n_bad = tl.zeros([BR], dtype=tl.int32)
+        for k0 in range(0, d, BD):
+            ks = k0 + tl.arange(0, BD)
+            x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < d)[None, :], other=0.0)
+            n_bad += tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), 1)
+        inv = tl.where(n_bad > 0, float("nan"), tl.full([BR], 1.0, dtype=ACC))
+        tl.store(INV + rows, inv, mask=ok)
+        tl.store(RINV + rows, inv, mask=ok)  # unused by dot similarity; written so no slot is stale
 
 
 @triton.jit
@@ -165,29 +181,28 @@ def _check_layout(tensors) -> None:
             raise ValueError("triton LSE kernels need contiguous inputs")
 
 
-def norm_views(norms: Tensor | None, B: int, sizes: tuple[int, int]):
+def norm_views(norms: Tensor, B: int, sizes: tuple[int, int]):
     """``(inv, rinv)`` views of the norms buffer for anchors and each block."""
-    if norms is None:
-        return [(None, None)] * 3
     bounds = [0, B, B + sizes[0], B + sizes[0] + sizes[1]]
     return [(norms[0, a:b], norms[1, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def prepare(anchor: Tensor, blocks, tags, tau: Tensor, cosine: bool, eps: float, norms: Tensor | None, arch: str):
-    """Check layouts, convert tau, compute the norms; shared by forward and backward."""
+def prepare(anchor: Tensor, blocks, tags, tau: Tensor, cosine: bool, eps: float, norms: Tensor, arch: str):
+    """Check layouts, convert tau, compute the row scales; shared by forward and backward."""
     _check_layout((anchor, *blocks, *tags))
     tau = tau.to(acc_dtype(anchor.dtype)).reshape(1)
     B = anchor.shape[0]
     sizes = (blocks[0].shape[0], blocks[1].shape[0])
-    views = norm_views(norms if cosine else None, B, sizes)
-    if cosine:
-        for x, tg, (inv, rinv) in zip((anchor, *blocks), (None, *tags), views):
-            n, d = x.shape
-            if n == 0:
-                continue
-            grid = lambda meta, n=n: (triton.cdiv(n, meta["BR"]),)  # noqa: E731
-            launch(ROW_NORMS, grid, arch, X=x, TAGS=tg if tg is not None else dummy(x.device), INV=inv, RINV=rinv,
-                   n_rows=n, d=d, eps=float(eps), HAS_TAGS=tg is not None)
+    views = norm_views(norms, B, sizes)
+    # both similarities: cosine needs the inverse norms; dot needs the row scales 1 / NaN
+    # that make every logit of a row holding NaN/Inf NaN (docs/losses.md, non-finite inputs)
+    for x, tg, (inv, rinv) in zip((anchor, *blocks), (None, *tags), views):
+        n, d = x.shape
+        if n == 0:
+            continue
+        grid = lambda meta, n=n: (triton.cdiv(n, meta["BR"]),)  # noqa: E731
+        launch(ROW_NORMS, grid, arch, X=x, TAGS=tg if tg is not None else dummy(x.device), INV=inv, RINV=rinv,
+               n_rows=n, d=d, eps=float(eps), HAS_TAGS=tg is not None, NORMS=cosine)
     return tau, sizes, views
 
 
@@ -204,20 +219,20 @@ def _lse_forward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, 
     sizes = (block0.shape[0], block1.shape[0])
     sms = plan.num_sms(dev, arch)
     ws = plan.forward_plan(B, sizes, dt, cosine, arch, sms).allocate(dev)
-    tau, sizes, views = prepare(anchor, (block0, block1), (tags0, tags1), tau, cosine, eps, ws.get("norms"), arch)
-    ia = views[0][0] if cosine else dummy(dev)
+    tau, sizes, views = prepare(anchor, (block0, block1), (tags0, tags1), tau, cosine, eps, ws["norms"], arch)
+    ia = views[0][0]
     splits = plan.forward_splits(B, sizes, arch, dtype_class(dt), sms)
     n_slots = sum(s for s, _ in splits)
-    on_load = plan.scale_on_load(dt, cosine)
+    on_load = plan.scale_on_load(dt)
     base = 0
     for blk, tg, (ic, _), (n_split, width) in zip((block0, block1), (tags0, tags1), views[1:], splits):
         if n_split == 0:
             continue
         grid = lambda meta, s=n_split: (triton.cdiv(B, meta["BM"]), s)  # noqa: E731
         launch(FWD, grid, arch, tune=(B, sum(sizes), d),
-               A=anchor, C=blk, TAGS=tg, IA=ia, IC=ic if cosine else ia, TAU=tau, PARTS=ws["parts"],
+               A=anchor, C=blk, TAGS=tg, IA=ia, IC=ic, TAU=tau, PARTS=ws["parts"],
                B=B, NC=blk.shape[0], d=d, split_width=width, split_base=base, n_slots=n_slots,
-               SCALE_TILE=cosine and not on_load, SCALE_ON_LOAD=on_load, PRECISION=dot_precision(dt))
+               SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, PRECISION=dot_precision(dt))
         base += n_split
     grid = lambda meta: (triton.cdiv(B, meta["BR"]),)  # noqa: E731
     launch(COMBINE, grid, arch, PARTS=ws["parts"], LSE=lse, MEAN_LOGIT=mean_logit, B=B, n_slots=n_slots)

@@ -91,11 +91,14 @@ def _round_up(a: int, b: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def scale_on_load(dtype: torch.dtype, cosine: bool) -> bool:
-    """Normalise fp32/fp64 rows as they are loaded into the dot products: the product of two
-    raw rows could overflow (|x| ~ 1e30) or underflow, a normalised one cannot. 16-bit
-    rows keep raw products (rounding a normalised row to 16 bits would cost accuracy)."""
-    return cosine and dtype in (torch.float32, torch.float64)
+def scale_on_load(dtype: torch.dtype) -> bool:
+    """Scale fp32/fp64 rows by their row scale (inverse norm; 1 or NaN for dot similarity) as
+    they are loaded into the dot products: the product of two raw rows could overflow
+    (|x| ~ 1e30) or underflow, a normalised one cannot. 16-bit rows keep raw products and
+    scale the logit tile instead (rounding a normalised row to 16 bits would cost
+    accuracy). Dot similarity takes the same path, so it compiles to the same tile
+    kernels as cosine (same registers, no new spills), and multiplying by 1 is exact."""
+    return dtype in (torch.float32, torch.float64)
 
 
 def fold_norms(dtype: torch.dtype, cosine: bool) -> bool:
@@ -178,9 +181,8 @@ def forward_splits(B: int, sizes: tuple[int, int], arch: str, dclass: str, sms: 
 def forward_plan(B: int, sizes: tuple[int, int], dtype: torch.dtype, cosine: bool, arch: str, sms: int) -> Plan:
     acc = acc_dtype(dtype)
     slots = sum(s for s, _ in forward_splits(B, sizes, arch, dtype_class(dtype), sms))
-    bufs = {"parts": Buffer((3, slots, B), acc)}
-    if cosine:
-        bufs["norms"] = Buffer((2, B + sum(sizes)), acc)
+    # row scales (inverse norms, or 1 / NaN for dot similarity) of anchors and candidates
+    bufs = {"parts": Buffer((3, slots, B), acc), "norms": Buffer((2, B + sum(sizes)), acc)}
     return Plan(bufs)
 
 
@@ -218,9 +220,8 @@ def backward_plan(B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, co
     width = chunk_width(B, sizes, d, dtype, arch, fp32_ds)
     part = partial_width(arch, dtype_class(dtype))
     chunks = sum(cdiv(n, width) for n in sizes)
-    bufs = {"ds": Buffer((B, width), ds_dtype(dtype, fp32_ds))}
+    bufs = {"ds": Buffer((B, width), ds_dtype(dtype, fp32_ds)), "norms": Buffer((2, B + sum(sizes)), acc)}
     if cosine:
-        bufs["norms"] = Buffer((2, B + sum(sizes)), acc)
         bufs["row_parts"] = Buffer((cdiv(width, part), B), acc)
         bufs["col_parts"] = Buffer((cdiv(B, part), width), acc)
         bufs["row_w"] = Buffer((B,), acc)

@@ -2,7 +2,7 @@
 
 The interpreter must be switched on before Triton kernels are imported, so the suite
 (the core backend matrix, primitive and property tests for ``triton`` on small shapes,
-plus ``test_triton_interpret.py`` and ``test_triton_nonfinite.py``) runs in a child pytest process with
+plus ``test_triton_interpret.py``, the non-finite tests and ``ops/test_robust.py``) runs in a child pytest process with
 ``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
 run fail there instead of skipping.
 """
@@ -27,6 +27,8 @@ FILES = [
     "ops/test_property.py",
     "kernels/test_triton_interpret.py",
     "kernels/test_triton_nonfinite.py",
+    "kernels/test_triton_dot_nonfinite.py",
+    "ops/test_robust.py",
 ]
 
 

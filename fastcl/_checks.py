@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from .ops.contract import FLOAT_DTYPES, compute_dtype
 REDUCTIONS = ("mean", "sum", "none")
 SIMILARITIES = ("cos", "dot")
 
@@ -72,7 +72,7 @@ def check_some_positive(pos_mask: Tensor | None) -> None:
 
 def as_temperature(temperature, like: Tensor) -> Tensor:
     """A 0-d tensor on ``like``'s device in the compute dtype; differentiable if given one."""
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(like.dtype)
     if isinstance(temperature, Tensor):
         if temperature.dim() != 0:
             raise ValueError(f"temperature must be a float or a 0-d tensor, got shape {tuple(temperature.shape)}")

@@ -73,10 +73,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops.contract import TAG_ALL
+from .ops.contract import FLOAT_DTYPES, TAG_ALL
 from .ops.head import reduction_weights
 
-_FLOAT_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_CODES = FLOAT_DTYPES  # a dtype travels in the handshake as its index here
 _MAX_SIZES = 6
 _OK, _FAILED = 0, 1
 

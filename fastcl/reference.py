@@ -1,15 +1,10 @@
-"""Readable PyTorch oracles that define what is right.
+"""Readable PyTorch oracles that define what is right (nothing here is fast on purpose).
 
-Two layers, both plain autograd, both materialising the full ``[B, N]`` logits:
-
-* the ``"reference"`` backend of the primitives (:class:`ReferenceLSE`,
-  :class:`ReferenceGroupedCosine`), selectable with ``backend="reference"``;
-* loss-level oracles written straight from ``SPEC.md`` (``supmpn``, ``supcon``, ``mnrl``,
-  ``infonce``, ``edacse``, ``grouped_cosine``, ``gclsr``). They share no code with the
-  fused path beyond ``torch``, so tests and benchmarks compare against an independent
-  definition. Run them in float64 for tests.
-
-Nothing here is fast or memory-lean on purpose.
+Two layers, both materialising the full ``[B, N]`` logits: :class:`ReferenceLSE`, the
+``"reference"`` backend of the primitive (explicit, differentiable forward and backward),
+and loss-level oracles straight from docs/losses.md (``supmpn``, ``supcon``, ``mnrl``,
+``infonce``, ``edacse``, ``grouped_cosine``, ``gclsr``) that share no code with the fused
+path beyond ``torch``. Run them in float64 for tests (docs/design.md).
 """
 
 from __future__ import annotations
@@ -18,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.contract import EPS, LSEProblem, excluded
+from .ops.contract import EPS, LSEProblem, compute_dtype, excluded
 
 # ---------------------------------------------------------------------------------------
-# The "reference" backend of the primitives
+# The "reference" backend of the primitive
 # ---------------------------------------------------------------------------------------
 
 
@@ -41,46 +36,70 @@ def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
 
 
 class ReferenceLSE:
-    """Masked LSE with the full logits matrix and autograd (``backend="reference"``)."""
+    """Masked LSE on the full logits matrix (``backend="reference"``).
+
+    Forward and backward are plain out-of-place torch ops, so the backward is itself
+    differentiable: the one backend with exact double backward (``create_graph=True``).
+    """
 
     name = "reference"
-    autograd = True
+    double_backward = True
+    fused = None
+
+    def unavailable(self) -> str | None:
+        return None
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         return []
 
-    def lse(self, problem: LSEProblem, tau: Tensor) -> Tensor:
-        cd = torch.float64 if problem.dtype == torch.float64 else torch.float32
-        cands = torch.cat(problem.blocks).to(cd)
-        logits = _similarity(problem.anchor.to(cd), cands, problem.cosine, problem.eps) / tau.to(cd)
+    @staticmethod
+    def _logits(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(a, c, logits [B, N], keep [B, N])`` with ``a``, ``c`` the raw rows in the compute dtype."""
+        cd = compute_dtype(problem.dtype)
+        a, c = problem.anchor.to(cd), torch.cat(problem.blocks).to(cd)
+        logits = _similarity(a, c, problem.cosine, problem.eps) / tau.to(cd)
         rows = torch.arange(problem.num_anchors, device=problem.device)
-        keep = ~excluded(torch.cat(problem.tags), rows)
-        return _safe_logsumexp(logits, keep)
+        return a, c, logits, ~excluded(torch.cat(problem.tags), rows)
+
+    @staticmethod
+    def _softmax(logits: Tensor, keep: Tensor, lse: Tensor) -> Tensor:
+        """Row softmax over ``keep``; all zeros for an empty row (``lse = -inf``)."""
+        shifted = torch.where(keep, logits - torch.where(torch.isfinite(lse), lse, 0.0)[:, None], -torch.inf)
+        return torch.where(keep, shifted.exp(), 0.0)
+
+    def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        _, _, logits, keep = self._logits(problem, tau)
+        lse = _safe_logsumexp(logits, keep)
+        p = self._softmax(logits, keep, lse)
+        return lse, (p * torch.where(keep, logits, 0.0)).sum(1)
+
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None):
+        a, c, logits, keep = self._logits(problem, tau)
+        d_logits = g[:, None].to(logits.dtype) * self._softmax(logits, keep, lse)
+        if d_pos is not None and problem.positives is not None:  # fold the own positives' gradient
+            B, P = d_pos.shape
+            rows = torch.arange(B, device=problem.device)[:, None].expand(B, P)
+            cols = problem.positives.offset + rows * P + torch.arange(P, device=problem.device)
+            d_logits = d_logits.index_put((rows, cols), d_pos.to(d_logits.dtype), accumulate=True)
+        d_sim = d_logits / tau.to(logits.dtype)
+        # the gradient of the similarity through F.normalize, by autograd's own formula: a
+        # vector-Jacobian product that stays differentiable in a, c and d_sim when the caller
+        # builds a graph (create_graph=True runs this backward with grad mode on)
+        second_order = torch.is_grad_enabled()
+        with torch.enable_grad():
+            a_in = a if a.requires_grad else a.detach().requires_grad_()
+            c_in = c if c.requires_grad else c.detach().requires_grad_()
+            sim = _similarity(a_in, c_in, problem.cosine, problem.eps)
+            d_a, d_c = torch.autograd.grad(sim, (a_in, c_in), d_sim, create_graph=second_order)
+        n0 = problem.blocks[0].shape[0]
+        return d_a, (d_c[:n0], d_c[n0:])
 
 
-class ReferenceGroupedCosine:
-    name = "reference"
-    autograd = True
-
-    def unsupported(self, h: Tensor, z: Tensor, group_size: int) -> list[str]:
-        return []
-
-    def cos(self, h: Tensor, z: Tensor, group_size: int, eps: float) -> Tensor:
-        cd = torch.float64 if h.dtype == torch.float64 else torch.float32
-        hg = h.to(cd).reshape(h.shape[0], -1, group_size)
-        zg = z.detach().to(cd).reshape(z.shape[0], -1, group_size)
-        return (F.normalize(hg, dim=-1, eps=eps) * F.normalize(zg, dim=-1, eps=eps)).sum(-1)
-
-
-OPS = {"lse": ReferenceLSE(), "grouped_cosine": ReferenceGroupedCosine()}
-
-
-def unavailable() -> str | None:
-    return None
+BACKEND = ReferenceLSE()
 
 
 # ---------------------------------------------------------------------------------------
-# Loss-level oracles, straight from SPEC.md
+# Loss-level oracles, straight from docs/losses.md
 # ---------------------------------------------------------------------------------------
 
 

@@ -6,12 +6,11 @@ on CPU tensors through the interpreter.
 
 Modules: ``_common`` (jit helpers, tuning tables, launch specs), ``lse`` (masked
 cosine-LSE forward/backward), ``matmul`` (the backward's GEMM with epilogues),
-``grouped_cosine`` (GCLSR), ``aot`` (ahead-of-time compile table for sm_80 / sm_90).
+``aot`` (ahead-of-time compile table for sm_80 / sm_90).
 The launchers are ``torch.library`` ops in the ``fastcl_triton`` namespace.
 """
 
 from ._common import INTERPRET
-from .grouped_cosine import grouped_cosine_backward, grouped_cosine_forward
 from .lse import lse_backward, lse_forward
 
-__all__ = ["INTERPRET", "lse_forward", "lse_backward", "grouped_cosine_forward", "grouped_cosine_backward"]
+__all__ = ["INTERPRET", "lse_forward", "lse_backward"]

@@ -2,7 +2,7 @@
 
 ``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N]`` compiles every
 ``(specialisation, tuning config)`` pair the launchers can produce (:func:`all_specs`, the one
-list; ``lse.py`` and ``grouped_cosine.py`` build their launches from the same functions) and
+list; ``lse.py`` builds its launches from the same functions) and
 prints one row per pair: registers, spilled bytes, local-memory loads/stores in the PTX,
 shared memory against the device limit, and whether the PTX uses tensor-core MMA.
 
@@ -43,9 +43,9 @@ MMA_PATTERNS = {"sm80": ("mma.sync",), "sm90": ("wgmma.mma_async", "mma.sync")}
 
 def all_specs() -> list[Spec]:
     """Every specialisation of every launcher (the AOT test's list)."""
-    from . import grouped_cosine, lse
+    from . import lse
 
-    return lse.specialisations() + grouped_cosine.specialisations()
+    return lse.specialisations()
 
 
 def uses_dot(spec: Spec) -> bool:

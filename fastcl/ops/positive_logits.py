@@ -14,10 +14,11 @@ blocks of rows so that no float32 copy of ``positives`` outlives a block.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .contract import new_output
-from .normalize import compute_dtype, normalize_backward, normalize_rows
+from .contract import compute_dtype, new_output
+from .normalize import normalize_backward, normalize_rows
 
 BLOCK_ELEMENTS = 1 << 22
 
@@ -52,6 +53,8 @@ class PositiveLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_logits: Tensor):
         anchor, positives, tau, sim = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that is itself differentiable
+            return (*_differentiable_grads(ctx, anchor, positives, tau, d_logits), None, None)
         cd = sim.dtype
         d_sim = d_logits.to(cd) / tau.to(cd)
         d_anchor = d_pos = d_tau = None
@@ -71,6 +74,19 @@ class PositiveLogits(torch.autograd.Function):
                 d_anchor[sl] = normalize_backward(a_hat, a_norm, d_a_hat, ctx.eps)
                 d_pos[sl] = normalize_backward(p_hat, p_norm, d_p_hat, ctx.eps)
         return d_anchor, d_pos, d_tau, None, None
+
+
+def _differentiable_grads(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, d_logits: Tensor) -> list:
+    """The same gradients by autograd through the plain formula (materialises ``[B, P, d]``)."""
+    inputs = (anchor, positives, tau)
+    wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:3]) if need]
+    cd = compute_dtype(anchor.dtype)
+    a, p = anchor.to(cd), positives.to(cd)
+    if ctx.cosine:
+        a, p = F.normalize(a, dim=-1, eps=ctx.eps), F.normalize(p, dim=-1, eps=ctx.eps)
+    logits = torch.linalg.vecdot(p, a[:, None, :]) / tau.to(cd)
+    grads = iter(torch.autograd.grad(logits, wanted, d_logits, create_graph=True))
+    return [next(grads) if need else None for need in ctx.needs_input_grad[:3]]
 
 
 def positive_logits(anchor: Tensor, positives: Tensor, tau: Tensor, *, cosine: bool, eps: float) -> Tensor:

@@ -73,7 +73,7 @@ class ReferenceLSE:
         p = self._softmax(logits, keep, lse)
         return lse, (p * torch.where(keep, logits, 0.0)).sum(1)
 
-    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None):
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         a, c, logits, keep = self._logits(problem, tau)
         d_logits = g[:, None].to(logits.dtype) * self._softmax(logits, keep, lse)
         if d_pos is not None and problem.positives is not None:  # fold the own positives' gradient

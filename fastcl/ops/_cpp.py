@@ -72,7 +72,7 @@ class CppLSE:
         _ops().lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
         return lse, mean_logit
 
-    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None):
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
         cd = compute_dtype(problem.dtype)
         d_anchor, d0, d1 = (new_output(t.shape, dtype=cd, device=problem.device)

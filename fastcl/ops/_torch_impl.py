@@ -160,7 +160,7 @@ class TorchLSE:
         out = _sweep(problem, tau)
         return out.lse, out.mean_logit
 
-    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None):
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         out = _sweep(problem, tau, row_grad=g, d_pos=d_pos)
         return out.d_anchor, out.d_blocks
 

@@ -80,7 +80,7 @@ class TritonLSE:
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         return k.lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
 
-    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None):
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """``d_pos [B, P]``: own-positive logit gradient, folded when ``problem.positives`` is set."""
         k = _kernels()
         (b0, b1), (t0, t1) = problem.blocks, problem.tags

@@ -36,7 +36,7 @@ class Backend(Protocol):
         """``(lse [B], mean_logit [B])`` in the compute dtype."""
 
     def backward(
-        self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None
+        self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """``(d anchor, (d block0, d block1))`` in the compute dtype from ``g = dLoss/dlse``
         ``[B]``; ``d_pos [B, P]``, the own-positive logits' gradient, is folded in when

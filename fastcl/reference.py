@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops.contract import EPS, LSEProblem, compute_dtype, excluded
+from .ops.normalize import normalize_backward, normalize_rows
 
 # ---------------------------------------------------------------------------------------
 # The "reference" backend of the primitive
@@ -82,15 +83,13 @@ class ReferenceLSE:
             cols = problem.positives.offset + rows * P + torch.arange(P, device=problem.device)
             d_logits = d_logits.index_put((rows, cols), d_pos.to(d_logits.dtype), accumulate=True)
         d_sim = d_logits / tau.to(logits.dtype)
-        # the gradient of the similarity through F.normalize, by autograd's own formula: a
-        # vector-Jacobian product that stays differentiable in a, c and d_sim when the caller
-        # builds a graph (create_graph=True runs this backward with grad mode on)
-        second_order = torch.is_grad_enabled()
-        with torch.enable_grad():
-            a_in = a if a.requires_grad else a.detach().requires_grad_()
-            c_in = c if c.requires_grad else c.detach().requires_grad_()
-            sim = _similarity(a_in, c_in, problem.cosine, problem.eps)
-            d_a, d_c = torch.autograd.grad(sim, (a_in, c_in), d_sim, create_graph=second_order)
+        if not problem.cosine:
+            d_a, d_c = d_sim @ c, d_sim.T @ a
+        else:  # through x_hat = x / max(|x|, eps)
+            a_hat, a_norm = normalize_rows(a, problem.eps, True)
+            c_hat, c_norm = normalize_rows(c, problem.eps, True)
+            d_a = normalize_backward(a_hat, a_norm, d_sim @ c_hat, problem.eps)
+            d_c = normalize_backward(c_hat, c_norm, d_sim.T @ a_hat, problem.eps)
         n0 = problem.blocks[0].shape[0]
         return d_a, (d_c[:n0], d_c[n0:])
 

@@ -1,4 +1,4 @@
-"""Shared fixtures. Tolerances live in tests/tolerances.py; backend lists in tests/backends.py."""
+"""Shared fixtures. Tolerances live in fastcl/testing.py; backend lists in tests/backends.py."""
 
 from __future__ import annotations
 

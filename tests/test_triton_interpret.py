@@ -37,7 +37,7 @@ from fastcl.ops import _torch_impl, _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
 from fastcl.ops.positive_logits import own_positive_similarities  # noqa: E402
 
-from .tolerances import assert_close  # noqa: E402
+from fastcl.testing import assert_close  # noqa: E402
 
 TRITON = _triton.BACKEND
 

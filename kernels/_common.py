@@ -122,7 +122,7 @@ def structural_mask(rows, n_rows, tags, col_ok):
     """``~contract.excluded`` on a ``[BM, BN]`` tile, restricted to in-range rows and columns.
 
     A column is left out of row ``r`` when its tag is ``PAD_TAG`` or equals ``r``
-    (``ALL_TAG`` and other rows' tags keep it); ``tests/test_triton_kernels.py`` checks this
+    (``ALL_TAG`` and other rows' tags keep it); ``tests/test_triton_interpret.py`` checks this
     against ``contract.excluded`` on random tags.
     """
     keep = (tags[None, :] != PAD_TAG) & (tags[None, :] != rows[:, None]) & col_ok[None, :]

@@ -78,8 +78,8 @@ struct Plan {
 };
 
 // FASTCL_CPP_TILE: elements of one thread's [R, N] block (default 2^20, 4 MB in float32;
-// measured in benchmarks/RESULTS-cpp.md). FASTCL_CPP_ROWS forces R (tests use it to
-// cross block edges).
+// the blocking is described in docs/csrc.md, "CPU kernel"). FASTCL_CPP_ROWS forces R
+// (tests use it to cross block edges).
 Plan make_plan(int64_t B, int64_t N) {
   int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
   int64_t rows = env_int("FASTCL_CPP_ROWS", 0);

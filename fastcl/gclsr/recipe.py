@@ -35,7 +35,7 @@ WIKI = Path("wiki") / "wiki1m_for_simcse.partial.txt.gz"
 CONFIG_FILE = "gclsr_config.json"
 WEIGHTS_FILE = "gclsr_model.pt"
 
-# The paper's setting (RECIPES.md): 10^4 wiki sentences, batch 512, 5 warm-up + 20 cosine
+# The paper's setting (docs/gclsr.md): 10^4 wiki sentences, batch 512, 5 warm-up + 20 cosine
 # epochs, base lr 0.03 (not the "0.3" typo; see fastcl.gclsr.optim), wd 1e-3, p = 0.5.
 PAPER = {
     "lr": 0.03, "batch_size": 512, "epochs": 25, "warmup_ratio": 0.2, "schedule": "cosine",

@@ -1,8 +1,8 @@
 """Runs the Triton interpreter suite from the plain test command.
 
 The interpreter must be switched on before Triton kernels are imported, so the suite
-(the core backend matrix and primitive tests for ``triton`` on small shapes, plus
-``test_triton_interpret.py``) runs in a child pytest process with
+(the core backend matrix, primitive and double-backward tests for ``triton`` on small
+shapes, plus ``test_triton_interpret.py``) runs in a child pytest process with
 ``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
 run fail there instead of skipping.
 """
@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 TESTS = Path(__file__).resolve().parent
-FILES = ["test_backend_matrix.py", "test_primitive.py", "test_triton_interpret.py"]
+FILES = ["test_backend_matrix.py", "test_primitive.py", "test_triton_interpret.py", "test_double_backward.py"]
 
 
 def test_triton_interpreter_suite():

@@ -2,68 +2,17 @@
 
 ::
 
-    from sentence_transformers import SentenceTransformerTrainer
     # was: from sentence_transformers.losses import MultipleNegativesRankingLoss
     from fastcl.integrations.sentence_transformers import MultipleNegativesRankingLoss
 
     loss = MultipleNegativesRankingLoss(model)          # scale=20.0, i.e. temperature 0.05
     SentenceTransformerTrainer(model=model, train_dataset=ds, loss=loss).train()
 
-Every class here has sentence-transformers' loss interface: it is constructed with the
-``SentenceTransformer`` model and called by the trainer as ``loss(sentence_features,
-labels)``, where ``sentence_features`` holds one tokenized feature dict per input column of
-the dataset, in column order, and ``labels`` is ignored (the layout is given by the
-columns). ``compute_loss_from_embeddings(embeddings, labels=None)`` takes the ``[B, d]``
-embeddings of the columns directly. The loss itself is fastcl's fused primitive
-(``fastcl.losses``): it never builds the ``B x B(1+Q)`` logits.
-
-Column layouts (``B`` rows per column, every row needs every column):
-
-=====================================  ==============================================
-class                                  columns
-=====================================  ==============================================
-``MultipleNegativesRankingLoss``       anchor, positive, negative_1 .. negative_Q (Q >= 0)
-``CachedMultipleNegativesRankingLoss`` same, with gradient caching (``mini_batch_size=32``)
-``InfoNCELoss``                        anchor, positive (SimCSE-unsup: the same sentence twice)
-``SupMPNLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
-``SupConLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
-=====================================  ==============================================
-
-Temperature. sentence-transformers multiplies similarities by ``scale``; fastcl divides them
-by ``temperature``: ``scale = 1 / temperature``. Give one of ``scale=`` (sentence-
-transformers' name and default, ``20.0``) or ``temperature=`` (fastcl's name); the default
-``scale=20.0`` is ``temperature=0.05``, SimCSE's value. ``loss.scale`` and
-``loss.temperature`` read (and set) the same number.
-
-Similarity. ``similarity_fct`` accepts sentence-transformers' ``util.cos_sim`` (default) and
-``util.dot_score`` (or ``"cos"`` / ``"dot"``): fastcl computes similarities inside its
-fused kernel, so an arbitrary callable cannot be honoured and raises ``ValueError``.
-
-Where the losses coincide. ``MultipleNegativesRankingLoss`` equals sentence-transformers'
-``MultipleNegativesRankingLoss`` with its default ``directions=("query_to_doc",)``,
-``partition_mode="joint"`` and no hardness weighting (value and gradients on the same
-embeddings; the candidate order differs, which a log-sum-exp does not see).
-``InfoNCELoss(symmetric=True)`` equals it with ``directions=("query_to_doc",
-"doc_to_query"), partition_mode="per_direction"`` on (anchor, positive) pairs. Other
-directions and hardness modes are not offered.
-
-Gradient caching. ``mini_batch_size=`` (any class; ``CachedMultipleNegativesRankingLoss``
-defaults to 32, like sentence-transformers' cached loss) encodes each column with
-:class:`fastcl.gradcache.GradCache`: chunks of ``mini_batch_size`` rows without grad, the
-fused loss, then a chunk-by-chunk re-encoding with grad during ``backward()`` (dropout
-masks replayed), so encoder memory is that of one chunk. Values and gradients equal the
-uncached loss. The uncached losses work inside ``MatryoshkaLoss``; the cached ones do not
-(it patches the model's forward only during the loss's forward, while the re-encoding runs
-in backward: ``backward()`` raises a shape-mismatch ``RuntimeError``).
-Feature tensors must all be indexed by row (``input_ids``, ``attention_mask``, ...).
-
-Cross-device negatives. ``gather_across_devices=True`` (sentence-transformers' flag) means
-``process_group=torch.distributed.group.WORLD`` in fastcl (resolved at each call, so the
-loss may be built before the process group exists; a no-op outside a multi-process run).
-Every anchor then sees every rank's candidates; each rank's loss and gradients are those
-of sentence-transformers' ``gather_across_devices=True``, and after DDP's averaging the
-parameter gradients are those of the global batch (see ``fastcl.distributed``). An explicit
-``process_group=`` overrides the flag.
+Each class has sentence-transformers' loss interface (``loss(sentence_features, labels)``,
+one feature dict per dataset column, labels ignored) and runs fastcl's fused primitive,
+which never builds the ``B x B(1+Q)`` logits. Column layouts, ``scale`` vs ``temperature``,
+where the losses coincide with sentence-transformers', gradient caching and cross-device
+negatives: docs/sentence_transformers.md.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ One step is SimCSE-unsupervised: ``B`` sentences encoded twice (two dropout view
 forward with grad; *cached* uses ``GradCache`` with ``CHUNK`` rows per chunk.
 
 - Time: pytest-benchmark, in this process, fastest of two steps, on ``THREADS`` intra-op
-  threads (default 1: on a shared 2-core machine two OpenMP threads spend most of a step
-  waiting for each other whenever another process takes a core, and times swing 3-10x).
+  threads (``FASTCL_BENCH_THREADS``, default all cores as in ``bench_losses.py``; on a
+  shared machine two OpenMP threads spend much of a step waiting for each other whenever
+  another process takes a core, so ``FASTCL_BENCH_THREADS=1`` is steadier there).
 - Overhead: ``test_gradcache_overhead_paired`` alternates uncached and cached steps at
   ``PAIRED_BATCH`` so that load from other processes hits both alike, and stores the
   ratio of their fastest steps (``ratio_of_minima``) in ``extra_info``.
@@ -32,9 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from fastcl.bench.timing import configured_threads
+
 BATCHES = [int(b) for b in os.environ.get("FASTCL_BENCH_GC_BATCHES", "64,256,1024").split(",")]
 CHUNK = int(os.environ.get("FASTCL_BENCH_GC_CHUNK", "64"))
-THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "1"))
+THREADS = configured_threads() or torch.get_num_threads()
 SEQ_LEN = 32
 PAIRED_BATCH = int(os.environ.get("FASTCL_BENCH_GC_PAIRED_BATCH", "256"))
 MODES = ("uncached", "cached")

@@ -1,24 +1,37 @@
-"""Forward + backward of each loss: fastcl's backends against the reference and its peers.
+"""Forward + backward of each loss: fastcl's backends against the reference, its peers and the GEMM floor.
 
-Every case runs, in the same process and on the same inputs, each implementation of
-``fastcl.bench.peers.IMPLS`` that computes the loss: ``eager`` (the oracle), ``compile``
-(``torch.compile`` of it), fastcl's backends (``torch``, ``cpp``, ``triton``, ``cuda``:
-whichever dispatch can run here; the others are skipped with dispatch's reason) and the
-peers (sentence-transformers MNRL and CachedMNRL, pytorch-metric-learning NTXent and
-SupCon, PyTorch's chunked ``linear_cross_entropy``, Inf-CL on CUDA). Before timing, each
-implementation's loss value is asserted equal to the float64 reference (like with like).
+Every case (loss, B, P, Q, d, dtype, device) runs, in the same process and on the same
+inputs, each implementation of ``fastcl.bench.peers.IMPLS`` that computes the loss:
+``eager`` (the oracle), ``compile`` (``torch.compile`` of the loss written for compile to
+fuse, ``fastcl.bench.fusable``), fastcl's backends (``torch``, ``cpp``, ``triton``,
+``cuda``: whichever dispatch can run here; the others are skipped with dispatch's reason)
+and the peers (sentence-transformers MNRL and CachedMNRL, pytorch-metric-learning NTXent
+and SupCon, PyTorch's chunked ``linear_cross_entropy``, Inf-CL on CUDA). Before timing,
+each implementation's loss value is asserted equal to the float64 reference.
 
-Per case (``extra_info``): median time of forward + backward (pytest-benchmark, one
-warm-up round), peak memory (CPU: extra peak RSS of a fresh process running one step,
-forked per case from a probe server that imported the libraries once,
-``fastcl.bench.memory``; CUDA: max allocated beyond the inputs), achieved TFLOP/s on
-``8 * B * N * d`` and its share of a GEMM of the same shape measured in the same run.
+Timing (``fastcl.bench.timing``): all implementations of a case and its GEMM **floor**
+(the three GEMMs of a gradient-in-forward step at that shape, ``fastcl.bench.floor``)
+are timed together, round by round in a rotating order, after a warm-up round, until
+their fastest rounds agree or the case's time budget ends. The first test item of a case
+runs that loop for every selected implementation of the case; each item then hands its
+own rounds to pytest-benchmark (``timing.replay``), so the JSON, the table and
+``python -m fastcl.bench report`` keep one record per (case, implementation).
+
+Per record (``extra_info``): ``min_s`` (the time), ``spread`` and the case's ``noisy``
+flag, ``floor_s`` and ``floor_share`` (floor / time), peak memory (CPU: extra peak RSS
+of a fresh process running one step, forked per case from a probe server that imported
+the libraries once, ``fastcl.bench.memory``; CUDA: max allocated beyond the inputs),
+achieved TFLOP/s on ``8 * B * N * d`` and its share of a GEMM of the same shape,
+``threads``, ``compile_s`` (``compile``: seconds of its first calls beyond a step),
+``cold_s`` (first value check + first step), the load average before and after the case.
 
     pytest benchmarks --benchmark-only                       # CPU grid (a few minutes)
     pytest benchmarks/bench_losses.py -m gpu --benchmark-only  # GPU grid (needs CUDA)
+    FASTCL_BENCH_THREADS=1 ...                               # one thread (default: all cores)
     FASTCL_BENCH_MEMORY=0 ...                                # skip the memory probes
     FASTCL_BENCH_IMPLS=eager,torch,st-mnrl ...               # a subset of implementations
     FASTCL_BENCH_TARGETS=1 ...                               # add the csrc CPU-target cases
+    FASTCL_BENCH_BUDGET_S=5 FASTCL_BENCH_MIN_ROUNDS=3 FASTCL_BENCH_MAX_ROUNDS=30 ...
     python -m fastcl.bench report .benchmarks/fastcl-latest.json   # RESULTS.md + plots
 """
 
@@ -26,13 +39,17 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from fastcl.bench import peers
+from fastcl.bench import peers, timing
 from fastcl.bench.cases import make_inputs
+from fastcl.bench.floor import FLOOR_LIMITS, floor_step, plan_floor, share_of_floor
 from fastcl.bench.memory import cpu_extra_peak_bytes_many, cuda_extra_peak_bytes
 from fastcl.bench.metrics import gemm_tflops, loss_flops, num_candidates, synchronize
 from fastcl.ops.dispatch import BackendUnavailableError
@@ -52,7 +69,7 @@ CPU_TARGET_GRID = [
     ("supmpn", 5, 5, 768, "float32", (1024,)),
     ("supmpn", 5, 5, 128, "float32", (8192,)),
 ]
-TARGET_IMPLS = ("eager", "torch", "cpp")
+TARGET_IMPLS = ("eager", "compile", "torch", "cpp")
 # GPU: bf16 at BERT-base width, B up to 65536 and beyond (eager runs out of memory first:
 # such cases are skipped as "out of memory" and reported).
 GPU_GRID = [
@@ -66,7 +83,14 @@ SELECTED = [s for s in os.environ.get("FASTCL_BENCH_IMPLS", "").split(",") if s]
 IMPLS = [name for name in peers.IMPLS if not SELECTED or name in SELECTED]
 MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
 MEMORY_WORKERS = int(os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "2"))
-ROUNDS = {"cpu": 3, "cuda": 5}
+# the interleaved loop of fastcl.bench.timing, per case
+TIMING = dict(
+    warmup=timing.WARMUP_ROUNDS,
+    min_rounds=int(os.environ.get("FASTCL_BENCH_MIN_ROUNDS", timing.MIN_ROUNDS)),
+    max_rounds=int(os.environ.get("FASTCL_BENCH_MAX_ROUNDS", timing.MAX_ROUNDS)),
+    budget_s=float(os.environ.get("FASTCL_BENCH_BUDGET_S", timing.BUDGET_S)),
+)
+FLOOR = "floor"  # the GEMM floor's name in the interleaved loop (no implementation is called that)
 # imported once by the memory probe server, before it forks a child per case
 PRELOAD = ("fastcl.bench.peers", "sentence_transformers", "pytorch_metric_learning")
 
@@ -107,9 +131,27 @@ def too_big(case: dict) -> str | None:
     return None
 
 
+def not_runnable(case: dict) -> str | None:
+    """Why this (case, implementation) is skipped before anything runs (None: it runs)."""
+    if case["device"] == "cuda" and not torch.cuda.is_available():
+        return "GPU grid: no CUDA device"
+    return peers.unavailable(case["backend"], case["loss"], case["device"]) or too_big(case)
+
+
+def _selected_cases(session) -> list[dict]:
+    """The cases of this session's (selected, not deselected) items, in run order."""
+    out = []
+    for item in session.items:
+        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+        if case and item.path.name == "bench_losses.py":
+            out.append(case)
+    return out
+
+
 def _probe_many(cases: list[dict]) -> list[float | None]:
     try:
-        peaks = cpu_extra_peak_bytes_many("fastcl.bench.cases:loss_step", cases, preload=PRELOAD)
+        peaks = cpu_extra_peak_bytes_many("fastcl.bench.cases:loss_step", cases, preload=PRELOAD,
+                                          threads=torch.get_num_threads())
     except (RuntimeError, subprocess.TimeoutExpired):  # the tests report what they can
         return [None] * len(cases)
     return [None if p is None else p / 2**20 for p in peaks]
@@ -121,12 +163,7 @@ def cpu_memory(request) -> dict:
     ``MEMORY_WORKERS`` at a time, before any timing starts (RSS does not depend on load)."""
     if not MEMORY:
         return {}
-    wanted = []
-    for item in request.session.items:
-        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-        if (case and case["device"] == "cpu" and not peers.unavailable(case["backend"], case["loss"], "cpu")
-                and not too_big(case)):
-            wanted.append(case)
+    wanted = [c for c in _selected_cases(request.session) if c["device"] == "cpu" and not not_runnable(c)]
     # one probe server per worker; each case still runs in its own fresh (forked) process
     chunks = [wanted[i::MEMORY_WORKERS] for i in range(MEMORY_WORKERS)]
     with ThreadPoolExecutor(max_workers=MEMORY_WORKERS) as pool:
@@ -137,62 +174,138 @@ def cpu_memory(request) -> dict:
     return out
 
 
-@pytest.fixture(scope="session")
-def reference_values() -> dict:
-    """Float64 reference loss per workload, computed once and shared by its implementations."""
-    return {}
+# ---------------------------------------------------------------------------------------
+# One case: every selected implementation and the floor, interleaved
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaseRun:
+    """What one case's interleaved run left for its items: numbers and reasons, no tensors."""
+
+    outcomes: dict[str, tuple[str, object]] = field(default_factory=dict)  # impl -> ("ok"|"skip"|"error", x)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    info: dict[str, dict] = field(default_factory=dict)  # impl -> extra_info of its record
+    case_info: dict = field(default_factory=dict)  # shared by every record of the case
+
+
+def _why_skipped(exc: BaseException, B: int) -> str | None:
+    if isinstance(exc, BackendUnavailableError):  # dispatch: the backend cannot take these inputs
+        return " ".join(str(exc).split())
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of memory at B={B}"
+    return None
+
+
+def _make_step(forward, leaves, device):
+    def step():
+        for t in leaves:
+            t.grad = None
+        forward().backward()
+        synchronize(device)
+
+    return step
+
+
+def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> CaseRun:
+    """Check and time every implementation of ``cases`` (one workload) and its floor."""
+    c0 = cases[0]
+    loss, B, P, Q, d, dtype, device = (c0[k] for k in ("loss", "B", "P", "Q", "d", "dtype", "device"))
+    workload = workload_name(c0)
+    run = CaseRun()
+    inputs = make_inputs(loss, B, P, Q, d, dtype, device)
+    leaves = [t for t in inputs.values() if t is not None]
+    reference = peers.reference_value(loss, inputs)
+    steps = {}
+    for case in cases:
+        impl = case["backend"]
+        try:
+            forward = peers.build(impl, loss, inputs)
+            t0 = time.perf_counter()
+            check = peers.check_value(impl, loss, forward, inputs, expected=reference)
+            check_s = time.perf_counter() - t0
+            step = _make_step(forward, leaves, device)
+            # CUDA: measured on one step here; CPU: probed earlier, in fresh processes
+            peak = cuda_extra_peak_bytes(step) / 2**20 if device == "cuda" else cpu_memory.get(f"{workload}|{impl}")
+        except Exception as exc:  # noqa: BLE001 - each implementation's item reports its own outcome
+            traceback.clear_frames(exc.__traceback__)  # no frame keeps (possibly huge) tensors alive
+            why = _why_skipped(exc, B)
+            run.outcomes[impl] = ("skip", why) if why else ("error", exc)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        steps[impl] = step
+        run.info[impl] = dict(peak_mib=peak, loss_value=check["value"], reference_value=check["reference"],
+                              abs_err=check["abs_err"], check_s=check_s)
+    plan = plan_floor(B, num_candidates(loss, B, P, Q), d, **FLOOR_LIMITS[torch.device(device).type])
+    if steps:
+        steps[FLOOR] = floor_step(plan, dtype, device)
+    settings = dict(warmup=0, min_rounds=1, max_rounds=1) if disabled else TIMING
+    load_before = list(os.getloadavg())
+    result = timing.interleave(steps, **settings) if steps else None
+    load_after = list(os.getloadavg())
+    steps = inputs = leaves = forward = step = None  # free the case's tensors before the next one
+    if result is None:
+        return run
+    for impl, exc in result.errors.items():
+        if impl == FLOOR:  # reported as floor_error below; the implementations still count
+            continue
+        why = _why_skipped(exc, B)
+        run.outcomes[impl] = ("skip", why) if why else ("error", exc)
+    floor_samples = result.samples.get(FLOOR)
+    floor_s = min(floor_samples) * plan.scale if floor_samples else None
+    run.case_info = dict(
+        noisy=result.noisy(), rounds=result.rounds, stopped=result.stopped,
+        timed_s=round(result.elapsed_s, 3), loadavg_before=load_before, loadavg_after=load_after,
+        floor_s=floor_s, floor_spread=timing.spread(floor_samples) if floor_samples else None,
+        floor_rows=plan.rows, floor_scale=plan.scale,
+        floor_error=None if FLOOR not in result.errors else repr(result.errors[FLOOR]),
+        noisy_threshold=timing.NOISY_SPREAD, threads=torch.get_num_threads(),
+    )
+    for impl, samples in result.samples.items():
+        if impl == FLOOR:
+            continue
+        run.outcomes[impl] = ("ok", None)
+        run.samples[impl] = samples
+        best = min(samples)
+        info = run.info[impl]
+        info.update(min_s=best, median_s=sorted(samples)[len(samples) // 2], spread=timing.spread(samples),
+                    cold_s=info["check_s"] + result.first_s[impl], floor_share=share_of_floor(floor_s, best))
+        if impl == "compile":  # its first calls compile (forward for the check, then fwd + bwd)
+            info["compile_s"] = max(0.0, info["cold_s"] - best)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return run
+
+
+_RUNS: dict[str, CaseRun] = {}
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_loss_fwd_bwd(benchmark, bench_record, bench_skip, cpu_memory, reference_values, case):
-    loss, impl, device = case["loss"], case["backend"], case["device"]
+def test_loss_fwd_bwd(benchmark, bench_record, bench_skip, cpu_memory, request, case):
+    impl = case["backend"]
     workload = workload_name(case)
-    if device == "cuda" and not torch.cuda.is_available():
+    if case["device"] == "cuda" and not torch.cuda.is_available():
         pytest.skip("GPU grid: no CUDA device")
-    why = peers.unavailable(impl, loss, device) or too_big(case)
+    why = not_runnable(case)
     if why:
         bench_skip(workload, impl, why)
+    if workload not in _RUNS:  # the case's first item times all of its implementations
+        members = [c for c in _selected_cases(request.session) if workload_name(c) == workload and not not_runnable(c)]
+        _RUNS[workload] = run_case(members, cpu_memory, disabled=benchmark.disabled)
+    run = _RUNS[workload]
+    kind, what = run.outcomes.get(impl, ("error", RuntimeError(f"{impl} was not part of its case's run")))
+    if kind == "skip":
+        bench_skip(workload, impl, what)
+    if kind == "error":
+        raise what
+    timing.replay(benchmark, run.samples[impl])
     B, P, Q, d = case["B"], case["P"], case["Q"], case["d"]
-    skipped = None
-    try:
-        inputs = make_inputs(loss, B, P, Q, d, case["dtype"], device)
-        if workload not in reference_values:
-            reference_values[workload] = peers.reference_value(loss, inputs)
-        forward = peers.build(impl, loss, inputs)
-        check = peers.check_value(impl, loss, forward, inputs, expected=reference_values[workload])
-        leaves = [t for t in inputs.values() if t is not None]
-
-        def step():
-            for t in leaves:
-                t.grad = None
-            forward().backward()
-            synchronize(device)
-
-        if device == "cuda":
-            step()
-            peak = cuda_extra_peak_bytes(step) / 2**20
-        else:
-            peak = cpu_memory.get(workload + "|" + impl)
-        benchmark.pedantic(step, rounds=ROUNDS[device], iterations=1, warmup_rounds=1)
-    except BackendUnavailableError as exc:  # dispatch: the backend cannot take these inputs
-        skipped = " ".join(str(exc).split())
-    except torch.OutOfMemoryError:
-        skipped = f"out of memory at B={B}"
-    if skipped:
-        # skip outside the handler so no traceback keeps the (possibly huge) inputs alive
-        inputs = forward = step = leaves = None
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        bench_skip(workload, impl, skipped)
-    seconds = benchmark.stats.stats.median
-    flops = loss_flops(loss, B, P, Q, d)
-    gemm = gemm_tflops(B, num_candidates(loss, B, P, Q), d, case["dtype"], device)
-    tflops = flops / seconds / 1e12
+    info = run.info[impl]
+    tflops = loss_flops(case["loss"], B, P, Q, d) / info["min_s"] / 1e12
+    gemm = gemm_tflops(B, num_candidates(case["loss"], B, P, Q), d, case["dtype"], case["device"])
     bench_record(
         benchmark, workload=workload, impl=impl, family=peers.IMPLS[impl].family,
-        loss=loss, B=B, P=P, Q=Q, d=d, dtype=case["dtype"], device=device,
-        peak_mib=peak, tflops=tflops, gemm_tflops=gemm, gemm_share=tflops / gemm,
-        loss_value=check["value"], reference_value=check["reference"], abs_err=check["abs_err"],
-        threads=torch.get_num_threads(),
+        loss=case["loss"], B=B, P=P, Q=Q, d=d, dtype=case["dtype"], device=case["device"],
+        tflops=tflops, gemm_tflops=gemm, gemm_share=tflops / gemm, **info, **run.case_info,
     )
-

@@ -13,7 +13,7 @@ loss contributes to a training step (the encoder is the same for every implement
   (the same class serves the cached variant: gradient caching changes only the encoder side).
 
 Time: pytest-benchmark in this process, median of 3 rounds after a warm-up, on
-``FASTCL_BENCH_THREADS`` (1) intra-op threads. Peak memory: ``fastcl.bench.memory``'s
+``FASTCL_BENCH_THREADS`` intra-op threads (default all cores). Peak memory: ``fastcl.bench.memory``'s
 meter (extra peak RSS of one step in a fresh process, after a warm-up step), with two
 changes. The fresh processes fork from a ``forkserver`` that imported sentence-transformers
 once (a cold import costs 5-30 s on the shared CPU, per probe). And they run with
@@ -37,6 +37,7 @@ import torch
 pytest.importorskip("sentence_transformers")
 
 from fastcl.bench.memory import measure_extra_rss  # noqa: E402
+from fastcl.bench.timing import configured_threads  # noqa: E402
 from fastcl.ops import dispatch  # noqa: E402
 
 # (B, Q, d): triplets (one hard negative) at MiniLM's width, and a wide batch of pairs
@@ -48,7 +49,7 @@ if os.environ.get("FASTCL_BENCH_ST_GRID"):  # e.g. "8192,0,64;2048,3,384"
     CPU_GRID = [tuple(int(v) for v in case.split(",")) for case in os.environ["FASTCL_BENCH_ST_GRID"].split(";")]
 MINI_BATCH_SIZE = 32
 IMPLS = ["eager", "st_cached", "fastcl-torch", "fastcl-cpp"]
-THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "1"))
+THREADS = configured_threads() or torch.get_num_threads()
 
 
 def st_step(impl: str, B: int, Q: int, d: int, mini_batch_size: int = MINI_BATCH_SIZE, seed: int = 0):

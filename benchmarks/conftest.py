@@ -1,9 +1,16 @@
 """pytest-benchmark setup: ratios against eager at the end, skips and versions in the JSON.
 
 Every case records ``extra_info["workload"]`` and ``extra_info["impl"]`` (``bench_record``);
-the terminal summary prints each implementation's time and peak memory as a ratio of the
-eager reference measured in the same run. Implementations that cannot run are skipped
-through ``bench_skip`` so the reason reaches the JSON (``fastcl_skipped``) and the report.
+the terminal summary prints each implementation's time (the minimum of interleaved rounds
+where the record has one, ``min_s``, with its spread), its share of the GEMM floor and
+peak memory, as ratios of the eager reference measured in the same run, and marks a case
+**NOISY** when a spread exceeds ``fastcl.bench.timing.NOISY_SPREAD``. Implementations that
+cannot run are skipped through ``bench_skip`` so the reason reaches the JSON
+(``fastcl_skipped``) and the report.
+
+Threads: ``FASTCL_BENCH_THREADS=N`` sets PyTorch's intra-op threads for the whole run;
+unset, PyTorch's default (all cores) is kept. The count is recorded in the machine info
+and in every record.
 
 Without ``--benchmark-json`` the results are written to ``.benchmarks/fastcl-latest.json``
 (``FASTCL_BENCH_JSON`` changes the path, ``FASTCL_BENCH_JSON=0`` turns it off) for
@@ -52,6 +59,13 @@ def bench_skip():
 def pytest_configure(config):
     # before pytest-benchmark reads its options: save JSON by default for the report
     _LOAD_AT_START[:] = os.getloadavg()
+    from fastcl.bench.timing import configured_threads
+
+    threads = configured_threads()
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     target = os.environ.get("FASTCL_BENCH_JSON", str(DEFAULT_JSON))
     if getattr(config.option, "benchmark_json", "absent") is None and target != "0":
         Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -86,6 +100,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "threads_setting": os.environ.get("FASTCL_BENCH_THREADS") or "default (all cores)",
         "loadavg_start": list(_LOAD_AT_START) or None,
         "backends": _backends(dispatch),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -98,12 +113,30 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["machine_info"].setdefault("fastcl", {})["loadavg_end"] = list(os.getloadavg())
 
 
+def _seconds(r: dict) -> float:
+    """The record's time: the minimum of interleaved rounds, else pytest-benchmark's median."""
+    return r["min_s"] if r.get("min_s") is not None else r["benchmark"].stats.stats.median
+
+
+def _case_header(workload: str, info: dict) -> str:
+    from fastcl.bench.timing import NOISY_SPREAD
+
+    if "rounds" not in info:
+        return workload
+    threads = info.get("threads")
+    line = f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, {info.get('stopped')}]"
+    if info.get("noisy"):
+        line += f"  NOISY: a spread above {100 * NOISY_SPREAD:.0f}%, ratios not to be trusted"
+    return line
+
+
 def pytest_terminal_summary(terminalreporter):
     rows = [r for r in _RESULTS if getattr(r["benchmark"], "stats", None)]
     if not rows:
         return
     tr = terminalreporter
-    tr.section("fastcl: time and peak memory relative to eager, same run")
+    tr.section("fastcl: time (min of interleaved rounds, spread), share of the GEMM floor, peak memory; "
+               "ratios to eager, same run")
     by_workload: dict[str, list[dict]] = {}
     for r in rows:
         by_workload.setdefault(r["workload"], []).append(r)
@@ -112,13 +145,22 @@ def pytest_terminal_summary(terminalreporter):
         skipped.setdefault(s["workload"], []).append(s)
     for workload, items in by_workload.items():
         base = next((r for r in items if r["impl"] == "eager"), None)
-        tr.write_line(workload)
+        tr.write_line(_case_header(workload, items[0]))
+        floor_s = items[0].get("floor_s")
+        if floor_s:
+            spread = items[0].get("floor_spread")
+            tr.write_line(f"  {'floor':<11} {floor_s * 1e3:9.1f} ms" + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
+                          + "  (A·Cᵀ, X·C, Xᵀ·A at this shape)")
         for r in items:
-            t = r["benchmark"].stats.stats.median
-            mem = r.get("peak_mib")
+            t = _seconds(r)
             line = f"  {r['impl']:<11} {t * 1e3:9.1f} ms"
+            if r.get("spread") is not None:
+                line += f" ±{100 * r['spread']:4.1f}%"
             if base is not None:
-                line += f"  ({base['benchmark'].stats.stats.median / t:5.2f}x eager speed)"
+                line += f"  ({_seconds(base) / t:5.2f}x eager speed)"
+            if r.get("floor_share") is not None:
+                line += f"  {100 * r['floor_share']:4.0f}% of floor"
+            mem = r.get("peak_mib")
             if mem is not None:
                 line += f"  peak {mem:8.1f} MiB"
                 if base is not None and (base.get("peak_mib") or 0) >= 1:
@@ -127,6 +169,8 @@ def pytest_terminal_summary(terminalreporter):
                 line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"
                 if r.get("gemm_share") is not None:
                     line += f" ({100 * r['gemm_share']:.0f}% of GEMM)"
+            if r.get("compile_s") is not None:
+                line += f"  compile {r['compile_s']:.1f} s"
             tr.write_line(line)
         for s in skipped.get(workload, []):
             tr.write_line(f"  {s['impl']:<11} skipped: {s['reason'][:110]}")

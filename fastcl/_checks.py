@@ -1,10 +1,20 @@
 """Input validation for the public losses: clear errors before any compute.
 
-Shape, dtype and device checks read only metadata. Two checks need tensor *values*:
-``temperature`` given as a tensor (checked when it lives on the CPU) and "some anchor has
-a valid positive" (checked whenever ``pos_mask`` is given; for a CUDA mask this is the one
-host sync of a loss call). ``FASTCL_CHECK_FINITE=1`` additionally checks that every
-embedding is finite (a sync per tensor; off by default).
+One rule per argument, applied by every loss before any compute, whatever the backend:
+
+* ``temperature``: a real number (not a bool) or a 0-d floating tensor; its value must be
+  finite and > 0 with ``1 / temperature`` finite in the compute dtype (float64 for float64
+  embeddings, float32 otherwise): 1e-39 is refused for float32 (its reciprocal overflows)
+  but fine for float64. A tensor's value is checked when the tensor lives on the CPU; a
+  CUDA temperature is not read (that would be a host sync per call), so a bad value there
+  gives NaN rather than an error, on every backend alike.
+* ``FASTCL_STRATEGY`` (``auto``/``fused``/``recompute``): checked on every call, with or
+  without grad.
+
+Shape, dtype and device checks read only metadata. "Some anchor has a valid positive"
+reads values (checked whenever ``pos_mask`` is given; for a CUDA mask this is the one host
+sync of a loss call). ``FASTCL_CHECK_FINITE=1`` additionally checks that every embedding is
+finite (a sync per tensor; off by default).
 """
 
 from __future__ import annotations
@@ -16,8 +26,19 @@ import torch
 from torch import Tensor
 
 from .ops.contract import FLOAT_DTYPES, compute_dtype
+
 REDUCTIONS = ("mean", "sum", "none")
 SIMILARITIES = ("cos", "dot")
+STRATEGY_ENV = "FASTCL_STRATEGY"
+STRATEGIES = ("auto", "fused", "recompute")
+
+
+def requested_strategy() -> str:
+    """``FASTCL_STRATEGY`` (default ``auto``), refused unless it is one of :data:`STRATEGIES`."""
+    wanted = os.environ.get(STRATEGY_ENV, "auto") or "auto"
+    if wanted not in STRATEGIES:
+        raise ValueError(f"{STRATEGY_ENV}={wanted!r}; expected one of {STRATEGIES}")
+    return wanted
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -70,19 +91,34 @@ def check_some_positive(pos_mask: Tensor | None) -> None:
         raise ValueError("no anchor has a valid positive (pos_mask is all False): the loss is undefined")
 
 
-def as_temperature(temperature, like: Tensor) -> Tensor:
-    """A 0-d tensor on ``like``'s device in the compute dtype; differentiable if given one."""
-    dtype = compute_dtype(like.dtype)
+def _check_temperature_value(value: float, dtype: torch.dtype) -> None:
+    """Finite, > 0, and with a finite reciprocal once cast to ``dtype``."""
+    t = torch.tensor(value, dtype=dtype)
+    if not (math.isfinite(value) and value > 0 and bool(t > 0) and bool(torch.isfinite(t.reciprocal()))):
+        raise ValueError(
+            f"temperature must be finite and > 0 with a finite 1/temperature in {dtype}, got {value!r}"
+        )
+
+
+def check_temperature(temperature, compute_dtype: torch.dtype = torch.float32) -> None:
+    """The one rule for ``temperature`` (module docstring); reads a tensor's value on the CPU only."""
     if isinstance(temperature, Tensor):
         if temperature.dim() != 0:
             raise ValueError(f"temperature must be a float or a 0-d tensor, got shape {tuple(temperature.shape)}")
         if not temperature.is_floating_point():
             raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
-        if temperature.device.type == "cpu" and not bool(temperature.detach() > 0):
-            raise ValueError(f"temperature must be > 0, got {temperature.item()}")
-        return temperature.to(device=like.device, dtype=dtype)
+        if temperature.device.type == "cpu":
+            _check_temperature_value(float(temperature.detach()), compute_dtype)
+        return
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float or a 0-d tensor, got {type(temperature).__name__}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    _check_temperature_value(float(temperature), compute_dtype)
+
+
+def as_temperature(temperature, like: Tensor) -> Tensor:
+    """A 0-d tensor on ``like``'s device in the compute dtype; differentiable if given one."""
+    dtype = compute_dtype(like.dtype)
+    check_temperature(temperature, dtype)
+    if isinstance(temperature, Tensor):
+        return temperature.to(device=like.device, dtype=dtype)
     return torch.full((), float(temperature), dtype=dtype, device=like.device)

@@ -19,6 +19,10 @@ are bit-identical to the first pass) and the autocast state of the first pass (b
 is usually called outside ``torch.autocast``). The parameter gradients therefore equal
 those of encoding the same chunks with grad in one graph, up to float summation order.
 
+Running statistics. Norm layers that track them (BatchNorm, tracked InstanceNorm) update
+them once per chunk in the first pass, as one uncached forward per chunk would; the replay
+restores them afterwards, so they are not updated twice (see ``_running_stats_kept``).
+
 Several calls, one backward. Any number of ``gc(...)`` outputs (anchors, positives,
 negatives) may feed one loss, and several forwards may precede one backward. Every output
 hangs off one shared autograd node of this ``GradCache`` (the *flush* node). The autograd
@@ -50,6 +54,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from .pooling import POOLINGS, check_pooling, needs_hidden_states, pool
 
@@ -93,6 +98,57 @@ def _replayed_autocast(state: dict) -> contextlib.ExitStack:
                 torch.autocast(device_type=dev, dtype=dtype, enabled=enabled, cache_enabled=state["cache"])
             )
     return stack
+
+
+# --------------------------------------------------------------------------- running statistics
+
+
+def _tracks_running_stats(module: nn.Module) -> bool:
+    """BatchNorm*, SyncBatchNorm and InstanceNorm* with ``track_running_stats=True``."""
+    return isinstance(module, _NormBase) and module.track_running_stats
+
+
+def _snapshot(module: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    return [(b, b.detach().clone()) for b in module.buffers(recurse=False)]
+
+
+def _restore(saved) -> None:
+    with torch.no_grad():
+        for snaps in saved:
+            for buf, copy in snaps:
+                buf.copy_(copy)  # in place: DDP and user code hold these very tensors
+
+
+@contextlib.contextmanager
+def _running_stats_kept(roots: list[nn.Module] | None):
+    """Undo every running-statistics update made inside the block.
+
+    The first pass already ran each chunk once, updating the statistics exactly as one
+    uncached forward per chunk; the replay (and any recomputation by gradient checkpointing
+    during its backward) must not update them again. In train mode these layers normalise
+    with the batch's own statistics, so restoring them changes no output or gradient.
+    ``roots``: the modules to search; ``None`` (``encode_fn`` is a plain callable) finds the
+    layers as they run, through a global forward pre-hook active only inside the block.
+    """
+    if roots is not None:
+        saved = [_snapshot(m) for r in roots for m in r.modules() if _tracks_running_stats(m)]
+        try:
+            yield
+        finally:
+            _restore(saved)
+        return
+    seen: dict[int, list] = {}
+
+    def record(module, _args):
+        if _tracks_running_stats(module) and id(module) not in seen:
+            seen[id(module)] = _snapshot(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        yield
+    finally:
+        handle.remove()
+        _restore(seen.values())
 
 
 # --------------------------------------------------------------------------- one call
@@ -142,6 +198,9 @@ class _Reencoder:
     def __init__(self, encode_fn: Callable[..., Tensor], ddp, progress: bool):
         self.encode_fn = encode_fn
         self.ddp = ddp
+        # Where the norm layers whose running statistics the replay must leave alone live:
+        # an nn.Module (DDP included) is searched; a plain callable is watched as it runs.
+        self.stat_roots = [encode_fn] if isinstance(encode_fn, nn.Module) else None
         self.progress = progress
         self.pending: list[_Call] = []
 
@@ -186,7 +245,7 @@ class _Reencoder:
                     # DDP arms its reducer in forward: all chunks but the last skip the sync and
                     # accumulate in param.grad; the last one all-reduces that whole sum.
                     sync = contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
-                    with sync:
+                    with sync, _running_stats_kept(self.stat_roots):
                         with _replayed_rng(call.rng[i], call.cuda_devices), _replayed_autocast(call.autocast):
                             with torch.enable_grad():
                                 out = self.encode_fn(**call.chunk_inputs(tensors, i))

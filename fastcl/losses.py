@@ -7,7 +7,8 @@ positive and every valid negative of every anchor), plus the cheap ``[B, P]`` lo
 each anchor's own positives. The fused backends never build the ``[B, N]`` logits.
 
 Shapes: ``anchor [B, d]``, ``positives [B, P, d]``, ``negatives [B, Q, d]`` (Q may be 0),
-``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding. Embeddings
+``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding (a padded
+slot is never read: NaN/Inf there change nothing, see docs/losses.md). Embeddings
 are raw (fp16, bf16, fp32 or fp64, all one dtype); cosine similarity normalises them
 inside the op and the gradient flows to the raw tensors. The loss comes back in the input
 dtype; accumulation is float32 (float64 for float64 inputs).
@@ -15,7 +16,8 @@ dtype; accumulation is float32 (float64 for float64 inputs).
 Common keyword arguments:
     temperature: float or 0-d tensor > 0 (``logit = similarity / temperature``); a tensor
         that requires grad receives its gradient. sentence-transformers' ``scale`` is
-        ``1 / temperature``.
+        ``1 / temperature``. It must be finite with a finite ``1 / temperature`` in the
+        compute dtype (``fastcl._checks``; a CUDA tensor's value is not read).
     reduction: ``"mean"`` (over anchors with a valid positive), ``"sum"``, or ``"none"``
         (``[B]``, zeros for anchors without a positive).
     backend: ``"auto"`` (``FASTCL_BACKEND`` or the best available), ``"reference"``,
@@ -43,9 +45,13 @@ from .ops.dispatch import NAMES as BACKENDS
 from .ops.head import reduction_weights
 from .ops.normalize import normalize_backward, normalize_rows
 from .ops.positive_logits import positive_logits
+from .losses_mnrl import mnrl_directions_loss
+from .losses_mnrl import check_options as _check_mnrl_options
+from .losses_mnrl import is_default as _mnrl_is_default
+from .losses_supcon import supcon_labels_loss
 
 __all__ = [
-    "supmpn_loss", "supcon_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
+    "supmpn_loss", "supcon_loss", "supcon_labels_loss", "mnrl_directions_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
     "grouped_cosine_loss", "gclsr_loss",
     "SupMPNLoss", "SupConLoss", "MNRLoss", "InfoNCELoss", "EdaCSELoss", "GroupedCosineLoss", "GCLSRLoss",
 ]
@@ -59,6 +65,17 @@ def _no_autocast(t: Tensor):
     if torch.is_autocast_enabled(t.device.type):
         return torch.autocast(device_type=t.device.type, enabled=False)
     return nullcontext()
+
+
+def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
+    """``anchor`` with the rows of anchors that have no valid positive read as zeros.
+
+    Such an anchor contributes nothing (docs/losses.md): like a padded slot, whatever it
+    holds (NaN, Inf) must reach no value and no gradient; its gradient is exactly 0.
+    """
+    if pos_mask is None:
+        return anchor
+    return torch.where(pos_mask.any(1, keepdim=True), anchor, anchor.new_zeros(()))
 
 
 def _candidates(blocks, tags, has_pos, *, reduction, dtype, process_group, sizes, pos_mask):
@@ -95,6 +112,7 @@ def _lse_loss(
     """The structured layout shared by SupMPN, SupCon, MNRL and InfoNCE."""
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.requested_strategy()
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
     _checks.check_rank("positives", positives, 3, "[B, P, d]")
@@ -126,6 +144,7 @@ def _lse_loss(
     dev = anchor.device
 
     with _no_autocast(anchor):
+        anchor = _without_unused_anchors(anchor, pos_mask)
         pos_block = positives.reshape(B * P, d)
         pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
         if Q:
@@ -202,7 +221,7 @@ def supmpn_loss(
 @distributed.agree_on_errors
 def supcon_loss(
     anchor: Tensor,
-    positives: Tensor,
+    positives: Tensor | None = None,
     negatives: Tensor | None = None,
     *,
     pos_mask: Tensor | None = None,
@@ -212,8 +231,16 @@ def supcon_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    labels: Tensor | None = None,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020, L_out; Liao's SCL).
+
+    Two forms. ``supcon_loss(features, labels=y)`` (SupContrast / pytorch-metric-learning:
+    ``features [N, d]`` or ``[B, V, d]``, positives = same label, optional
+    ``ref_emb``/``ref_labels``) is :func:`fastcl.losses_supcon.supcon_labels_loss`; the
+    structured form below takes explicit positives and negatives.
 
     ``loss_i = mean_k [ -l_ik + LSE_{c in C} l_ic ]`` over valid own positives ``k``, where
     ``C`` is every valid candidate of the batch, own positives included. For Liao's recipe
@@ -226,6 +253,17 @@ def supcon_loss(
 
         >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
     """
+    if labels is not None:
+        if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
+            raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
+        return supcon_labels_loss(
+            anchor, labels, ref_emb=ref_emb, ref_labels=ref_labels, temperature=temperature, reduction=reduction,
+            backend=backend, similarity=similarity, process_group=process_group,
+        )
+    if positives is None:
+        raise TypeError("supcon_loss needs positives (structured form) or labels= (labels form)")
+    if ref_emb is not None or ref_labels is not None:
+        raise ValueError("supcon_loss: ref_emb/ref_labels belong to the labels form (give labels=)")
     return _lse_loss(
         "supcon", anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
         temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
@@ -245,8 +283,17 @@ def mnrl_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    directions=("query_to_doc",),
+    partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
 ) -> Tensor:
     """Multiple negatives ranking loss = SimCSE supervised (Gao et al. 2021; SBERT's MNRL).
+
+    ``directions`` (``query_to_doc``, ``query_to_query``, ``doc_to_query``, ``doc_to_doc``),
+    ``partition_mode`` (``joint``, ``per_direction``) and ``hardness_mode`` /
+    ``hardness_strength`` are sentence-transformers 6's options, same semantics
+    (:mod:`fastcl.losses_mnrl`); beyond the default they do not take ``neg_mask`` yet.
 
     ``loss_i = -l_{i,i} + LSE_c l_ic`` over every positive and every valid negative of the
     batch: cross-entropy of the ``B x B(1+Q)`` logits with the diagonal as target. SimCSE
@@ -260,6 +307,15 @@ def mnrl_loss(
 
         >>> mnrl_loss(torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32))
     """
+    directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+    if not _mnrl_is_default(directions, partition_mode, hardness_mode, hardness_strength):
+        if neg_mask is not None:
+            raise ValueError("mnrl_loss: directions/hardness options do not take neg_mask yet")
+        return mnrl_directions_loss(
+            anchor, positive, negatives, directions=directions, partition_mode=partition_mode,
+            hardness_mode=hardness_mode, hardness_strength=hardness_strength, temperature=temperature,
+            reduction=reduction, backend=backend, similarity=similarity, process_group=process_group,
+        )
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")
     if negatives is not None and negatives.dim() == 2:
@@ -368,12 +424,19 @@ def supcon_pool_loss(
         pos_index: ``[B, P]`` int64 indices into ``candidates``.
         pos_mask: ``[B, P]`` bool, ``False`` = padding. cand_mask: ``[N]`` bool.
     """
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.requested_strategy()
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
+    if not isinstance(pos_index, Tensor):
+        raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
     _checks.check_rank("candidates", candidates, 2, "[N, d]")
     _checks.check_rank("pos_index", pos_index, 2, "[B, P]")
     B, d = anchor.shape
     N = candidates.shape[0]
+    if B == 0 or d == 0:
+        raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
     if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
         raise ValueError(
             f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
@@ -394,12 +457,11 @@ def supcon_pool_loss(
         _checks.check_some_positive(pos_mask)
     else:
         distributed.check_group(process_group)
-    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
-    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
     tau = _checks.as_temperature(temperature, anchor)
     cosine = similarity == "cos"
     with _no_autocast(anchor):
-        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS)
+        anchor = _without_unused_anchors(anchor, pos_mask)
+        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
         empty, empty_tags = empty_block(anchor)
         has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
         blocks, tags, weights, _ = _candidates(
@@ -492,20 +554,26 @@ def gclsr_loss(
 class _TemperatureLoss(nn.Module):
     """Shared state of the LSE loss modules: a fixed or learnable temperature and options.
 
+    ``temperature``: a float or a 0-d tensor, the same rule as the functions'. A tensor that
+    requires grad is used as given (the caller trains it); otherwise its value is taken.
     ``learn_temperature=True`` keeps ``log(temperature)`` as a parameter (so it stays > 0).
     """
 
     def __init__(self, temperature=0.05, *, learn_temperature=False, reduction="mean", backend="auto",
                  process_group=None, similarity="cos"):
         super().__init__()
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+        # the losses' rule (fastcl._checks.check_temperature) in float32, the loose end:
+        # a float64 call checks again in float64
+        _checks.check_temperature(temperature)
         _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
         _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+        if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
+            temperature = float(temperature.detach())  # a value to start from / a constant
         if learn_temperature:
             self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
         else:
-            self._fixed_temperature = float(temperature)
+            # a float, or a tensor that requires grad: a temperature the caller trains
+            self._fixed_temperature = temperature
         self.learn_temperature = learn_temperature
         self.options = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
 
@@ -532,18 +600,31 @@ class SupMPNLoss(_TemperatureLoss):
 
 
 class SupConLoss(_TemperatureLoss):
-    """Module form of :func:`supcon_loss`; ``forward(anchor, positives, negatives=None, pos_mask=None, neg_mask=None)``."""
+    """Module form of :func:`supcon_loss`: ``forward(anchor, positives, negatives=None, pos_mask=None,
+    neg_mask=None)`` or, labels form, ``forward(features, labels=y, ref_emb=None, ref_labels=None)``."""
 
-    def forward(self, anchor, positives, negatives=None, pos_mask=None, neg_mask=None):
-        return supcon_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
-                           temperature=self.temperature, **self.options)
+    def forward(self, anchor, positives=None, negatives=None, pos_mask=None, neg_mask=None, *,
+                labels=None, ref_emb=None, ref_labels=None):
+        return supcon_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask, labels=labels,
+                           ref_emb=ref_emb, ref_labels=ref_labels, temperature=self.temperature, **self.options)
 
 
 class MNRLoss(_TemperatureLoss):
-    """Module form of :func:`mnrl_loss`; ``forward(anchor, positive, negatives=None, neg_mask=None)``."""
+    """Module form of :func:`mnrl_loss`; ``forward(anchor, positive, negatives=None, neg_mask=None)``.
+
+    Takes sentence-transformers 6's ``directions``, ``partition_mode``, ``hardness_mode`` and
+    ``hardness_strength`` at construction."""
+
+    def __init__(self, temperature=0.05, *, directions=("query_to_doc",), partition_mode="joint",
+                 hardness_mode=None, hardness_strength=0.0, **kw):
+        super().__init__(temperature, **kw)
+        self.directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.mnrl_options = dict(directions=self.directions, partition_mode=partition_mode,
+                                 hardness_mode=hardness_mode, hardness_strength=hardness_strength)
 
     def forward(self, anchor, positive, negatives=None, neg_mask=None):
-        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature, **self.options)
+        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature,
+                         **self.mnrl_options, **self.options)
 
 
 class InfoNCELoss(_TemperatureLoss):

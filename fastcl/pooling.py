@@ -11,6 +11,10 @@ host synchronisation. The methods follow SimCSE's evaluation code:
                        and apply their head themselves.
 ``cls_before_pooler``  ``last_hidden_state[:, 0]``: the raw [CLS] state.
 ``mean``               masked mean of ``last_hidden_state`` (sentence-transformers' "mean").
+``mean_no_cls``        masked mean of ``last_hidden_state`` over the real tokens *except* the
+                       first one of each row ([CLS]): Liao et al.'s pooling (their released
+                       code drops [CLS] but divides by the padded length; this is the proper
+                       masked mean). With left padding the first *real* token is dropped.
 ``avg_first_last``     masked mean of ``(hidden_states[1] + hidden_states[-1]) / 2``, where
                        ``hidden_states[1]`` is the *first transformer layer* (index 0 is the
                        embedding layer; SimCSE fixed this in 2022, SupMPN uses it).
@@ -31,7 +35,7 @@ from torch import Tensor
 
 from .ops.contract import compute_dtype
 
-POOLINGS = ("cls", "cls_before_pooler", "mean", "avg_first_last", "avg_top2")
+POOLINGS = ("cls", "cls_before_pooler", "mean", "mean_no_cls", "avg_first_last", "avg_top2")
 _LAYER_POOLINGS = ("avg_first_last", "avg_top2")
 
 
@@ -67,6 +71,14 @@ def masked_mean(states: Tensor, attention_mask: Tensor) -> Tensor:
     """
     acc = compute_dtype(states.dtype)
     return _masked_mean_acc(states.to(acc), attention_mask).to(states.dtype)
+
+
+def without_first_token(attention_mask: Tensor) -> Tensor:
+    """``attention_mask`` with each row's first real token (the [CLS]) set to 0, same dtype.
+    Works for right and left padding; a row with one real token becomes all zero."""
+    real = attention_mask != 0
+    first = real & (real.cumsum(dim=1) == 1)
+    return attention_mask.masked_fill(first, 0)
 
 
 def pool(outputs: Any, attention_mask: Tensor, method: str = "cls") -> Tensor:
@@ -105,6 +117,8 @@ def pool(outputs: Any, attention_mask: Tensor, method: str = "cls") -> Tensor:
         return last[:, 0]
     if method == "mean":
         return masked_mean(last, attention_mask)
+    if method == "mean_no_cls":
+        return masked_mean(last, without_first_token(attention_mask))
     hidden = _field(outputs, "hidden_states")
     layers_needed = 2 if method == "avg_first_last" else 3  # embeddings + transformer layers
     if hidden is None or len(hidden) < layers_needed:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.contract import EPS, LSEProblem, compute_dtype, excluded
+from .ops.contract import EPS, TAG_PADDING, LSEProblem, compute_dtype, excluded
 from .ops.normalize import normalize_backward, normalize_rows
 
 # ---------------------------------------------------------------------------------------
@@ -21,10 +21,23 @@ from .ops.normalize import normalize_backward, normalize_rows
 # ---------------------------------------------------------------------------------------
 
 
+def _rows(x: Tensor, cosine: bool, eps: float) -> Tensor:
+    """``x / max(|x|, eps)`` (cosine) or ``x`` (dot), per row along the last dim.
+
+    ``|x|`` is ``m * |x / m|`` with ``m = max |x_k|`` (a constant for autograd): it neither
+    overflows (inputs ~1e30 in float32) nor underflows. A row holding NaN or Inf comes out
+    all NaN, for dot similarity too, so that no logit reading it can be finite.
+    """
+    m = x.detach().abs().amax(dim=-1, keepdim=True)
+    unit = torch.where(m > 0, m, torch.ones_like(m))  # NaN and Inf rows stay non-finite below
+    if not cosine:
+        return x + m * 0
+    norm = torch.linalg.vector_norm(x / unit, dim=-1, keepdim=True) * unit
+    return x / norm.clamp_min(eps)
+
+
 def _similarity(x: Tensor, y: Tensor, cosine: bool, eps: float) -> Tensor:
-    if cosine:
-        x, y = F.normalize(x, dim=-1, eps=eps), F.normalize(y, dim=-1, eps=eps)
-    return x @ y.T
+    return _rows(x, cosine, eps) @ _rows(y, cosine, eps).T
 
 
 def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
@@ -56,11 +69,14 @@ class ReferenceLSE:
     @staticmethod
     def _logits(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(a, c, logits [B, N], keep [B, N])`` with ``a``, ``c`` the raw rows in the compute dtype."""
-        cd = compute_dtype(problem.dtype)
+        cd, tags = compute_dtype(problem.dtype), torch.cat(problem.tags)
         a, c = problem.anchor.to(cd), torch.cat(problem.blocks).to(cd)
+        # a padded candidate is read as zeros: whatever it holds (NaN, Inf) reaches no value
+        # and no gradient (a masked NaN logit would still give NaN = 0 * NaN in backward)
+        c = torch.where((tags != TAG_PADDING)[:, None], c, torch.zeros((), dtype=cd, device=c.device))
         logits = _similarity(a, c, problem.cosine, problem.eps) / tau.to(cd)
         rows = torch.arange(problem.num_anchors, device=problem.device)
-        return a, c, logits, ~excluded(torch.cat(problem.tags), rows)
+        return a, c, logits, ~excluded(tags, rows)
 
     @staticmethod
     def _softmax(logits: Tensor, keep: Tensor, lse: Tensor) -> Tensor:
@@ -85,11 +101,13 @@ class ReferenceLSE:
         d_sim = d_logits / tau.to(logits.dtype)
         if not problem.cosine:
             d_a, d_c = d_sim @ c, d_sim.T @ a
-        else:  # through x_hat = x / max(|x|, eps)
+        else:  # through x_hat = x / max(|x|, eps), the norm taken as in the forward
             a_hat, a_norm = normalize_rows(a, problem.eps, True)
             c_hat, c_norm = normalize_rows(c, problem.eps, True)
             d_a = normalize_backward(a_hat, a_norm, d_sim @ c_hat, problem.eps)
             d_c = normalize_backward(c_hat, c_norm, d_sim.T @ a_hat, problem.eps)
+        padded = (torch.cat(problem.tags) == TAG_PADDING)[:, None]
+        d_c = torch.where(padded, torch.zeros((), dtype=d_c.dtype, device=d_c.device), d_c)  # exactly zero
         n0 = problem.blocks[0].shape[0]
         return d_a, (d_c[:n0], d_c[n0:])
 

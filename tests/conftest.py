@@ -1,8 +1,52 @@
-"""Shared fixtures. Tolerances live in fastcl/testing.py; backend lists in tests/backends.py."""
+"""Shared fixtures and the test tiers.
+
+Layout: one folder per layer (``ops``, ``losses``, ``kernels``, ``distributed``, ``train``,
+``eval``, ``integrations``, ``bench``) and one helper package, ``tests.helpers``
+(backend lists, tiny models, process spawning; the tolerances are ``fastcl.testing``).
+
+Tiers: ``pytest tests -m "not slow"`` is the fast tier a developer runs on every change
+(under 2 minutes on a 2-core machine once the C++ backend is built); ``pytest tests``
+(what ``.ci/run`` runs) is everything. A test is slow when it is marked ``slow`` itself or
+when its file or test id is listed in :data:`SLOW` below: multi-process runs, real-model
+and real-data evaluation, training loops, compiler checks (nvcc, Triton AOT) and the
+Triton interpreter leg.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+# Paths relative to tests/; a "::name" suffix marks one test (every parametrisation).
+SLOW = (
+    "distributed/",
+    "kernels/test_triton_suite.py",
+    "kernels/test_triton_aot.py",
+    "kernels/test_cuda_compile.py",
+    "ops/test_memory.py",
+    "ops/test_compile.py",
+    "train/test_train.py",
+    "train/test_train_resume.py",
+    "train/test_gclsr_train.py::test_recipe_steps_decrease_the_loss",
+    "eval/test_eval_minilm.py",
+    "eval/test_eval_cli.py",
+    "eval/test_eval_transfer.py",
+    "eval/test_eval_classifier.py::test_fit_grid_equals_sentevals_classifier",
+    "integrations/test_st_trainer.py",
+    "integrations/test_st_trainer_api.py",
+    "kernels/test_api_triton.py",
+    "test_readme.py",
+)
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = Path(item.fspath).resolve().relative_to(_TESTS).as_posix()
+        name = f"{rel}::{item.originalname}"
+        if any(rel.startswith(s) if s.endswith("/") else s in (rel, name) for s in SLOW):
+            item.add_marker(pytest.mark.slow)
 
 from fastcl._paths import data_dir as _data_dir
 

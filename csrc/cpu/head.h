@@ -42,7 +42,12 @@ struct Head {
     if (m == -inf()) return m;
     return m + ::log1p(::exp(-(a > b ? a - b : b - a)));
   }
-  FASTCL_HD static T softplus(T x) { return x > T(20) ? x : ::log1p(::exp(x)); }  // torch's threshold
+  // exact for every x (no threshold): max(x, 0) + log1p(exp(-|x|)), as head.py's
+  // logaddexp(x, 0); NaN stays NaN
+  FASTCL_HD static T softplus(T x) {
+    if (x != x) return x;
+    return (x > T(0) ? x : T(0)) + ::log1p(::exp(x > T(0) ? -x : x));
+  }
   FASTCL_HD static T sigmoid(T x) { return T(1) / (T(1) + ::exp(-x)); }
 
   // Writes loss_rows[i] and d_pos[i, :]; returns w_i * dloss_i/dlse_i.

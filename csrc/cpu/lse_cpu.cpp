@@ -95,6 +95,99 @@ Plan make_plan(int64_t B, int64_t N) {
   return {rows, threads};
 }
 
+// What prepare() learned about each row of one input matrix (see scan_rows).
+template <typename T>
+struct RowInfo {
+  at::Tensor norm;                 // [rows] norm of the row as stored (cosine only)
+  at::Tensor inv;                  // [rows] the factor its raw dot products take: 1/max(|x|, eps)
+                                   // (times 2^e for a rescaled row); 1 for dot; NaN if non-finite
+  std::vector<T> unscale;          // 2^-e for a row stored as x * 2^-e, else 1
+  std::vector<uint8_t> unclamped;  // |x| > eps (the normalisation backward applies)
+};
+
+// Robustness rules, the same as fastcl/ops/normalize.py (docs/losses.md, "Non-finite
+// inputs"):
+//  * a padded row (tag -2) is read as zeros whatever it holds: it is zeroed in the
+//    compute-dtype copy, so NaN/Inf there reach no value and no gradient;
+//  * a row holding NaN or Inf gets inv = NaN: every logit reading it is NaN, so the
+//    non-finite value can never vanish (e.g. as exp(-inf) = 0);
+//  * norms are right at any scale: the kernels form raw dot products <a, c> by GEMM,
+//    which overflow float32 for |x| ~ 1e19, so (cosine only) a row whose largest entry
+//    exceeds 2^40 is stored as x * 2^-e (a power of two: exact), with
+//    inv = 1/|x * 2^-e| and its gradient scaled back by 2^-e. Tiny rows need nothing:
+//    below 2^-40 their norm is clamped at eps anyway. Sums of squares accumulate in double.
+// `x` is the compute-dtype copy (it may alias `input`; it is cloned before any change).
+constexpr int kScaleExponent = 40;
+
+template <typename T>
+RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags, bool cosine, double eps) {
+  enum Action : int8_t { kKeep, kZero, kNonFinite, kScale };
+  const int64_t rows = x.size(0), d = x.size(1);
+  std::vector<int8_t> action(rows, kKeep);
+  std::vector<int> expo(rows, 0);
+  const T* xr = x.template data_ptr<T>();
+  parallel(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      if (tags && tags[i] == -2) {
+        action[i] = kZero;
+        continue;
+      }
+      T m = 0;
+      bool finite = true;
+      for (int64_t k = 0; k < d; ++k) {
+        const T v = std::abs(xr[i * d + k]);
+        finite = finite && std::isfinite(v);
+        m = v > m ? v : m;
+      }
+      if (!finite) {
+        action[i] = kNonFinite;
+      } else if (cosine && m > std::ldexp(T(1), kScaleExponent)) {
+        std::frexp(m, &expo[i]);
+        action[i] = kScale;
+      }
+    }
+  });
+  const bool modify = std::any_of(action.begin(), action.end(), [](int8_t a) { return a == kZero || a == kScale; });
+  if (modify && x.data_ptr() == input.data_ptr()) x = x.clone();
+  T* xw = x.template data_ptr<T>();
+
+  RowInfo<T> info;
+  info.norm = at::zeros({rows}, x.options());
+  info.inv = at::ones({rows}, x.options());
+  info.unscale.assign(rows, T(1));
+  info.unclamped.assign(rows, 0);
+  T* norm = info.norm.template data_ptr<T>();
+  T* inv = info.inv.template data_ptr<T>();
+  parallel(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      T* row = xw + i * d;
+      if (action[i] == kZero) {
+        std::fill(row, row + d, T(0));
+        inv[i] = cosine ? T(1 / eps) : T(1);
+        continue;
+      }
+      if (action[i] == kNonFinite) {
+        norm[i] = inv[i] = std::numeric_limits<T>::quiet_NaN();
+        info.unclamped[i] = 1;
+        continue;
+      }
+      if (!cosine) continue;
+      if (action[i] == kScale) {
+        for (int64_t k = 0; k < d; ++k) row[k] = std::ldexp(row[k], -expo[i]);
+        info.unscale[i] = std::ldexp(T(1), -expo[i]);
+      }
+      double sq = 0;
+      for (int64_t k = 0; k < d; ++k) sq += double(row[k]) * double(row[k]);
+      const T n = T(std::sqrt(sq));
+      norm[i] = n;
+      // the clamp compares the true norm n * 2^e with eps: a rescaled row (> 2^40) never is
+      info.unclamped[i] = action[i] == kScale || n > eps;
+      inv[i] = T(1) / (info.unclamped[i] ? n : T(eps));
+    }
+  });
+  return info;
+}
+
 // The problem in the compute dtype T (float or double), with everything a block needs.
 template <typename T>
 struct Prepared {
@@ -102,9 +195,9 @@ struct Prepared {
   bool cosine = true;
   double eps = 0;
   T inv_tau = 1;
-  at::Tensor a, c0, c1;      // [B, d], [N0, d], [N1, d] in T, contiguous
-  at::Tensor norm_a, norm_c; // [B], [N] raw norms (cosine only)
-  at::Tensor inv_a, inv_c;   // [B], [N] 1 / max(norm, eps); ones for dot similarity
+  at::Tensor a, c0, c1;      // [B, d], [N0, d], [N1, d] in T, contiguous (see scan_rows)
+  RowInfo<T> ra, rc0, rc1;   // per-row norms and factors of a, c0, c1
+  at::Tensor inv_a, inv_c;   // [B], [N] the rows' factors (RowInfo::inv), c0 then c1
   at::Tensor col_add;        // [N] 0, or -inf for a padded candidate
   std::vector<int64_t> own_ptr, own_col;  // CSR: the columns row i leaves out by tag
 };
@@ -125,23 +218,17 @@ Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at
   const double t = tau.item<double>();
   TORCH_CHECK(t > 0 && std::isfinite(t), "fastcl: tau must be finite and > 0, got ", t);
   p.inv_tau = T(1) / T(t);
+  const at::Tensor tags = at::cat({tags0, tags1}).contiguous();
+  const int32_t* tg = tags.data_ptr<int32_t>();
   p.a = anchor.to(st).contiguous();
   p.c0 = block0.to(st).contiguous();
   p.c1 = block1.to(st).contiguous();
+  p.ra = scan_rows<T>(p.a, anchor, nullptr, cosine, eps);
+  p.rc0 = scan_rows<T>(p.c0, block0, tg, cosine, eps);
+  p.rc1 = scan_rows<T>(p.c1, block1, tg + p.N0, cosine, eps);
+  p.inv_a = p.ra.inv;
+  p.inv_c = at::cat({p.rc0.inv, p.rc1.inv});
   auto opts = p.a.options();
-  if (cosine) {
-    p.norm_a = at::linalg_vector_norm(p.a, 2, {1}, false, st);
-    p.norm_c = at::cat({at::linalg_vector_norm(p.c0, 2, {1}, false, st),
-                        at::linalg_vector_norm(p.c1, 2, {1}, false, st)});
-    p.inv_a = p.norm_a.clamp_min(eps).reciprocal();
-    p.inv_c = p.norm_c.clamp_min(eps).reciprocal();
-  } else {
-    p.inv_a = at::ones({p.B}, opts);
-    p.inv_c = at::ones({p.N}, opts);
-  }
-
-  const at::Tensor tags = at::cat({tags0, tags1}).contiguous();
-  const int32_t* tg = tags.data_ptr<int32_t>();
   p.col_add = at::zeros({p.N}, opts);
   T* add = p.col_add.template data_ptr<T>();
   p.own_ptr.assign(p.B + 1, 0);
@@ -189,12 +276,17 @@ void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const 
   if (p.N == 0) out.zero_();
 }
 
-// Normalisation backward of gradient rows [r0, r1) of e against the raw rows of x.
+// Normalisation backward of gradient rows [r0, r1) of e against the rows of x as stored
+// (RowInfo); a rescaled row's gradient is then scaled back by 2^-e (see scan_rows).
 // (A clamped norm's gradient is e itself: d_hat / eps with d_hat = e * eps.)
 template <typename T>
-void unnormalize_rows(T* e, const T* x, const T* norm, int64_t r0, int64_t r1, int64_t d, double eps) {
+void unnormalize_rows(T* e, const T* x, const RowInfo<T>& info, int64_t r0, int64_t r1, int64_t d) {
+  const T* norm = info.norm.template data_ptr<T>();
   for (int64_t i = r0; i < r1; ++i) {
-    if (norm[i] > eps) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
+    if (info.unclamped[i]) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
+    if (info.unscale[i] != T(1)) {
+      for (int64_t k = 0; k < d; ++k) e[i * d + k] *= info.unscale[i];
+    }
   }
 }
 
@@ -265,8 +357,7 @@ void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64
   at::Tensor e_a = sw.d_a.narrow(0, r0, R);
   mm_blocks(e_a, S, p, p.c0, p.c1);
   if (p.cosine) {
-    unnormalize_rows(sw.d_a.template data_ptr<T>(), p.a.template data_ptr<T>(), p.norm_a.template data_ptr<T>(), r0,
-                     r0 + R, p.d, p.eps);
+    unnormalize_rows(sw.d_a.template data_ptr<T>(), p.a.template data_ptr<T>(), p.ra, r0, r0 + R, p.d);
   }
 }
 
@@ -316,13 +407,11 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   }
 
   if (grad && p.cosine) {
-    const T* norm_c = p.norm_c.template data_ptr<T>();
     parallel(0, p.N0, 64, [&](int64_t c0, int64_t c1) {
-      unnormalize_rows(sw.d_c0.template data_ptr<T>(), p.c0.template data_ptr<T>(), norm_c, c0, c1, p.d, p.eps);
+      unnormalize_rows(sw.d_c0.template data_ptr<T>(), p.c0.template data_ptr<T>(), p.rc0, c0, c1, p.d);
     });
     parallel(0, p.N1, 64, [&](int64_t c0, int64_t c1) {
-      unnormalize_rows(sw.d_c1.template data_ptr<T>(), p.c1.template data_ptr<T>(), norm_c + p.N0, c0, c1, p.d,
-                       p.eps);
+      unnormalize_rows(sw.d_c1.template data_ptr<T>(), p.c1.template data_ptr<T>(), p.rc1, c0, c1, p.d);
     });
   }
 }

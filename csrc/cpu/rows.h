@@ -26,6 +26,12 @@ constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
 }
 
+// max that propagates NaN (a NaN logit must make the row's LSE NaN, not be skipped)
+template <typename T>
+T nan_max(T x, T y) {
+  return (x != x || y != y) ? x + y : (x > y ? x : y);
+}
+
 template <typename T, typename Op>
 T reduce_lanes(const Vectorized<T>& v, T init, Op op) {
   T lanes[Vectorized<T>::size()];
@@ -35,7 +41,8 @@ T reduce_lanes(const Vectorized<T>& v, T init, Op op) {
   return out;
 }
 
-// row[c] <- logit l_c; returns max_c l_c (-inf when every column is excluded).
+// row[c] <- logit l_c; returns max_c l_c (-inf when every column is excluded, NaN when a
+// logit is NaN: at::vec::maximum propagates NaN, and so do the lane and tail reductions).
 template <typename T>
 T logits_and_max(T* row, const T* col_scale, const T* col_add, T row_scale, int64_t n) {
   using V = Vectorized<T>;
@@ -47,11 +54,11 @@ T logits_and_max(T* row, const T* col_scale, const T* col_add, T row_scale, int6
     l.store(row + c);
     vmax = at::vec::maximum(vmax, l);
   }
-  T m = reduce_lanes<T>(vmax, neg_inf<T>(), [](T x, T y) { return x > y ? x : y; });
+  T m = reduce_lanes<T>(vmax, neg_inf<T>(), nan_max<T>);
   for (; c < n; ++c) {
     T l = row[c] * row_scale * col_scale[c] + col_add[c];
     row[c] = l;
-    m = l > m ? l : m;
+    m = nan_max(m, l);
   }
   return m;
 }

@@ -17,12 +17,16 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// max that propagates NaN (fmaxf and `a > b ? a : b` drop it): a NaN logit must make its
+// row's LSE NaN (docs/losses.md, "Non-finite inputs"), never be skipped
+template <typename T>
+__device__ __forceinline__ T nan_max(T a, T b) {
+  return (a != a || b != b) ? a + b : (a > b ? a : b);
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_max(T v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const T w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = w > v ? w : v;
-  }
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 

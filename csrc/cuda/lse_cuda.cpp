@@ -23,7 +23,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <cmath>
+#include <limits>
 #include <string_view>
+#include <tuple>
 
 #include "../checks.h"
 #include "launch.h"
@@ -46,12 +49,35 @@ int64_t rows_per_block(int64_t B, int64_t N) {
 // The problem in the compute dtype T, candidates of both blocks as one [N, d] matrix.
 struct Prepared {
   int64_t B = 0, N0 = 0, N = 0, d = 0;
-  at::Tensor a, c;             // [B, d], [N, d] compute dtype
-  at::Tensor norm_a, norm_c;   // raw norms (cosine) or undefined
-  at::Tensor inv_a, inv_c;     // 1 / max(norm, eps), ones for dot similarity
+  at::Tensor a, c;             // [B, d], [N, d] compute dtype (see robust_rows)
+  at::Tensor norm_a, norm_c;   // norms of the rows as stored (cosine) or undefined
+  at::Tensor inv_a, inv_c;     // 1 / max(norm, eps), ones for dot similarity; NaN for non-finite rows
+  at::Tensor unscale_a, unscale_c;  // [rows, 1] 2^-e for a row stored as x * 2^-e (cosine), else 1
   at::Tensor tags;             // [N] int32
   at::Tensor inv_tau;          // 0-d, compute dtype, on the device
 };
+
+// The robustness rules of fastcl/ops/normalize.py and csrc/cpu/lse_cpu.cpp (scan_rows),
+// with tensor ops (no host sync): a padded row (tag -2) is read as zeros; a row holding
+// NaN/Inf gets inv = NaN so every logit reading it is NaN; with cosine similarity a row
+// whose largest entry exceeds 2^40 is stored as x * 2^-e (exact), so that neither its
+// norm nor the GEMMs' raw dot products overflow; its gradient is scaled back by 2^-e.
+// Returns (rows as stored, inv, norm or undefined, unscale or undefined).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> robust_rows(at::Tensor x, const at::Tensor& tags,
+                                                                      bool cosine, double eps, at::ScalarType st) {
+  if (tags.defined()) x = at::where(tags.eq(-2).unsqueeze(1), at::zeros({}, x.options()), x);
+  const at::Tensor m = x.abs().amax({1}).to(st);
+  const at::Tensor finite = at::isfinite(m);
+  const at::Tensor nan = at::full({}, std::numeric_limits<double>::quiet_NaN(), m.options());
+  if (!cosine) return {x, at::where(finite, at::ones_like(m), nan), at::Tensor(), at::Tensor()};
+  const at::Tensor big = finite.logical_and(m.gt(std::ldexp(1.0, 40)));
+  const at::Tensor expo = at::where(big, std::get<1>(at::frexp(m)), at::zeros_like(m, m.options().dtype(at::kInt)));
+  const at::Tensor unscale = at::ldexp(at::ones_like(m), expo.neg()).unsqueeze(1);  // 2^-e (1 for most rows)
+  x = (x.to(st) * unscale).to(x.scalar_type());  // exact: a power of two
+  const at::Tensor norm = at::linalg_vector_norm(x, 2, {1}, false, st);
+  const at::Tensor inv = at::where(finite, norm.clamp_min(eps).reciprocal(), nan);
+  return {x, inv, norm, unscale};
+}
 
 Prepared prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
@@ -61,21 +87,17 @@ Prepared prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::T
   p.d = anchor.size(1);
   p.N0 = block0.size(0);
   p.N = p.N0 + block1.size(0);
-  const at::Tensor c_in = at::cat({block0, block1}).contiguous();
-  const at::Tensor a_in = anchor.contiguous();
-  p.a = copy_inputs ? a_in.to(st) : a_in;
-  p.c = copy_inputs ? c_in.to(st) : c_in;
-  auto opts = anchor.options().dtype(st);
-  if (cosine) {
-    p.norm_a = at::linalg_vector_norm(a_in, 2, {1}, false, st);
-    p.norm_c = at::linalg_vector_norm(c_in, 2, {1}, false, st);
-    p.inv_a = p.norm_a.clamp_min(eps).reciprocal();
-    p.inv_c = p.norm_c.clamp_min(eps).reciprocal();
-  } else {
-    p.inv_a = at::ones({p.B}, opts);
-    p.inv_c = at::ones({p.N}, opts);
-  }
   p.tags = at::cat({tags0, tags1}).contiguous();
+  auto [a_in, inv_a, norm_a, unscale_a] = robust_rows(anchor.contiguous(), at::Tensor(), cosine, eps, st);
+  auto [c_in, inv_c, norm_c, unscale_c] = robust_rows(at::cat({block0, block1}).contiguous(), p.tags, cosine, eps, st);
+  p.a = (copy_inputs ? a_in.to(st) : a_in).contiguous();
+  p.c = (copy_inputs ? c_in.to(st) : c_in).contiguous();
+  p.inv_a = inv_a.contiguous();
+  p.inv_c = inv_c.contiguous();
+  p.norm_a = norm_a;
+  p.norm_c = norm_c;
+  p.unscale_a = unscale_a;
+  p.unscale_c = unscale_c;
   p.inv_tau = tau.reshape({}).to(st).reciprocal();
   return p;
 }
@@ -125,6 +147,9 @@ void sweep(const Prepared& p, RowArgs<T> args, const at::Tensor& d_a, const at::
     check_launch(launch_normalize_backward<T>(d_c.data_ptr<T>(), p.c.data_ptr<T>(), p.norm_c.data_ptr<T>(), p.N, p.d,
                                               eps, stream),
                  "normalize_backward");
+    // rows stored as x * 2^-e: their gradient w.r.t. x is 2^-e times the stored rows' one
+    d_a.mul_(p.unscale_a);
+    d_c.mul_(p.unscale_c);
   }
 }
 

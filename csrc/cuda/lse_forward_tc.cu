@@ -108,14 +108,15 @@ __global__ void __launch_bounds__(kThreads) forward_tc_kernel(const In* __restri
         const int32_t t = gc < N ? tags[gc] : -2;
         l[h] = (t == -2 || t == gr) ? ninf : sw[r * kLdS + c] * rs * inv_c[gc];
       }
-      const float tile_max = warp_max(fmaxf(l[0], l[1]));
-      if (!(tile_max > ninf)) continue;  // warp-uniform: nothing valid in this tile
+      // NaN-propagating max: a NaN logit makes the row's LSE NaN instead of being skipped
+      const float tile_max = warp_max(nan_max(l[0], l[1]));
+      if (tile_max == ninf) continue;  // warp-uniform: nothing valid in this tile
       const float m_old = run_m[lr];
-      const float m_new = fmaxf(m_old, tile_max);
+      const float m_new = nan_max(m_old, tile_max);
       float p_sum = 0.0f, pl_sum = 0.0f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (l[h] > ninf) {
+        if (l[h] != ninf) {
           const float p = __expf(l[h] - m_new);
           p_sum += p;
           pl_sum += p * l[h];
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) forward_tc_kernel(const In* __restri
       p_sum = warp_sum(p_sum);
       pl_sum = warp_sum(pl_sum);
       if (lane == 0) {
-        const float scale = m_old > ninf ? __expf(m_old - m_new) : 0.0f;
+        const float scale = m_old == ninf ? 0.0f : __expf(m_old - m_new);
         run_s[lr] = run_s[lr] * scale + p_sum;
         run_pl[lr] = run_pl[lr] * scale + pl_sum;
         run_m[lr] = m_new;
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) forward_tc_kernel(const In* __restri
   for (int r = threadIdx.x; r < kBM; r += kThreads) {
     const int64_t gr = m0 + r;
     if (gr >= B) continue;
-    const bool empty = !(run_m[r] > ninf);
+    const bool empty = run_m[r] == ninf;
     lse[gr] = empty ? ninf : run_m[r] + logf(run_s[r]);
     mean_logit[gr] = empty ? 0.0f : run_pl[r] / run_s[r];
   }

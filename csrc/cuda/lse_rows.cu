@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowArgs<T> a) {
 
   if (a.mode == kBackward) {
     const T lse = a.lse_in[gi], g = a.grad_lse[gi];
-    const bool none = !(lse > ninf) || g == T(0);
+    const bool none = lse == ninf || g == T(0);  // a NaN lse stays NaN in the weights
     for (int64_t c = threadIdx.x; c < N; c += blockDim.x) {
       const int32_t t = a.tags[c];
       T x = T(0);
@@ -46,20 +46,20 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowArgs<T> a) {
       const int32_t t = a.tags[c];
       const T l = (t == -2 || t == gi) ? ninf : row[c] * rs * a.inv_c[c];
       row[c] = l;
-      m = l > m ? l : m;
+      m = nan_max(m, l);
     }
     m = block_reduce<T, true>(m, scratch);
     T sp = T(0), spl = T(0);
     for (int64_t c = threadIdx.x; c < N; c += blockDim.x) {
       const T l = row[c];
-      const T p = m > ninf ? ::exp(l - m) : T(0);  // excluded columns: exp(-inf) = 0
+      const T p = m == ninf ? T(0) : ::exp(l - m);  // excluded columns: exp(-inf) = 0; NaN m: NaN
       row[c] = p;
       sp += p;
       if (l > ninf) spl += p * l;
     }
     sp = block_reduce<T, false>(sp, scratch);
     spl = block_reduce<T, false>(spl, scratch);
-    const bool empty = !(m > ninf);
+    const bool empty = m == ninf;  // a NaN m (a NaN logit) is not empty: the LSE is NaN
     const T lse = empty ? ninf : m + ::log(sp);
     if (threadIdx.x == 0) {
       a.lse[gi] = lse;

@@ -59,13 +59,15 @@ def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600) -> in
 
 
 def cpu_extra_peak_bytes_many(factory: str, cases: list[dict], preload: tuple[str, ...] = (),
-                              timeout: float = 1800) -> list[int | None]:
+                              timeout: float = 1800, threads: int | None = None) -> list[int | None]:
     """:func:`cpu_extra_peak_bytes` for many cases, paying Python's and the libraries' start-up once.
 
     One fresh Python process imports ``factory``'s module and ``preload`` and runs no
     tensor work; for each case it forks a child, which is therefore a fresh process with
     no earlier allocations (and no OpenMP pool to inherit), builds that case and reports
     its extra peak RSS. ``None`` where the child failed (the benchmark reports why).
+    ``threads``: the intra-op thread count of the probes (OMP/MKL_NUM_THREADS, read when
+    torch starts; per-thread scratch buffers make memory depend on it), default inherited.
     """
     import os
 
@@ -74,6 +76,8 @@ def cpu_extra_peak_bytes_many(factory: str, cases: list[dict], preload: tuple[st
     # glibc: every block above 64 KiB is its own mapping, returned to the kernel when freed,
     # so the measured step cannot reuse heap left over from its warm-up run unseen
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"memory probe server failed:\n{out.stderr[-4000:]}")

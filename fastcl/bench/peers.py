@@ -8,8 +8,8 @@ float64 reference first (:func:`check_value`).
 Families:
 
 * ``reference``: ``eager`` (the oracle of ``fastcl.reference``, materialises ``[B, N]``)
-  and ``compile`` (``torch.compile`` of that oracle, dynamic shapes, one compile per loss
-  and process).
+  and ``compile`` (``torch.compile`` of the same loss written for compile to fuse,
+  ``fastcl.bench.fusable``; dynamic shapes, one compile per loss and process).
 * ``fastcl``: the backends of ``fastcl.ops.dispatch`` (``torch``, ``cpp``, ``triton``,
   ``cuda``); one that cannot run here is skipped with dispatch's reason.
 * ``peer``: what a user would use instead, where it computes the same loss:
@@ -104,10 +104,13 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def _build_compile(loss: str, t: dict):
+    from fastcl.bench import fusable
     from fastcl.bench.cases import LOSSES
 
     if loss not in _COMPILED:  # one dynamic-shape graph per loss and process
-        _COMPILED[loss] = torch.compile(LOSSES[loss][1], dynamic=True)
+        # the formulation a user would write for compile to fuse (fastcl.bench.fusable);
+        # a loss without one compiles its oracle
+        _COMPILED[loss] = torch.compile(fusable.LOSSES.get(loss, LOSSES[loss][1]), dynamic=True)
     fn = _COMPILED[loss]
     return lambda: fn(**t, temperature=TEMPERATURE)
 

@@ -5,11 +5,16 @@
     python -m fastcl bench-report ...          # the same through the fastcl CLI
 
 Reads the records written by ``benchmarks/bench_losses.py`` (``extra_info``: workload,
-impl, B, peak memory, TFLOP/s, GEMM share, loss value vs reference) and the skips with
-their reasons (``fastcl_skipped``). One section per device and workload family (loss, P,
-Q, d, dtype): a table of every batch size and implementation with ratios to eager, the
-skipped implementations with reasons, and one PNG with time and peak memory against B.
-A summary says where fastcl's best backend wins or loses against eager and the others.
+impl, B, time as the minimum of interleaved rounds with its spread, the GEMM floor and the
+share of it, peak memory, TFLOP/s, GEMM share, compile time, threads, loss value vs
+reference) and the skips with their reasons (``fastcl_skipped``). One section per device,
+workload family (loss, P, Q, d, dtype) and thread count: a table of every batch size and
+implementation with ratios to eager and the floor's own line, cases marked *noisy* where
+a spread exceeds ``fastcl.bench.timing.NOISY_SPREAD``, the skipped implementations with
+reasons, and one PNG with time and peak memory against B. A summary says where fastcl's
+best backend wins or loses against eager, ``torch.compile`` and the others; given runs at
+several thread counts (``scripts/bench_threads.sh``), a thread-scaling table follows.
+Older records without ``min_s`` (median-timed runs) are read with their median.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from fastcl.bench.timing import NOISY_SPREAD
 
 FAMILY_ORDER = {"reference": 0, "fastcl": 1, "peer": 2}
 
@@ -34,6 +41,19 @@ class Row:
     tflops: float | None
     gemm_share: float | None
     abs_err: float | None
+    spread: float | None = None
+    floor_share: float | None = None
+    compile_s: float | None = None
+    noisy: bool = False
+    threads: int | None = None
+
+    @classmethod
+    def from_record(cls, b: dict) -> Row:
+        e = b["extra_info"]
+        seconds = e["min_s"] if e.get("min_s") is not None else b["stats"]["median"]
+        return cls(e["impl"], e.get("family", "?"), e["B"], seconds, e.get("peak_mib"), e.get("tflops"),
+                   e.get("gemm_share"), e.get("abs_err"), e.get("spread"), e.get("floor_share"),
+                   e.get("compile_s"), bool(e.get("noisy")), e.get("threads"))
 
 
 @dataclass
@@ -46,16 +66,24 @@ class Group:
     Q: int
     d: int
     dtype: str
+    threads: int | None = None
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # impl -> reason (first seen)
+    floors: dict[int, tuple[float, float | None]] = field(default_factory=dict)  # B -> (floor s, spread)
+    thread_suffix: bool = False  # several thread counts of this family were loaded: name them
 
     @property
     def title(self) -> str:
-        return f"{self.loss} P={self.P} Q={self.Q} d={self.d} {self.dtype} ({self.device})"
+        threads = "" if self.threads is None else f", {self.threads} thread{'s' if self.threads != 1 else ''}"
+        return f"{self.loss} P={self.P} Q={self.Q} d={self.d} {self.dtype} ({self.device}{threads})"
 
     @property
     def slug(self) -> str:
-        return f"{self.device}-{self.loss}-P{self.P}-Q{self.Q}-d{self.d}-{self.dtype}"
+        base = f"{self.device}-{self.loss}-P{self.P}-Q{self.Q}-d{self.d}-{self.dtype}"
+        return f"{base}-t{self.threads}" if self.thread_suffix else base
+
+    def noisy(self, B: int) -> bool:
+        return any(r.noisy for r in self.rows if r.B == B)
 
 
 def parse_workload(workload: str) -> dict:
@@ -73,29 +101,41 @@ def load(paths: list) -> tuple[list[Group], list[dict]]:
     groups: dict[tuple, Group] = {}
     machines = []
 
-    def group(device, loss, P, Q, d, dtype) -> Group:
-        key = (device, loss, P, Q, d, dtype)
+    def group(device, loss, P, Q, d, dtype, threads) -> Group:
+        key = (device, loss, P, Q, d, dtype, threads)
         if key not in groups:
             groups[key] = Group(*key)
         return groups[key]
 
     for path in paths:
         doc = json.loads(Path(path).read_text())
-        machines.append({"path": str(path), "datetime": doc.get("datetime"), **doc.get("machine_info", {})})
+        machine = doc.get("machine_info", {})
+        machines.append({"path": str(path), "datetime": doc.get("datetime"), **machine})
+        run_threads = machine.get("fastcl", {}).get("torch_threads")
         for b in doc.get("benchmarks", []):
             e = b.get("extra_info", {})
             if "workload" not in e or "B" not in e:
                 continue  # another benchmark file's records (e.g. gradcache)
-            g = group(e["device"], e["loss"], e["P"], e["Q"], e["d"], e["dtype"])
-            g.rows.append(Row(e["impl"], e.get("family", "?"), e["B"], b["stats"]["median"], e.get("peak_mib"),
-                              e.get("tflops"), e.get("gemm_share"), e.get("abs_err")))
+            row = Row.from_record(b)
+            row.threads = row.threads or run_threads
+            g = group(e["device"], e["loss"], e["P"], e["Q"], e["d"], e["dtype"], row.threads)
+            g.rows.append(row)
+            if e.get("floor_s"):
+                g.floors.setdefault(e["B"], (e["floor_s"], e.get("floor_spread")))
         for s in doc.get("fastcl_skipped", []):
             w = parse_workload(s["workload"])
-            g = group(w["device"], w["loss"], w["P"], w["Q"], w["d"], w["dtype"])
+            g = group(w["device"], w["loss"], w["P"], w["Q"], w["d"], w["dtype"], run_threads)
             g.skipped.setdefault(s["impl"], f"B={w['B']}: {s['reason']}")
+    counts = defaultdict(set)
+    for key in groups:
+        counts[key[:-1]].add(key[-1])
+    for key, g in list(groups.items()):
+        g.thread_suffix = len(counts[key[:-1]]) > 1
+        if not g.rows and g.thread_suffix:  # skips recorded under a thread count with no rows
+            del groups[key]
     for g in groups.values():
         g.rows.sort(key=lambda r: (r.B, FAMILY_ORDER.get(r.family, 9), r.impl))
-    ordered = sorted(groups.values(), key=lambda g: (g.device, g.loss, g.P, g.Q, g.d, g.dtype))
+    ordered = sorted(groups.values(), key=lambda g: (g.device, g.loss, g.P, g.Q, g.d, g.dtype, g.threads or 0))
     return ordered, machines
 
 
@@ -107,26 +147,61 @@ def _fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
 def table(g: Group) -> str:
-    """Markdown table: one line per (B, implementation), ratios to eager at that B."""
+    """Markdown table: one line per (B, implementation), ratios to eager at that B; the
+    floor's own line first at each B; ``B (noisy)`` where a spread of the case is too wide."""
     gpu = g.device == "cuda"
     rate = "TFLOP/s" if gpu else "GFLOP/s"
     lines = [
-        f"| B | impl | time (ms) | speed vs eager | peak (MiB) | memory vs eager | {rate} | share of GEMM | loss error |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| B | impl | time (ms) | spread | speed vs eager | share of floor | peak (MiB) | memory vs eager | {rate} "
+        "| share of GEMM | compile (s) | loss error |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    floor_done = set()
     for r in g.rows:
+        b = f"{r.B} (noisy)" if g.noisy(r.B) else str(r.B)
+        if r.B in g.floors and r.B not in floor_done:
+            floor_done.add(r.B)
+            f_s, f_spread = g.floors[r.B]
+            lines.append(f"| {b} | *floor: 3 GEMMs* | {f_s * 1e3:.1f} | {_pct(f_spread)} | – | 100% | – | – | – | – | – | – |")
         e = _eager(g, r.B)
         speed = f"{e.seconds / r.seconds:.2f}x" if e else "–"
         # below 1 MiB the RSS meter sees page-level noise, not the workload: no ratio
         mem = f"{r.peak_mib / e.peak_mib:.3f}x" if e and e.peak_mib and e.peak_mib >= 1 and r.peak_mib is not None else "–"
         rate_value = None if r.tflops is None else (r.tflops if gpu else r.tflops * 1e3)
-        share = None if r.gemm_share is None else 100 * r.gemm_share
         name = f"**{r.impl}**" if r.family == "fastcl" else r.impl
         lines.append(
-            f"| {r.B} | {name} | {r.seconds * 1e3:.1f} | {speed} | {_fmt(r.peak_mib, '.1f')} | {mem} | "
-            f"{_fmt(rate_value, '.1f')} | {_fmt(share, '.0f')}% | {_fmt(r.abs_err, '.1e')} |"
+            f"| {b} | {name} | {r.seconds * 1e3:.1f} | {_pct(r.spread) if r.spread is not None else '–'} | {speed} | "
+            f"{_pct(r.floor_share)} | {_fmt(r.peak_mib, '.1f')} | {mem} | {_fmt(rate_value, '.1f')} | "
+            f"{_pct(r.gemm_share)} | {_fmt(r.compile_s, '.1f')} | {_fmt(r.abs_err, '.1e')} |"
         )
+    return "\n".join(lines)
+
+
+def scaling(groups: list[Group]) -> str | None:
+    """Thread scaling: each (workload, B, implementation) measured at several thread counts."""
+    by_key: dict[tuple, dict[int, Row]] = defaultdict(dict)
+    for g in groups:
+        for r in g.rows:
+            if r.threads:
+                by_key[(g.device, g.loss, g.P, g.Q, g.d, g.dtype, r.B, r.impl)][r.threads] = r
+    counts = sorted({t for v in by_key.values() for t in v})
+    multi = {k: v for k, v in by_key.items() if len(v) > 1}
+    if not multi or len(counts) < 2:
+        return None
+    lo = counts[0]
+    head = " | ".join(f"{t} thread{'s' if t != 1 else ''} (ms)" for t in counts)
+    lines = [f"| workload | B | impl | {head} | " + " | ".join(f"speed-up {lo}→{t}" for t in counts[1:]) + " |",
+             "|---|---:|---|" + "---:|" * (2 * len(counts) - 1)]
+    for (device, loss, P, Q, d, dtype, B, impl), v in sorted(multi.items(), key=lambda kv: (kv[0][:7], kv[0][7])):
+        times = " | ".join(_fmt(v[t].seconds * 1e3 if t in v else None, ".1f") for t in counts)
+        ups = " | ".join(f"{v[lo].seconds / v[t].seconds:.2f}x" if lo in v and t in v else "–" for t in counts[1:])
+        noisy = " (noisy)" if any(r.noisy for r in v.values()) else ""
+        lines.append(f"| {loss} P={P} Q={Q} d={d} {dtype} {device} | {B}{noisy} | {impl} | {times} | {ups} |")
     return "\n".join(lines)
 
 
@@ -150,6 +225,9 @@ def plot(g: Group, path: Path) -> None:
         mem = [(r.B, r.peak_mib) for r in rows if r.peak_mib is not None and r.peak_mib > 0]  # log axis
         if mem:
             ax_m.plot(*zip(*mem), style, marker="o", lw=width, label=impl)
+    if g.floors:
+        bs = sorted(g.floors)
+        ax_t.plot(bs, [g.floors[b][0] * 1e3 for b in bs], "k-.", marker="x", lw=1.2, label="floor (3 GEMMs)")
     for ax, ylabel in ((ax_t, "forward + backward (ms)"), (ax_m, "peak memory (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -173,6 +251,8 @@ def summary(g: Group) -> str | None:
     at = [r for r in g.rows if r.B == B]
     best = min((r for r in at if r.family == "fastcl"), key=lambda r: r.seconds)
     parts = [f"**{g.title}, B={B}**: fastest fastcl backend `{best.impl}`"]
+    if best.floor_share is not None:
+        parts.append(f"{100 * best.floor_share:.0f}% of the GEMM floor")
     e = _eager(g, B)
     if e:
         if best.seconds <= e.seconds:
@@ -181,6 +261,10 @@ def summary(g: Group) -> str | None:
             parts.append(f"{best.seconds / e.seconds:.2f}x slower than eager")
         if e.peak_mib and e.peak_mib >= 1 and best.peak_mib is not None:
             parts.append(f"{best.peak_mib / e.peak_mib:.2f}x eager's peak memory")
+    compiled = next((r for r in at if r.impl == "compile"), None)
+    if compiled is not None:
+        verb = "ahead of" if best.seconds < compiled.seconds else "behind"
+        parts.append(f"{verb} `torch.compile` ({compiled.seconds / best.seconds:.2f}x its time)")
     others = [r for r in at if r.family != "fastcl" and r.impl != "eager"]
     if others:
         fastest = min(others, key=lambda r: r.seconds)
@@ -191,6 +275,8 @@ def summary(g: Group) -> str | None:
             parts.append(f"memory {best.peak_mib:.0f} MiB vs the leanest other, `{leanest.impl}`, {leanest.peak_mib:.0f} MiB")
     if e is None and g.skipped.get("eager"):
         parts.append(f"eager skipped ({g.skipped['eager']})")
+    if g.noisy(B):
+        parts.append("**noisy** (a spread above the threshold: ratios uncertain)")
     return ", ".join(parts) + "."
 
 
@@ -201,7 +287,8 @@ def _machine_lines(m: dict) -> list[str]:
     device = f.get("cuda_device") or brand or f.get("cpu") or m.get("processor", "?")
     lines = [
         f"- `{Path(m['path']).name}`: {f.get('date') or m.get('datetime')}, device **{device}** "
-        f"({f.get('cpu_count', '?')} CPUs, {f.get('torch_threads', '?')} torch threads), "
+        f"({f.get('cpu_count', '?')} CPUs, {f.get('torch_threads', '?')} torch threads"
+        f"{', FASTCL_BENCH_THREADS=' + f['threads_setting'] if f.get('threads_setting', '').isdigit() else ''}), "
         f"python {m.get('python_version', '?')}",
     ]
     start, end = f.get("loadavg_start"), f.get("loadavg_end")
@@ -215,17 +302,24 @@ def _machine_lines(m: dict) -> list[str]:
     return lines
 
 
-def render(groups: list[Group], machines: list[dict], plots_dir: Path, out: Path, notes: str | None = None) -> str:
-    """The markdown text; writes one PNG per group with rows into ``plots_dir``."""
+def render(groups: list[Group], machines: list[dict], plots_dir: Path, out: Path, notes: str | None = None,
+           scaling_groups: list[Group] | None = None) -> str:
+    """The markdown text; writes one PNG per group with rows into ``plots_dir``.
+    ``scaling_groups``: where the thread-scaling table comes from (default ``groups``)."""
     lines = [
         "# fastcl benchmark results", "",
         "Generated by `python -m fastcl.bench report` from pytest-benchmark JSON "
-        "(`pytest benchmarks --benchmark-only`; GPU: `scripts/gpu_bench.sh`). Time: median of "
-        "forward + backward. Peak memory: CPU, extra peak RSS of a fresh process running one step; "
-        "CUDA, max allocated beyond the inputs. FLOP rate on 8·B·N·d, and its share of the rate of "
-        "one GEMM of the same shape measured in the same run. Each implementation's loss value was "
-        "checked against the float64 reference before timing (last column: absolute error). "
-        "fastcl backends in bold.",
+        "(`pytest benchmarks --benchmark-only`; GPU: `scripts/gpu_bench.sh`). Time: forward + backward, "
+        "the minimum over rounds in which all implementations of a case and its GEMM floor ran "
+        "interleaved (older runs: median); spread: how far the third-fastest round lies above the "
+        f"fastest; a case is *noisy* when a spread exceeds {100 * NOISY_SPREAD:.0f}% (its ratios are "
+        "uncertain). Floor: the three GEMMs of a gradient-in-forward step at the case's shape "
+        "(A·Cᵀ, X·C, Xᵀ·A), same run; share of floor = floor / time. Peak memory: CPU, extra peak RSS "
+        "of a fresh process running one step; CUDA, max allocated beyond the inputs. FLOP rate on "
+        "8·B·N·d, and its share of the rate of one GEMM of the same shape measured in the same run. "
+        "Compile: seconds the first calls of `torch.compile` took beyond one step. Each "
+        "implementation's loss value was checked against the float64 reference before timing (last "
+        "column: absolute error). fastcl backends in bold.",
         "", "## Runs", "",
     ]
     for m in machines:
@@ -235,6 +329,10 @@ def render(groups: list[Group], machines: list[dict], plots_dir: Path, out: Path
         lines += ["", "## Where fastcl wins and loses", ""] + [f"- {s}" for s in said]
     if notes:
         lines += ["", notes.strip()]
+    scaled = scaling(groups if scaling_groups is None else scaling_groups)
+    if scaled:
+        lines += ["", "## Thread scaling", "", "The same cases in runs at different thread counts "
+                  "(`scripts/bench_threads.sh`); speed-up = time at the fewest threads / time.", "", scaled]
     for g in groups:
         lines += ["", f"## {g.title}", ""]
         if g.rows:
@@ -253,6 +351,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="benchmarks/RESULTS.md", help="markdown file to write")
     p.add_argument("--plots", default=None, help="folder for the PNG plots (default: <out dir>/plots)")
     p.add_argument("--notes", default=None, help="markdown file whose text goes under the summary")
+    p.add_argument("--scaling", nargs="*", default=[], metavar="JSON",
+                   help="runs at other thread counts (scripts/bench_threads.sh): used for the thread-scaling "
+                        "table only, next to the main runs, not for their own sections")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -261,9 +362,14 @@ def main(args: argparse.Namespace) -> int:
     groups, machines = load(args.json)
     if not any(g.rows for g in groups):
         raise SystemExit(f"no fastcl loss benchmarks in {', '.join(map(str, args.json))}")
+    extra = getattr(args, "scaling", None) or []
+    scaling_groups = None
+    if extra:
+        scaling_groups, extra_machines = load(list(args.json) + list(extra))
+        machines += extra_machines[len(args.json):]
     notes = Path(args.notes).read_text() if args.notes else None
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(groups, machines, plots, out, notes))
+    out.write_text(render(groups, machines, plots, out, notes, scaling_groups))
     print(f"wrote {out} and {sum(1 for g in groups if g.rows)} plots under {plots}")
     return 0
 

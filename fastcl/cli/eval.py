@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,6 +104,14 @@ def run(args) -> int:
             raise SystemExit(f"fastcl eval: {e}") from None
     if args.batch_size < 1:
         raise SystemExit("fastcl eval: --batch-size must be >= 1")
+    from fastcl._fsio import check_model_path, check_output_file
+
+    try:  # bad paths end here, not after the model has run on every task
+        check_model_path(args.model)
+        if args.output:
+            check_output_file(args.output, "--output")
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"fastcl eval: {e}") from None
 
     encoder = Encoder.from_pretrained(
         args.model, pooling=args.pooling, batch_size=args.batch_size, max_length=args.max_length,
@@ -150,8 +161,29 @@ def run(args) -> int:
         config = {k: v for k, v in vars(args).items() if k not in ("command",)}
         config["tasks"] = tasks
         payload = {**results, **averages, "details": details, "config": config}
-        out = Path(args.output)
+        return _write_results(Path(args.output).expanduser(), json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def _write_results(out: Path, text: str) -> int:
+    """Write ``out`` atomically; if that still fails (the paths were checked before the model
+    ran, but disks fill up and folders vanish), save the results elsewhere and say where."""
+    from fastcl._fsio import atomic_write_text
+
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {out}")
+        atomic_write_text(out, text)
+    except OSError as e:
+        print(f"fastcl eval: error: could not write {out}: {e}", file=sys.stderr)
+        try:
+            fd, fallback = tempfile.mkstemp(prefix="fastcl-eval-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            print(f"fastcl eval: the results were saved to {fallback} instead", file=sys.stderr)
+        except OSError as e2:
+            print(f"fastcl eval: could not save them to a temporary file either ({e2}); here they are:",
+                  file=sys.stderr)
+            print(text)
+        return 1
+    print(f"wrote {out}")
     return 0

@@ -32,8 +32,12 @@ def run(args) -> int:
     from fastcl.eval.encode import Encoder
     from fastcl.eval.plot import cosine_matrix, plot_similarity, read_sentences
 
+    from fastcl._fsio import check_model_path, check_output_file
+
     try:  # fail before loading the model
         sentences = read_sentences(args.sentences)
+        check_model_path(args.model)
+        check_output_file(args.out, "--out")
     except (OSError, ValueError) as e:
         raise SystemExit(f"fastcl plot-similarity: {e}") from None
     encoder = Encoder.from_pretrained(args.model, pooling=args.pooling, max_length=args.max_length,

@@ -53,8 +53,13 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"fastcl train {args.method}: error: {e}", file=sys.stderr)
         return 2
+    from fastcl.trainers.checkpoint import CheckpointError
     from fastcl.trainers.loop import train
 
-    summary = train(recipe, cfg)
+    try:
+        summary = train(recipe, cfg)
+    except CheckpointError as e:  # raised while choosing the checkpoint, before any compute
+        print(f"fastcl train {args.method}: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
     return 0

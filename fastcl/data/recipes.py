@@ -61,8 +61,9 @@ def supmpn_groups(
         pos_fill: ``anchor`` (copy the premise, the paper's wording), ``entailment_copy``
             (repeat the real entailments cyclically), ``mask`` (keep the real count, pad and
             mask), ``drop`` (skip the premise).
-        neg_fill: ``sample`` (hypotheses of *other* premises, seeded, without replacement
-            within an example), ``mask``, ``drop``.
+        neg_fill: ``sample`` (entailment or contradiction hypotheses of *other* premises,
+            never neutral ones; seeded, without replacement within an example), ``mask``,
+            ``drop``.
     Premises with fewer than ``min_positives`` real entailments are skipped (a premise with
     none would otherwise learn only from copies of itself).
 
@@ -79,8 +80,10 @@ def supmpn_groups(
     groups = group_by_premise(nli)
     rng = random.Random(seed)
     premises = list(groups)
-    # sampling pool for negatives: every hypothesis with the premise it belongs to
-    pool = [(p, h) for p in premises for lab in ("entailment", "neutral", "contradiction") for h in groups[p][lab]]
+    # sampling pool for negatives: the entailment and contradiction hypotheses of every
+    # premise, with the premise they belong to. Never neutral ones: the paper fills from
+    # other premises' entailments or contradictions (neutral pairs are unused throughout).
+    pool = [(p, h) for p in premises for lab in ("entailment", "contradiction") for h in groups[p][lab]]
     out = []
     for premise in premises:
         g = groups[premise]

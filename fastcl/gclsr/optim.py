@@ -2,7 +2,9 @@
 
 * SGD (Nesterov), weight decay 1e-3, step size ``lr = base_lr * batch / 128``.
 * Learning rate: linear warm-up, then cosine decay to 0, on every group except the
-  predictor, which keeps the initial ``lr`` throughout (SimSiam's "fix_pred_lr").
+  predictor, which keeps a constant ``pred_lr`` = **1.0** throughout: not scaled by the
+  batch, not warmed up, not decayed (paper sec. 5.3 and Table 6, and the authors' code:
+  a small or decayed predictor lr stops training around the 9th epoch).
 * Momentum 0.9 during warm-up, 0.8 after it.
 
 Base lr: the paper writes 0.3 in one place and 0.03 in another; we use **0.03**. It is the
@@ -29,18 +31,31 @@ def scaled_lr(base_lr: float, batch_size: int) -> float:
     return base_lr * batch_size / BASE_BATCH
 
 
+PRED_LR = 1.0  # the paper's (sec. 5.3, Table 6) and the authors' constant predictor lr
+
+
 def build_sgd(
-    model: nn.Module, lr: float, *, weight_decay: float = 1e-3, momentum: float = 0.9, nesterov: bool = True
+    model: nn.Module, lr: float, *, pred_lr: float | None = PRED_LR, weight_decay: float = 1e-3,
+    momentum: float = 0.9, nesterov: bool = True,
 ) -> torch.optim.SGD:
     """SGD over ``model``'s trainable parameters in two groups: ``"encoder"`` (backbone and
-    projector; scheduled) and ``"predictor"`` (``model.predictor``; constant lr)."""
+    projector; lr ``lr``, scheduled) and ``"predictor"`` (``model.predictor``; constant
+    ``pred_lr``, default 1.0; ``None`` keeps it at ``lr``, SimSiam's "fix_pred_lr")."""
+    if pred_lr is not None and not pred_lr > 0:
+        raise ValueError(f"pred_lr must be > 0, got {pred_lr}")
     pred = {id(p) for p in model.predictor.parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"name": "encoder", "params": [p for p in params if id(p) not in pred], "fix_lr": False},
-        {"name": "predictor", "params": [p for p in params if id(p) in pred], "fix_lr": True},
+        {"name": "predictor", "params": [p for p in params if id(p) in pred], "fix_lr": True,
+         "lr": lr if pred_lr is None else pred_lr},
     ]
-    return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    # fused: one pass over each parameter instead of ~6 (weight decay, momentum, Nesterov,
+    # update); the same arithmetic (bit-identical to the per-tensor loop in our tests) and
+    # about 5x faster on the CPU, where the 54 M-parameter heads made the step memory-bound
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+                           fused=fused or None)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:

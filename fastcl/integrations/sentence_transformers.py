@@ -8,17 +8,73 @@
     loss = MultipleNegativesRankingLoss(model)          # scale=20.0, i.e. temperature 0.05
     SentenceTransformerTrainer(model=model, train_dataset=ds, loss=loss).train()
 
-Each class has sentence-transformers' loss interface (``loss(sentence_features, labels)``,
-one feature dict per dataset column, labels ignored) and runs fastcl's fused primitive,
-which never builds the ``B x B(1+Q)`` logits. Column layouts, ``scale`` vs ``temperature``,
-where the losses coincide with sentence-transformers', gradient caching and cross-device
-negatives: docs/sentence_transformers.md.
+Every class here has sentence-transformers' loss interface: it is constructed with the
+``SentenceTransformer`` model and called by the trainer as ``loss(sentence_features,
+labels)``, where ``sentence_features`` holds one tokenized feature dict per input column of
+the dataset, in column order (a dict or the ``BatchEncoding`` of ``model.preprocess()``:
+any mapping), and ``labels`` is ignored (the layout is given by the columns) except by
+``SupConLabelsLoss``, whose positives are the rows with the same label. ``compute_loss_from_embeddings(embeddings, labels=None)`` takes the ``[B, d]``
+embeddings of the columns directly. The loss itself is fastcl's fused primitive
+(``fastcl.losses``): it never builds the ``B x B(1+Q)`` logits.
+
+Column layouts (``B`` rows per column, every row needs every column):
+
+=====================================  ==============================================
+class                                  columns
+=====================================  ==============================================
+``MultipleNegativesRankingLoss``       anchor, positive, negative_1 .. negative_Q (Q >= 0)
+``CachedMultipleNegativesRankingLoss`` same, with gradient caching (``mini_batch_size=32``)
+``InfoNCELoss``                        anchor, positive (SimCSE-unsup: the same sentence twice)
+``SupMPNLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
+``SupConLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
+``SupConLabelsLoss``                   1..V views of a sample and a ``label`` column
+=====================================  ==============================================
+
+Temperature. sentence-transformers multiplies similarities by ``scale``; fastcl divides them
+by ``temperature``: ``scale = 1 / temperature``. Give one of ``scale=`` (sentence-
+transformers' name and default, ``20.0``) or ``temperature=`` (fastcl's name); the default
+``scale=20.0`` is ``temperature=0.05``, SimCSE's value. ``loss.scale`` and
+``loss.temperature`` read (and set) the same number.
+
+Similarity. ``similarity_fct`` accepts sentence-transformers' ``util.cos_sim`` (default) and
+``util.dot_score`` (or ``"cos"`` / ``"dot"``): fastcl computes similarities inside its
+fused kernel, so an arbitrary callable cannot be honoured and raises ``ValueError``.
+
+Where the losses coincide. ``MultipleNegativesRankingLoss`` (and the cached one) equals
+sentence-transformers 6.2's ``MultipleNegativesRankingLoss`` with the same ``directions``,
+``partition_mode``, ``hardness_mode`` and ``hardness_strength`` (value and gradients on the
+same embeddings; the candidate order differs, which a log-sum-exp does not see).
+``InfoNCELoss(symmetric=True)`` equals it with ``directions=("query_to_doc",
+"doc_to_query"), partition_mode="per_direction"`` on (anchor, positive) pairs.
+
+Gradient caching. ``mini_batch_size=`` (any class; ``CachedMultipleNegativesRankingLoss``
+defaults to 32, like sentence-transformers' cached loss) encodes each column with
+:class:`fastcl.gradcache.GradCache`: chunks of ``mini_batch_size`` rows without grad, the
+fused loss, then a chunk-by-chunk re-encoding with grad during ``backward()`` (dropout
+masks replayed), so encoder memory is that of one chunk. Values and gradients equal the
+uncached loss. Inside sentence-transformers' ``MatryoshkaLoss`` / ``Matryoshka2dLoss``:
+the uncached losses work as any loss (the model's forward is patched); the cached ones
+follow sentence-transformers' gradient-cache protocol (``uses_gradient_cache`` and
+``calculate_loss``, which ``MatryoshkaLoss`` wraps to run one loss per truncated dimension
+on the cached embeddings), with the gradients of sentence-transformers' cached MNRL inside
+it. ``AdaptiveLayerLoss`` works with the uncached losses and, like sentence-transformers
+for its own cached losses, warns at construction for the cached ones.
+Feature tensors must all be indexed by row (``input_ids``, ``attention_mask``, ...).
+
+Cross-device negatives. ``gather_across_devices=True`` (sentence-transformers' flag) means
+``process_group=torch.distributed.group.WORLD`` in fastcl (resolved at each call, so the
+loss may be built before the process group exists; a no-op outside a multi-process run).
+Every anchor then sees every rank's candidates; each rank's loss and gradients are those
+of sentence-transformers' ``gather_across_devices=True``, and after DDP's averaging the
+parameter gradients are those of the global batch (see ``fastcl.distributed``). An explicit
+``process_group=`` overrides the flag.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -46,10 +102,17 @@ __all__ = [
     "InfoNCELoss",
     "SupMPNLoss",
     "SupConLoss",
+    "SupConLabelsLoss",
     "DEFAULT_SCALE",
 ]
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_SCALE = 20.0  # sentence-transformers' default scale = 1 / fastcl's default temperature 0.05
+
+
+# what a SentenceTransformer's modules write into the feature mapping they are given
+_MODEL_OUTPUTS = ("token_embeddings", "sentence_embedding", "all_layer_embeddings")
 
 
 def _similarity_name(similarity_fct) -> str:
@@ -186,17 +249,75 @@ class _FastCLSTLoss(nn.Module):
 
     # -- forward -----------------------------------------------------------------------
 
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        """``sentence_features``: one tokenized feature dict per column; ``labels`` is ignored.
+    def forward(self, sentence_features: Iterable[Mapping[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        """``sentence_features``: one tokenized feature mapping per column (a dict, or the
+        ``BatchEncoding`` of ``model.preprocess()`` / ``model.tokenize()``); ``labels`` is used
+        only by :class:`SupConLabelsLoss`.
 
         Returns the 0-d mean loss over the batch's anchors (float32 for float32 embeddings).
         """
         features = list(sentence_features)
         self._check_columns(len(features))
         for i, f in enumerate(features):
-            if not isinstance(f, dict):
-                raise TypeError(f"sentence_features[{i}] must be a tokenized feature dict, got {type(f).__name__}")
-        return self.compute_loss_from_embeddings(self._embed(features), labels)
+            # any Mapping: sentence-transformers 6's model.preprocess()/tokenize() return a
+            # transformers BatchEncoding (a UserDict, not a dict)
+            if not isinstance(f, Mapping):
+                raise TypeError(
+                    f"sentence_features[{i}] must be a tokenized feature mapping (dict, BatchEncoding), "
+                    f"got {type(f).__name__}"
+                )
+        # The model writes its outputs into the feature mapping, and sentence-transformers'
+        # AdaptiveLayerLoss relies on that (it hands every layer's embeddings between loss
+        # calls through these very objects): keep mutable ones (dict, BatchEncoding) as they
+        # are, as sentence-transformers' own losses do; copy only read-only mappings.
+        features = [f if isinstance(f, MutableMapping) else dict(f) for f in features]
+        embeddings = self._embed(features)
+        if self.mini_batch_size is not None and "calculate_loss" in vars(self):
+            return self._decorated_cached_loss(embeddings, labels)
+        return self.compute_loss_from_embeddings(embeddings, labels)
+
+    # -- sentence-transformers' gradient-cache protocol (MatryoshkaLoss, AdaptiveLayerLoss) --
+
+    @property
+    def uses_gradient_cache(self) -> bool:
+        """True for the cached form: the re-encoding runs in ``backward()``.
+
+        sentence-transformers reads this flag: ``MatryoshkaLoss`` then wraps
+        :meth:`calculate_loss` (one loss per truncated dimension on the cached embeddings)
+        instead of patching the model's forward, and ``AdaptiveLayerLoss`` warns at
+        construction that it cannot work, as for sentence-transformers' own cached losses.
+        """
+        return self.mini_batch_size is not None
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        """The loss of per-column lists of embedding chunks (sentence-transformers' cached-loss hook).
+
+        With ``with_backward`` the gradient goes into the chunks' ``.grad`` and the value
+        comes back detached, as sentence-transformers' cached losses do.
+        """
+        loss = self.compute_loss_from_embeddings([torch.cat(list(chunks)) for chunks in reps], labels)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+    def _decorated_cached_loss(self, embeddings: list[Tensor], labels) -> Tensor:
+        """Cached forward when sentence-transformers replaced :meth:`calculate_loss` (MatryoshkaLoss).
+
+        The wrapper needs leaf embeddings whose ``.grad`` it fills (one backward per
+        dimension); their summed gradient then flows into the GradCache outputs through a
+        zero-valued surrogate, so the chunks are re-encoded once, in the real ``backward()``.
+        """
+        if not torch.is_grad_enabled():
+            return self.calculate_loss([[e] for e in embeddings], labels)
+        leaves = [[e.detach().requires_grad_()] for e in embeddings]
+        value = self.calculate_loss(leaves, labels, with_backward=True)
+        terms = [(e * leaf[0].grad).sum() for e, leaf in zip(embeddings, leaves) if leaf[0].grad is not None]
+        if not terms:
+            return value
+        surrogate = torch.stack(terms).sum()
+        return value.detach().to(surrogate.dtype) + (surrogate - surrogate.detach())
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss from the columns' ``[B, d]`` embeddings (same dtype and device)."""
@@ -220,7 +341,9 @@ class _FastCLSTLoss(nn.Module):
         # re-encodes all columns' chunks in one pass (and syncs DDP once, after the last).
         ddp = self.model if isinstance(self.model, nn.parallel.DistributedDataParallel) else None
         gc = GradCache(_SentenceEmbedding(self.model), self.mini_batch_size, ddp=ddp, progress=self.show_progress_bar)
-        return [gc(**f) for f in features]
+        # A feature mapping that went through the model before holds its outputs too (the
+        # model writes them into it): encode from the tokenizer's inputs only.
+        return [gc(**{k: v for k, v in f.items() if k not in _MODEL_OUTPUTS}) for f in features]
 
     def _options(self) -> dict[str, Any]:
         return dict(
@@ -252,15 +375,42 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
 
     ``loss_i = -s(a_i, p_i) * scale + LSE_c s(a_i, c) * scale`` over every positive and every
     hard negative of the batch (:func:`fastcl.losses.mnrl_loss`); the mean over anchors.
-    Drop-in for ``sentence_transformers.losses.MultipleNegativesRankingLoss`` with its
-    default directions; see the module docstring for the arguments.
+    Drop-in for ``sentence_transformers.losses.MultipleNegativesRankingLoss``, including
+    sentence-transformers 6's ``directions`` (``query_to_doc``, ``query_to_query``,
+    ``doc_to_query``, ``doc_to_doc``), ``partition_mode`` (``joint``, ``per_direction``),
+    ``hardness_mode`` (``in_batch_negatives``, ``hard_negatives``, ``all_negatives``) and
+    ``hardness_strength``, with the same semantics (:mod:`fastcl.losses_mnrl`), also with
+    ``gather_across_devices``. See the module docstring for the other arguments.
     """
 
     layout = "(anchor, positive, negative_1, ..., negative_Q)"
 
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, directions=("query_to_doc",),
+                 partition_mode: str = "joint", hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                 **kw):
+        super().__init__(model, scale, similarity_fct, **kw)
+        self.directions = fl._check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.partition_mode = partition_mode
+        self.hardness_mode = hardness_mode
+        self.hardness_strength = float(hardness_strength)
+        if hardness_mode is not None and hardness_strength == 0:
+            logger.warning(
+                f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
+                "effect. Set hardness_strength to a positive value to enable it."
+            )
+
+    def _extra_config(self):
+        return {
+            "directions": self.directions, "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode, "hardness_strength": self.hardness_strength,
+        }
+
     def _loss(self, embeddings):
         anchor, positive, *negatives = embeddings
-        return fl.mnrl_loss(anchor, positive, _stack(negatives), **self._options())
+        return fl.mnrl_loss(
+            anchor, positive, _stack(negatives), directions=self.directions, partition_mode=self.partition_mode,
+            hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength, **self._options(),
+        )
 
 
 class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
@@ -354,3 +504,30 @@ class SupConLoss(_MultiPositiveLoss):
     def _loss(self, embeddings):
         anchor, positives, negatives = self._split(embeddings)
         return fl.supcon_loss(anchor, positives, negatives, **self._options())
+
+
+class SupConLabelsLoss(_FastCLSTLoss):
+    """Supervised contrastive loss from class labels (SupContrast / pytorch-metric-learning form).
+
+    Dataset: one or more text columns and a ``label`` column (sentence-transformers passes it
+    as ``labels``). Each text column is one *view* of the row's sample (one column: plain
+    labelled sentences; two: e.g. a sentence and its augmentation, as SupContrast's two
+    crops); every embedding is an anchor, its positives are the other embeddings with the
+    same label, its denominator every other embedding
+    (:func:`fastcl.losses.supcon_labels_loss`; SupContrast's ``SupConLoss`` with
+    ``base_temperature = temperature``). Anchors whose label appears once in the batch
+    contribute nothing (pytorch-metric-learning's convention); a batch where no label
+    repeats raises ``ValueError``. ``gather_across_devices=True``: every rank's embeddings
+    join every anchor's candidates and positives (``fastcl.distributed`` scaling).
+    """
+
+    min_columns = 1
+    layout = "(view_1, ..., view_V) plus a label column"
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        embeddings = list(embeddings)
+        self._check_columns(len(embeddings))
+        if labels is None:
+            raise ValueError("SupConLabelsLoss needs labels: give the dataset a 'label' column of class ids")
+        features = torch.stack(embeddings, dim=1)  # [B, V, d]
+        return fl.supcon_labels_loss(features, labels.to(features.device), **self._options())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import FusedResult, LSEProblem, excluded, new_output
+from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
 from .head import HeadInputs
 from .normalize import normalize_backward, normalize_rows
 
@@ -37,11 +37,22 @@ class _Prepared:
     tags: Tensor  # int32 [N]
 
 
+def _keep(tags: Tensor) -> Tensor | None:
+    """Rows to read (not padding), or None when every row is read: on the CPU that costs
+    nothing to find out and saves a copy of the block; on a GPU it would be a host sync."""
+    keep = tags != TAG_PADDING
+    # (not while torch.compile traces: reading a value would break the graph)
+    if tags.device.type == "cpu" and not torch.compiler.is_compiling() and bool(keep.all()):
+        return None
+    return keep
+
+
 def _prepare(problem: LSEProblem) -> _Prepared:
     a_hat, a_norm = normalize_rows(problem.anchor, problem.eps, problem.cosine)
     # one [N, d] matrix of both blocks; no concatenation copy when the second is empty
     nonempty = [i for i, b in enumerate(problem.blocks) if b.shape[0] > 0] or [0]
-    parts = [normalize_rows(problem.blocks[i], problem.eps, problem.cosine) for i in nonempty]
+    # padded candidates are read as zeros (never their values: they may hold NaN/Inf)
+    parts = [normalize_rows(problem.blocks[i], problem.eps, problem.cosine, _keep(problem.tags[i])) for i in nonempty]
     tags = [problem.tags[i] for i in nonempty]
     if len(parts) == 1:
         return _Prepared(a_hat, a_norm, parts[0][0], parts[0][1], tags[0])

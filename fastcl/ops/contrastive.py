@@ -9,20 +9,19 @@ into a reduced loss on any backend (``backend.py``); its strategies (fused or re
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .. import _checks
 from . import dispatch
 from .backend import Backend
 from .contract import LSEProblem, OwnPositives, compute_dtype
 from .head import HeadInputs, head_rows
 from .positive_logits import own_positive_similarities
 
-STRATEGY_ENV = "FASTCL_STRATEGY"
-STRATEGIES = ("auto", "fused", "recompute")
+STRATEGY_ENV, STRATEGIES = _checks.STRATEGY_ENV, _checks.STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,7 @@ class LossSpec:
 
 
 def _strategy(impl: Backend, reduction: str) -> str:
-    wanted = os.environ.get(STRATEGY_ENV, "auto") or "auto"
-    if wanted not in STRATEGIES:
-        raise ValueError(f"{STRATEGY_ENV}={wanted!r}; expected one of {STRATEGIES}")
+    wanted = _checks.requested_strategy()
     can_fuse = impl.fused is not None and reduction != "none"
     if wanted == "fused" and not can_fuse:
         raise ValueError(
@@ -75,7 +72,8 @@ def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
     """``[B, P]`` own-positive logits from the block-0 layout (values; no custom autograd)."""
     B, P = problem.num_anchors, spec.positives.count
     own = problem.blocks[0][spec.positives.rows(0, B)].view(B, P, -1)
-    return own_positive_similarities(problem.anchor, own, spec.cosine, spec.eps) / tau.to(compute_dtype(problem.dtype))
+    sim = own_positive_similarities(problem.anchor, own, spec.cosine, spec.eps, spec.pos_mask)
+    return sim / tau.to(compute_dtype(problem.dtype))
 
 
 def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 HEADS = ("supcon", "supmpn")
@@ -89,7 +88,9 @@ def head_rows(
     if kind == "supcon":
         phi, dphi = x, torch.ones_like(x)
     else:
-        phi, dphi = F.softplus(x), torch.sigmoid(x)
+        # softplus(x) = logaddexp(x, 0), exact for every x (F.softplus returns x itself above
+        # its threshold 20, an error of exp(-x) ~ 1e-9 that float64 can see)
+        phi, dphi = torch.logaddexp(x, torch.zeros_like(x)), torch.sigmoid(x)
     if pos_mask is not None:
         phi = torch.where(pos_mask, phi, torch.zeros_like(phi))
         dphi = torch.where(pos_mask, dphi, torch.zeros_like(dphi))

@@ -1,21 +1,61 @@
-"""Checkpoints with exact resume: model, optimiser, scheduler, scaler, RNG states, progress.
+"""Checkpoints with exact, crash-safe resume: model, optimiser, scheduler, scaler, RNG, progress.
 
-Layout: ``OUTPUT/checkpoint-STEP/state.pt`` (rank 0: model, optimiser, scheduler, scaler,
-progress, config) and ``rng-RANK.pt`` (each rank's Python/NumPy/torch/CUDA RNG states).
-The data position needs no state: the epoch order is a function of (seed, epoch) and the
-batch index of the step (see :func:`fastcl.trainers.loop.epoch_order`).
+Layout of ``OUTPUT/checkpoint-STEP/``:
+
+``state.pt``       rank 0: model, optimiser, scheduler, scaler, progress, config
+``rng-RANK.pt``    each rank's Python/NumPy/torch/CUDA RNG states
+``complete.json``  written last, by rank 0 once every rank's files are on disk: the size and
+                   SHA-256 of each file. A folder without it, or whose files do not match it,
+                   is *incomplete* (killed mid-write, truncated, corrupted) and never resumed.
+
+Every file is written atomically (temporary file, fsync, ``os.replace``, fsync of the
+folder; :mod:`fastcl._fsio`), so a kill leaves either the previous version or the new one.
+``--resume auto`` takes the newest complete checkpoint, warning about each newer one it
+skips and why; an explicit ``--resume FOLDER`` must be complete. The data position needs no
+state: the epoch order is a function of (seed, epoch) and the batch index of the step (see
+:func:`fastcl.trainers.loop.epoch_order`).
+
+Resuming with options that change the training trajectory (method, batch size, lr, seed,
+loss options, ...) is refused with the list of differences unless ``--allow-config-change``
+(see :func:`config_differences`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fastcl._fsio import atomic_write, atomic_write_text, file_digest, fsync_dir
+
 PREFIX = "checkpoint-"
+MANIFEST = "complete.json"
+STATE = "state.pt"
+_FORMAT = 1
+
+# Options that may differ between a checkpoint and the run resuming it: where things live,
+# how the run reports, and how long it goes on. Every other option (method, batch size, lr,
+# seed, precision, data, loss and pooling options, any a recipe adds) must match.
+RESUME_MAY_CHANGE = frozenset({
+    "output_dir", "resume", "device", "progress", "tensorboard", "log_steps", "eval_steps", "eval_batch_size",
+    "save_steps", "save_total_limit", "max_steps", "epochs", "data_dir", "chunk_size", "preset", "list_presets",
+    "allow_config_change", "command",
+})
+_PATH_OPTIONS = ("model", "train_file")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from; the message names the file and what is wrong."""
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-{rank}.pt"
 
 
 def rng_state() -> dict:
@@ -33,10 +73,24 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, scaler, progress: dict, cfg) -> None:
-    """Write this rank's part of a checkpoint (call on every rank; rank 0 writes the model)."""
+# --------------------------------------------------------------------------- writing
+
+
+def save_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, scaler, progress: dict, cfg) -> dict:
+    """Write this rank's files of a checkpoint (call on every rank; rank 0 writes the model).
+
+    Returns ``{file name: {"size", "sha256"}}`` of what was written, for :func:`mark_complete`
+    (which rank 0 calls once every rank has returned from here).
+    """
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), folder / f"rng-{rank}.pt")
+    if rank == 0 and (folder / MANIFEST).exists():
+        # Rewriting a folder (a run resumed from an earlier step reaches this step again):
+        # it is incomplete from now until mark_complete lists the new files.
+        (folder / MANIFEST).unlink()
+        fsync_dir(folder)
+    rng = rng_state()
+    written = {rng_file(rank): atomic_write(folder / rng_file(rank), lambda f: torch.save(rng, f))}
     if rank == 0:
         state = {
             "model": model.state_dict(),
@@ -46,52 +100,223 @@ def save_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, sca
             "progress": progress,
             "config": vars(cfg),
         }
-        tmp = folder / "state.pt.tmp"
-        torch.save(state, tmp)
-        tmp.replace(folder / "state.pt")  # a checkpoint without state.pt is incomplete
+        written[STATE] = atomic_write(folder / STATE, lambda f: torch.save(state, f))
+    return written
+
+
+def mark_complete(folder: Path, *, world_size: int, step: int, written: dict | None = None) -> None:
+    """Rank 0, after every rank's :func:`save_checkpoint`: list the files, making the folder complete.
+
+    ``written``: the digests :func:`save_checkpoint` returned (under DDP, gathered from every
+    rank); a file without one is hashed from disk.
+    """
+    folder = Path(folder)
+    written = written or {}
+    files = {}
+    for name in (STATE, *(rng_file(r) for r in range(world_size))):
+        if name in written:
+            files[name] = written[name]
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise RuntimeError(f"{path} was not written; checkpoint {folder} stays incomplete")
+        files[name] = file_digest(path)
+    manifest = {"format": _FORMAT, "step": step, "world_size": world_size, "files": files}
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------- finding
+
+
+def _step_of(folder: Path) -> int | None:
+    suffix = folder.name[len(PREFIX):]
+    return int(suffix) if folder.name.startswith(PREFIX) and suffix.isdigit() else None
+
+
+def _folders(output_dir: Path) -> list[Path]:
+    """Every ``checkpoint-STEP`` folder, complete or not, oldest first."""
+    found = [p for p in Path(output_dir).glob(PREFIX + "*") if p.is_dir() and _step_of(p) is not None]
+    return sorted(found, key=_step_of)
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest first."""
-    found = [p for p in Path(output_dir).glob(PREFIX + "*") if (p / "state.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    """Checkpoints marked complete in ``output_dir``, oldest first (files not re-hashed)."""
+    return [p for p in _folders(output_dir) if (p / MANIFEST).is_file()]
+
+
+def problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete, intact checkpoint (naming the file), or ``None``.
+
+    Checks the manifest, then each file it lists: present, of the recorded size, and of the
+    recorded SHA-256 (reads every byte once).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder} does not exist or is not a directory"
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        where = f" ({STATE} is there)" if (folder / STATE).exists() else ""
+        return (f"{manifest} missing{where}: the checkpoint was interrupted before all its files were "
+                "written, or comes from a fastcl without complete-checkpoint markers")
+    try:
+        info = json.loads(manifest.read_text())
+        files = info["files"]
+        if not isinstance(files, dict) or STATE not in files:
+            raise ValueError(f"no entry for {STATE}")
+        expected = {name: (int(d["size"]), str(d["sha256"])) for name, d in files.items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{manifest} is unreadable or malformed: {e}"
+    for name, (size, sha) in expected.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} missing (listed in {MANIFEST})"
+        actual = path.stat().st_size
+        if actual != size:
+            what = "truncated" if actual < size else "longer than written"
+            return f"{path} is {what}: {actual} bytes, {size} expected"
+        if file_digest(path)["sha256"] != sha:
+            return f"{path} is corrupt: its SHA-256 differs from the one recorded in {MANIFEST}"
+    return None
 
 
 def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
-    """``None``, ``"auto"`` (latest complete checkpoint in ``output_dir``, or None) or a folder."""
+    """``None``, ``"auto"`` (newest complete checkpoint in ``output_dir``, or None) or a folder.
+
+    ``auto`` skips incomplete or damaged newer checkpoints with a ``RuntimeWarning`` naming the
+    file and the problem; if checkpoint folders exist but none is intact, raises
+    :class:`CheckpointError` listing each (starting over silently would discard them).
+    """
     if resume is None:
         return None
     if resume == "auto":
-        found = checkpoints(output_dir)
-        return found[-1] if found else None
-    folder = Path(resume)
-    if not (folder / "state.pt").is_file():
-        raise FileNotFoundError(f"--resume {resume}: no checkpoint there (expected {folder / 'state.pt'})")
+        skipped = []
+        for folder in reversed(_folders(output_dir)):
+            why = problem(folder)
+            if why is None:
+                for reason in skipped:
+                    warnings.warn(f"--resume auto: skipping {reason}; resuming from {folder}", RuntimeWarning,
+                                  stacklevel=2)
+                return folder
+            skipped.append(why)
+        if skipped:
+            raise CheckpointError(
+                f"--resume auto: no complete checkpoint in {output_dir}: " + "; ".join(skipped)
+                + ". Move these folders away to start over."
+            )
+        return None
+    folder = Path(resume).expanduser()
+    why = problem(folder)
+    if why is not None:
+        raise CheckpointError(f"--resume {resume}: {why}")
     return folder
 
 
-def load_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, scaler) -> dict:
-    """Restore everything but the RNG (restore it last with :func:`load_rng`); returns progress."""
-    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+# --------------------------------------------------------------------------- reading
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a damaged file surfaces as many different exception types
+        raise CheckpointError(f"{path} cannot be loaded: {type(e).__name__}: {e}") from e
+
+
+def read_state(folder: Path) -> dict:
+    """The contents of ``state.pt`` (on the CPU)."""
+    return _load(Path(folder) / STATE)
+
+
+def _normalise(key: str, value):
+    if key in _PATH_OPTIONS and value is not None:
+        return os.path.abspath(os.path.expanduser(str(value)))
+    return value
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def config_differences(saved: dict, cfg) -> list[str]:
+    """``--option: checkpoint X, now Y`` for each trajectory-changing option that differs.
+
+    Options in :data:`RESUME_MAY_CHANGE` are not compared; nor are options one side does not
+    have (added or removed by a different fastcl version).
+    """
+    now = vars(cfg)
+    out = []
+    for key in sorted(set(saved) & set(now) - RESUME_MAY_CHANGE):
+        old, new = _normalise(key, saved[key]), _normalise(key, now[key])
+        if old != new:
+            out.append(f"{_flag(key)}: checkpoint {saved[key]!r}, now {now[key]!r}")
+    return out
+
+
+def check_config(folder: Path, state: dict, cfg) -> list[str]:
+    """Refuse (``CheckpointError``) to resume ``state`` under different options unless
+    ``cfg.allow_config_change``; then the differences are returned and warned about."""
+    diffs = config_differences(state.get("config") or {}, cfg)
+    if not diffs:
+        return []
+    listing = "; ".join(diffs)
+    if not getattr(cfg, "allow_config_change", False):
+        raise CheckpointError(
+            f"--resume: {folder} was trained with different options ({listing}); resume with the "
+            "checkpoint's values, or pass --allow-config-change to continue with the new ones"
+        )
+    warnings.warn(f"--allow-config-change: resuming {folder} with changed options: {listing}", RuntimeWarning,
+                  stacklevel=2)
+    return diffs
+
+
+def _rescale_lr(optimizer, scheduler, ratio: float) -> None:
+    """Make a changed ``--lr`` take effect: the optimiser and scheduler states carry the old one."""
+    for group in optimizer.param_groups:
+        group["lr"] *= ratio
+        if "initial_lr" in group:
+            group["initial_lr"] *= ratio
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
+
+
+def apply_state(state: dict, *, model, optimizer, scheduler, scaler, cfg=None) -> dict:
+    """Restore everything but the RNG (restore it last with :func:`load_rng`); returns progress.
+
+    With ``cfg`` whose ``lr`` differs from the checkpoint's (``--allow-config-change``), every
+    learning rate is rescaled by the ratio so that the new ``--lr`` applies.
+    """
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
+    old_lr = (state.get("config") or {}).get("lr")
+    if cfg is not None and old_lr and cfg.lr != old_lr:
+        _rescale_lr(optimizer, scheduler, cfg.lr / old_lr)
     return state["progress"]
 
 
+def load_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, scaler) -> dict:
+    """:func:`read_state` + :func:`apply_state` (no config check); returns progress."""
+    return apply_state(read_state(folder), model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+
+
 def load_rng(folder: Path, rank: int) -> None:
-    path = folder / f"rng-{rank}.pt"
+    path = Path(folder) / rng_file(rank)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: the checkpoint was written by fewer ranks than this run has")
-    set_rng_state(torch.load(path, map_location="cpu", weights_only=False))
+        raise CheckpointError(f"{path} missing: the checkpoint was written by fewer ranks than this run has")
+    set_rng_state(_load(path))
 
 
 def prune(output_dir: Path, keep: int) -> None:
-    """Delete all but the last ``keep`` checkpoints (``keep=0`` keeps all)."""
+    """Keep the last ``keep`` complete checkpoints (``keep=0`` keeps all); delete every
+    checkpoint folder older than those, complete or not."""
     if keep <= 0:
         return
-    for old in checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    complete = checkpoints(output_dir)
+    if len(complete) <= keep:
+        return
+    oldest_kept = _step_of(complete[-keep])
+    for folder in _folders(output_dir):
+        if _step_of(folder) < oldest_kept:
+            shutil.rmtree(folder, ignore_errors=True)

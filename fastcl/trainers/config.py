@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fastcl._fsio import check_output_dir
 from fastcl.trainers.recipe import SCHEDULES, Recipe
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 
 SHARED_DEFAULTS: dict[str, Any] = {
     "model": None,
@@ -38,6 +39,7 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "save_total_limit": 2,
     "log_steps": 10,
     "resume": None,
+    "allow_config_change": False,
     "device": None,
     "progress": True,
     "tensorboard": True,
@@ -69,7 +71,8 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-ratio", type=float)
     g.add_argument("--schedule", choices=SCHEDULES)
     g.add_argument("--max-grad-norm", type=float, help="clip the gradient norm (off by default)")
-    g.add_argument("--precision", choices=PRECISIONS, help="autocast dtype (fp16 uses a GradScaler, CUDA only)")
+    g.add_argument("--precision", choices=PRECISIONS, help="autocast dtype (fp16 uses a GradScaler, CUDA only); "
+                   "auto: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on the CPU")
     g.add_argument("--chunk-size", type=int, help="gradient cache: encode in chunks of this many texts")
     g.add_argument("--seed", type=int)
     g.add_argument("--shuffle", type=_bool, help="shuffle each epoch (true/false)")
@@ -79,6 +82,9 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-total-limit", type=int, help="keep the last N checkpoints")
     g.add_argument("--log-steps", type=int)
     g.add_argument("--resume", help="checkpoint folder to resume from, or 'auto' (latest in --output-dir)")
+    g.add_argument("--allow-config-change", action="store_true", default=None,
+                   help="resume even if method, batch size, lr, seed or other training options differ "
+                        "from the checkpoint's (they are refused by default)")
     g.add_argument("--device", help="cpu / cuda / cuda:N (default: cuda when available)")
     g.add_argument("--progress", type=_bool, help="tqdm progress bar (true/false)")
     g.add_argument("--tensorboard", type=_bool, help="TensorBoard event files (true/false)")
@@ -111,6 +117,22 @@ def resolve(args: argparse.Namespace, recipe: Recipe) -> argparse.Namespace:
     return cfg
 
 
+def resolve_precision(precision: str, device: "torch.device | str | None" = None) -> str:
+    """The autocast setting actually used: ``auto`` becomes mixed precision on CUDA (bf16
+    where the GPU supports it, else fp16 with loss scaling, as SimCSE and SupMPN trained)
+    and fp32 on any other device; explicit values pass through. ``device=None`` means
+    the loop's default device (CUDA when available)."""
+    import torch
+
+    if precision != "auto":
+        return precision
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
 def _positive_int(cfg, name: str, allow_none=False, allow_zero=False) -> None:
     value = getattr(cfg, name)
     if value is None and allow_none:
@@ -140,3 +162,4 @@ def check_shared(cfg: argparse.Namespace) -> None:
         raise ValueError(f"--precision must be one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    check_output_dir(cfg.output_dir, "--output-dir")

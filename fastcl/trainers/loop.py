@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fastcl._fsio import atomic_write_text
 from fastcl.trainers import checkpoint as ckpt
+from fastcl.trainers.config import resolve_precision
 from fastcl.trainers.recipe import Recipe, StepContext
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,18 +65,41 @@ def _to_device(batch, device):
     return batch
 
 
-class _Logger:
-    """JSONL (always) and TensorBoard (when available and enabled) on rank 0."""
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= ``last_step`` (a resumed run logs the later ones again);
+    a partial last line left by a kill is dropped too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= last_step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))
 
-    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool):
+
+class _Logger:
+    """JSONL (always) and TensorBoard (when available and enabled) on rank 0.
+
+    ``start_step``: the step training starts from (0, or the resumed checkpoint's): records
+    of later steps, from the run that was interrupted, are removed so none appears twice.
+    """
+
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, start_step: int = 0):
         self.enabled = enabled
+        if enabled:
+            _truncate_log(output_dir / "log.jsonl", start_step)
         self.file = open(output_dir / "log.jsonl", "a") if enabled else None
         self.tb = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(output_dir / "tb"))
+                # purge_step: TensorBoard hides the interrupted run's events past the resume point
+                self.tb = SummaryWriter(str(output_dir / "tb"), purge_step=start_step + 1)
             except ImportError:  # tensorboard is optional
                 self.tb = None
 
@@ -113,12 +138,19 @@ def train(recipe: Recipe, cfg) -> dict:
     """Train ``recipe`` with the resolved options ``cfg``; returns a summary dict (rank 0)."""
     recipe.validate(cfg)
     rank, world, device, group = _setup_distributed(cfg)
+    cfg.precision = resolve_precision(cfg.precision, device)  # "auto" -> bf16/fp16 on CUDA, fp32 on CPU
     if cfg.batch_size % world:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the {world} processes")
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ValueError("--precision fp16 needs a CUDA device (loss scaling); use bf16 on CPU")
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    # Before any compute: pick an intact checkpoint and refuse one trained with other options.
+    resume_from = ckpt.resolve_resume(cfg.resume, output_dir)
+    resume_state = None
+    if resume_from is not None:
+        resume_state = ckpt.read_state(resume_from)
+        ckpt.check_config(resume_from, resume_state, cfg)
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
 
@@ -137,10 +169,10 @@ def train(recipe: Recipe, cfg) -> dict:
     scheduler = recipe.build_scheduler(cfg, optimizer, total)
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     progress = {"step": 0, "best_score": None, "best_step": None}
-    resume_from = ckpt.resolve_resume(cfg.resume, output_dir)
     if resume_from is not None:
-        progress = ckpt.load_checkpoint(resume_from, rank=rank, model=model, optimizer=optimizer,
-                                        scheduler=scheduler, scaler=scaler)
+        progress = ckpt.apply_state(resume_state, model=model, optimizer=optimizer, scheduler=scheduler,
+                                    scaler=scaler, cfg=cfg)
+        resume_state = None
         ckpt.load_rng(resume_from, rank)
 
     step_model = model
@@ -162,11 +194,11 @@ def train(recipe: Recipe, cfg) -> dict:
         return gc(**inputs)
 
     dev_task = _dev_task(cfg) if cfg.eval_steps and rank == 0 else None
-    logger = _Logger(output_dir, rank == 0, cfg.tensorboard)
+    logger = _Logger(output_dir, rank == 0, cfg.tensorboard, start_step=progress["step"])
     autocast_dtype = _AUTOCAST[cfg.precision]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if rank == 0:
-        (output_dir / "config.json").write_text(json.dumps(vars(cfg), indent=2, default=str) + "\n")
+        atomic_write_text(output_dir / "config.json", json.dumps(vars(cfg), indent=2, default=str) + "\n")
 
     from tqdm.auto import tqdm
 
@@ -232,11 +264,15 @@ def train(recipe: Recipe, cfg) -> dict:
                 recipe.save_pretrained(model, output_dir / "best", cfg)
             logger.log({"step": step, "stsb_dev": score, "best_stsb_dev": progress["best_score"]})
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total:
-            ckpt.save_checkpoint(output_dir / f"{ckpt.PREFIX}{step}", rank=rank, model=model, optimizer=optimizer,
-                                 scheduler=scheduler, scaler=scaler, progress=dict(progress), cfg=cfg)
-            if world > 1:
-                dist.barrier()
+            folder = output_dir / f"{ckpt.PREFIX}{step}"
+            written = ckpt.save_checkpoint(folder, rank=rank, model=model, optimizer=optimizer,
+                                           scheduler=scheduler, scaler=scaler, progress=dict(progress), cfg=cfg)
+            if world > 1:  # returns once every rank's files are on disk; rank 0 gets their digests
+                everyone = [None] * world
+                dist.all_gather_object(everyone, written)
+                written = {name: d for part in everyone for name, d in part.items()}
             if rank == 0:
+                ckpt.mark_complete(folder, world_size=world, step=step, written=written)
                 ckpt.prune(output_dir, cfg.save_total_limit)
     bar.close()
     summary = {"method": recipe.name, "steps": step, "wall_s": round(time.perf_counter() - start, 2),
@@ -244,6 +280,6 @@ def train(recipe: Recipe, cfg) -> dict:
                "output_dir": str(output_dir)}
     if rank == 0:
         recipe.save_pretrained(model, output_dir / "final", cfg)
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     logger.close()
     return summary

@@ -7,7 +7,8 @@ from fastcl.losses import edacse_loss
 from fastcl.trainers.hf import WIKI, HFRecipe, split_rows
 
 _PAPER = {"max_length": 32, "temperature": 0.05, "pooling": "cls_before_pooler", "mlp": "train",
-          "schedule": "cosine", "warmup_ratio": 0.0, "epochs": 1, "max_examples": 10_000}
+          "schedule": "cosine", "warmup_ratio": 0.0, "epochs": 1, "max_examples": 10_000,
+          "weight_decay": 0.01}  # paper Table 4
 
 
 class EdaCSE(HFRecipe):
@@ -19,7 +20,7 @@ class EdaCSE(HFRecipe):
         "roberta-base": {**_PAPER, "batch_size": 32, "lr": 3e-5, "max_insertions": 2, "lam": 0.3},
         "roberta-large": {**_PAPER, "batch_size": 16, "lr": 5e-6, "max_insertions": 5, "lam": 0.6},
     }
-    defaults = {"batch_size": 32, "lr": 3e-5, "schedule": "cosine"}
+    defaults = {"batch_size": 32, "lr": 3e-5, "schedule": "cosine", "weight_decay": 0.01}
 
     def add_method_arguments(self, g) -> None:
         g.add_argument("--lam", type=float, help="weight of the augmented-view InfoNCE (bert-base 0.6)")

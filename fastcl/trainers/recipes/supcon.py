@@ -78,12 +78,13 @@ class SupCon(HFRecipe):
     name = "supcon"
     help = "Liao: (1-lam) * CE (SBERT softmax head) + lam * supervised contrastive, 3p3n / allpalln"
     presets = {
-        # code: AdamW 2e-5, batch 64, 1 epoch, 10 % warm-up then constant, SNLI in data order
+        # code: AdamW 2e-5, batch 64, 1 epoch, 10 % warm-up then constant, SNLI in data order;
+        # mean pooling over the tokens except [CLS] (a proper masked mean) at train and test
         "liao": {"batch_size": 64, "lr": 2e-5, "epochs": 1, "warmup_ratio": 0.1, "schedule": "constant",
-                 "pooling": "mean", "mlp": "none", "lam": 0.3, "temperature": 1.0, "similarity": "dot",
+                 "pooling": "mean_no_cls", "mlp": "none", "lam": 0.3, "temperature": 1.0, "similarity": "dot",
                  "cap": "allpalln", "shuffle": False, "max_length": 128},
         "liao-transfer": {"batch_size": 64, "lr": 2e-5, "epochs": 1, "warmup_ratio": 0.1, "schedule": "constant",
-                          "pooling": "mean", "mlp": "none", "lam": 0.1, "temperature": 1.0, "similarity": "dot",
+                          "pooling": "mean_no_cls", "mlp": "none", "lam": 0.1, "temperature": 1.0, "similarity": "dot",
                           "cap": "allpalln", "shuffle": False, "max_length": 128},
     }
     defaults = {"batch_size": 64, "lr": 2e-5, "warmup_ratio": 0.1, "schedule": "constant", "shuffle": False}
@@ -95,7 +96,7 @@ class SupCon(HFRecipe):
         g.add_argument("--head-dim", type=int, help="inner width of the softmax head (768)")
 
     def option_defaults(self):
-        return {**super().option_defaults(), "pooling": "mean", "mlp": "none", "lam": 0.3, "cap": "allpalln",
+        return {**super().option_defaults(), "pooling": "mean_no_cls", "mlp": "none", "lam": 0.3, "cap": "allpalln",
                 "similarity": "dot", "temperature": 1.0, "head_dim": 768, "max_length": 128}
 
     def validate(self, cfg) -> None:

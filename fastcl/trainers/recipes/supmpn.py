@@ -8,7 +8,8 @@ from fastcl.trainers.hf import HFRecipe, split_rows
 
 _PAPER = {"max_length": 32, "temperature": 0.05, "pooling": "avg_first_last", "mlp": "none", "epochs": 3,
           "num_positives": 5, "num_negatives": 5, "pos_fill": "anchor", "neg_fill": "sample",
-          "schedule": "linear", "warmup_ratio": 0.0, "eval_steps": 125}
+          "schedule": "linear", "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_steps": 125,
+          "precision": "auto"}  # fp16 on GPUs as SimCSE: bf16/fp16 autocast on CUDA, fp32 on the CPU
 
 
 class SupMPN(HFRecipe):

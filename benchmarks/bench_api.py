@@ -1,0 +1,100 @@
+"""The user-facing options against the peer that offers them today (issue 18).
+
+* labels-SupCon: ``fastcl.losses.supcon_labels_loss`` (two views per sample) against
+  pytorch-metric-learning's ``SupConLoss`` on the same flattened features and labels
+  (PML builds the ``N x N`` distance matrix and float masks).
+* joint-direction MNRL: ``fastcl.losses.mnrl_loss`` with the GTE directions
+  (``query_to_doc``, ``query_to_query``, ``doc_to_query``, ``doc_to_doc``, one joint
+  partition; with and without ``in_batch_negatives`` hardness) against
+  sentence-transformers 6's ``MultipleNegativesRankingLoss`` with the same options (its
+  ``B x 3B`` query rows and ``B x 3B`` document rows, concatenated).
+
+The loss stage only: forward + backward to the embeddings (``fastcl.bench.api_cases``).
+Before timing, each implementation's value is checked against the peer's (float32, same
+inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summary),
+fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
+(``fastcl.bench.memory``). Time: pytest-benchmark, 3 rounds after a warm-up, on
+``FASTCL_BENCH_THREADS`` (1) intra-op threads.
+
+    pytest benchmarks/bench_api.py --benchmark-only
+    FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_api.py --benchmark-only   # skip the memory probes
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastcl.bench import api_cases
+from fastcl.bench.memory import cpu_extra_peak_bytes
+from fastcl.ops import dispatch
+
+THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "1"))
+MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
+
+# (N features, d, labels): two views per sample
+SUPCON_GRID = [(2048, 128, 64), (8192, 128, 256)]
+SUPCON_IMPLS = ["pml-supcon", "torch", "cpp"]
+# (B, Q, d, hardness_mode)
+MNRL_GRID = [(1024, 1, 384, None), (4096, 0, 64, None), (1024, 1, 384, "in_batch_negatives")]
+MNRL_IMPLS = ["st-mnrl", "torch", "cpp"]
+
+
+def _name(impl: str) -> str:
+    # the peer is the baseline of the end-of-run summary, which takes ratios against "eager"
+    return "eager" if impl in ("pml-supcon", "st-mnrl") else f"fastcl-{impl}"
+
+
+def _available(impl: str) -> None:
+    if impl in dispatch.NAMES:
+        status = dispatch.describe()[impl]
+        if status != "available":
+            pytest.skip(f"backend {impl!r}: {status}")
+    elif impl == "pml-supcon":
+        pytest.importorskip("pytorch_metric_learning")
+    elif impl == "st-mnrl":
+        pytest.importorskip("sentence_transformers")
+
+
+def _run(benchmark, step, factory: str, case: dict):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        peak = cpu_extra_peak_bytes(factory, case) / 2**20 if MEMORY else None
+        benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(threads)
+    return peak
+
+
+@pytest.mark.parametrize("impl", SUPCON_IMPLS)
+@pytest.mark.parametrize("N, d, labels", SUPCON_GRID, ids=lambda v: str(v))
+def test_supcon_labels_fwd_bwd(benchmark, bench_record, N, d, labels, impl):
+    _available(impl)
+    features, y = api_cases.supcon_labels_inputs(N, d, labels)
+    with torch.no_grad():  # like with like: fastcl's value equals PML's before timing
+        got = api_cases.supcon_labels_fn(impl, features, y)()
+        want = api_cases.supcon_labels_fn("pml-supcon", features, y)()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    case = dict(backend=impl, N=N, d=d, num_labels=labels)
+    peak = _run(benchmark, api_cases.supcon_labels_step(**case), "fastcl.bench.api_cases:supcon_labels_step", case)
+    bench_record(benchmark, workload=f"SupCon labels N={N} V=2 d={d} labels={labels} fp32 (eager = PML SupConLoss)",
+                 impl=_name(impl), peak_mib=peak, threads=THREADS)
+
+
+@pytest.mark.parametrize("impl", MNRL_IMPLS)
+@pytest.mark.parametrize("B, Q, d, hardness", MNRL_GRID, ids=lambda v: str(v))
+def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, B, Q, d, hardness, impl):
+    _available(impl)
+    columns = api_cases.mnrl_directions_inputs(B, d, Q)
+    strength = 5.0 if hardness else 0.0
+    with torch.no_grad():
+        got = api_cases.mnrl_directions_fn(impl, columns, hardness_mode=hardness, hardness_strength=strength)()
+        want = api_cases.mnrl_directions_fn("st-mnrl", columns, hardness_mode=hardness, hardness_strength=strength)()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    case = dict(backend=impl, B=B, d=d, Q=Q, hardness_mode=hardness)
+    peak = _run(benchmark, api_cases.mnrl_directions_step(**case), "fastcl.bench.api_cases:mnrl_directions_step", case)
+    bench_record(benchmark, workload=f"MNRL GTE joint B={B} Q={Q} d={d} hardness={hardness} fp32 (eager = ST 6 MNRL)",
+                 impl=_name(impl), peak_mib=peak, threads=THREADS)

@@ -1,0 +1,196 @@
+"""Timing that a busy machine cannot fool: warm-up, interleaved rounds, a settle rule.
+
+Every implementation of one benchmark case (and the GEMM floor, ``fastcl.bench.floor``)
+is timed in the same loop, **round by round**: round ``r`` runs each of them once, in an
+order rotated by one place per round (:func:`round_order`), so drift in the machine's
+load hits all of them alike and none always follows the same neighbour. Rounds go on
+until every implementation's fastest rounds agree (:func:`spread` at most
+:data:`SETTLE_SPREAD`), or a time budget ends, or :data:`MAX_ROUNDS` is reached; never
+fewer than :data:`MIN_ROUNDS`.
+
+The reported time is the **minimum** over rounds (the least disturbed run), with its
+**spread**: how far the ``SPREAD_RANK``-th fastest round lies above the fastest, relative
+to it. A minimum that one lucky round produced, or a machine that never gave two quiet
+rounds in a row, shows as a wide spread. A case whose implementations do not all have a
+spread of at most :data:`NOISY_SPREAD` is marked **noisy**: a ratio between two of its
+times can then be off by more than the 5 % that the decisions these benchmarks support
+(share of the floor, faster than ``torch.compile`` or not) need.
+
+The thread count benchmarks run on is :func:`configured_threads`: ``FASTCL_BENCH_THREADS``
+when set, else PyTorch's default (all cores: what users run).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SPREAD_RANK = 3  # spread = k-th fastest round vs the fastest
+SETTLE_SPREAD = 0.02  # stop adding rounds once every implementation's spread is within 2 %
+NOISY_SPREAD = 0.05  # above 5 % a ratio between two times of the case is not to be trusted
+MIN_ROUNDS = 3
+MAX_ROUNDS = 30
+WARMUP_ROUNDS = 1
+BUDGET_S = 5.0  # seconds of timed rounds per case, after the warm-up (the main job: ~5 min)
+
+
+def configured_threads() -> int | None:
+    """``FASTCL_BENCH_THREADS`` as an int (None when unset: keep PyTorch's default)."""
+    raw = os.environ.get("FASTCL_BENCH_THREADS", "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"FASTCL_BENCH_THREADS={raw!r}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"FASTCL_BENCH_THREADS={raw!r}: expected a positive integer")
+    return n
+
+
+def spread(samples: list[float], rank: int = SPREAD_RANK) -> float:
+    """``(t_k - t_1) / t_1`` with ``t_i`` the i-th fastest round and ``k = min(rank, rounds)``.
+
+    ``inf`` with fewer than two rounds (one round says nothing about the noise).
+    """
+    if len(samples) < 2:
+        return float("inf")
+    ordered = sorted(samples)
+    best, kth = ordered[0], ordered[min(rank, len(ordered)) - 1]
+    if best <= 0:
+        return 0.0 if kth <= 0 else float("inf")
+    return (kth - best) / best
+
+
+def is_noisy(spreads: list[float], threshold: float = NOISY_SPREAD) -> bool:
+    """A case is noisy when any of its implementations' spread exceeds ``threshold``."""
+    return any(not s <= threshold for s in spreads)  # NaN counts as noisy
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``names`` rotated left by ``r`` places."""
+    if not names:
+        return []
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+@dataclass
+class Interleaved:
+    """What :func:`interleave` measured."""
+
+    samples: dict[str, list[float]]  # timed rounds per name, in round order
+    first_s: dict[str, float]  # the first (warm-up) call per name: cold start, compile
+    errors: dict[str, BaseException] = field(default_factory=dict)  # dropped from the rotation
+    rounds: int = 0
+    stopped: str = ""  # "settled" | "budget" | "max_rounds" | "disabled"
+    order: list[list[str]] = field(default_factory=list)  # the order each timed round ran in
+    elapsed_s: float = 0.0
+
+    def minimum(self, name: str) -> float:
+        return min(self.samples[name])
+
+    def spread(self, name: str) -> float:
+        return spread(self.samples[name])
+
+    def noisy(self) -> bool:
+        return is_noisy([self.spread(n) for n in self.samples if self.samples[n]])
+
+
+def interleave(
+    steps: dict[str, Callable[[], object]],
+    *,
+    warmup: int = WARMUP_ROUNDS,
+    min_rounds: int = MIN_ROUNDS,
+    max_rounds: int = MAX_ROUNDS,
+    budget_s: float = BUDGET_S,
+    settle: float = SETTLE_SPREAD,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Interleaved:
+    """Time every step of ``steps`` round by round (see the module docstring).
+
+    Each round runs every step once in :func:`round_order`. A step that raises is dropped
+    from the rotation and its exception kept in ``errors`` (the others go on). Warm-up
+    rounds run in the same rotation and are not timed, except that each step's very first
+    call is kept in ``first_s``.
+    """
+    names = list(steps)
+    out = Interleaved(samples={n: [] for n in names}, first_s={})
+
+    def call(name: str) -> float | None:
+        t0 = clock()
+        try:
+            steps[name]()
+        except Exception as exc:  # noqa: BLE001 - reported per implementation by the caller
+            out.errors[name] = exc
+            names.remove(name)
+            out.samples.pop(name, None)
+            return None
+        return clock() - t0
+
+    for r in range(warmup):
+        for name in round_order(list(names), r):
+            seconds = call(name)
+            if seconds is not None and name not in out.first_s:
+                out.first_s[name] = seconds
+    start = clock()
+    r = 0
+    while names:
+        order = round_order(list(names), warmup + r)
+        out.order.append(order)
+        for name in order:
+            seconds = call(name)
+            if seconds is not None:
+                out.samples[name].append(seconds)
+                out.first_s.setdefault(name, seconds)
+        r += 1
+        if r < min_rounds:
+            continue
+        if all(spread(out.samples[n]) <= settle for n in names):
+            out.stopped = "settled"
+            break
+        if clock() - start >= budget_s:
+            out.stopped = "budget"
+            break
+        if r >= max_rounds:
+            out.stopped = "max_rounds"
+            break
+    out.rounds = r
+    out.elapsed_s = clock() - start
+    return out
+
+
+class ReplayTimer:
+    """A clock that replays measured durations to pytest-benchmark.
+
+    ``benchmark.pedantic`` reads its timer before and after each round; with this timer
+    round ``i`` lasts exactly ``samples[i]``. That way the per-implementation records,
+    their statistics and the JSON stay pytest-benchmark's own, while the times come from
+    the interleaved loop above (a fixture can only time one callable, in isolation).
+    """
+
+    def __init__(self, samples: list[float]):
+        self._samples = list(samples)
+        self._now = 0.0
+        self._calls = 0
+
+    def __call__(self) -> float:
+        if self._calls % 2 == 1:  # the end of a round
+            self._now += self._samples[self._calls // 2]
+        self._calls += 1
+        return self._now
+
+
+def replay(benchmark, samples: list[float]) -> None:
+    """Hand ``samples`` (seconds per round) to a pytest-benchmark fixture as its rounds."""
+    if not samples:
+        raise ValueError("no timed rounds to record")
+    if getattr(benchmark, "disabled", False):
+        benchmark.pedantic(lambda: None)
+        return
+    if not hasattr(benchmark, "_timer"):
+        raise RuntimeError("this pytest-benchmark has no BenchmarkFixture._timer to replay measured rounds into")
+    benchmark._timer = ReplayTimer(samples)
+    benchmark.pedantic(lambda: None, rounds=len(samples), iterations=1, warmup_rounds=0)

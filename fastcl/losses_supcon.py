@@ -1,0 +1,210 @@
+"""Supervised contrastive loss from class labels (SupContrast / pytorch-metric-learning form).
+
+    loss = supcon_labels_loss(features, labels, temperature=0.1)   # or supcon_loss(features, labels=labels)
+
+Every feature is an anchor; its candidates are all *other* features (or the reference set
+``ref_emb``), its positives the candidates with the same label (SPEC.md, "Supervised
+contrastive with labels")::
+
+    loss_i = LSE_{c != i} l_ic  -  mean_{p in P(i)} l_ip
+
+How it stays fused, on every backend, with no kernel change and no ``B x N`` mask:
+
+* the denominator is fastcl's one primitive (``contrastive_loss``) with the anchors as
+  their own candidate block and the self-exclusion tag ``i`` on candidate ``i`` (with a
+  reference set: ``TAG_ALL``, nothing is "self");
+* the mean positive logit needs no mask either: it is linear in the candidates, so with
+  ``S_y = sum of the (normalised) candidates of label y`` (an ``index_add`` into
+  ``[num_labels, d]``)::
+
+      mean_{p in P(i)} l_ip = <a_i, S_{y_i} - [self] c_i> / (tau * |P(i)|)
+
+  which autograd differentiates at O((B + N) * d) cost. It enters the primitive's head as
+  a precomputed, differentiable one-column positive logit.
+
+With a ``process_group`` the features and labels of every rank are all-gathered (features
+with gradient) and the tags mark this rank's anchors at their offset in the gathered set.
+
+Anchors with no positive (a label seen once) contribute nothing and are left out of the
+mean: pytorch-metric-learning's default (``AvgNonZeroReducer``). SupContrast counts them as
+0 in its mean instead; both agree whenever every anchor has a positive (e.g. ``V >= 2``
+views). If no anchor has a positive the loss raises ``ValueError``, as every fastcl loss.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks, distributed
+from .ops.contract import EPS, TAG_ALL, compute_dtype, empty_block
+from .ops.contrastive import contrastive_loss
+from .ops.head import reduction_weights
+
+__all__ = ["supcon_labels_loss"]
+
+
+def _no_autocast(t: Tensor):
+    # the fused op picks its own precision; autocast must not re-cast the products inside it
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(device_type=t.device.type, enabled=False)
+    return nullcontext()
+
+
+def _check_labels(name: str, labels, n: int, device: torch.device) -> Tensor:
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"{name} must be an integer tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (class ids), got {labels.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != n:
+        raise ValueError(f"{name} must have shape [{n}], got {tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(f"{name} is on {labels.device} but the embeddings are on {device}")
+    return labels.to(torch.int64)
+
+
+def _flatten_views(features: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, V, d]`` -> ``[V*B, d]`` view-major (all first views, then all second views), as
+    SupContrast's ``torch.cat(torch.unbind(features, dim=1))``; labels repeat per view."""
+    B, V, d = features.shape
+    return features.transpose(0, 1).reshape(V * B, d), labels.repeat(V)
+
+
+@distributed.agree_on_errors
+def supcon_labels_loss(
+    features: Tensor,
+    labels: Tensor,
+    *,
+    ref_emb: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    temperature: float | Tensor = 0.1,
+    reduction: str = "mean",
+    backend: str = "auto",
+    similarity: str = "cos",
+    process_group=None,
+) -> Tensor:
+    """Supervised contrastive loss (Khosla et al. 2020, L_out) with positives from labels.
+
+    Args:
+        features: ``[N, d]``, or ``[B, V, d]`` (V views per sample, flattened view-major as
+            SupContrast does: row ``v * B + b`` is view ``v`` of sample ``b``).
+        labels: ``[N]`` (or ``[B]``) integer class ids.
+        ref_emb, ref_labels: optional reference set ``[M, d]`` / ``[M]`` (pytorch-metric-
+            learning's): the candidates are then the reference set and nothing is excluded
+            as "self". Give both or neither.
+        temperature: float or 0-d tensor (learnable if it requires grad). SupContrast's
+            ``SupConLoss(temperature=t, base_temperature=t)`` on normalised features is
+            ``similarity="dot", temperature=t`` (or ``"cos"`` on raw features).
+        reduction: ``"mean"`` over anchors with a positive, ``"sum"``, or ``"none"``
+            (``[N]`` or ``[V*B]`` in the flattened order, 0 for anchors without positive).
+        similarity: ``"cos"`` (default; pytorch-metric-learning's default distance) or ``"dot"``.
+        backend: as every fastcl loss (``"auto"``, ``"reference"``, ``"torch"``, ``"cpp"``, ...).
+        process_group: ``torch.distributed`` group: every rank's features (and labels) join
+            every anchor's candidates and positive sets, all-gathered with gradient; anchors
+            stay this rank's. Scaled as every fastcl loss (``fastcl.distributed``):
+            ``mean_r L_r`` is the loss of the concatenated global batch and DDP's averaging
+            gives its gradient. All ranks pass the same shapes; not with ``ref_emb``.
+
+    Memory: O((N + M) * d) beyond the inputs on the fused backends; no ``N x N`` mask or logits.
+
+    Example::
+
+        >>> x, y = torch.randn(16, 2, 32), torch.randint(0, 4, (16,))
+        >>> supcon_labels_loss(x, y, temperature=0.1)
+    """
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.check_embeddings(features=features, ref_emb=ref_emb)
+    if features.dim() not in (2, 3):
+        raise ValueError(f"features must have shape [N, d] or [B, V, d], got {tuple(features.shape)}")
+    if features.numel() == 0:
+        raise ValueError(f"features must be non-empty, got shape {tuple(features.shape)}")
+    labels = _check_labels("labels", labels, features.shape[0], features.device)
+    if features.dim() == 3:
+        features, labels = _flatten_views(features, labels)
+    N, d = features.shape
+    if (ref_emb is None) != (ref_labels is None):
+        raise ValueError("give ref_emb and ref_labels together (or neither)")
+    self_set = ref_emb is None
+    if self_set:
+        cands, cand_labels = features, labels
+    else:
+        _checks.check_rank("ref_emb", ref_emb, 2, "[M, d]")
+        if ref_emb.shape[0] == 0 or ref_emb.shape[1] != d:
+            raise ValueError(f"ref_emb must have shape [M > 0, d={d}], got {tuple(ref_emb.shape)}")
+        cands = ref_emb
+        cand_labels = _check_labels("ref_labels", ref_labels, ref_emb.shape[0], features.device)
+    tau = _checks.as_temperature(temperature, features)
+    cosine = similarity == "cos"
+    cd = compute_dtype(features.dtype)
+    dev = features.device
+    world, offset = 1, 0
+    if process_group is not None:
+        if not self_set:
+            raise NotImplementedError("supcon_labels_loss: ref_emb with process_group is not supported yet")
+        from .losses_mnrl import _check_same_sizes
+
+        _check_same_sizes(process_group, features, 0)
+        world, offset = dist.get_world_size(process_group), dist.get_rank(process_group) * N
+        cands = distributed.all_gather_with_grad(features, process_group)  # [W*N, d], rank-major
+        gathered = [torch.empty_like(labels) for _ in range(world)]
+        dist.all_gather(gathered, labels.contiguous(), group=process_group)
+        cand_labels = torch.cat(gathered)
+
+    # dense label ids shared by anchors and candidates: S is [num_labels, d], never [N, M]
+    if self_set and world == 1:
+        uniq, anchor_id = torch.unique(labels, return_inverse=True)
+        cand_id = anchor_id
+    elif self_set:  # the anchors are rows offset .. offset + N - 1 of the gathered candidates
+        uniq, cand_id = torch.unique(cand_labels, return_inverse=True)
+        anchor_id = cand_id[offset:offset + N]
+    else:
+        uniq, ids = torch.unique(torch.cat([labels, cand_labels]), return_inverse=True)
+        anchor_id, cand_id = ids[:N], ids[N:]
+    num_labels = uniq.shape[0]
+    counts = torch.bincount(cand_id, minlength=num_labels)
+    num_pos = counts[anchor_id] - (1 if self_set else 0)  # |P(i)|
+    has_pos = num_pos > 0
+    if world == 1:
+        _checks.check_some_positive(has_pos)
+        weights = reduction_weights(has_pos, reduction, cd)
+    else:
+        # every candidate is some rank's anchor: the global count of anchors with a positive
+        # is known here without a collective, and every rank raises (or not) alike
+        valid_global = (counts[cand_id] - 1 > 0).sum()
+        if not bool(valid_global > 0):
+            raise ValueError("no anchor of any rank has a positive (no label repeats in the global batch)")
+        w = has_pos.to(cd)
+        weights = w * (world / valid_global.to(cd)) if reduction == "mean" else w * world
+
+    with _no_autocast(features):
+        # mean positive logit, O((N + M) d): anchors . (label sum of candidates - self)
+        a_hat = F.normalize(features.to(cd), dim=1, eps=EPS) if cosine else features.to(cd)
+        if self_set and world == 1:
+            c_hat = a_hat
+        else:
+            c_hat = F.normalize(cands.to(cd), dim=1, eps=EPS) if cosine else cands.to(cd)
+        label_sum = torch.zeros(num_labels, d, dtype=cd, device=dev).index_add(0, cand_id, c_hat)
+        pos_sum = label_sum[anchor_id]
+        if self_set:
+            pos_sum = pos_sum - c_hat[offset:offset + N]
+        mean_pos = torch.linalg.vecdot(a_hat, pos_sum) / (num_pos.clamp_min(1).to(cd) * tau.to(cd))
+        mean_pos = torch.where(has_pos, mean_pos, torch.zeros_like(mean_pos))
+
+        # denominator: the fused masked LSE, each anchor left out of its own row
+        if self_set:  # candidate offset + i is anchor i: left out of row i (other ranks' rows: TAG_ALL)
+            tags = torch.full((cands.shape[0],), TAG_ALL, dtype=torch.int32, device=dev)
+            tags[offset:offset + N] = torch.arange(N, dtype=torch.int32, device=dev)
+        else:
+            tags = torch.full((cands.shape[0],), TAG_ALL, dtype=torch.int32, device=dev)
+        empty, empty_tags = empty_block(features)
+        return contrastive_loss(
+            features, (cands, empty), (tags, empty_tags), tau, kind="supcon", positives=None,
+            pos_logits=mean_pos[:, None], pos_mask=has_pos[:, None],
+            weights=weights, reduction=reduction,
+            cosine=cosine, eps=EPS, backend=backend,
+        )

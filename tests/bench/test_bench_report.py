@@ -1,0 +1,175 @@
+"""The benchmark suite's plumbing on tiny inputs: peers compute the same loss (and the check
+catches one that does not), the correctness-at-scale module, the report generator and CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastcl.bench import correctness, peers, report
+from fastcl.bench.cases import make_inputs
+from fastcl.ops.dispatch import BackendUnavailableError
+
+SHAPES = {"supmpn": (3, 2), "supcon": (3, 2), "mnrl": (1, 2), "infonce": (1, 0)}
+# torch.compile takes ~40 s per loss on a loaded 2-core machine: the benchmark covers it
+FAST_IMPLS = [n for n in peers.IMPLS if n != "compile"]
+
+
+def _pairs():
+    for name in FAST_IMPLS:
+        for loss in peers.IMPLS[name].losses:
+            yield pytest.param(name, loss, id=f"{name}-{loss}")
+
+
+@pytest.mark.parametrize("name, loss", list(_pairs()))
+def test_peer_matches_reference_value_and_gradient(name, loss):
+    why = peers.unavailable(name, loss, "cpu")
+    if why:
+        pytest.skip(why)
+    P, Q = SHAPES[loss]
+    inputs = make_inputs(loss, 12, P, Q, 16, seed=3)
+    fn = peers.build(name, loss, inputs)
+    try:
+        peers.check_value(name, loss, fn, inputs)
+    except BackendUnavailableError as exc:  # e.g. compiled Triton refuses CPU tensors
+        pytest.skip(str(exc))
+    fn().backward()
+    ref = {k: v.detach().double().requires_grad_() for k, v in inputs.items() if v is not None}
+    from fastcl.bench.cases import LOSSES
+
+    LOSSES[loss][1](**ref, temperature=peers.TEMPERATURE).backward()
+    for k, v in ref.items():
+        assert correctness.rel_err(inputs[k].grad, v.grad) < 1e-4, k
+
+
+def test_check_value_rejects_a_different_loss():
+    inputs = make_inputs("supmpn", 12, 3, 2, 16, seed=1)
+    # SupCon keeps the anchor's other positives in the denominator: a different loss
+    wrong = peers.build("pml-supcon", "supcon", inputs)
+    with pytest.raises(peers.PeerMismatchError, match="pml-supcon computes supmpn"):
+        peers.check_value("pml-supcon", "supmpn", wrong, inputs)
+    right = peers.build("pml-ntxent", "supmpn", inputs)
+    assert peers.check_value("pml-ntxent", "supmpn", right, inputs)["abs_err"] < 1e-5
+    with pytest.raises(peers.PeerMismatchError):
+        peers.check_value("nan", "supmpn", lambda: torch.tensor(float("nan")), inputs)
+
+
+def test_unavailable_says_why():
+    assert "does not compute supmpn" in peers.unavailable("st-mnrl", "supmpn", "cpu")
+    assert "CUDA only" in peers.unavailable("inf-cl", "infonce", "cpu")
+    assert "unknown implementation" in peers.unavailable("nope", "infonce", "cpu")
+    assert peers.unavailable("eager", "supcon", "cpu") is None
+
+
+def test_correctness_module_on_tiny_workload():
+    recs = correctness.check_workload("mnrl", 16, 1, 2, 8, "float32", "cpu", ["eager", "torch", "st-cmnrl", "inf-cl"])
+    status = {r["impl"]: r["status"] for r in recs}
+    assert status == {"eager": "ok", "torch": "ok", "st-cmnrl": "ok", "inf-cl": "skipped"}
+
+
+def _fake_run(tmp_path, threads=2, name="run.json", interleaved=True, speed=1.0):
+    """A pytest-benchmark JSON shaped like bench_losses.py's output (``interleaved=False``:
+    the older, median-timed records without spread or floor)."""
+    def bench(impl, family, B, seconds, peak, noisy=False, **more):
+        seconds /= speed
+        e = {"workload": f"supmpn B={B} P=5 Q=5 d=64 float32 cpu", "impl": impl, "family": family,
+             "loss": "supmpn", "B": B, "P": 5, "Q": 5, "d": 64, "dtype": "float32", "device": "cpu",
+             "peak_mib": peak, "tflops": 1e-3, "gemm_share": 0.5, "abs_err": 1e-7, "threads": threads}
+        if interleaved:
+            e.update(min_s=seconds, spread=0.01, noisy=noisy, floor_s=0.05 / speed, floor_spread=0.02,
+                     floor_share=0.05 / seconds / speed, rounds=4, **more)
+        return {"name": f"x-{impl}-{B}", "stats": {"median": seconds * 1.5 if interleaved else seconds,
+                                                    "min": seconds}, "extra_info": e}
+    doc = {
+        "datetime": "2026-11-23T12:00:00", "machine_info": {"python_version": "3.11", "fastcl": {
+            "date": "2026-11-23T12:00:00+00:00", "cpu_count": 2, "torch_threads": threads, "loadavg_start": [3.0, 2, 1],
+            "loadavg_end": [4.0, 2, 1], "versions": {"torch": "2.13"}, "backends": {"cpp": "not built"}}},
+        "benchmarks": [bench("eager", "reference", 128, 0.2, 100.0), bench("torch", "fastcl", 128, 0.1, 10.0),
+                       bench("compile", "reference", 128, 0.125, 50.0, compile_s=12.5),
+                       bench("pml-ntxent", "peer", 128, 0.4, 120.0), bench("eager", "reference", 512, 0.8, 400.0, noisy=True),
+                       bench("torch", "fastcl", 512, 0.5, 20.0), {"name": "gradcache", "stats": {"median": 1.0},
+                                                                  "extra_info": {"mode": "cached"}}],
+        "fastcl_skipped": [{"workload": "supmpn B=128 P=5 Q=5 d=64 float32 cpu", "impl": "cpp",
+                            "reason": "fastcl backend 'cpp': not built"}],
+    }
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_report_tables_plots_and_cli(tmp_path):
+    from fastcl.__main__ import main as cli
+
+    path = _fake_run(tmp_path)
+    out = tmp_path / "RESULTS.md"
+    assert cli(["bench-report", str(path), "--out", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    text = out.read_text()
+    # time = min of interleaved rounds (not the median), spread, share of the floor, compile seconds
+    assert "| 128 | *floor: 3 GEMMs* | 50.0 | 2% | – | 100% |" in text
+    assert "| 128 | **torch** | 100.0 | 1% | 2.00x | 50% | 10.0 | 0.100x |" in text
+    assert "| 128 | compile | 125.0 | 1% | 1.60x | 40% | 50.0 | 0.500x | 1.0 | 50% | 12.5 |" in text
+    # a case with a spread above the threshold is marked on each of its lines
+    assert "| 512 (noisy) | eager | 800.0 | 1% | 1.00x | 6% | 400.0 | 1.000x |" in text
+    assert "| 512 (noisy) | **torch** |" in text and "| 128 (noisy)" not in text
+    assert "`cpp`: B=128: fastcl backend 'cpp': not built" in text
+    assert "1.60x faster than eager" in text and "0.05x eager's peak memory" in text
+    assert "10% of the GEMM floor" in text and "**noisy**" in text
+    assert "(cpu, 2 threads)" in text
+    assert "load average (1 min): 3.0 at start, 4.0 at end" in text
+    png = tmp_path / "plots" / "cpu-supmpn-P5-Q5-d64-float32.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](plots/cpu-supmpn-P5-Q5-d64-float32.png)" in text
+    assert "Thread scaling" not in text
+
+
+def test_report_summary_compares_with_compile(tmp_path):
+    groups, _ = report.load([_fake_run(tmp_path)])
+    (g,) = groups
+    line = report.summary(g)  # at the largest B fastcl ran (512): no compile record there
+    assert "`torch`" in line and "torch.compile" not in line
+    g.rows = [r for r in g.rows if r.B == 128]
+    line = report.summary(g)
+    assert "ahead of `torch.compile` (1.25x its time)" in line and "50% of the GEMM floor" in line
+
+
+def test_report_reads_older_median_records(tmp_path):
+    groups, _ = report.load([_fake_run(tmp_path, interleaved=False)])
+    text = report.table(groups[0])
+    assert "| 128 | **torch** | 100.0 | – | 2.00x | – | 10.0 | 0.100x |" in text
+    assert "floor: 3 GEMMs" not in text and "noisy" not in text
+
+
+def test_report_thread_scaling_across_runs(tmp_path):
+    one = _fake_run(tmp_path, threads=1, name="t1.json")
+    two = _fake_run(tmp_path, threads=2, name="t2.json", speed=1.6)
+    out = tmp_path / "RESULTS.md"
+    report.main(report.argparse.Namespace(json=[str(one), str(two)], out=str(out), plots=None, notes=None))
+    text = out.read_text()
+    assert "## supmpn P=5 Q=5 d=64 float32 (cpu, 1 thread)" in text
+    assert "## supmpn P=5 Q=5 d=64 float32 (cpu, 2 threads)" in text
+    assert (tmp_path / "plots" / "cpu-supmpn-P5-Q5-d64-float32-t1.png").exists()
+    assert (tmp_path / "plots" / "cpu-supmpn-P5-Q5-d64-float32-t2.png").exists()
+    assert "## Thread scaling" in text
+    assert "| supmpn P=5 Q=5 d=64 float32 cpu | 128 | torch | 100.0 | 62.5 | 1.60x |" in text
+    assert "| supmpn P=5 Q=5 d=64 float32 cpu | 512 (noisy) | eager | 800.0 | 500.0 | 1.60x |" in text
+
+
+def test_report_refuses_json_without_loss_records(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps({"benchmarks": [], "machine_info": {}}))
+    with pytest.raises(SystemExit, match="no fastcl loss benchmarks"):
+        report.main(report.argparse.Namespace(json=[str(path)], out=str(tmp_path / "R.md"), plots=None, notes=None))
+
+
+def test_report_scaling_runs_only_feed_the_scaling_table(tmp_path):
+    one = _fake_run(tmp_path, threads=1, name="t1.json")
+    two = _fake_run(tmp_path, threads=2, name="t2.json", speed=1.6)
+    out = tmp_path / "RESULTS.md"
+    report.main(report.argparse.Namespace(json=[str(two)], scaling=[str(one)], out=str(out), plots=None, notes=None))
+    text = out.read_text()
+    assert "(cpu, 2 threads)" in text and "(cpu, 1 thread)" not in text
+    assert "| supmpn P=5 Q=5 d=64 float32 cpu | 128 | torch | 100.0 | 62.5 | 1.60x |" in text
+    assert "`t1.json`" in text and "`t2.json`" in text  # both runs listed
+    assert (tmp_path / "plots" / "cpu-supmpn-P5-Q5-d64-float32.png").exists()

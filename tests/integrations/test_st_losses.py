@@ -1,0 +1,269 @@
+"""fastcl's sentence-transformers losses against sentence-transformers' own MNRL / cached MNRL.
+
+On the same embeddings (float64, fresh random inputs, odd shapes) the fastcl losses must give
+the value and the gradients of ``sentence_transformers``' ``MultipleNegativesRankingLoss``
+where the two coincide (MNRL with and without hard negatives, any scale, cos or dot;
+symmetric InfoNCE against ``directions=("query_to_doc", "doc_to_query")`` with
+``partition_mode="per_direction"``); SupMPN / SupCon column layouts against the float64
+oracles of ``fastcl.reference``; and, end to end through a tiny dropout-free BERT, the
+plain and gradient-cached losses must give sentence-transformers' parameter gradients.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+st = pytest.importorskip("sentence_transformers")
+
+from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
+from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
+
+from fastcl import reference as R  # noqa: E402
+from fastcl.integrations import sentence_transformers as fst  # noqa: E402
+from tests.helpers import st as common  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+F64_TOL = 1e-10
+DEFAULT = fst.DEFAULT_SCALE
+
+
+def _columns(B: int, d: int, n: int, dtype=torch.float64) -> list[torch.Tensor]:
+    return [torch.randn(B, d, dtype=dtype, requires_grad=True) for _ in range(n)]
+
+
+def _value_and_grads(loss_fn, embs):
+    value = loss_fn(embs)
+    return value.detach(), torch.autograd.grad(value, embs)
+
+
+def _assert_same(got, ref, tol=F64_TOL):
+    (v, g), (rv, rg) = got, ref
+    assert torch.isfinite(v)
+    torch.testing.assert_close(v, rv, rtol=tol, atol=tol)
+    for a, b in zip(g, rg):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------------------- importing
+
+
+def test_importing_fastcl_does_not_import_sentence_transformers():
+    """fastcl imports without the extra; the integration, without it, names the extra."""
+    code = (
+        "import sys, fastcl, fastcl.losses, fastcl.gradcache, fastcl.integrations\n"
+        "assert 'sentence_transformers' not in sys.modules, 'imported'\n"
+        "sys.modules['sentence_transformers'] = None  # as if not installed\n"
+        "try:\n    import fastcl.integrations.sentence_transformers\n"
+        "except ImportError as e:\n    assert \"fastcl[st]\" in str(e), e\nelse:\n    raise SystemExit('no ImportError')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- vs ST's MNRL
+
+
+@pytest.mark.parametrize("Q", [0, 1, 3])
+@pytest.mark.parametrize("B,d", [(1, 5), (7, 13)])
+def test_mnrl_equals_sentence_transformers(B, d, Q):
+    embs = _columns(B, d, 2 + Q)
+    ref = st_losses.MultipleNegativesRankingLoss(model=None)  # scale=20
+    ours = fst.MultipleNegativesRankingLoss(torch.nn.Identity())
+    _assert_same(_value_and_grads(ours.compute_loss_from_embeddings, embs),
+                 _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs))
+
+
+@pytest.mark.parametrize("similarity", ["cos", "dot"])
+def test_mnrl_scale_and_similarity_match(similarity):
+    fct, scale = (cos_sim, 7.3) if similarity == "cos" else (dot_score, 0.4)
+    embs = _columns(6, 9, 3)
+    ref = st_losses.MultipleNegativesRankingLoss(None, scale=scale, similarity_fct=fct)
+    want = _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs)
+    by_scale = fst.MultipleNegativesRankingLoss(torch.nn.Identity(), scale=scale, similarity_fct=fct)
+    by_temperature = fst.MultipleNegativesRankingLoss(torch.nn.Identity(), temperature=1 / scale, similarity_fct=similarity)
+    _assert_same(_value_and_grads(by_scale.compute_loss_from_embeddings, embs), want)
+    _assert_same(_value_and_grads(by_temperature.compute_loss_from_embeddings, embs), want)
+
+
+def test_supcon_with_one_positive_column_is_mnrl():
+    embs = _columns(5, 8, 4)  # anchor, positive, 2 negatives
+    ref = st_losses.MultipleNegativesRankingLoss(None, scale=11.0)
+    ours = fst.SupConLoss(torch.nn.Identity(), scale=11.0)
+    _assert_same(_value_and_grads(ours.compute_loss_from_embeddings, embs),
+                 _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_infonce_equals_sentence_transformers(symmetric):
+    embs = _columns(9, 6, 2)
+    kw = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction") if symmetric else {}
+    ref = st_losses.MultipleNegativesRankingLoss(None, **kw)
+    ours = fst.InfoNCELoss(torch.nn.Identity(), symmetric=symmetric)
+    _assert_same(_value_and_grads(ours.compute_loss_from_embeddings, embs),
+                 _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs))
+
+
+# --------------------------------------------------------------------------- multi-positive layouts
+
+
+@pytest.mark.parametrize("P,Q", [(1, 0), (2, 1), (3, 2)])
+@pytest.mark.parametrize("kind", ["supmpn", "supmpn_zero_logit", "supcon"])
+def test_multi_positive_columns_match_reference(kind, P, Q):
+    B, d, tau = 5, 7, 0.07
+    embs = _columns(B, d, 1 + P + Q)
+
+    def oracle(e):
+        pos = torch.stack(e[1 : 1 + P], 1)
+        neg = torch.stack(e[1 + P :], 1) if Q else None
+        if kind == "supcon":
+            return R.supcon(e[0], pos, neg, temperature=tau)
+        own = "zero_logit" if kind == "supmpn_zero_logit" else "exclude"
+        return R.supmpn(e[0], pos, neg, temperature=tau, own_positives=own)
+
+    if kind == "supcon":
+        loss = fst.SupConLoss(torch.nn.Identity(), temperature=tau, num_positives=P)
+    else:
+        own = "zero_logit" if kind == "supmpn_zero_logit" else "exclude"
+        loss = fst.SupMPNLoss(torch.nn.Identity(), temperature=tau, num_positives=P, own_positives=own)
+    _assert_same(_value_and_grads(loss.compute_loss_from_embeddings, embs), _value_and_grads(oracle, embs))
+
+
+# --------------------------------------------------------------------------- end to end, cached
+
+
+def _param_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _st_step(model, loss, features) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    value = loss([dict(f) for f in features], None)
+    value.backward()
+    return value.detach(), _param_grads(model)
+
+
+@pytest.mark.parametrize("negatives", [0, 1])
+def test_cached_and_plain_match_sentence_transformers_through_a_model(tmp_path, negatives):
+    """Parameter gradients of a dropout-free tiny BERT: fastcl plain / cached vs ST plain / cached."""
+    model = common.tiny_model(tmp_path, dropout=0.0).train()
+    rows = common.sentences(11, seed=int(torch.randint(0, 2**31, ())))
+    columns = [rows[i::3] for i in range(2 + negatives)]
+    n = min(len(c) for c in columns)
+    features = [model.preprocess(c[:n]) for c in columns]
+    ref_value, ref_grads = _st_step(model, st_losses.MultipleNegativesRankingLoss(model), features)
+    runs = {
+        "fastcl": fst.MultipleNegativesRankingLoss(model),
+        "fastcl cached": fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2),
+        "ST cached": st_losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2),
+    }
+    assert ref_grads, "the model received no gradient"
+    for name, loss in runs.items():
+        value, grads = _st_step(model, loss, features)
+        torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6, msg=name)
+        common.assert_grads_close(grads, ref_grads, name)
+
+
+def test_cached_loss_under_no_grad_is_the_plain_value(tmp_path):
+    model = common.tiny_model(tmp_path, dropout=0.0).eval()
+    rows = common.sentences(8, seed=3)
+    features = [model.preprocess(rows[:4]), model.preprocess(rows[4:])]
+    with torch.no_grad():
+        cached = fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)([dict(f) for f in features])
+        plain = fst.MultipleNegativesRankingLoss(model)([dict(f) for f in features])
+    torch.testing.assert_close(cached, plain, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- conventions and errors
+
+
+def test_scale_is_one_over_temperature():
+    m = torch.nn.Identity()
+    assert fst.MultipleNegativesRankingLoss(m).temperature == pytest.approx(0.05)  # ST's scale=20
+    loss = fst.SupMPNLoss(m, temperature=0.1, num_positives=2)
+    assert loss.scale == pytest.approx(10.0)
+    loss.scale = 40.0
+    assert loss.temperature == pytest.approx(0.025)
+    cfg = loss.get_config_dict()
+    assert cfg["scale"] == pytest.approx(40.0) and cfg["num_positives"] == 2 and cfg["similarity_fct"] == "cos_sim"
+    assert fst.CachedMultipleNegativesRankingLoss(m).mini_batch_size == 32
+    assert fst.InfoNCELoss(None, scale=DEFAULT).temperature == pytest.approx(1 / DEFAULT)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda m: fst.MultipleNegativesRankingLoss(m, scale=20.0, temperature=0.05), "not both"),
+        (lambda m: fst.MultipleNegativesRankingLoss(m, scale=0.0), "scale"),
+        (lambda m: fst.InfoNCELoss(m, temperature=float("nan")), "temperature"),
+        (lambda m: fst.MultipleNegativesRankingLoss(m, similarity_fct=lambda a, b: a @ b.T), "similarity_fct"),
+        (lambda m: fst.MultipleNegativesRankingLoss(m, mini_batch_size=0), "mini_batch_size"),
+        (lambda m: fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=None), "mini_batch_size"),
+        (lambda m: fst.SupMPNLoss(m, num_positives=0), "num_positives"),
+        (lambda m: fst.SupMPNLoss(m, own_positives="keep"), "own_positives"),
+        (lambda m: fst.SupConLoss(m, backend="fast"), "backend"),
+    ],
+)
+def test_bad_arguments_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make(torch.nn.Identity())
+
+
+@pytest.mark.parametrize(
+    "loss, n",
+    [
+        (fst.MultipleNegativesRankingLoss(torch.nn.Identity()), 1),
+        (fst.InfoNCELoss(torch.nn.Identity()), 3),
+        (fst.SupMPNLoss(torch.nn.Identity(), num_positives=2), 2),
+    ],
+)
+def test_wrong_number_of_columns_raises(loss, n):
+    with pytest.raises(ValueError, match="columns"):
+        loss.compute_loss_from_embeddings(_columns(4, 3, n))
+
+
+def test_gather_without_process_group_is_single_process():
+    embs = _columns(4, 5, 2)
+    gathered = fst.MultipleNegativesRankingLoss(torch.nn.Identity(), gather_across_devices=True)
+    plain = fst.MultipleNegativesRankingLoss(torch.nn.Identity())
+    assert gathered._group() is None
+    _assert_same(_value_and_grads(gathered.compute_loss_from_embeddings, embs),
+                 _value_and_grads(plain.compute_loss_from_embeddings, embs))
+
+
+def test_matryoshka_wraps_the_plain_loss(tmp_path):
+    """MatryoshkaLoss around fastcl's MNRL gives the gradients of MatryoshkaLoss around ST's."""
+    model = common.tiny_model(tmp_path, dropout=0.0)
+    rows = common.sentences(10, seed=5)
+    features = [model.preprocess(rows[:5]), model.preprocess(rows[5:])]
+    dims = [common.HIDDEN, common.HIDDEN // 2]
+    ref_value, ref_grads = _st_step(model, st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model), dims), features)
+    value, grads = _st_step(model, st_losses.MatryoshkaLoss(model, fst.MultipleNegativesRankingLoss(model), dims), features)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_grads_close(grads, ref_grads, "matryoshka")
+    # The cached form follows sentence-transformers' gradient-cache protocol (MatryoshkaLoss
+    # wraps its calculate_loss): same gradients (more cases in tests/integrations/test_st_api.py).
+    cached = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), dims)
+    value, grads = _st_step(model, cached, features)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_grads_close(grads, ref_grads, "cached matryoshka")
+
+
+def test_cached_chunks_drop_unused_padding(tmp_path):
+    """A chunk of short sentences is encoded at its own width (and to the same embeddings)."""
+    model = common.tiny_model(tmp_path, dropout=0.0).eval()
+    short, long = ["the cat sat"] * 2, ["a big red dog ran fast under the blue sky today"] * 2
+    features = model.preprocess(short + long)
+    widths = []
+    encode = fst._SentenceEmbedding(model)
+    original = model.forward
+    model.forward = lambda f, **kw: (widths.append(f["input_ids"].shape[1]), original(f, **kw))[1]
+    try:
+        chunks = [encode(**{k: v[i:i + 2] if torch.is_tensor(v) else v for k, v in features.items()}) for i in (0, 2)]
+    finally:
+        del model.forward
+    assert widths == [5, features["input_ids"].shape[1]]  # [CLS] the cat sat [SEP]
+    torch.testing.assert_close(torch.cat(chunks), model(dict(features))["sentence_embedding"], rtol=1e-5, atol=1e-6)

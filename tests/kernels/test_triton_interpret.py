@@ -1,0 +1,232 @@
+"""The Triton kernels on CPU tensors through the Triton interpreter.
+
+Run in its own process, with the backend matrix::
+
+    TRITON_INTERPRET=1 FASTCL_TEST_BACKENDS=triton FASTCL_TEST_SMALL=1 \\
+        pytest tests/ops/test_backend_matrix.py tests/kernels/test_triton_interpret.py
+
+(skipped without ``TRITON_INTERPRET=1``: the interpreter must be on before the kernels are
+imported). The matrix covers the losses end to end on small shapes; this file covers what
+it cannot reach cheaply: the primitive on shapes that cross every tile, split and chunk
+edge of the launchers (interpreter tiles are 16 wide, chunks 32), the own-positive fold,
+``d = 1024``, the structural-mask rule against ``contract.excluded``,
+the ``FASTCL_TRITON_DS=input`` mode, the custom-op registration, and that every launched
+specialisation is in the AOT list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import fastcl.losses as L  # noqa: E402
+from fastcl import reference as R  # noqa: E402
+from fastcl.kernels import _common, aot  # noqa: E402
+from fastcl.ops import _torch_impl, _triton  # noqa: E402
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
+from fastcl.ops.positive_logits import own_positive_similarities  # noqa: E402
+
+from fastcl.testing import assert_close  # noqa: E402
+
+TRITON = _triton.BACKEND
+
+
+# ---------------------------------------------------------------------------------------
+# the structural mask is the contract's
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mask_probe(TAGS, OUT, n_rows, n_cols, BM: tl.constexpr, BN: tl.constexpr):
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    col_ok = cols < n_cols
+    keep = _common.structural_mask(rows, n_rows, _common.load_tags(TAGS, cols, col_ok), col_ok)
+    tl.store(OUT + rows[:, None] * BN + cols[None, :], keep.to(tl.int32))
+
+
+def test_structural_mask_is_contract_excluded():
+    n_rows, n_cols = 11, 29
+    gen = torch.Generator().manual_seed(1)
+    tags = torch.randint(-2, n_rows + 3, (n_cols,), generator=gen, dtype=torch.int32)
+    tags[:3] = torch.tensor([TAG_PADDING, TAG_ALL, 0], dtype=torch.int32)
+    out = torch.full((16, 32), -1, dtype=torch.int32)
+    _mask_probe[(1,)](tags, out, n_rows, n_cols, BM=16, BN=32)
+    want = ~excluded(tags, torch.arange(n_rows))
+    assert torch.equal(out[:n_rows, :n_cols].bool(), want)
+    assert not out[n_rows:].any() and not out[:, n_cols:].any()  # out of range: never kept
+
+
+# ---------------------------------------------------------------------------------------
+# the primitive against the float64 oracle, across tile / split / chunk edges
+# ---------------------------------------------------------------------------------------
+
+
+def _problem(B, P, Q, d, dtype, cosine, gen, exclude_own=True):
+    """Positives anchor-major in block 0 after ``extra`` leading rows; padding, an empty row,
+    a zero-norm candidate (clamped norm)."""
+    extra = 3  # block 0 rows before the positives: OwnPositives.offset
+    scale = 1.0 if cosine else d ** -0.5
+    anchor = torch.randn(B, d, generator=gen) * scale
+    block0 = torch.randn(extra + B * P, d, generator=gen) * scale
+    block1 = torch.randn(Q, d, generator=gen) * scale
+    block1[:1] = 0  # a clamped norm
+    owner = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
+    tags0 = torch.cat([torch.full((extra,), TAG_ALL, dtype=torch.int32), owner if exclude_own else owner * 0 - 1])
+    tags1 = torch.full((Q,), TAG_ALL, dtype=torch.int32)
+    tags0[torch.rand(tags0.shape, generator=gen) < 0.2] = TAG_PADDING
+    tags1[torch.rand(tags1.shape, generator=gen) < 0.2] = TAG_PADDING
+    if not exclude_own:  # row 0 empty: every candidate excluded from it
+        tags0[tags0 == TAG_ALL] = 0
+        tags1[tags1 == TAG_ALL] = 0
+    t = [x.to(dtype) for x in (anchor, block0, block1)]
+    return LSEProblem(t[0], (t[1], t[2]), (tags0, tags1), cosine, 1e-8, OwnPositives(extra, P))
+
+
+def _oracle(problem: LSEProblem, tau: torch.Tensor, g: torch.Tensor, d_pos: torch.Tensor):
+    """float64 lse, mean_logit and the gradients of ``sum g*lse + sum d_pos*l_pos``."""
+    leaves = [x.detach().double().requires_grad_() for x in (problem.anchor, *problem.blocks)]
+    p64 = LSEProblem(leaves[0], (leaves[1], leaves[2]), problem.tags, problem.cosine, problem.eps, problem.positives)
+    tau64 = tau.double()
+    lse = R.BACKEND.forward(p64, tau64)[0]
+    B, P = d_pos.shape
+    own = leaves[1][problem.positives.rows(0, B)].view(B, P, -1)
+    a = torch.nn.functional.normalize(leaves[0], dim=-1, eps=problem.eps) if problem.cosine else leaves[0]
+    o = torch.nn.functional.normalize(own, dim=-1, eps=problem.eps) if problem.cosine else own
+    pos_logits = torch.einsum("bd,bpd->bp", a, o) / tau64
+    finite = torch.isfinite(lse)
+    obj = (g.double() * torch.where(finite, lse, 0.0)).sum() + (d_pos.double() * pos_logits).sum()
+    grads = torch.autograd.grad(obj, leaves)
+    mean_logit = _torch_impl.BACKEND.forward(p64, tau64)[1]
+    return lse.detach(), mean_logit, grads
+
+
+PRIMITIVE_CASES = [  # B, P, Q, d, dtype, cosine, exclude_own
+    (33, 2, 27, 40, torch.float32, True, True),
+    (20, 1, 70, 17, torch.bfloat16, True, False),
+    (18, 3, 0, 40, torch.float16, True, True),
+    (21, 2, 33, 19, torch.float32, False, False),
+    (17, 1, 19, 24, torch.bfloat16, False, True),
+    (4, 1, 2, 1024, torch.bfloat16, True, True),
+]
+
+
+@pytest.mark.parametrize("B, P, Q, d, dtype, cosine, exclude_own", PRIMITIVE_CASES,
+                         ids=[f"B{c[0]}P{c[1]}Q{c[2]}d{c[3]}-{str(c[4])[6:]}-{'cos' if c[5] else 'dot'}"
+                              f"-{'excl' if c[6] else 'all'}" for c in PRIMITIVE_CASES])
+def test_primitive_matches_oracle(B, P, Q, d, dtype, cosine, exclude_own):
+    gen = torch.Generator().manual_seed(B * 1000 + d)
+    problem = _problem(B, P, Q, d, dtype, cosine, gen, exclude_own)
+    assert not TRITON.unsupported(problem)
+    tau = torch.tensor(0.1 if cosine else 0.7)
+    g = torch.randn(B, generator=gen)
+    d_pos = torch.randn(B, P, generator=gen)
+    pos_tags = problem.tags[0][problem.positives.rows(0, B)].view(B, P)
+    d_pos[pos_tags == TAG_PADDING] = 0  # the head gives padded positives no gradient
+    ref_lse, ref_ml, ref_grads = _oracle(problem, tau, g, d_pos)
+    g = torch.where(torch.isfinite(ref_lse), g, 0.0)  # an empty row has no gradient
+    with poison_outputs():
+        lse, mean_logit = TRITON.forward(problem, tau)
+        d_anchor, d_blocks = TRITON.backward(problem, tau, lse, g, d_pos)
+    assert lse.dtype == mean_logit.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "empty rows must give -inf exactly"
+    fin = torch.isfinite(ref_lse)
+    assert_close("lse", lse[fin], ref_lse[fin], dtype)
+    assert_close("mean_logit", mean_logit, ref_ml, dtype)
+    for name, got, want in zip(("d anchor", "d block0", "d block1"), (d_anchor, *d_blocks), ref_grads):
+        assert got.dtype == dtype
+        assert_close(name, got, want, dtype)
+    for blk, tags in zip(d_blocks, problem.tags):  # padding: exactly zero
+        assert (blk[tags == TAG_PADDING] == 0).all()
+
+
+def test_empty_problems():
+    gen = torch.Generator().manual_seed(3)
+    tau = torch.tensor(0.1)
+    for B, n0, n1 in [(0, 4, 3), (3, 0, 0)]:
+        a, c0, c1 = torch.randn(B, 8, generator=gen), torch.randn(n0, 8, generator=gen), torch.randn(n1, 8)
+        tags = (torch.full((n0,), TAG_ALL, dtype=torch.int32), torch.full((n1,), TAG_ALL, dtype=torch.int32))
+        problem = LSEProblem(a, (c0, c1), tags)
+        with poison_outputs():
+            lse, ml = TRITON.forward(problem, tau)
+            da, (d0, d1) = TRITON.backward(problem, tau, lse, torch.ones(B))
+        assert lse.shape == (B,) and (lse == float("-inf")).all() and (ml == 0).all()
+        assert all((x == 0).all() for x in (da, d0, d1))
+
+
+def test_input_precision_ds_mode(monkeypatch):
+    """``FASTCL_TRITON_DS=input`` (dS rounded to bf16, one MMA) stays within bf16 bounds."""
+    monkeypatch.setenv(_triton.DS_ENV, "input")
+    gen = torch.Generator().manual_seed(5)
+    a, p, n = (torch.randn(*s, generator=gen).bfloat16() for s in ((19, 24), (19, 2, 24), (19, 3, 24)))
+    leaves = [x.clone().requires_grad_() for x in (a, p, n)]
+    with poison_outputs():
+        L.supcon_loss(*leaves, temperature=0.1, backend="triton").backward()
+    ref = [x.double().requires_grad_() for x in (a, p, n)]
+    R.supcon(*ref, temperature=0.1).backward()
+    for x, y in zip(leaves, ref):
+        assert_close("grad", x.grad, y.grad, torch.bfloat16)
+    monkeypatch.setenv(_triton.DS_ENV, "bogus")
+    with pytest.raises(ValueError, match="FASTCL_TRITON_DS"):
+        _triton.ds_precision()
+
+
+# ---------------------------------------------------------------------------------------
+# registration and specialisations
+# ---------------------------------------------------------------------------------------
+
+
+def test_custom_ops_pass_opcheck():
+    gen = torch.Generator().manual_seed(7)
+    a, c0, c1 = (torch.randn(n, 20, generator=gen).bfloat16() for n in (5, 10, 3))
+    t0 = torch.arange(5, dtype=torch.int32).repeat_interleave(2)
+    t1 = torch.full((3,), TAG_ALL, dtype=torch.int32)
+    tau = torch.tensor(0.1)
+    lse, _ = torch.ops.fastcl_triton.lse_forward(a, c0, c1, t0, t1, tau, True, 1e-8)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.fastcl_triton.lse_forward.default, (a, c0, c1, t0, t1, tau, True, 1e-8),
+                          test_utils=checks)
+    torch.library.opcheck(torch.ops.fastcl_triton.lse_backward.default,
+                          (a, c0, c1, t0, t1, tau, lse, torch.ones(5), torch.ones(5, 2), 0, True, 1e-8, True),
+                          test_utils=checks)
+
+
+def test_every_launched_specialisation_is_in_the_aot_list(tmp_path, monkeypatch):
+    record = tmp_path / "specs.jsonl"
+    monkeypatch.setenv(_common.RECORD_ENV, str(record))
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for cosine in (True, False):
+            problem = _problem(5, 2, 36, 12, dtype, cosine, gen)  # several chunks, with and without positives
+            lse, _ = TRITON.forward(problem, torch.tensor(0.2))
+            TRITON.backward(problem, torch.tensor(0.2), lse, torch.ones(5), torch.ones(5, 2))
+    launched = {json.loads(line) for line in record.read_text().splitlines()}
+    known = {s.key for s in aot.all_specs()}
+    assert launched and launched <= known, sorted(launched - known)
+
+
+def test_torch_compile_traces_the_ops():
+    """``torch.compile`` (eager backend, whole graph) traces through the registered ops."""
+    gen = torch.Generator().manual_seed(13)
+    a, c0 = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    t0 = torch.full((6,), TAG_ALL, dtype=torch.int32)
+    c1, t1 = torch.empty(0, 8), torch.empty(0, dtype=torch.int32)
+    tau = torch.tensor(0.5)
+
+    def f(a, c0):
+        lse, _ = torch.ops.fastcl_triton.lse_forward(a, c0, c1, t0, t1, tau, True, 1e-8)
+        return lse.sum()
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(a, c0), f(a, c0))

@@ -1,0 +1,41 @@
+"""Runs the Triton interpreter suite from the plain test command.
+
+The interpreter must be switched on before Triton kernels are imported, so the suite
+(the core backend matrix, primitive, property and double-backward tests for ``triton`` on
+small shapes, plus ``test_triton_interpret.py``) runs in a child pytest process with
+``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
+run fail there instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("already inside the interpreter suite", allow_module_level=True)
+pytest.importorskip("triton")
+
+TESTS = Path(__file__).resolve().parents[1]
+FILES = ["ops/test_backend_matrix.py", "ops/test_primitive.py", "kernels/test_triton_interpret.py", "ops/test_property.py",
+         "ops/test_double_backward.py"]
+
+
+def test_triton_interpreter_suite():
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "FASTCL_TEST_BACKENDS": "triton",
+        "FASTCL_REQUIRE_BACKENDS": "triton",
+        "FASTCL_TEST_SMALL": "1",
+    }
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(TESTS / f) for f in FILES)]
+    done = subprocess.run(cmd, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1500)
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+    assert done.returncode == 0, f"interpreter suite failed (exit {done.returncode}):\n{tail}"
+    assert " passed" in tail and "no tests ran" not in tail, tail
+    print(tail.splitlines()[-1])

@@ -1,0 +1,205 @@
+"""SupCon from class labels (``supcon_labels_loss`` / ``supcon_loss(features, labels=...)``).
+
+Values and gradients in float64 against pytorch-metric-learning's ``SupConLoss`` and
+against SupContrast's ``SupConLoss`` formula (written here from its definition), on the
+reference, torch and cpp backends; and the memory contract: no ``N x N`` buffer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastcl.losses as L
+from fastcl.losses_supcon import supcon_labels_loss
+
+from tests.helpers.backends import require
+
+BACKENDS = ["reference", "torch", "cpp"]
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def _backend(name):
+    if name != "reference":
+        require(name)
+    return name
+
+
+def _supcontrast(features, labels, temperature, base_temperature):
+    """SupContrast's ``SupConLoss`` (contrast_mode='all'), written from its definition.
+
+    ``features [B, V, d]`` (SupContrast expects them L2-normalised), ``labels [B]``.
+    Anchors: every view of every sample, view-major. Denominator: every other feature.
+    ``loss = -(T / base_T) * mean over anchors of mean_{p in P(i)} log_softmax_{a != i}``;
+    an anchor without a positive counts as 0 in that mean (SupContrast's current code).
+    """
+    B, V, d = features.shape
+    x = features.transpose(0, 1).reshape(V * B, d)
+    y = labels.repeat(V)
+    logits = x @ x.T / temperature
+    not_self = ~torch.eye(V * B, dtype=torch.bool)
+    log_den = torch.logsumexp(logits.masked_fill(~not_self, float("-inf")), dim=1, keepdim=True)
+    log_prob = logits - log_den
+    pos = (y[:, None] == y[None, :]) & not_self
+    count = pos.sum(1)
+    mean_log_prob_pos = (log_prob * pos).sum(1) / torch.where(count > 0, count, torch.ones_like(count))
+    return -(temperature / base_temperature) * mean_log_prob_pos.mean()
+
+
+def _pml(features, labels, temperature, *, dot=False, ref_emb=None, ref_labels=None):
+    from pytorch_metric_learning.distances import DotProductSimilarity
+    from pytorch_metric_learning.losses import SupConLoss
+
+    kw = {"distance": DotProductSimilarity(normalize_embeddings=False)} if dot else {}
+    return SupConLoss(temperature=temperature, **kw)(features, labels, ref_emb=ref_emb, ref_labels=ref_labels)
+
+
+def _grads(loss, *tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("similarity", ["cos", "dot"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_pml_supcon(backend, similarity, seed):
+    pytest.importorskip("pytorch_metric_learning")
+    gen = torch.Generator().manual_seed(seed)
+    # few labels, one of them seen once: that anchor has no positive (PML drops it too)
+    x = torch.randn(13, 9, generator=gen, dtype=torch.float64)
+    if similarity == "dot":
+        x = x * 0.3
+    x.requires_grad_()
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2])
+    tau = 0.1 + 0.1 * seed
+    got = supcon_labels_loss(x, y, temperature=tau, similarity=similarity, backend=_backend(backend))
+    ref = _pml(x, y, tau, dot=similarity == "dot")
+    torch.testing.assert_close(got, ref, **TOL)
+    torch.testing.assert_close(_grads(got, x)[0], _grads(ref, x)[0], **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_pml_with_reference_set(backend):
+    pytest.importorskip("pytorch_metric_learning")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(11, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 1, 2, 3, 0, 1, 9])  # label 9 is not in the reference set: no positive
+    ry = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 4, 5, 0])
+    got = supcon_labels_loss(x, y, ref_emb=r, ref_labels=ry, temperature=0.2, backend=_backend(backend))
+    ref = _pml(x, y, 0.2, ref_emb=r, ref_labels=ry)
+    torch.testing.assert_close(got, ref, **TOL)
+    for g, e in zip(_grads(got, x, r), _grads(ref, x, r)):
+        torch.testing.assert_close(g, e, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("base_temperature", [0.07, 0.2])
+def test_matches_supcontrast_multiview(backend, base_temperature):
+    gen = torch.Generator().manual_seed(5)
+    B, V, d, T = 10, 3, 8, 0.07
+    raw = torch.randn(B, V, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 4, (B,), generator=gen)
+    # SupContrast takes normalised features; fastcl's "cos" normalises inside, "dot" takes them as given
+    ref = _supcontrast(F.normalize(raw, dim=-1), labels, T, base_temperature)
+    ref_grad = _grads(ref, raw)[0]
+    scale = T / base_temperature
+    for sim, feats in (("cos", raw), ("dot", F.normalize(raw, dim=-1))):
+        got = scale * supcon_labels_loss(feats, labels, temperature=T, similarity=sim, backend=_backend(backend))
+        torch.testing.assert_close(got, ref, **TOL)
+        torch.testing.assert_close(_grads(got, raw)[0], ref_grad, **TOL)
+
+
+def test_view_major_order_and_rows():
+    """``reduction="none"`` rows follow SupContrast's flattening: row ``v*B + b`` is view v of sample b."""
+    gen = torch.Generator().manual_seed(6)
+    B, V, d = 5, 2, 4
+    x = torch.randn(B, V, d, generator=gen, dtype=torch.float64)
+    y = torch.tensor([0, 0, 1, 1, 2])
+    rows = supcon_labels_loss(x, y, temperature=0.5, reduction="none", backend="torch")
+    flat = torch.cat(torch.unbind(x, dim=1))
+    torch.testing.assert_close(rows, supcon_labels_loss(flat, y.repeat(V), temperature=0.5, reduction="none"), **TOL)
+    # by hand, anchor 0 (view 0 of sample 0): positives = sample 1's two views and its own view 1
+    logits = F.normalize(flat, dim=1) @ F.normalize(flat, dim=1).T / 0.5
+    lse = torch.logsumexp(torch.cat([logits[0, 1:]]), 0)
+    pos = logits[0, [1, 5, 6]].mean()
+    torch.testing.assert_close(rows[0], lse - pos, **TOL)
+    assert rows.shape == (B * V,)
+
+
+def test_supcontrast_and_pml_differ_only_by_anchors_without_positive():
+    """SupContrast counts an anchor without positive as 0 in its mean; fastcl (and PML) leave it out."""
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.tensor([0, 0, 1, 1, 2, 3])  # two anchors without a positive
+    got = supcon_labels_loss(x[:, None, :], y, temperature=0.3, similarity="cos")
+    ref = _supcontrast(F.normalize(x, dim=-1)[:, None, :], y, 0.3, 0.3)
+    torch.testing.assert_close(got * 4 / 6, ref, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_learnable_temperature_gradient(backend):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 2, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (9,), generator=gen)
+    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    got = supcon_labels_loss(x, y, temperature=tau, similarity="dot", backend=_backend(backend))
+    ref = _supcontrast(x, y, tau, tau)  # dot on the given features == SupContrast with base_T = T
+    torch.testing.assert_close(got, ref, **TOL)
+    torch.testing.assert_close(_grads(got, tau)[0], _grads(ref, tau)[0], **TOL)
+
+
+def test_supcon_loss_labels_form_and_module():
+    x = torch.randn(8, 2, 6, dtype=torch.float64)
+    y = torch.tensor([0, 1, 0, 1, 2, 2, 3, 3])
+    want = supcon_labels_loss(x, y, temperature=0.1)
+    torch.testing.assert_close(L.supcon_loss(x, labels=y, temperature=0.1), want, **TOL)
+    torch.testing.assert_close(L.SupConLoss(temperature=0.1)(x, labels=y), want, **TOL)
+    # the structured form keeps working positionally
+    a, p = torch.randn(4, 6), torch.randn(4, 2, 6)
+    assert torch.isfinite(L.supcon_loss(a, p))
+    with pytest.raises(ValueError, match="not both"):
+        L.supcon_loss(a, p, labels=torch.arange(4))
+    with pytest.raises(TypeError, match="positives"):
+        L.supcon_loss(a)
+
+
+def test_input_errors():
+    x = torch.randn(6, 4)
+    with pytest.raises(ValueError, match="no anchor has a valid positive"):
+        supcon_labels_loss(x, torch.arange(6))
+    with pytest.raises(TypeError, match="integer"):
+        supcon_labels_loss(x, torch.zeros(6))
+    with pytest.raises(ValueError, match=r"shape \[6\]"):
+        supcon_labels_loss(x, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="together"):
+        supcon_labels_loss(x, torch.zeros(6, dtype=torch.long), ref_emb=x)
+    with pytest.raises(ValueError, match=r"\[N, d\] or \[B, V, d\]"):
+        supcon_labels_loss(torch.randn(6), torch.zeros(6, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="process_group"):
+        supcon_labels_loss(x, torch.zeros(6, dtype=torch.long), process_group=object())
+
+
+# ------------------------------------------------------------------------------- memory
+
+N, D, LABELS = 8192, 32, 64
+LOGITS_BYTES = N * N * 4  # one float32 N x N buffer: 256 MiB
+
+
+def test_meter_sees_pml_nxn_buffers():
+    pytest.importorskip("pytorch_metric_learning")
+    from fastcl.bench.memory import cpu_extra_peak_bytes
+
+    peer = cpu_extra_peak_bytes("fastcl.bench.api_cases:supcon_labels_step",
+                                dict(backend="pml-supcon", N=N, d=D, num_labels=LABELS))
+    assert peer > LOGITS_BYTES, f"PML SupCon peaked at only {peer / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_no_nxn_buffer(backend):
+    require(backend)
+    from fastcl.bench.memory import cpu_extra_peak_bytes
+
+    extra = cpu_extra_peak_bytes("fastcl.bench.api_cases:supcon_labels_step",
+                                 dict(backend=backend, N=N, d=D, num_labels=LABELS))
+    # O(N d) copies and bounded tiles; any N x N float32 buffer alone would add 256 MiB
+    assert extra < LOGITS_BYTES / 2, f"{backend}: extra peak {extra / 2**20:.0f} MiB"

@@ -1,0 +1,164 @@
+"""The fused primitive itself: gradcheck in float64, the lse contract, edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastcl.losses as L
+from fastcl.ops import dispatch
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
+from fastcl.ops.positive_logits import positive_logits
+from fastcl.reference import ReferenceLSE
+
+from tests.helpers.backends import backends_under_test, device_under_test, require
+from tests.helpers.gradcheck import gradcheck_contrastive
+
+
+def _problem(B, N0, N1, d, dtype=torch.float64, device="cpu", cosine=True, exclude=True):
+    a = torch.randn(B, d, dtype=dtype, device=device)
+    b0 = torch.randn(N0, d, dtype=dtype, device=device)
+    b1 = torch.randn(N1, d, dtype=dtype, device=device)
+    t0 = torch.randint(-2, B, (N0,), dtype=torch.int32, device=device) if exclude else torch.full(
+        (N0,), TAG_ALL, dtype=torch.int32, device=device)
+    t1 = torch.where(torch.rand(N1, device=device) < 0.3, TAG_PADDING, TAG_ALL).to(torch.int32)
+    return LSEProblem(a, (b0, b1), (t0, t1), cosine)
+
+
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("kind", ["supcon", "supmpn"])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_gradcheck_contrastive_lse(monkeypatch, strategy, reduction, kind, cosine):
+    if strategy == "fused" and reduction == "none":
+        pytest.skip("reduction='none' always recomputes")
+    monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+    gradcheck_contrastive("torch", kind=kind, reduction=reduction, cosine=cosine)
+
+
+@pytest.fixture(params=["reference", *backends_under_test()])
+def backend(request):
+    require(request.param)
+    return request.param
+
+
+def test_lse_contract(backend):
+    """lse and mean_logit against the reference; empty rows give -inf and 0; every output written."""
+    impl = dispatch.get(backend)
+    dev = device_under_test()
+    prob = _problem(6, 11, 7, 9, dtype=torch.float32, device=dev)
+    # row 5 loses every candidate: all block-0 tags become 5 or padding, block 1 all padding
+    t0 = torch.where(torch.arange(11, device=dev) % 2 == 0, 5, TAG_PADDING).to(torch.int32)
+    t1 = torch.full((7,), TAG_PADDING, dtype=torch.int32, device=dev)
+    prob = LSEProblem(prob.anchor, prob.blocks, (t0, t1), True)
+    tau = torch.tensor(0.1, device=dev)
+    want = ReferenceLSE().forward(LSEProblem(prob.anchor.double(), tuple(b.double() for b in prob.blocks), prob.tags),
+                                  tau)[0]
+    with poison_outputs():
+        got, mean_logit = impl.forward(prob, tau)
+    assert torch.isfinite(mean_logit).all()
+    assert got.dtype == torch.float32 and got.shape == (6,)
+    assert got[5].item() == float("-inf")
+    torch.testing.assert_close(got[:5].double(), want[:5], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_and_recompute_agree(monkeypatch):
+    B, P, Q, d = 9, 3, 2, 17
+    a, pos, neg = torch.randn(B, d), torch.randn(B, P, d), torch.randn(B, Q, d)
+    outs = {}
+    for strategy in ("fused", "recompute"):
+        monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+        leaves = [x.clone().requires_grad_() for x in (a, pos, neg)]
+        loss = L.supmpn_loss(*leaves, backend="torch")
+        loss.backward()
+        outs[strategy] = (loss.detach(), *[x.grad for x in leaves])
+    for x, y in zip(outs["fused"], outs["recompute"]):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_strategy_rejects_none_reduction(monkeypatch):
+    monkeypatch.setenv("FASTCL_STRATEGY", "fused")
+    a = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="fused"):
+        L.infonce_loss(a, torch.randn(3, 4), reduction="none", backend="torch")
+
+
+def test_upstream_gradient_scales(monkeypatch):
+    """Backward must multiply the gradient formed in forward by the upstream gradient."""
+    a, p = torch.randn(5, 8, requires_grad=True), torch.randn(5, 8)
+    (L.infonce_loss(a, p, backend="torch") * 3.5).backward()
+    g1 = a.grad.clone()
+    a.grad = None
+    L.infonce_loss(a, p, backend="reference").backward()
+    want = 3.5 * a.grad  # float32 entries are differences of terms up to ~|want|.max()
+    torch.testing.assert_close(g1, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_temperature_low_precision_is_finite(backend, dtype):
+    if backend == "reference":
+        pytest.skip("the eager reference in low precision may overflow; that is why fastcl exists")
+    dev = device_under_test()
+    a = torch.randn(16, 64, device=dev, dtype=dtype, requires_grad=True)
+    p = torch.randn(16, 4, 64, device=dev, dtype=dtype, requires_grad=True)
+    n = torch.randn(16, 4, 64, device=dev, dtype=dtype, requires_grad=True)
+    loss = L.supmpn_loss(a, p, n, temperature=0.01, backend=backend)
+    loss.backward()
+    for x in (loss, a.grad, p.grad, n.grad):
+        assert torch.isfinite(x).all()
+
+
+def test_zero_vectors_are_finite(backend):
+    dev = device_under_test()
+    a = torch.randn(4, 8, device=dev)
+    a[1] = 0
+    p = torch.randn(4, 2, 8, device=dev)
+    p[2, 1] = 0
+    n = torch.zeros(4, 1, 8, device=dev)
+    leaves = [x.requires_grad_() for x in (a, p, n)]
+    for fn in (L.supmpn_loss, L.supcon_loss):
+        loss = fn(*leaves, backend=backend)
+        grads = torch.autograd.grad(loss, leaves)
+        assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_positive_logits_gradcheck():
+    a = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    p = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
+    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    for cosine in (True, False):
+        assert torch.autograd.gradcheck(lambda a, p, t: positive_logits(a, p, t, cosine=cosine, eps=1e-8), (a, p, tau))
+
+
+def test_grouped_cosine_gradcheck():
+    h = torch.randn(3, 12, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(3, 12, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda h: L.grouped_cosine_loss(h, z, group_size=4, reduction="none"), (h,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, group", [((7, 48), 16), ((3, 5), 5), ((2, 4096), 16), ((5, 30), 1)])
+def test_grouped_cosine_matches_reference(dtype, shape, group):
+    h = torch.randn(*shape).to(dtype).requires_grad_()
+    z = torch.randn(*shape).to(dtype).requires_grad_()
+    with poison_outputs():
+        got = L.grouped_cosine_loss(h, z, group_size=group, backend="torch")
+    got.backward()
+    assert z.grad is None, "z is stop-gradient"
+    h64 = h.detach().double().requires_grad_()
+    want = L.grouped_cosine_loss(h64, z.detach().double(), group_size=group, backend="reference")
+    want.backward()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    scale = max(h64.grad.abs().max().item(), 1e-3)  # group_size 1: the true gradient is 0
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=tol, atol=tol * scale)
+
+
+def test_own_positives_must_fit_in_block0():
+    from fastcl.ops.contract import LSEProblem, OwnPositives
+
+    a, b0, b1 = torch.randn(3, 4), torch.randn(6, 4), torch.randn(0, 4)
+    tags = (torch.full((6,), -1, dtype=torch.int32), torch.empty(0, dtype=torch.int32))
+    LSEProblem(a, (b0, b1), tags, positives=OwnPositives(0, 2))  # 3 anchors x 2 = 6 rows: fits
+    with pytest.raises(ValueError, match="do not fit"):
+        LSEProblem(a, (b0, b1), tags, positives=OwnPositives(1, 2))

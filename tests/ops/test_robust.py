@@ -1,0 +1,283 @@
+"""Adversarial inputs (issue #17 items 1, 4, 5, 6): no silent wrong answers.
+
+* Non-finite values never disappear: NaN/Inf in a *valid* embedding makes the loss of
+  every row that sees it NaN; in a *padded* slot it has no influence at all (the loss
+  equals the loss with the slot zeroed, gradients are finite, the slot's is exactly 0).
+* Cosine similarity is scale-free: fp32 inputs scaled by 1e30 give the unscaled loss.
+* One validation rule per argument, the same for every loss and backend.
+* SupMPN's head is exact in float64.
+
+Backends: the reference plus ``tests/helpers/backends.py``'s list (CPU by default).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import fastcl.losses as L
+from fastcl.ops.head import head_rows
+
+from tests.helpers.backends import backends_under_test, device_under_test, require
+
+BACKENDS = ["reference", *backends_under_test()]
+BAD = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+LOSSES = {
+    "supmpn": L.supmpn_loss,
+    "supmpn_zero_logit": functools.partial(L.supmpn_loss, own_positives="zero_logit"),
+    "supcon": L.supcon_loss,
+}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    require(request.param)
+    return request.param
+
+
+def _structured(B=4, P=3, Q=2, d=8, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dev = device_under_test()
+
+    def r(*s):
+        return torch.randn(*s, generator=gen).to(device=dev, dtype=dtype)
+
+    pm = torch.ones(B, P, dtype=torch.bool, device=dev)
+    nm = torch.ones(B, Q, dtype=torch.bool, device=dev)
+    pm[1, 2] = False
+    nm[2, 0] = False
+    return r(B, d), r(B, P, d), r(B, Q, d), pm, nm
+
+
+def _loss_and_grads(fn, a, p, n, **kw):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (a, p, n)]
+    out = fn(*leaves, **kw)
+    grads = torch.autograd.grad(out.double().sum(), leaves)
+    return out.detach(), grads
+
+
+# ----------------------------------------------------------------------------- item 1
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("slot", ["positive", "negative"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_padded_nonfinite_has_no_influence(backend, loss, bad, slot, reduction):
+    a, p, n, pm, nm = _structured()
+    kw = dict(pos_mask=pm, neg_mask=nm, reduction=reduction, backend=backend, temperature=0.1)
+    clean_p, clean_n = p.clone(), n.clone()
+    if slot == "positive":
+        clean_p[1, 2] = 0
+        p[1, 2] = BAD[bad]
+        p[1, 2, 0] = 1.0  # a mix of finite and non-finite values in the slot
+    else:
+        clean_n[2, 0] = 0
+        n[2, 0] = BAD[bad]
+    want, want_g = _loss_and_grads(LOSSES[loss], a, clean_p, clean_n, **kw)
+    got, got_g = _loss_and_grads(LOSSES[loss], a, p, n, **kw)
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, g, w in zip(("anchor", "positives", "negatives"), got_g, want_g):
+        assert torch.isfinite(g).all(), f"d {name} is not finite"
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert (got_g[1][~pm] == 0).all() and (got_g[2][~nm] == 0).all()
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("slot", ["anchor", "positive", "negative"])
+@pytest.mark.parametrize("similarity", ["cos", "dot"])
+def test_valid_nonfinite_makes_every_seeing_row_nan(backend, loss, bad, slot, similarity):
+    a, p, n, pm, nm = _structured()
+    if slot == "anchor":
+        a[0, 3] = BAD[bad]
+        seen_by = [0]
+    elif slot == "positive":
+        p[0, 1, 3] = BAD[bad]  # anchor 0's positive: a candidate of every row
+        seen_by = [0, 1, 2, 3]
+    else:
+        n[3, 1, 3] = BAD[bad]
+        seen_by = [0, 1, 2, 3]
+    kw = dict(pos_mask=pm, neg_mask=nm, backend=backend, similarity=similarity, temperature=0.1)
+    rows = LOSSES[loss](a, p, n, reduction="none", **kw)
+    assert torch.isnan(rows[seen_by]).all(), rows
+    others = [i for i in range(4) if i not in seen_by]
+    assert torch.isfinite(rows[others]).all(), rows
+    assert torch.isnan(LOSSES[loss](a, p, n, reduction="mean", **kw))
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_pool_loss_padded_positive_and_candidate(backend, bad):
+    """supcon_pool_loss: a padded positive index and a padded candidate holding NaN/Inf."""
+    gen = torch.Generator().manual_seed(3)
+    a, c = torch.randn(3, 6, generator=gen), torch.randn(5, 6, generator=gen)
+    idx = torch.tensor([[0, 4], [1, 2], [3, 4]])
+    cand_mask = torch.tensor([True, True, True, True, False])
+    clean = c.clone()
+    clean[4] = 0
+    c[4] = BAD[bad]
+    kw = dict(cand_mask=cand_mask, backend=backend)
+
+    def run(cands):
+        leaves = [a.clone().requires_grad_(True), cands.clone().requires_grad_(True)]
+        out = L.supcon_pool_loss(*leaves, idx, **kw)
+        return out.detach(), torch.autograd.grad(out, leaves)
+
+    want, want_g = run(clean)
+    got, got_g = run(c)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_g, want_g):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w)
+    assert (got_g[1][4] == 0).all()
+
+
+# ----------------------------------------------------------------------------- item 4
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e20, 1e-6, 3e-5])
+@pytest.mark.parametrize("loss", ["supmpn", "supcon"])
+def test_cosine_is_scale_free(backend, scale, loss):
+    a, p, n, pm, nm = _structured(d=16, seed=1)
+    kw = dict(pos_mask=pm, neg_mask=nm, backend=backend, temperature=0.1)
+    want, want_g = _loss_and_grads(LOSSES[loss], a, p, n, **kw)
+    got, got_g = _loss_and_grads(LOSSES[loss], a * scale, p * scale, n * scale, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_g, want_g):  # d loss / d (s x) = (d loss / d x) / s
+        torch.testing.assert_close(g.double() * scale, w.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_cosine_scale_free_float64(backend):
+    a, p, n, pm, nm = _structured(d=16, seed=2, dtype=torch.float64)
+    kw = dict(pos_mask=pm, neg_mask=nm, backend=backend, temperature=0.1)
+    want = L.supmpn_loss(a, p, n, **kw)
+    got = L.supmpn_loss(a * 1e200, p * 1e200, n * 1e200, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- item 5
+
+A, P, N = torch.randn(4, 8), torch.randn(4, 2, 8), torch.randn(4, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "temperature",
+    [float("inf"), torch.tensor(float("inf")), torch.tensor(float("nan")), 1e-39, torch.tensor(1e-39),
+     torch.tensor(0.0), torch.tensor(-1.0), 1e-300, float("nan")],
+    ids=["inf", "tensor-inf", "tensor-nan", "1e-39", "tensor-1e-39", "tensor-0", "tensor-neg", "1e-300", "nan"],
+)
+def test_bad_temperature_refused_on_every_backend(backend, temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        L.supmpn_loss(A, P, N, temperature=temperature, backend=backend)
+
+
+def test_float64_temperature_range_is_float64():
+    # 1e-39 is a fine float64 temperature: 1/tau is finite in float64
+    out = L.supmpn_loss(A.double(), P.double(), N.double(), temperature=1e-39, backend="reference")
+    assert torch.isfinite(out)
+
+
+@pytest.mark.parametrize("cls", [L.SupMPNLoss, L.SupConLoss, L.MNRLoss, L.InfoNCELoss, L.EdaCSELoss])
+def test_modules_accept_tensor_temperature(cls):
+    m = cls(temperature=torch.tensor(0.05))
+    assert m.temperature == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="temperature"):
+        cls(temperature=torch.tensor(float("inf")))
+    with pytest.raises(ValueError, match="temperature"):
+        cls(temperature=1e-39)
+    m = cls(temperature=torch.tensor(0.1), learn_temperature=True)
+    assert float(m.temperature) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((torch.randn(0, 8), torch.randn(5, 8), torch.zeros(0, 1, dtype=torch.long)), ValueError, "non-empty"),
+        ((torch.randn(3, 0), torch.randn(5, 0), torch.zeros(3, 1, dtype=torch.long)), ValueError, "non-empty"),
+        ((torch.randn(3, 8), torch.randn(5, 8), [[0], [1], [2]]), TypeError, "pos_index must be"),
+    ],
+    ids=["B=0", "d=0", "list-index"],
+)
+def test_pool_loss_refuses_degenerate_inputs(args, exc, match):
+    with pytest.raises(exc, match=match):
+        L.supcon_pool_loss(*args)
+
+
+def test_bad_strategy_refused_without_grad(monkeypatch, backend):
+    monkeypatch.setenv("FASTCL_STRATEGY", "bogus")
+    with pytest.raises(ValueError, match="FASTCL_STRATEGY"):
+        with torch.no_grad():
+            L.supmpn_loss(A, P, N, backend=backend)
+
+
+# ----------------------------------------------------------------------------- item 6
+
+
+def test_supmpn_head_is_exact_in_float64():
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 50
+    gen = torch.Generator().manual_seed(5)
+    lse = torch.randn(64, generator=gen, dtype=torch.float64) * 15
+    pos = torch.randn(64, 3, generator=gen, dtype=torch.float64) * 15
+    lse[:8] = pos[:8, 0] + torch.linspace(18, 40, 8, dtype=torch.float64)  # where softplus' threshold bites
+    loss, dlse, dpos = head_rows(lse, pos, None, "supmpn")
+    for i in range(64):
+        xs = [mpmath.mpf(float(lse[i])) - mpmath.mpf(float(pos[i, k])) for k in range(3)]
+        want = sum(mpmath.log1p(mpmath.exp(x)) for x in xs) / 3
+        want_d = sum(1 / (1 + mpmath.exp(-x)) for x in xs) / 3
+        assert abs(float(loss[i]) - float(want)) <= 4e-16 * max(1.0, abs(float(want))), i
+        assert abs(float(dlse[i]) - float(want_d)) <= 4e-16, i
+        for k in range(3):
+            want_k = -1 / (1 + mpmath.exp(-xs[k])) / 3
+            assert abs(float(dpos[i, k]) - float(want_k)) <= 4e-16, (i, k)
+
+
+def test_supmpn_head_exact_on_backends(backend):
+    """The C++ head (csrc/cpu/head.h) must be as exact as head.py in float64."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 50
+    # anchor = negative = -positive: x = l_neg - l_pos = 2 / tau = 21, where softplus'
+    # threshold (20) would return x and lose exp(-21) ~ 8e-10
+    a = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    p = -a[:, None, :]
+    n = a[:, None, :].clone()
+    tau = 2 / 21
+    out = L.supmpn_loss(a, p, n, temperature=tau, backend=backend)
+    x = 2 / mpmath.mpf(tau)
+    want = mpmath.log1p(mpmath.exp(x))
+    assert abs(float(out) - float(want)) <= 1e-14 * float(want), (float(out), float(want))
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_anchor_without_positive_is_not_read(backend, bad):
+    a, p, n, pm, nm = _structured()
+    pm[2] = False  # anchor 2 has no valid positive: it contributes nothing
+    kw = dict(pos_mask=pm, neg_mask=nm, backend=backend, temperature=0.1)
+    clean = a.clone()
+    clean[2] = 0
+    a[2, 1] = BAD[bad]
+    want, want_g = _loss_and_grads(L.supmpn_loss, clean, p, n, **kw)
+    got, got_g = _loss_and_grads(L.supmpn_loss, a, p, n, **kw)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_g, want_g):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w)
+    assert (got_g[0][2] == 0).all()
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("Q", [0, 9])
+def test_nonfinite_only_candidate_of_a_row(backend, bad, Q):
+    """SupMPN, Q = 0: row 1's only candidate is anchor 0's positive; a NaN/Inf there must
+    not be skipped as if the row were empty (a NaN-dropping max made lse = -inf, loss 0)."""
+    gen = torch.Generator().manual_seed(7)
+    a, p = torch.randn(2, 3, generator=gen), torch.randn(2, 1, 3, generator=gen)
+    n = torch.randn(2, Q, 3, generator=gen) if Q else None
+    nm = torch.zeros(2, Q, dtype=torch.bool) if Q else None  # padded: no other candidate
+    p[0, 0, 1] = BAD[bad]
+    rows = L.supmpn_loss(a, p, n, neg_mask=nm, reduction="none", backend=backend)
+    assert torch.isnan(rows).all(), rows

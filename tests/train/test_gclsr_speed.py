@@ -1,0 +1,87 @@
+"""GCLSR's CPU speed-ups change no maths: each equals the plain computation (float64)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastcl.gclsr import GCLSRModel
+from fastcl.gclsr.conv import conv1d
+from fastcl.gclsr.model import TextCNN, word_importance
+from fastcl.gclsr.optim import build_sgd
+from fastcl.losses import gclsr_loss
+
+
+def _batch(B, L, d, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(L).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    return torch.randn(B, L, d, generator=g, dtype=torch.float64) * mask.unsqueeze(-1), mask
+
+
+def test_gemm_weight_gradient_equals_conv1d_autograd():
+    g = torch.Generator().manual_seed(1)
+    for k in (1, 3, 7):
+        x = torch.randn(4, 5, 9, generator=g, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(6, 5, k, generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+        up = torch.randn(4, 6, 9 - k + 1, generator=g, dtype=torch.float64)
+        grads = []
+        for fn in (conv1d, F.conv1d):
+            y = fn(x, w, b)
+            grads.append((y, *torch.autograd.grad((y * up).sum(), (x, w, b))))
+        for a, e in zip(*grads):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(conv1d, (x, w, b))
+
+
+def test_length_buckets_equal_the_padded_batch_in_values_and_gradients():
+    torch.manual_seed(0)
+    x, mask = _batch(7, 12, 6, (12, 1, 5, 2, 9, 3, 12))
+    cnn = TextCNN(6, region_sizes=(1, 1, 3, 8), filters=4).double()
+    outs = []
+    for bucket in (0, 2, 3):  # 0 = the whole padded batch in one call
+        cnn.bucket_size = bucket
+        cnn.zero_grad()
+        y = cnn(x, mask)
+        y.pow(2).sum().backward()
+        outs.append((y.detach(), [p.grad.clone() for p in cnn.parameters()]))
+    for y, grads in outs[1:]:
+        torch.testing.assert_close(y, outs[0][0], rtol=1e-12, atol=1e-12)
+        for a, e in zip(grads, outs[0][1]):
+            torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def test_one_backbone_call_for_both_views_equals_two():
+    torch.manual_seed(0)
+    model = GCLSRModel(6, region_sizes=(1, 2, 4), filters=5, proj_dim=32, pred_hidden=8).double()
+    x, mask = _batch(5, 7, 6, (7, 3, 1, 5, 2))
+    x2 = x + 0.1 * torch.randn_like(x) * mask.unsqueeze(-1)
+    got = model(x, x2, mask)
+    expected = []
+    for v in (x, x2):  # the per-view definition
+        z = model.projector(model.backbone(word_importance(v, mask), mask))
+        expected += [model.predictor(z), z]
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    gclsr_loss(*got, group_size=16).backward()  # and the graph is intact
+
+
+def test_fused_sgd_equals_the_per_tensor_loop():
+    params = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = GCLSRModel(6, region_sizes=(1, 2), filters=4, proj_dim=32, pred_hidden=8)
+        opt = build_sgd(model, 0.1)
+        if not fused:
+            for group in opt.param_groups:
+                group["fused"] = None
+        assert opt.param_groups[0]["fused"] is (True if fused else None)
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.param_groups[0]["momentum"] = 0.9 if step < 2 else 0.8
+            opt.step()
+        params[fused] = [p.detach().clone() for p in model.parameters()]
+    for a, e in zip(params[True], params[False]):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)

@@ -4,13 +4,15 @@ Triton decides between compiled and interpreted execution when a kernel module i
 imported: set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels
 on CPU tensors through the interpreter.
 
-Modules: ``_common`` (jit helpers, tuning tables, launch specs), ``lse`` (masked
-cosine-LSE forward/backward), ``matmul`` (the backward's GEMM with epilogues),
-``aot`` (ahead-of-time compile table for sm_80 / sm_90).
-The launchers are ``torch.library`` ops in the ``fastcl_triton`` namespace.
+Modules: ``_common`` (jit helpers, keyword launches, recording), ``plan`` (tile tables,
+splits, chunks, scratch buffers), ``lse_fwd`` / ``lse_bwd`` (masked cosine-LSE forward / backward),
+``matmul`` (the backward's GEMM with epilogues), ``aot`` (ahead-of-time compile of the recorded launches for sm_80 / sm_90). The launchers are
+``torch.library`` ops in the ``fastcl_triton`` namespace.
 """
 
 from ._common import INTERPRET
-from .lse import lse_backward, lse_forward
+from .lse_bwd import lse_backward
+from .lse_fwd import lse_forward
+from .plan import size_reasons
 
-__all__ = ["INTERPRET", "lse_forward", "lse_backward"]
+__all__ = ["INTERPRET", "lse_forward", "lse_backward", "size_reasons"]

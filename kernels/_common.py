@@ -1,33 +1,23 @@
-"""Shared pieces of fastcl's Triton kernels: jit helpers, tuning tables, launch specs.
+"""Shared pieces of fastcl's Triton kernels: jit helpers, dtype rules, tuned launches.
 
-Jit helpers
-    :func:`mma` (``tl.dot`` with the interpreter's bf16 bug worked around), :func:`raw_dot_tile`
-    (one ``[BM, BN]`` tile of raw dot products, looping over the feature dimension in chunks
-    of ``BK`` so any ``d`` works), :func:`scaled_logits` and :func:`online_lse` (masked
-    online log-sum-exp that also tracks the softmax-weighted mean logit).
+Jit helpers: :func:`mma` (``tl.dot`` with the interpreter's bf16 bug worked around),
+:func:`raw_dot_tile` (one ``[BM, BN]`` tile of dot products over any ``d``), the
+structural mask of ``fastcl/ops/contract.py`` and the masked online log-sum-exp.
 
-Tuning
-    Every kernel has a table of :class:`Cfg` per ``(arch, dtype class)``: ``arch`` is
-    ``"sm80"`` (A100 and other sm_8x), ``"sm90"`` (H100, and newer parts) or ``"interp"``
-    (the Triton interpreter: exactly one config, because ``@triton.autotune`` with several
-    configs cannot run without a GPU); the dtype class is ``"16"`` (bf16/fp16), ``"32"`` or
-    ``"64"``. :class:`Tuned` builds one ``triton.autotune`` wrapper per table lazily, when a
-    launcher first needs it, so nothing queries a device at import.
-
-Specs
-    A :class:`Spec` is one specialisation a launcher can produce: kernel, argument types and
-    constexpr flags. Launchers build specs with the same functions that
-    ``fastcl.kernels.aot`` enumerates, so the ahead-of-time compile test covers exactly what
-    can run; with ``FASTCL_TRITON_RECORD=path`` every launched spec is also appended to that
-    file, and a test checks each one is in the AOT list.
+Launches: a :class:`Kernel` is a jit function with one config table per ``(arch, dtype
+class)``; :func:`launch` takes every argument by keyword, picks the autotuner of the
+launch's size bucket and records the launch when a :func:`recording` is active. The AOT
+compile list (``fastcl.kernels.aot``) is exactly the set of recorded launches, so it
+cannot drift from what the launchers pass.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import inspect
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,10 +29,7 @@ from fastcl.ops.contract import TAG_ALL, TAG_PADDING, compute_dtype
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 IS_INTERPRETER = tl.constexpr(INTERPRET)
 
-RECORD_ENV = "FASTCL_TRITON_RECORD"
-
-# The contract's tags (fastcl/ops/contract.py) as jit-time constants: the kernels apply the
-# rule of ``contract.excluded`` with these values, never their own literals.
+# The contract's tags as jit-time constants: the kernels apply contract.excluded's rule.
 PAD_TAG = tl.constexpr(TAG_PADDING)
 ALL_TAG = tl.constexpr(TAG_ALL)
 
@@ -90,23 +77,31 @@ def sqrt_rn(x):
 
 
 @triton.jit
-def raw_dot_tile(X, Y, rows, cols, n_rows, n_cols, d, stride_x, stride_y,
+def raw_dot_tile(X, Y, SX, SY, rows, cols, row_ok, col_ok, d, stride_x, stride_y,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 ACC: tl.constexpr, PRECISION: tl.constexpr):
+                 ACC: tl.constexpr, PRECISION: tl.constexpr, SCALE_ON_LOAD: tl.constexpr):
     """``[BM, BN]`` tile of ``<x_r, y_c>`` over the full feature dimension, in ``ACC``.
 
-    Rows ``rows`` of ``X`` and ``cols`` of ``Y`` (both row-major with feature stride 1);
-    out-of-range rows, columns and features load as zero. The feature loop runs in chunks
-    of ``BK``, so ``d`` is unbounded.
+    Rows of ``X``/``Y`` outside ``row_ok``/``col_ok`` are never read (they count as zero:
+    a padded candidate's NaN cannot reach the tile). Row offsets are 64-bit: a block
+    with ``N * d >= 2**31`` elements is addressed correctly. ``SCALE_ON_LOAD`` (fp32 and
+    fp64 cosine) multiplies the rows by their inverse norms ``SX``/``SY`` as they are
+    loaded, so the product of two huge (or tiny) rows never leaves the float range.
     """
     acc = tl.zeros([BM, BN], dtype=ACC)
-    row_ok = rows < n_rows
-    col_ok = cols < n_cols
+    x_rows = X + rows.to(tl.int64)[:, None] * stride_x
+    y_rows = Y + cols.to(tl.int64)[:, None] * stride_y
+    if SCALE_ON_LOAD:
+        sx = tl.load(SX + rows, mask=row_ok, other=0.0)
+        sy = tl.load(SY + cols, mask=col_ok, other=0.0)
     for k0 in range(0, d, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < d
-        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        y = tl.load(Y + cols[:, None] * stride_y + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        y = tl.load(y_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALE_ON_LOAD:
+            x = x * sx[:, None]
+            y = y * sy[:, None]
         acc = mma(x, tl.trans(y), acc, PRECISION)
     return acc
 
@@ -122,8 +117,8 @@ def structural_mask(rows, n_rows, tags, col_ok):
     """``~contract.excluded`` on a ``[BM, BN]`` tile, restricted to in-range rows and columns.
 
     A column is left out of row ``r`` when its tag is ``PAD_TAG`` or equals ``r``
-    (``ALL_TAG`` and other rows' tags keep it); ``tests/test_triton_interpret.py`` checks this
-    against ``contract.excluded`` on random tags.
+    (``ALL_TAG`` and other rows' tags keep it); ``tests/kernels/test_triton_interpret.py`` checks
+    this against ``contract.excluded`` on random tags.
     """
     keep = (tags[None, :] != PAD_TAG) & (tags[None, :] != rows[:, None]) & col_ok[None, :]
     return keep & (rows < n_rows)[:, None]
@@ -133,7 +128,8 @@ def structural_mask(rows, n_rows, tags, col_ok):
 def online_lse(m, l, u, logits, keep):
     """One step of the masked online LSE: running max ``m``, ``l = sum exp(x - m)`` and
     ``u = sum exp(x - m) * x`` (for the mean logit), all ``[BM]``; empty rows stay at
-    ``m = -inf, l = u = 0`` without producing NaN."""
+    ``m = -inf, l = u = 0`` without producing NaN. A NaN logit makes ``l`` NaN (never
+    dropped: ``tl.max`` may skip NaN, ``exp(NaN - m)`` does not)."""
     x = tl.where(keep, logits, float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -145,20 +141,15 @@ def online_lse(m, l, u, logits, keep):
 
 
 # ---------------------------------------------------------------------------------------
-# dtypes
+# dtype rules
 # ---------------------------------------------------------------------------------------
 
-TRITON_TYPE = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-    torch.int32: "i32",
-}
+TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+               torch.int32: "i32", torch.int64: "i64"}
 
 
 def dtype_class(dtype: torch.dtype) -> str:
-    """Which tuning table a dtype uses: ``"16"``, ``"32"`` or ``"64"``."""
+    """Which config table a dtype uses: ``"16"``, ``"32"`` or ``"64"``."""
     return {torch.float16: "16", torch.bfloat16: "16", torch.float32: "32", torch.float64: "64"}[dtype]
 
 
@@ -172,61 +163,49 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# tuning tables
+# kernels with config tables, launches by keyword, recording
 # ---------------------------------------------------------------------------------------
 
 ARCHS = ("sm80", "sm90")
 
 
-@dataclass(frozen=True)
-class Cfg:
-    """One autotune config: constexpr block sizes plus warps and pipeline stages."""
-
-    meta: tuple[tuple[str, int], ...]
-    num_warps: int = 4
-    num_stages: int = 2
-
-    @staticmethod
-    def of(num_warps: int = 4, num_stages: int = 2, **meta: int) -> "Cfg":
-        return Cfg(tuple(sorted(meta.items())), num_warps, num_stages)
-
-    @property
-    def kwargs(self) -> dict[str, int]:
-        return dict(self.meta)
-
-    def triton(self) -> triton.Config:
-        return triton.Config(self.kwargs, num_warps=self.num_warps, num_stages=self.num_stages)
-
-    def __str__(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.meta) + f" w{self.num_warps} s{self.num_stages}"
+def cfg(num_warps: int = 4, num_stages: int = 2, **meta: int) -> triton.Config:
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
 
 
-def arch_of(device: torch.device) -> str:
-    """Tuning table for a device: ``interp`` under the interpreter, else by compute capability."""
-    if INTERPRET:
-        return "interp"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm90" if major >= 9 else "sm80"
+def bucket(n: int) -> int:
+    """Autotune bucket of a size: its next power of two (at least 16); each bucket tunes once."""
+    return max(16, triton.next_power_of_2(max(int(n), 1)))
 
 
-class Tuned:
-    """A jit kernel with per-``(arch, dtype class)`` config tables and lazy autotuners.
+class Kernel:
+    """A jit kernel with a config table per ``(arch, dtype class)`` and lazy autotuners.
 
-    ``tables[arch][dclass]`` is a list of :class:`Cfg`; a dtype class missing from an arch
-    falls back to ``"16"``. Under the interpreter the single ``"interp"`` config is passed
-    as plain keyword arguments (no autotuner at all).
+    ``tables[arch][dclass]`` lists configs (a missing class falls back to ``"16"``);
+    ``"interp"`` (the Triton interpreter) has exactly one, passed as plain keyword
+    arguments because ``@triton.autotune`` with several configs cannot run without a
+    GPU. ``dtype_arg`` names the argument whose dtype picks the table. On a GPU one
+    autotuner exists per size bucket (built on first use, so nothing queries a device at
+    import); they share the jit function's compiled binaries.
     """
 
-    def __init__(self, fn, tables: dict[str, dict[str, list[Cfg]]], key: list[str], restore_value=None):
+    registry: dict[str, "Kernel"] = {}
+
+    def __init__(self, fn, tables: dict[str, dict[str, list[triton.Config]]], dtype_arg: str,
+                 restore_value: list[str] | None = None):
         self.fn = fn
         self.name = fn.__name__
         self.tables = tables
-        self.key = key
+        self.dtype_arg = dtype_arg
         self.restore_value = restore_value
-        self._tuners: dict[tuple[str, str], object] = {}
+        # the interpreter's function has no .params: read the annotations of the source function
+        params = inspect.signature(fn.fn).parameters.values()
+        self.constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
+        self._tuners: dict[tuple, object] = {}
         self._lock = threading.Lock()
+        Kernel.registry[self.name] = self
 
-    def configs(self, arch: str, dclass: str) -> list[Cfg]:
+    def configs(self, arch: str, dclass: str) -> list[triton.Config]:
         table = self.tables[arch]
         return table.get(dclass, table["16"])
 
@@ -234,103 +213,111 @@ class Tuned:
         """Every value block size ``name`` takes in a table (launchers size buffers with it)."""
         return [c.kwargs[name] for c in self.configs(arch, dclass)]
 
-    def kernel(self, arch: str, dclass: str):
-        """``(launchable, extra_kwargs)`` for this arch and dtype class."""
+    def runner(self, arch: str, dclass: str, tune: tuple):
+        """``(launchable, extra keyword arguments)`` for this arch, dtype class and tuning key."""
         if arch == "interp":
-            (cfg,) = self.configs(arch, dclass)
-            return self.fn, dict(cfg.kwargs)
+            (config,) = self.configs(arch, dclass)
+            return self.fn, dict(config.kwargs)
+        key = (arch, dclass, tune)
         with self._lock:
-            tuner = self._tuners.get((arch, dclass))
-            if tuner is None:
-                configs = [c.triton() for c in self.configs(arch, dclass)]
-                tuner = triton.autotune(configs=configs, key=self.key, restore_value=self.restore_value)(self.fn)
-                self._tuners[(arch, dclass)] = tuner
-        return tuner, {}
+            if key not in self._tuners:
+                # key=[]: the bucket is in the dictionary key, not in the kernel's arguments
+                self._tuners[key] = triton.autotune(configs=self.configs(arch, dclass), key=[],
+                                                    restore_value=self.restore_value)(self.fn)
+            return self._tuners[key], {}
 
 
-# ---------------------------------------------------------------------------------------
-# specialisations
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One specialisation of a kernel: argument types and constexpr flags.
-
-    ``signature`` maps every non-constexpr argument to a Triton type (``*bf16``, ``i32``,
-    ``fp32``); ``flags`` are the constexprs the launcher sets (block sizes come from the
-    tuning table); ``dclass`` picks the table.
-    """
-
-    kernel: Tuned = field(compare=False, hash=False)
-    kernel_name: str
-    dclass: str
-    signature: tuple[tuple[str, str], ...]
-    flags: tuple[tuple[str, object], ...]
-
-    @staticmethod
-    def make(kernel: Tuned, dclass: str, signature: dict[str, str], flags: dict[str, object]) -> "Spec":
-        return Spec(kernel, kernel.name, dclass, tuple(signature.items()), tuple(sorted(flags.items())))
-
-    @property
-    def key(self) -> str:
-        sig = ",".join(f"{k}:{v}" for k, v in self.signature)
-        flags = ",".join(f"{k}={v}" for k, v in self.flags)
-        return f"{self.kernel_name}[{self.dclass}]({sig})<{flags}>"
-
-    def describe(self) -> str:
-        ptrs = sorted({v[1:] for _, v in self.signature if v.startswith("*")})
-        flags = " ".join(f"{k}={v}" for k, v in self.flags)
-        return f"{self.kernel_name} {'/'.join(ptrs)} {flags}".strip()
-
-
-def _triton_type(value) -> str:
+def triton_type(value) -> str:
+    """The Triton type a launch argument gets (pointers by dtype; ints by range)."""
     if isinstance(value, torch.Tensor):
         return "*" + TRITON_TYPE[value.dtype]
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
-        return "i32"
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"unexpected kernel argument {value!r}")
 
 
-def _record(spec: Spec) -> None:
-    path = os.environ.get(RECORD_ENV)
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(spec.key) + "\n")
+@dataclass(frozen=True)
+class Launch:
+    """What one launch passed: argument types and the launcher's constexprs (no block sizes)."""
+
+    kernel: str
+    dclass: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, object], ...]
+
+    @property
+    def key(self) -> str:
+        sig = ",".join(f"{k}:{v}" for k, v in self.signature)
+        flags = ",".join(f"{k}={v}" for k, v in self.constexprs)
+        return f"{self.kernel}[{self.dclass}]({sig})<{flags}>"
+
+    def describe(self) -> str:
+        ptrs = sorted({v[1:] for _, v in self.signature if v.startswith("*")})
+        flags = " ".join(f"{k}={v}" for k, v in self.constexprs)
+        return f"{self.kernel} {'/'.join(ptrs)} {flags}".strip()
 
 
-def launch(spec: Spec, arch: str, grid, *args) -> None:
-    """Launch ``spec`` with positional ``args`` (every non-constexpr argument, in order).
+class _State(threading.local):
+    records: list | None = None  # launches are appended here while recording
+    dry: bool = False  # record (or just run the launcher) without launching
+    arch: str | None = None  # planning arch for dry runs on CPU tensors
 
-    Checks the arguments against the spec's signature (the AOT list is only as good as
-    this check), records the spec when asked, then launches through ``wrap_triton`` so
-    ``torch.compile`` can trace the kernel inside a ``triton_op``.
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def recording(dry: bool = False, arch: str | None = None):
+    """Collect every :class:`Launch` made inside; ``dry``: launch nothing (tensors may live on
+    any device); ``arch``: plan for this arch instead of the tensors' device."""
+    saved = _STATE.records, _STATE.dry, _STATE.arch
+    _STATE.records, _STATE.dry, _STATE.arch = [], dry, arch
+    try:
+        yield _STATE.records
+    finally:
+        _STATE.records, _STATE.dry, _STATE.arch = saved
+
+
+def arch_of(device: torch.device) -> str:
+    """Config table for a device: ``interp`` under the interpreter, else by compute capability."""
+    if _STATE.arch is not None:
+        return _STATE.arch
+    if INTERPRET:
+        return "interp"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def launch(kernel: Kernel, grid, arch: str, tune: tuple[int, ...] = (), **args) -> None:
+    """Launch ``kernel`` with every non-block-size argument by keyword.
+
+    ``tune``: the real sizes the autotuner is keyed on (bucketed here). Checks that the
+    arguments are exactly the kernel's (minus the config's block sizes), records the
+    launch, then launches through ``wrap_triton`` so ``torch.compile`` can trace the
+    kernel inside a ``triton_op``.
     """
-    names = [name for name, _ in spec.signature]
-    if len(args) != len(names):
-        raise TypeError(f"{spec.kernel_name}: {len(args)} arguments for {len(names)} parameters")
-    for (name, want), value in zip(spec.signature, args):
-        got = _triton_type(value)
-        if got != want and not (want == "i32" and got == "i32"):
-            raise TypeError(f"{spec.kernel_name}: argument {name} is {got}, spec says {want}")
-    _record(spec)
-    if _NO_LAUNCH.active:
+    dclass = dtype_class(args[kernel.dtype_arg].dtype)
+    configured = set(kernel.configs(arch, dclass)[0].kwargs)
+    expected = set(kernel.fn.arg_names) - configured
+    if set(args) != expected:
+        raise TypeError(f"{kernel.name}: missing {sorted(expected - set(args))}, "
+                        f"unexpected {sorted(set(args) - expected)}")
+    names = [n for n in kernel.fn.arg_names if n in args]
+    flags = tuple((n, args[n]) for n in names if n in kernel.constexprs)
+    if _STATE.records is not None:
+        sig = tuple((n, triton_type(args[n])) for n in names if n not in kernel.constexprs)
+        _STATE.records.append(Launch(kernel.name, dclass, sig, flags))
+    if _STATE.dry:
         return
-    fn, extra = spec.kernel.kernel(arch, spec.dclass)
+    # one tuning per size bucket and specialisation (flags change the code being timed)
+    fn, extra = kernel.runner(arch, dclass, (tuple(bucket(n) for n in tune), flags))
     from torch.library import wrap_triton
 
-    wrap_triton(fn)[grid](*args, **dict(spec.flags), **extra)
-
-
-class _NoLaunch(threading.local):
-    active = False
-
-
-_NO_LAUNCH = _NoLaunch()
+    wrap_triton(fn)[grid](**args, **extra)
 
 
 def register_op(name: str, fn):
@@ -339,19 +326,20 @@ def register_op(name: str, fn):
     Compiled Triton: ``torch.library.triton_op``, so ``torch.compile`` traces through to the
     kernels (``wrap_triton`` in :func:`launch`). Under the interpreter ``wrap_triton`` cannot
     trace (it hands back the interpreted function, which needs real data), so the op is an
-    opaque ``custom_op`` whose fake implementation runs ``fn`` without launching: same
-    output shapes and dtypes, no kernel.
+    opaque ``custom_op`` whose fake implementation runs ``fn`` dry: same output shapes and
+    dtypes, no kernel.
     """
     if not INTERPRET:
         return torch.library.triton_op(name, mutates_args=())(fn)
     op = torch.library.custom_op(name, fn, mutates_args=())
 
     def fake(*args, **kwargs):
-        _NO_LAUNCH.active = True
+        saved = _STATE.dry
+        _STATE.dry = True
         try:
             return fn(*args, **kwargs)
         finally:
-            _NO_LAUNCH.active = False
+            _STATE.dry = saved
 
     op.register_fake(fake)
     return op

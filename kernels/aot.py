@@ -1,24 +1,24 @@
-"""Ahead-of-time compilation of every kernel specialisation for sm_80 (A100) and sm_90 (H100).
+"""Ahead-of-time compilation of the recorded kernel launches for sm_80 (A100) and sm_90 (H100).
 
 ``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N]`` compiles every
-``(specialisation, tuning config)`` pair the launchers can produce (:func:`all_specs`, the one
-list; ``lse.py`` builds its launches from the same functions) and
-prints one row per pair: registers, spilled bytes, local-memory loads/stores in the PTX,
-shared memory against the device limit, and whether the PTX uses tensor-core MMA.
+``(launch, tuning config)`` pair and prints one row per pair: registers, spilled bytes,
+local-memory loads/stores in the PTX, shared memory against the device limit, and whether
+the PTX uses tensor-core MMA.
+
+What is compiled: :func:`all_launches` runs the LSE launchers *dry* (``_common.recording``:
+nothing launches, tensors stay on the CPU) over every flag combination they can reach
+(dtype, cosine/dot, dS precision, chunks with and without own positives, first/last
+chunk) and records each launch's argument types and constexprs; the kernels' own argument
+names give the order. So the list is what the launchers pass, by construction.
 
 No GPU is needed: ``triton.compile`` with ``GPUTarget("cuda", 80|90, 32)`` runs the whole
 pipeline to a cubin; registers and spill bytes come from the ``ptxas -v`` log of that
-compile (Triton itself only learns them when a driver loads the binary). Run it in a
-process *without* ``TRITON_INTERPRET=1``: the interpreter replaces the jit functions.
+compile. Run it in a process *without* ``TRITON_INTERPRET=1``.
 
-Two depths (``frontend_only``): a full compile (PTX, cubin, resources) takes seconds, so
-the CI test compiles fully one spec per ``(kernel, dtype class, config, arch)`` (the one
-with the most features on: :func:`representatives`) and runs every other specialisation
-through the Triton frontend (type checking and code generation to TTIR).
-
-What is compiled: the specialisation Triton picks for 16-byte aligned pointers (fresh torch
-allocations) and integer arguments with no divisibility hint (any ``d``); a launch with
-``d % 16 == 0`` specialises further (wider loads), which changes registers little.
+Two depths (``frontend_only``): a full compile takes seconds, so the CI test compiles fully
+one launch per ``(kernel, dtype class, config, arch)`` (the one with the most features on:
+:func:`representatives`) and runs every other launch through the Triton frontend (TTIR).
+Pointers are compiled as 16-byte aligned and integers with no divisibility hint.
 """
 
 from __future__ import annotations
@@ -31,7 +31,11 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from ._common import INTERPRET, ARCHS, Cfg, Spec
+import torch
+
+from fastcl.ops.contract import TAG_ALL
+
+from ._common import ARCHS, INTERPRET, Kernel, Launch, recording
 
 # shared memory one block may use (opt-in maximum), bytes
 SMEM_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}
@@ -41,16 +45,50 @@ CAPABILITY = {"sm80": 80, "sm90": 90}
 MMA_PATTERNS = {"sm80": ("mma.sync",), "sm90": ("wgmma.mma_async", "mma.sync")}
 
 
-def all_specs() -> list[Spec]:
-    """Every specialisation of every launcher (the AOT test's list)."""
-    from . import lse
+def _tiny_problem(dtype: torch.dtype, sizes: tuple[int, int], extra: int, B: int, P: int):
+    gen = torch.Generator().manual_seed(0)
+    anchor = torch.randn(B, 8, generator=gen).to(dtype)
+    blocks = [torch.randn(n, 8, generator=gen).to(dtype) for n in sizes]
+    tags = [torch.full((n,), TAG_ALL, dtype=torch.int32) for n in sizes]
+    tags[0][extra:extra + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
+    return anchor, blocks, tags
 
-    return lse.specialisations()
+
+def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64)) -> list[Launch]:
+    """Every distinct launch the LSE launchers make (dry runs on CPU tensors, interpreter plan:
+    32-column chunks, so a 70-row block gives first, middle and last chunks, with and
+    without own positives, and an 8-row block a first-and-last one)."""
+    from .lse_bwd import _lse_backward
+    from .lse_fwd import _lse_forward
+
+    out: dict[str, Launch] = {}
+    with recording(dry=True, arch="interp") as launches:
+        for dt in dtypes:
+            for sizes, B, P in (((70, 5), 5, 2), ((8, 0), 2, 0)):
+                anchor, (c0, c1), (t0, t1) = _tiny_problem(dt, sizes, 3, B, P)
+                tau = torch.tensor(0.1)
+                for cosine in (True, False):
+                    lse, _ = _lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
+                    d_pos = torch.zeros(B, P) if P else None
+                    for fp32_ds in (True, False):
+                        _lse_backward(anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), d_pos, 3,
+                                      cosine, 1e-8, fp32_ds)
+    for launch in launches:
+        out.setdefault(launch.key, launch)
+    return list(out.values())
 
 
-def uses_dot(spec: Spec) -> bool:
+def kernel_of(launch: Launch) -> Kernel:
+    return Kernel.registry[launch.kernel]
+
+
+def configs(launch: Launch, arch: str):
+    return kernel_of(launch).configs(arch, launch.dclass)
+
+
+def uses_dot(launch: Launch) -> bool:
     """Kernels whose main loop is ``tl.dot`` (must compile to MMA), fp64 excepted (no fp64 MMA path)."""
-    return spec.kernel_name in ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel") and spec.dclass != "64"
+    return launch.kernel in ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel") and launch.dclass != "64"
 
 
 @dataclass(frozen=True)
@@ -74,15 +112,15 @@ class Result:
                 and (bool(self.mma) or not self.needs_mma))
 
 
-def _ast_source(spec: Spec, cfg: Cfg):
+def _ast_source(launch: Launch, cfg):
     import triton
     from triton.compiler import ASTSource
 
-    fn = spec.kernel.fn
+    fn = kernel_of(launch).fn
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("fastcl.kernels.aot needs compiled Triton: unset TRITON_INTERPRET")
-    types = dict(spec.signature)
-    constexprs = {**dict(spec.flags), **cfg.kwargs}
+    types = dict(launch.signature)
+    constexprs = {**dict(launch.constexprs), **cfg.kwargs}
     signature = {}
     for name in fn.arg_names:
         if name in types:
@@ -90,7 +128,7 @@ def _ast_source(spec: Spec, cfg: Cfg):
         elif name in constexprs:
             signature[name] = "constexpr"
         else:
-            raise KeyError(f"{spec.kernel_name}: argument {name} is in neither the spec nor the config")
+            raise KeyError(f"{launch.kernel}: argument {name} is in neither the launch nor the config")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if types.get(name, "").startswith("*")}
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -103,7 +141,7 @@ def _ptxas_usage(log: str) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), (int(spills.group(1)) + int(spills.group(2)) if spills else -1)
 
 
-def _compile(spec: Spec, arch: str, cfg: Cfg, frontend_only: bool):
+def _compile(launch: Launch, arch: str, cfg, frontend_only: bool):
     """``(compiled or None, ptxas log)``: the full pipeline, or only the frontend to TTIR."""
     import triton
     from triton import knobs
@@ -112,16 +150,16 @@ def _compile(spec: Spec, arch: str, cfg: Cfg, frontend_only: bool):
     target = GPUTarget("cuda", CAPABILITY[arch], 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    src = _ast_source(spec, cfg)
+    src = _ast_source(launch, cfg)
     if frontend_only:
         from triton._C.libtriton import ir
 
         context = ir.context()
         ir.load_dialects(context)
         backend.load_dialects(context)
-        src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                    context)
-        return None, ""
+        module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                             context)
+        return None, str(module)
     log = io.StringIO()
     # ptxas always runs with -v; its log is printed only on request, and only when the
     # kernel is not served from Triton's cache
@@ -135,12 +173,13 @@ def _compile(spec: Spec, arch: str, cfg: Cfg, frontend_only: bool):
     return compiled, log.getvalue()
 
 
-def compile_one(spec: Spec, arch: str, cfg: Cfg, frontend_only: bool = False) -> Result:
+def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False) -> Result:
     """Compile one pair for one arch; compile errors come back in ``Result.error``."""
-    common = dict(kernel=spec.kernel_name, spec=spec.describe(), arch=arch, config=str(cfg),
-                  shared_limit=SMEM_LIMIT[arch], needs_mma=uses_dot(spec) and not frontend_only)
+    config = " ".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f" w{cfg.num_warps} s{cfg.num_stages}"
+    common = dict(kernel=launch.kernel, spec=launch.describe(), arch=arch, config=config.strip(),
+                  shared_limit=SMEM_LIMIT[arch], needs_mma=uses_dot(launch) and not frontend_only)
     try:
-        compiled, log = _compile(spec, arch, cfg, frontend_only)
+        compiled, log = _compile(launch, arch, cfg, frontend_only)
     except Exception as exc:  # reported per row; the test fails on any
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
         return Result(**common, registers=-1, spill_bytes=-1, local_ptx=-1, shared=0, mma="",
@@ -155,64 +194,55 @@ def compile_one(spec: Spec, arch: str, cfg: Cfg, frontend_only: bool = False) ->
                   shared=compiled.metadata.shared, mma=mma)
 
 
-def _features(spec: Spec) -> int:
-    """How much code a spec generates, roughly: flags on plus pointers that are really read."""
-    flags = sum(v is True for _, v in spec.flags)
-    pointers = sum(t.startswith("*") and t != "*fp32" for _, t in spec.signature)
+def ttir(launch: Launch, arch: str) -> str:
+    """The Triton IR of a launch (first config), for checks on the generated arithmetic."""
+    return _compile(launch, arch, configs(launch, arch)[0], frontend_only=True)[1]
+
+
+def _features(launch: Launch) -> int:
+    """How much code a launch generates, roughly: flags on plus pointers that are really read."""
+    flags = sum(v is True for _, v in launch.constexprs)
+    pointers = sum(t.startswith("*") and t != "*fp32" for _, t in launch.signature)
     return flags + pointers
 
 
-def representatives(specs: list[Spec] | None = None) -> list[Spec]:
-    """One spec per ``(kernel, dtype class)``: the one with the most flags on and typed
-    pointers (the most code, so the most registers), preferring 16-bit over fp32 within
-    the ``"16"`` class."""
-    best: dict[tuple[str, str], Spec] = {}
-    for spec in specs if specs is not None else all_specs():
-        key = (spec.kernel_name, spec.dclass)
-        if key not in best or _features(spec) > _features(best[key]):
-            best[key] = spec
+def representatives(launches: list[Launch] | None = None) -> list[Launch]:
+    """One launch per ``(kernel, dtype class)``: the one with the most flags on and typed
+    pointers (the most code, so the most registers)."""
+    best: dict[tuple[str, str], Launch] = {}
+    for launch in launches if launches is not None else all_launches():
+        key = (launch.kernel, launch.dclass)
+        if key not in best or _features(launch) > _features(best[key]):
+            best[key] = launch
     return list(best.values())
 
 
-def jobs(archs=ARCHS, kernel: str | None = None) -> list[tuple[Spec, str, Cfg]]:
-    """Every ``(spec, arch, config)`` to compile."""
-    out = []
-    for spec in all_specs():
-        if kernel and spec.kernel_name != kernel:
-            continue
-        for arch in archs:
-            for cfg in spec.kernel.configs(arch, spec.dclass):
-                out.append((spec, arch, cfg))
-    return out
+def jobs(archs=ARCHS, kernel: str | None = None, launches: list[Launch] | None = None):
+    """Every ``(launch, arch, config index)`` to compile."""
+    return [(launch, arch, i) for launch in (launches if launches is not None else all_launches())
+            if not kernel or launch.kernel == kernel
+            for arch in archs for i in range(len(configs(launch, arch)))]
 
 
-def _run_key(key: tuple[str, str, int, bool]) -> Result:
-    # worker processes rebuild the job list (Spec holds a jit function: not picklable)
-    spec_key, arch, index, frontend_only = key
-    spec = next(s for s in all_specs() if s.key == spec_key)
-    return compile_one(spec, arch, spec.kernel.configs(arch, spec.dclass)[index], frontend_only)
+def _run_job(job) -> Result:
+    launch, arch, index, frontend_only = job
+    return compile_one(launch, arch, configs(launch, arch)[index], frontend_only)
 
 
-def job_keys(pairs, frontend_only: bool = False) -> list[tuple[str, str, int, bool]]:
-    """Picklable keys of ``(spec, arch, cfg)`` triples."""
-    return [(spec.key, arch, spec.kernel.configs(arch, spec.dclass).index(cfg), frontend_only)
-            for spec, arch, cfg in pairs]
-
-
-def run_keys(keys, workers: int = 1, progress: bool = True) -> list[Result]:
-    """Run :func:`job_keys` keys, in ``workers`` processes, in order."""
+def run_jobs(jobs, workers: int = 1, progress: bool = True) -> list[Result]:
+    """Run ``(launch, arch, config index, frontend_only)`` jobs in ``workers`` processes, in order."""
     from tqdm import tqdm
 
-    keys = list(keys)
-    bar = tqdm(total=len(keys), desc="triton aot", disable=not progress, file=sys.stderr)
+    jobs = list(jobs)
+    bar = tqdm(total=len(jobs), desc="triton aot", disable=not progress, file=sys.stderr)
     results = []
     if workers <= 1:
-        for k in keys:
-            results.append(_run_key(k))
+        for j in jobs:
+            results.append(_run_job(j))
             bar.update()
     else:
         with ProcessPoolExecutor(workers) as pool:
-            for r in pool.map(_run_key, keys):
+            for r in pool.map(_run_job, jobs):
                 results.append(r)
                 bar.update()
     bar.close()
@@ -221,13 +251,17 @@ def run_keys(keys, workers: int = 1, progress: bool = True) -> list[Result]:
 
 def compile_all(archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True,
                 every_spec: bool = False) -> list[Result]:
-    """Fully compile every config of :func:`representatives` (or of every spec) for each arch,
-    and run every other spec through the frontend; one :class:`Result` each."""
-    pairs = jobs(archs, kernel)
-    reps = {s.key for s in representatives()}
-    full = [p for p in pairs if every_spec or p[0].key in reps]
-    rest = [p for p in pairs if not (every_spec or p[0].key in reps) and p[2] == p[0].kernel.configs(p[1], p[0].dclass)[0]]
-    return run_keys(job_keys(full) + job_keys(rest, frontend_only=True), workers, progress)
+    """Fully compile every config of :func:`representatives` (or of every launch) for each
+    arch, and run every other launch through the frontend; one :class:`Result` each."""
+    launches = all_launches()
+    reps = set(representatives(launches))
+    todo = []
+    for launch, arch, i in jobs(archs, kernel, launches):
+        if every_spec or launch in reps:
+            todo.append((launch, arch, i, False))
+        elif i == 0:
+            todo.append((launch, arch, i, True))
+    return run_jobs(todo, workers, progress)
 
 
 def table(results: list[Result]) -> str:

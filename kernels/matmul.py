@@ -8,9 +8,14 @@
 hi + lo pair of 16-bit halves. ``X`` and ``Y`` are any strided views (the backward passes the ``dS`` chunk transposed by
 strides, never copied). The product accumulates in fp32 (fp64 for fp64 inputs) and is
 stored in ``OUT``'s dtype. ``RADIAL`` is the radial part of the normalisation backward
-(``- |x|^-2 * <G, l> * x``), with its row weights given as partial sums over ``n_parts``
-rows of ``RADW`` so the producer never needs a separate reduction. ``KSCALE`` normalises
-the ``Y`` rows on load (fp16: see ``lse.py``); ``MSCALE`` scales output rows.
+(``- |x|^-2 * <G, l> * x``, computed as ``(rinv * w) * (rinv * x)`` so that ``|x|^-2``
+never underflows), with its row weights given as partial sums over ``n_parts`` rows of
+``RADW`` so the producer never needs a separate reduction. ``KSCALE`` normalises the
+``Y`` rows on load (see ``plan.fold_norms``); ``MSCALE`` scales output rows.
+
+Padding: ``TAGS`` marks padded rows of ``Y`` (``PAD_K``: read as zero) or of the output
+(``PAD_M``: ``Z`` read as zero, written as exactly zero), so a NaN in a padded slot reaches
+no gradient. Offsets are 64-bit (``N * d >= 2**31`` is addressed correctly).
 
 Deterministic: every output element is owned by one program, no atomics, no split-K.
 """
@@ -20,17 +25,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import Cfg, Tuned, cast_to, mma
+from ._common import PAD_TAG, Kernel, cast_to, cfg, mma
 
 
 @triton.jit
 def _mm_kernel(
-    X, Y, OUT, ACC_IN, KSCALE, MSCALE, RAD, RADW, Z,
+    X, Y, OUT, ACC_IN, KSCALE, MSCALE, RINV, RADW, Z, TAGS,
     M, N, K, stride_xm, stride_xk, stride_yk, stride_yn, stride_om, n_parts, stride_radw,
-    tune_m, tune_n, tune_k,
     SPLIT_X: tl.constexpr, Y_KSCALE: tl.constexpr, M_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
-    RADIAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    RADIAL: tl.constexpr, PAD_K: tl.constexpr, PAD_M: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
@@ -44,6 +47,9 @@ def _mm_kernel(
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
+    # int32 offsets: the launcher keeps every operand of this GEMM under 2**31 elements
+    # (plan.chunk_width caps a chunk; lse_bwd refuses larger anchor blocks), which
+    # keeps the main loop's registers free (64-bit offset tensors spilled on sm_80)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     m_ok = rm < M
@@ -52,8 +58,13 @@ def _mm_kernel(
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         k_ok = rk < K
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        y = tl.load(Y + rk[:, None] * stride_yk + rn[None, :] * stride_yn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        y_ok = k_ok
+        if PAD_K:
+            y_ok = k_ok & (tl.load(TAGS + rk, mask=k_ok, other=PAD_TAG) != PAD_TAG)
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        y = tl.load(Y + rk[:, None] * stride_yk + rn[None, :] * stride_yn, mask=y_ok[:, None] & n_ok[None, :],
+                    other=0.0)
         if Y_KSCALE:
             ks = tl.load(KSCALE + rk, mask=k_ok, other=0.0)
             y = cast_to(y.to(ACC) * ks[:, None], y.dtype)
@@ -71,29 +82,35 @@ def _mm_kernel(
         acc = acc * tl.load(MSCALE + rm, mask=m_ok, other=0.0)[:, None]
     out_offs = rm[:, None] * stride_om + rn[None, :]
     out_ok = m_ok[:, None] & n_ok[None, :]
+    z_ok = out_ok
+    if PAD_M:
+        m_pad = tl.load(TAGS + rm, mask=m_ok, other=PAD_TAG) == PAD_TAG
+        z_ok = out_ok & ~m_pad[:, None]
     if ACCUMULATE:
         acc += tl.load(ACC_IN + out_offs, mask=out_ok, other=0.0).to(ACC)
     if RADIAL:
         w = tl.zeros([BM], dtype=ACC)
         for p in range(0, n_parts):
             w += tl.load(RADW + p * stride_radw + rm, mask=m_ok, other=0.0).to(ACC)
-        r = tl.load(RAD + rm, mask=m_ok, other=0.0).to(ACC) * w
-        z = tl.load(Z + out_offs, mask=out_ok, other=0.0).to(ACC)
-        acc -= r[:, None] * z
+        rinv = tl.load(RINV + rm, mask=m_ok, other=0.0).to(ACC)
+        z = tl.load(Z + out_offs, mask=z_ok, other=0.0).to(ACC)
+        acc -= (rinv * w)[:, None] * (z * rinv[:, None])
+    if PAD_M:
+        acc = tl.where(m_pad[:, None], 0.0, acc)
     tl.store(OUT + out_offs, cast_to(acc, OUT.dtype.element_ty), mask=out_ok)
 
 
-_C = Cfg.of
+_C = cfg
 # Chosen from compiled candidates (docs/triton.md): the 16-bit rows are for the heaviest
 # variant, SPLIT_X (fp32 dS fed as two 16-bit halves: two operand tiles and two MMAs per
 # step). 128x128 tiles and 64x128x64 spilled on sm_80 (and 128x128, 128x256 on sm_90), so
 # the largest tiles are 128x64; BK=64 x 3 stages or BK=32 x 4 stages hide global latency
 # within 72 KiB of shared memory. GROUP_M=8: programs that run together share Y panels in
 # L2. fp32 (3xTF32) stays at BK=16/32; fp64 at 32-row tiles.
-_MM_32 = [_C(4, 3, BM=64, BN=64, BK=16, GROUP_M=8), _C(8, 3, BM=128, BN=64, BK=16, GROUP_M=8),
-          _C(8, 3, BM=64, BN=64, BK=32, GROUP_M=8)]
+# (fp32 64x64x32 spilled on sm_80 once the operands are normalised on load: sm_90 only)
+_MM_32 = [_C(4, 3, BM=64, BN=64, BK=16, GROUP_M=8), _C(8, 3, BM=128, BN=64, BK=16, GROUP_M=8)]
 _MM_64 = [_C(4, 2, BM=32, BN=64, BK=16, GROUP_M=8), _C(4, 2, BM=32, BN=32, BK=16, GROUP_M=8)]
-MM = Tuned(
+MM = Kernel(
     _mm_kernel,
     {
         "sm80": {
@@ -106,13 +123,13 @@ MM = Tuned(
             "16": [_C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8), _C(8, 3, BM=64, BN=128, BK=64, GROUP_M=8),
                    _C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8), _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8),
                    _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8)],
-            "32": _MM_32,
+            "32": _MM_32 + [_C(8, 3, BM=64, BN=64, BK=32, GROUP_M=8)],
             "64": _MM_64,
         },
         # interpreter: wide along d (fewer Python-speed programs), still crossing d > 64
         "interp": {"16": [_C(BM=16, BN=64, BK=16, GROUP_M=2)]},
     },
-    key=["tune_m", "tune_n", "tune_k"],
+    dtype_arg="Y",
     # ACCUMULATE may read and write the same buffer: benchmarking configs must not compound
     restore_value=["OUT"],
 )

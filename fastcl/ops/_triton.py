@@ -46,7 +46,7 @@ def ds_precision() -> str:
 
 
 class TritonLSE:
-    """The ``"triton"`` backend of the masked-LSE primitive (``fastcl.ops.backend.Backend``)."""
+    """The ``"triton"`` backend (``fastcl.ops.backend.Backend``) on ``kernels/lse_fwd.py`` and ``kernels/lse_bwd.py``."""
 
     name = "triton"
     double_backward = False
@@ -73,7 +73,7 @@ class TritonLSE:
             major, minor = torch.cuda.get_device_capability(problem.device)
             if major < 8:
                 why.append(f"the Triton kernels need sm_80 or newer (bf16 tensor cores); got sm_{major}{minor}")
-        return why
+        return why + _kernels().size_reasons(*problem.anchor.shape)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         k = _kernels()

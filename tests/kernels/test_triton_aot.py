@@ -2,9 +2,9 @@
 
 Runs in a process *without* ``TRITON_INTERPRET=1`` (the interpreter replaces the kernels):
 
-* every specialisation the launchers can produce (``fastcl.kernels.aot.all_specs``, the
-  list ``launch`` checks real launches against) goes through the Triton frontend for both
-  targets: a type or shape error in any flag combination fails here;
+* every launch the launchers make (``fastcl.kernels.aot.all_launches``: recorded from dry
+  runs of the launchers) goes through the Triton frontend for both targets: a type or
+  shape error in any flag combination fails here; its row offsets are 64-bit;
 * every kernel is compiled to a cubin for both targets with its most demanding tuning
   config (largest pipelined tiles); the test fails on a compile error, on shared memory
   over the device limit (A100 163 KiB, H100 227 KiB), on a tensor-core kernel without MMA
@@ -25,19 +25,22 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("AOT compilation needs compiled Triton: run without TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fastcl.kernels import _common, aot  # noqa: E402
+from fastcl.kernels import aot  # noqa: E402
 from fastcl.ops import dispatch  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, LSEProblem  # noqa: E402
 
 
+LAUNCHES = aot.all_launches()
+
+
 def _tables():
-    for spec in aot.representatives():
+    for launch in aot.representatives(LAUNCHES):
         for arch in aot.ARCHS:
-            for cfg in spec.kernel.configs(arch, spec.dclass):
-                yield spec, arch, cfg
+            for cfg in aot.configs(launch, arch):
+                yield launch, arch, cfg
 
 
-def _smem_estimate(cfg: _common.Cfg) -> int:
+def _smem_estimate(cfg) -> int:
     """Bytes of pipelined operand tiles (16-bit), the quantity that grows with a config."""
     k = cfg.kwargs
     if "BK" not in k:
@@ -48,34 +51,67 @@ def _smem_estimate(cfg: _common.Cfg) -> int:
 def _most_demanding():
     """``(spec, arch, cfg)``: per kernel and arch, the 16-bit representative's largest config."""
     out = {}
-    for spec in aot.representatives():
-        if spec.dclass != "16":
+    for launch in aot.representatives(LAUNCHES):
+        if launch.dclass != "16":
             continue
         for arch in aot.ARCHS:
-            cfg = max(spec.kernel.configs(arch, spec.dclass), key=_smem_estimate)
-            out[(spec.kernel_name, arch)] = (spec, arch, cfg)
+            cfg = max(aot.configs(launch, arch), key=_smem_estimate)
+            out[(launch.kernel, arch)] = (launch, arch, cfg)
     return list(out.values())
 
 
 def test_block_sizes_are_multiples_of_16():
-    for spec, arch, cfg in _tables():
+    for launch, arch, cfg in _tables():
         for name, value in cfg.kwargs.items():
             if name.startswith("B") and name != "BR":
-                assert value % 16 == 0, f"{spec.kernel_name} {arch} {cfg}: {name}={value}"
+                assert value % 16 == 0, f"{launch.kernel} {arch} {cfg}: {name}={value}"
+
+
+def test_recorded_launches_cover_every_flag():
+    """The dry runs reach every constexpr value the launchers can set (both values of each
+    flag of the LSE kernels, every dtype), so the AOT list is complete."""
+    assert len({x.key for x in LAUNCHES}) == len(LAUNCHES)
+    seen: dict[tuple[str, str], set] = {}
+    for launch in LAUNCHES:
+        for name, value in launch.constexprs:
+            seen.setdefault((launch.kernel, name), set()).add(value)
+    for (kernel, name), values in seen.items():
+        if name != "PRECISION":
+            assert values == {True, False}, f"{kernel}.{name} only {values}"
+    assert {x.dclass for x in LAUNCHES if x.kernel == "_lse_fwd_kernel"} == {"16", "32", "64"}
+    assert {dict(x.signature)["A"] for x in LAUNCHES if x.kernel == "_lse_fwd_kernel"} == {
+        "*bf16", "*fp16", "*fp32", "*fp64"}
 
 
 @pytest.mark.parametrize("arch", aot.ARCHS)
-def test_every_specialisation_passes_the_frontend(arch):
-    specs = aot.all_specs()
-    assert len({s.key for s in specs}) == len(specs)
-    errors = [r for r in (aot.compile_one(s, arch, s.kernel.configs(arch, s.dclass)[0], frontend_only=True)
-                          for s in specs) if r.error]
+def test_every_launch_passes_the_frontend(arch):
+    errors = [r for r in (aot.compile_one(x, arch, aot.configs(x, arch)[0], frontend_only=True)
+                          for x in LAUNCHES) if r.error]
     assert not errors, "\n".join(f"{r.spec}: {r.error}" for r in errors)
 
 
-@pytest.mark.parametrize("spec, arch, cfg", _most_demanding(), ids=lambda x: getattr(x, "kernel_name", str(x)))
-def test_kernel_compiles_for_target(spec, arch, cfg):
-    r = aot.compile_one(spec, arch, cfg)
+# The kernels that address whole candidate blocks; the backward GEMM sees bounded chunks
+# (tests/kernels/test_triton_limits.py checks the bounds).
+ROW_STRIDE_KERNELS = ("_row_norms_kernel", "_lse_fwd_kernel", "_lse_ds_kernel")
+
+
+def test_row_offsets_are_64_bit():
+    """Row index x stride is computed in int64 (a block with N * d >= 2**31 elements must not
+    wrap around): no int32 tensor multiply is left in the kernels that address blocks."""
+    for launch in aot.representatives(LAUNCHES):
+        if launch.kernel not in ROW_STRIDE_KERNELS:
+            continue
+        ir = aot.ttir(launch, "sm90")
+        muls = [line.strip() for line in ir.splitlines() if "arith.muli" in line]
+        wide = [m for m in muls if "xi64>" in m]
+        narrow = [m for m in muls if "xi32>" in m]
+        assert wide, f"{launch.kernel}: no 64-bit offset arithmetic"
+        assert not narrow, f"{launch.kernel}: 32-bit tensor multiplies {narrow[:3]}"
+
+
+@pytest.mark.parametrize("launch, arch, cfg", _most_demanding(), ids=lambda x: getattr(x, "kernel", str(x)))
+def test_kernel_compiles_for_target(launch, arch, cfg):
+    r = aot.compile_one(launch, arch, cfg)
     assert not r.error, r.error
     assert r.shared <= r.shared_limit, f"{r.shared} bytes of shared memory > {r.shared_limit}"
     if r.needs_mma:

@@ -2,7 +2,7 @@
 
 The interpreter must be switched on before Triton kernels are imported, so the suite
 (the core backend matrix, primitive, property and double-backward tests for ``triton`` on
-small shapes, plus ``test_triton_interpret.py``) runs in a child pytest process with
+small shapes, plus ``test_triton_interpret.py`` and ``test_triton_nonfinite.py``) runs in a child pytest process with
 ``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
 run fail there instead of skipping.
 """
@@ -21,8 +21,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 TESTS = Path(__file__).resolve().parents[1]
-FILES = ["ops/test_backend_matrix.py", "ops/test_primitive.py", "kernels/test_triton_interpret.py", "ops/test_property.py",
-         "ops/test_double_backward.py"]
+FILES = [
+    "ops/test_backend_matrix.py",
+    "ops/test_primitive.py",
+    "ops/test_property.py",
+    "kernels/test_triton_interpret.py",
+    "kernels/test_triton_nonfinite.py",
+    "ops/test_double_backward.py",
+]
 
 
 def test_triton_interpreter_suite():

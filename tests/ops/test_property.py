@@ -39,7 +39,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fastcl.losses as L  # noqa: E402
@@ -56,9 +56,6 @@ settings.register_profile("long", max_examples=2000, **_COMMON)
 PROFILE = os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci")
 
 BACKENDS = ["reference", *backends_under_test()]
-# Backends whose fixes for this contract live on another branch: their property run may
-# fail until that branch is merged (see the report of issue #17).
-PENDING = {"triton": "Triton NaN/scale fixes for #17 live on the design-kernels branch (not merged yet)"}
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # 1, primes and values one off the powers of two that tile sizes use
@@ -275,13 +272,9 @@ def _check_valid_special(case, backend, leaves) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_backend_properties(backend, request):
+def test_backend_properties(backend):
     require(backend)
     profile = settings.get_profile(PROFILE)
-    if backend in PENDING:
-        request.applymarker(pytest.mark.xfail(reason=PENDING[backend], strict=False))
-        # an expected failure need not be shrunk (slow under the Triton interpreter)
-        profile = settings(profile, phases=[Phase.explicit, Phase.reuse, Phase.generate])
     device = device_under_test()
 
     @settings(profile)

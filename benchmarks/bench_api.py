@@ -48,7 +48,7 @@ def _name(impl: str) -> str:
 
 
 def _available(impl: str) -> None:
-    if impl in dispatch.BACKEND_MODULES:
+    if impl in dispatch.NAMES:
         status = dispatch.describe()[impl]
         if status != "available":
             pytest.skip(f"backend {impl!r}: {status}")

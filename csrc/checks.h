@@ -4,6 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+#include <string_view>
+
 namespace fastcl {
 
 inline const char* device_name(c10::DeviceType dev) { return dev == c10::DeviceType::CPU ? "CPU" : "CUDA"; }
@@ -55,6 +58,74 @@ inline void check_out(const at::Tensor& t, const char* name, at::IntArrayRef sha
   TORCH_CHECK(t.scalar_type() == dtype, "fastcl: output ", name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous() && t.device().type() == dev, "fastcl: output ", name, " must be a contiguous ",
               device_name(dev), " tensor");
+}
+
+using OptTensor = std::optional<at::Tensor>;
+
+// The whole argument check of each op (inputs, then the outputs it overwrites), one
+// definition for the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) kernels.
+inline void check_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                          const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
+                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev) {
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0);
+  check_out(lse, "lse", {B}, cd, dev);
+  check_out(mean_logit, "mean_logit", {B}, cd, dev);
+}
+
+// Returns P, the number of own positives per anchor folded from d_pos (0 without d_pos).
+inline int64_t check_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                              const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
+                              const at::Tensor& lse, const at::Tensor& grad_lse, const OptTensor& d_pos,
+                              int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+                              const at::Tensor& d_block1, c10::DeviceType dev) {
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0), d = anchor.size(1);
+  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == B && grad_lse.dim() == 1 && grad_lse.size(0) == B,
+              "fastcl: lse and grad_lse must be [B]");
+  check_out(d_anchor, "d_anchor", {B, d}, cd, dev);
+  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, dev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
+  if (!d_pos) return 0;
+  TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
+  const int64_t P = d_pos->size(1);
+  check_positives(pos_offset, P, B, block0.size(0));
+  return P;
+}
+
+// Returns P, the number of positive logits per anchor.
+inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                           const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
+                           std::string_view head, const at::Tensor& pos_logits, const OptTensor& pos_mask,
+                           const OptTensor& log_extra, const at::Tensor& weights, int64_t pos_offset,
+                           bool fold_positives, const at::Tensor& lse, const at::Tensor& mean_logit,
+                           const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
+                           const at::Tensor& d_block0, const at::Tensor& d_block1,
+                           const at::Tensor& g_dot_mean_logit, c10::DeviceType dev) {
+  check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
+  TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0), d = anchor.size(1);
+  TORCH_CHECK(pos_logits.dim() == 2 && pos_logits.size(0) == B, "fastcl: pos_logits must be [B, P]");
+  const int64_t P = pos_logits.size(1);
+  if (pos_mask) {
+    TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes(),
+                "fastcl: pos_mask must be a bool [B, P] tensor");
+  }
+  if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
+  TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
+  check_out(lse, "lse", {B}, cd, dev);
+  check_out(mean_logit, "mean_logit", {B}, cd, dev);
+  check_out(loss_rows, "loss_rows", {B}, cd, dev);
+  check_out(d_pos, "d_pos", {B, P}, cd, dev);
+  check_out(d_anchor, "d_anchor", {B, d}, cd, dev);
+  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, dev);
+  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
+  check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd, dev);
+  if (fold_positives) check_positives(pos_offset, P, B, block0.size(0));
+  return P;
 }
 
 }  // namespace fastcl

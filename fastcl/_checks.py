@@ -25,7 +25,8 @@ import os
 import torch
 from torch import Tensor
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from .ops.contract import FLOAT_DTYPES, compute_dtype
+
 REDUCTIONS = ("mean", "sum", "none")
 SIMILARITIES = ("cos", "dot")
 STRATEGY_ENV = "FASTCL_STRATEGY"
@@ -116,7 +117,7 @@ def check_temperature(temperature, compute_dtype: torch.dtype = torch.float32) -
 
 def as_temperature(temperature, like: Tensor) -> Tensor:
     """A 0-d tensor on ``like``'s device in the compute dtype; differentiable if given one."""
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(like.dtype)
     check_temperature(temperature, dtype)
     if isinstance(temperature, Tensor):
         return temperature.to(device=like.device, dtype=dtype)

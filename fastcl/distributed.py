@@ -1,66 +1,11 @@
 """Cross-device negatives: every anchor sees the candidates of every rank of a process group.
 
 Pass ``process_group=dist.group.WORLD`` (or any group) to an LSE loss of ``fastcl.losses``.
-Each rank keeps its own anchors; the candidate blocks (positives and negatives, ``[N, d]``
-with ``N = B * (P + Q)``) are all-gathered *with gradient* before the fused primitive runs,
-so every backend works unchanged. The structural tags travel with their candidates: a
-padded slot stays padding (``TAG_PADDING``) and an own-positive tag ``i >= 0`` keeps its
-meaning only on the rank that owns anchor ``i`` (anchors are local, rows ``0..B-1``); on
-every other rank it becomes ``TAG_ALL`` -- another rank's positive is a plain negative here.
-This is the "owner index offset by rank" of the single-process batch, without ever
-materialising the global anchor index.
-
-Semantics (exact, also with uneven masks)
------------------------------------------
-Let ``L`` be the loss of one process on the concatenated global batch (ranks in order) and
-``W`` the world size. With ``reduction="mean"`` rank ``r`` returns ::
-
-    L_r = (W / n_valid_global) * sum_{anchors i of rank r with a valid positive} loss_i
-
-so that (1) ``mean_r L_r == L``; (2) the gradient each rank receives for its own embeddings
-is ``W * dL/d(its slice)`` (the gather's backward sums every rank's contribution and hands
-each rank its slice); hence (3) after DDP's gradient averaging, parameter gradients equal
-those of ``L`` on one process. ``n_valid_global`` is the number of anchors with a valid
-positive over all ranks: when every rank has the same number of valid anchors, ``L_r`` is
-exactly the mean over the rank's own anchors. With uneven masks the mean over own anchors
-would weigh a rank's anchors by ``1 / n_r`` instead of ``1 / n_valid_global`` and the
-identities above would be off, so we use the global count; the price is that a rank's
-value is not its local mean (log ``all_reduce(L_r, AVG)`` to see ``L``). A rank with no
-valid anchor returns 0 but still gathers, and its candidates still receive gradient from
-the other ranks' anchors. If no anchor of any rank has a valid positive every rank raises
-the same ``ValueError`` (the single-process error).
-
-``reduction="sum"``: ``L_r = W * sum_{i of r} loss_i``, with the same three identities.
-``reduction="none"``: the rows are exactly the single-process rows of the rank's slice,
-unscaled; the gather's backward still sums over ranks, so if every rank backpropagates
-``rows.sum()`` each receives the single-process gradient of the *global* sum -- multiply
-by ``W`` yourself to keep identity (3) under DDP.
-
-A learnable temperature gets ``dL_r/dtau``; identity (3) holds for it when it is a
-parameter of the DDP-wrapped module (DDP averages it); otherwise average it yourself.
-Every rank must call ``backward()`` on its loss (as DDP requires anyway): the gather's
-backward is a collective.
-
-Gradient caching: embeddings produced by ``fastcl.gradcache`` are ordinary autograd
-tensors, so the loss-side gather needs nothing special (gathered once per loss call).
-
-Requirements and cost
----------------------
-All ranks must pass the same sizes (``B, P, Q, d`` for the structured losses, ``B, N, d``
-for ``supcon_pool_loss``) and dtype; masks may differ. Pad with masks to a common shape.
-Per loss call (``symmetric=True`` and EdaCSE make two): one *handshake* all-gather of a
-few int64 (sizes, dtype, status) read on the host, one all-gather of the int32 tags
-(carrying each rank's valid-anchor count, summed on device: no host sync), one all-gather
-of the candidates in the input dtype (``W * N * d`` elements) and, in backward, one
-reduce-scatter of their gradient. The handshake goes through the group's CPU backend when
-it has one (``gloo``, or the default ``"cpu:gloo,cuda:nccl"`` of
-``init_process_group()``): a host round trip, no GPU sync. On an NCCL-only group it runs
-on the GPU and reading it is one device sync per call; this is the price of a clear error
-instead of a hang or corrupted memory (a collective with mismatched sizes is undefined).
-As in the single-process path, a rank that passes ``pos_mask`` reads the global
-valid-anchor count once to raise the "no valid positive" error (a sync on CUDA).
-A rank whose inputs fail validation still joins the handshake with a failure flag, so the
-other ranks raise too instead of hanging.
+The candidate blocks are all-gathered *with gradient* before the fused primitive runs, so
+every backend works unchanged; tags travel with their candidates (another rank's own
+positive becomes a plain negative here). Reductions are scaled so that DDP's gradient
+averaging gives exactly the one-process gradient of the global batch; the exact semantics,
+requirements and per-call cost are in docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -73,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops.contract import TAG_ALL
+from .ops.contract import FLOAT_DTYPES, TAG_ALL
 from .ops.head import reduction_weights
 
-_FLOAT_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_CODES = FLOAT_DTYPES  # a dtype travels in the handshake as its index here
 _MAX_SIZES = 6
 _OK, _FAILED = 0, 1
 

@@ -39,11 +39,11 @@ import torch
 from torch import Tensor, nn
 
 from . import _checks, distributed
-from .ops.contract import EPS, OwnPositives, empty_block, pool_tags, structured_tags
+from .ops.contract import EPS, OwnPositives, compute_dtype, empty_block, pool_tags, structured_tags
 from .ops.contrastive import contrastive_loss
-from .ops.grouped_cosine import grouped_cosine
+from .ops.dispatch import NAMES as BACKENDS
 from .ops.head import reduction_weights
-from .ops.normalize import compute_dtype
+from .ops.normalize import normalize_backward, normalize_rows
 from .ops.positive_logits import positive_logits
 from .losses_mnrl import mnrl_directions_loss
 from .losses_mnrl import check_options as _check_mnrl_options
@@ -475,6 +475,28 @@ def supcon_pool_loss(
         )
 
 
+class _GroupedCosine(torch.autograd.Function):
+    """``[B, G]`` cosines of ``h, z [B, G, g]`` groups in the compute dtype; no gradient to ``z``.
+
+    The backward is the clamped-norm formula of ``ops.normalize`` (exactly 0 where the true
+    gradient is, e.g. ``g = 1``) written in plain ops on the saved inputs, so it is itself
+    differentiable (double backward). Extra memory O(B * D).
+    """
+
+    @staticmethod
+    def forward(ctx, h: Tensor, z: Tensor) -> Tensor:
+        ctx.save_for_backward(h, z)
+        return torch.linalg.vecdot(normalize_rows(h, EPS, True)[0], normalize_rows(z, EPS, True)[0])
+
+    @staticmethod
+    def backward(ctx, d_cos: Tensor):
+        h, z = ctx.saved_tensors
+        h_hat, h_norm = normalize_rows(h, EPS, True)
+        z_hat = normalize_rows(z, EPS, True)[0]
+        d_h = normalize_backward(h_hat, h_norm, z_hat * d_cos.to(z_hat.dtype).unsqueeze(-1), EPS)
+        return d_h.to(h.dtype), None
+
+
 def grouped_cosine_loss(
     h: Tensor, z: Tensor, *, group_size: int, reduction: str = "mean", backend: str = "auto"
 ) -> Tensor:
@@ -483,7 +505,8 @@ def grouped_cosine_loss(
     ``h`` (predictor output) and ``z`` (projector output), both ``[B, D]``, are split into
     contiguous groups of ``group_size`` features (``D % group_size == 0``); ``z`` receives
     no gradient. ``group_size=D`` is plain SimSiam. ``reduction="none"`` returns ``[B]``
-    (each sample's mean over its groups).
+    (each sample's mean over its groups). O(B * D) elementwise work: one PyTorch
+    computation in float32 (float64 for float64) on every ``backend`` (checked by name).
 
     Example::
 
@@ -501,9 +524,10 @@ def grouped_cosine_loss(
         raise ValueError(f"h must be non-empty, got shape {tuple(h.shape)}")
     if D % group_size:
         raise ValueError(f"group_size={group_size} does not divide the feature dimension D={D}")
+    _checks.check_choice("backend", backend, ("auto", *BACKENDS))
     with _no_autocast(h):
-        cos = grouped_cosine(h, z, group_size, eps=EPS, backend=backend)  # [B, G]
-        per_sample = -cos.mean(1)
+        groups = (B, D // group_size, group_size)
+        per_sample = -_GroupedCosine.apply(h.reshape(groups), z.detach().reshape(groups)).mean(1)
         if reduction == "none":
             out = per_sample
         else:

@@ -50,9 +50,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _checks, distributed
-from .ops.contract import EPS, TAG_ALL, OwnPositives, empty_block
+from .ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
 from .ops.contrastive import contrastive_loss
-from .ops.normalize import compute_dtype
 from .ops.positive_logits import positive_logits
 
 __all__ = ["mnrl_directions_loss", "DIRECTIONS", "PARTITION_MODES", "HARDNESS_MODES"]

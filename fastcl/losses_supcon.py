@@ -41,10 +41,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, distributed
-from .ops.contract import EPS, TAG_ALL, empty_block
+from .ops.contract import EPS, TAG_ALL, compute_dtype, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.head import reduction_weights
-from .ops.normalize import compute_dtype
 
 __all__ = ["supcon_labels_loss"]
 

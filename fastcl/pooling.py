@@ -31,8 +31,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
+
+from .ops.contract import compute_dtype
 
 POOLINGS = ("cls", "cls_before_pooler", "mean", "mean_no_cls", "avg_first_last", "avg_top2")
 _LAYER_POOLINGS = ("avg_first_last", "avg_top2")
@@ -56,10 +57,6 @@ def _field(outputs: Any, name: str):
     return getattr(outputs, name, None)
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _masked_mean_acc(states: Tensor, attention_mask: Tensor) -> Tensor:
     mask = attention_mask.to(states.dtype).unsqueeze(-1)
     return (states * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
@@ -72,7 +69,7 @@ def masked_mean(states: Tensor, attention_mask: Tensor) -> Tensor:
     dtype). Returns ``(B, H)`` in ``states.dtype``, reduced in float32 (float64 stays
     float64); all-zero mask rows give zeros.
     """
-    acc = _accumulation_dtype(states.dtype)
+    acc = compute_dtype(states.dtype)
     return _masked_mean_acc(states.to(acc), attention_mask).to(states.dtype)
 
 
@@ -131,6 +128,6 @@ def pool(outputs: Any, attention_mask: Tensor, method: str = "cls") -> Tensor:
         )
     first, second = (hidden[1], hidden[-1]) if method == "avg_first_last" else (hidden[-2], hidden[-1])
     # mean((a + b) / 2) == (mean(a) + mean(b)) / 2: average the layers first, one reduction.
-    acc = _accumulation_dtype(second.dtype)
+    acc = compute_dtype(second.dtype)
     both = (first.to(acc) + second.to(acc)) / 2
     return _masked_mean_acc(both, attention_mask).to(second.dtype)

@@ -1,15 +1,10 @@
-"""Readable PyTorch oracles that define what is right.
+"""Readable PyTorch oracles that define what is right (nothing here is fast on purpose).
 
-Two layers, both plain autograd, both materialising the full ``[B, N]`` logits:
-
-* the ``"reference"`` backend of the primitives (:class:`ReferenceLSE`,
-  :class:`ReferenceGroupedCosine`), selectable with ``backend="reference"``;
-* loss-level oracles written straight from ``SPEC.md`` (``supmpn``, ``supcon``, ``mnrl``,
-  ``infonce``, ``edacse``, ``grouped_cosine``, ``gclsr``). They share no code with the
-  fused path beyond ``torch``, so tests and benchmarks compare against an independent
-  definition. Run them in float64 for tests.
-
-Nothing here is fast or memory-lean on purpose.
+Two layers, both materialising the full ``[B, N]`` logits: :class:`ReferenceLSE`, the
+``"reference"`` backend of the primitive (explicit, differentiable forward and backward),
+and loss-level oracles straight from docs/losses.md (``supmpn``, ``supcon``, ``mnrl``,
+``infonce``, ``edacse``, ``grouped_cosine``, ``gclsr``) that share no code with the fused
+path beyond ``torch``. Run them in float64 for tests (docs/design.md).
 """
 
 from __future__ import annotations
@@ -18,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.contract import EPS, TAG_PADDING, LSEProblem, excluded
+from .ops.contract import EPS, TAG_PADDING, LSEProblem, compute_dtype, excluded
+from .ops.normalize import normalize_backward, normalize_rows
 
 # ---------------------------------------------------------------------------------------
-# The "reference" backend of the primitives
+# The "reference" backend of the primitive
 # ---------------------------------------------------------------------------------------
 
 
@@ -54,50 +50,73 @@ def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
 
 
 class ReferenceLSE:
-    """Masked LSE with the full logits matrix and autograd (``backend="reference"``)."""
+    """Masked LSE on the full logits matrix (``backend="reference"``).
+
+    Forward and backward are plain out-of-place torch ops, so the backward is itself
+    differentiable: the one backend with exact double backward (``create_graph=True``).
+    """
 
     name = "reference"
-    autograd = True
+    double_backward = True
+    fused = None
+
+    def unavailable(self) -> str | None:
+        return None
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         return []
 
-    def lse(self, problem: LSEProblem, tau: Tensor) -> Tensor:
-        cd = torch.float64 if problem.dtype == torch.float64 else torch.float32
-        tags = torch.cat(problem.tags)
-        cands = torch.cat(problem.blocks).to(cd)
+    @staticmethod
+    def _logits(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(a, c, logits [B, N], keep [B, N])`` with ``a``, ``c`` the raw rows in the compute dtype."""
+        cd, tags = compute_dtype(problem.dtype), torch.cat(problem.tags)
+        a, c = problem.anchor.to(cd), torch.cat(problem.blocks).to(cd)
         # a padded candidate is read as zeros: whatever it holds (NaN, Inf) reaches no value
         # and no gradient (a masked NaN logit would still give NaN = 0 * NaN in backward)
-        cands = torch.where((tags != TAG_PADDING)[:, None], cands, torch.zeros((), dtype=cd, device=cands.device))
-        logits = _similarity(problem.anchor.to(cd), cands, problem.cosine, problem.eps) / tau.to(cd)
+        c = torch.where((tags != TAG_PADDING)[:, None], c, torch.zeros((), dtype=cd, device=c.device))
+        logits = _similarity(a, c, problem.cosine, problem.eps) / tau.to(cd)
         rows = torch.arange(problem.num_anchors, device=problem.device)
-        keep = ~excluded(tags, rows)
-        return _safe_logsumexp(logits, keep)
+        return a, c, logits, ~excluded(tags, rows)
+
+    @staticmethod
+    def _softmax(logits: Tensor, keep: Tensor, lse: Tensor) -> Tensor:
+        """Row softmax over ``keep``; all zeros for an empty row (``lse = -inf``)."""
+        shifted = torch.where(keep, logits - torch.where(torch.isfinite(lse), lse, 0.0)[:, None], -torch.inf)
+        return torch.where(keep, shifted.exp(), 0.0)
+
+    def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        _, _, logits, keep = self._logits(problem, tau)
+        lse = _safe_logsumexp(logits, keep)
+        p = self._softmax(logits, keep, lse)
+        return lse, (p * torch.where(keep, logits, 0.0)).sum(1)
+
+    def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        a, c, logits, keep = self._logits(problem, tau)
+        d_logits = g[:, None].to(logits.dtype) * self._softmax(logits, keep, lse)
+        if d_pos is not None and problem.positives is not None:  # fold the own positives' gradient
+            B, P = d_pos.shape
+            rows = torch.arange(B, device=problem.device)[:, None].expand(B, P)
+            cols = problem.positives.offset + rows * P + torch.arange(P, device=problem.device)
+            d_logits = d_logits.index_put((rows, cols), d_pos.to(d_logits.dtype), accumulate=True)
+        d_sim = d_logits / tau.to(logits.dtype)
+        if not problem.cosine:
+            d_a, d_c = d_sim @ c, d_sim.T @ a
+        else:  # through x_hat = x / max(|x|, eps), the norm taken as in the forward
+            a_hat, a_norm = normalize_rows(a, problem.eps, True)
+            c_hat, c_norm = normalize_rows(c, problem.eps, True)
+            d_a = normalize_backward(a_hat, a_norm, d_sim @ c_hat, problem.eps)
+            d_c = normalize_backward(c_hat, c_norm, d_sim.T @ a_hat, problem.eps)
+        padded = (torch.cat(problem.tags) == TAG_PADDING)[:, None]
+        d_c = torch.where(padded, torch.zeros((), dtype=d_c.dtype, device=d_c.device), d_c)  # exactly zero
+        n0 = problem.blocks[0].shape[0]
+        return d_a, (d_c[:n0], d_c[n0:])
 
 
-class ReferenceGroupedCosine:
-    name = "reference"
-    autograd = True
-
-    def unsupported(self, h: Tensor, z: Tensor, group_size: int) -> list[str]:
-        return []
-
-    def cos(self, h: Tensor, z: Tensor, group_size: int, eps: float) -> Tensor:
-        cd = torch.float64 if h.dtype == torch.float64 else torch.float32
-        hg = h.to(cd).reshape(h.shape[0], -1, group_size)
-        zg = z.detach().to(cd).reshape(z.shape[0], -1, group_size)
-        return (_rows(hg, True, eps) * _rows(zg, True, eps)).sum(-1)
-
-
-OPS = {"lse": ReferenceLSE(), "grouped_cosine": ReferenceGroupedCosine()}
-
-
-def unavailable() -> str | None:
-    return None
+BACKEND = ReferenceLSE()
 
 
 # ---------------------------------------------------------------------------------------
-# Loss-level oracles, straight from SPEC.md
+# Loss-level oracles, straight from docs/losses.md
 # ---------------------------------------------------------------------------------------
 
 

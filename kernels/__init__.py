@@ -6,16 +6,13 @@ on CPU tensors through the interpreter.
 
 Modules: ``_common`` (jit helpers, keyword launches, recording), ``plan`` (tile tables,
 splits, chunks, scratch buffers), ``lse_fwd`` / ``lse_bwd`` (masked cosine-LSE forward / backward),
-``matmul`` (the backward's GEMM with epilogues), ``grouped_cosine`` (GCLSR), ``aot``
-(ahead-of-time compile of the recorded launches for sm_80 / sm_90). The launchers are
+``matmul`` (the backward's GEMM with epilogues), ``aot`` (ahead-of-time compile of the recorded launches for sm_80 / sm_90). The launchers are
 ``torch.library`` ops in the ``fastcl_triton`` namespace.
 """
 
 from ._common import INTERPRET
-from .grouped_cosine import grouped_cosine_backward, grouped_cosine_forward
 from .lse_bwd import lse_backward
 from .lse_fwd import lse_forward
 from .plan import size_reasons
 
-__all__ = ["INTERPRET", "lse_forward", "lse_backward", "grouped_cosine_forward", "grouped_cosine_backward",
-           "size_reasons"]
+__all__ = ["INTERPRET", "lse_forward", "lse_backward", "size_reasons"]

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, compute_dtype
 
 # Triton chooses interpreted or compiled kernels when a kernel module is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -153,9 +153,7 @@ def dtype_class(dtype: torch.dtype) -> str:
     return {torch.float16: "16", torch.bfloat16: "16", torch.float32: "32", torch.float64: "64"}[dtype]
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation/statistics dtype: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+acc_dtype = compute_dtype  # accumulation/statistics dtype: the contract's one rule
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -2,7 +2,7 @@
 
 Layout: one folder per layer (``ops``, ``losses``, ``kernels``, ``distributed``, ``train``,
 ``eval``, ``integrations``, ``bench``) and one helper package, ``tests.helpers``
-(tolerances, backend lists, tiny models, process spawning).
+(backend lists, tiny models, process spawning; the tolerances are ``fastcl.testing``).
 
 Tiers: ``pytest tests -m "not slow"`` is the fast tier a developer runs on every change
 (under 2 minutes on a 2-core machine once the C++ backend is built); ``pytest tests``
@@ -25,6 +25,7 @@ SLOW = (
     "kernels/test_triton_aot.py",
     "kernels/test_cuda_compile.py",
     "ops/test_memory.py",
+    "ops/test_compile.py",
     "train/test_train.py",
     "train/test_train_resume.py",
     "train/test_gclsr_train.py::test_recipe_steps_decrease_the_loss",

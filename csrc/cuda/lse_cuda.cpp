@@ -157,12 +157,9 @@ void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::T
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                  const at::Tensor& lse, const at::Tensor& mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0);
-  check_out(lse, "lse", {B}, cd, kDev);
-  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
   const auto dt = anchor.scalar_type();
   if (dt == at::kHalf || dt == at::kBFloat16) {  // tensor cores on the 16-bit inputs
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, at::kFloat, false);
@@ -189,21 +186,11 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
                   int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
                   const at::Tensor& d_block1) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
+                                   d_anchor, d_block0, d_block1, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0), d = anchor.size(1), N0 = block0.size(0);
-  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == B && grad_lse.dim() == 1 && grad_lse.size(0) == B,
-              "fastcl: lse and grad_lse must be [B]");
-  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
-  check_out(d_block0, "d_block0", {N0, d}, cd, kDev);
-  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
-  int64_t P = 0;
-  if (d_pos) {
-    TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
-    P = d_pos->size(1);
-    check_positives(pos_offset, P, B, N0);
-  }
+  const int64_t d = anchor.size(1), N0 = block0.size(0);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
@@ -232,28 +219,12 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
                const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs(anchor, block0, block1, tags0, tags1, tau, kDev);
+  const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
+                                weights, pos_offset, fold_positives, lse, mean_logit, loss_rows, d_pos, d_anchor,
+                                d_block0, d_block1, g_dot_mean_logit, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
-  TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1), N0 = block0.size(0);
-  TORCH_CHECK(pos_logits.dim() == 2 && pos_logits.size(0) == B, "fastcl: pos_logits must be [B, P]");
-  const int64_t P = pos_logits.size(1);
-  if (pos_mask) {
-    TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes(),
-                "fastcl: pos_mask must be a bool [B, P] tensor");
-  }
-  if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
-  TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
-  check_out(lse, "lse", {B}, cd, kDev);
-  check_out(mean_logit, "mean_logit", {B}, cd, kDev);
-  check_out(loss_rows, "loss_rows", {B}, cd, kDev);
-  check_out(d_pos, "d_pos", {B, P}, cd, kDev);
-  check_out(d_anchor, "d_anchor", {B, d}, cd, kDev);
-  check_out(d_block0, "d_block0", {N0, d}, cd, kDev);
-  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, kDev);
-  check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd, kDev);
-  if (fold_positives) check_positives(pos_offset, P, B, N0);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);

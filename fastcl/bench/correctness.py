@@ -6,7 +6,7 @@
 For each workload (loss, B, P, Q, d) and dtype, the float64 oracle on the same (rounded)
 inputs gives the reference loss and gradients; each available implementation of
 ``fastcl.bench.peers`` is compared with it. fastcl backends must match the value within
-``peers.VALUE_TOL`` and every gradient within :data:`GRAD_RTOL` (relative Frobenius
+``VALUE_TOL`` and every gradient within ``GRAD_RTOL`` (``fastcl.testing``; relative Frobenius
 error); peers must match the value (their gradients are reported, not asserted: they are
 not ours to fix). Exit status 1 if anything fails; the JSON lists every comparison.
 """
@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from fastcl.bench import peers
 from fastcl.bench.cases import LOSSES, make_inputs
+from fastcl.testing import GRAD_RTOL, VALUE_TOL, rel_err
 
 # (loss, B, P, Q, d) at scale 1: the oracle's float64 logits stay a few GiB on an H100
 WORKLOADS = [
@@ -31,14 +32,6 @@ WORKLOADS = [
     ("supmpn", 2048, 5, 5, 768),
     ("supcon", 2048, 5, 5, 768),
 ]
-GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float64: 1e-9}
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.detach().double(), ref.detach().double()
-    if not torch.isfinite(got).all():
-        return float("inf")
-    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _grads(fn, inputs: dict) -> tuple[float, dict]:
@@ -58,7 +51,7 @@ def check_workload(loss: str, B: int, P: int, Q: int, d: int, dtype: str, device
     ref_value, ref_grads = _grads(lambda: oracle(**t64, temperature=peers.TEMPERATURE), t64)
     del t64
     dt = inputs["anchor"].dtype
-    atol, rtol = peers.VALUE_TOL[dt]
+    atol, rtol = VALUE_TOL[dt]
     out = []
     for name in impls:
         rec = {"loss": loss, "B": B, "P": P, "Q": Q, "d": d, "dtype": dtype, "device": device, "impl": name,

@@ -1,7 +1,7 @@
 """Work and speed-of-light numbers for a benchmark case: FLOPs, the device's GEMM rate.
 
 A fused loss does four ``B x N x d`` matrix products per forward + backward (forward,
-recompute, d anchor, d candidates; SPEC.md): ``8 * B * N * d`` FLOPs. The GEMM rate is
+recompute, d anchor, d candidates; docs/design.md): ``8 * B * N * d`` FLOPs. The GEMM rate is
 measured in the same run on the same device and dtype (one ``[B, d] @ [d, N]`` product,
 best of a few), so "share of GEMM" = achieved / measured, not a datasheet peak.
 """

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastcl.testing import VALUE_TOL
+
 TEMPERATURE = 0.05
 ALL_LOSSES = ("supmpn", "supcon", "mnrl", "infonce")
 FASTCL_BACKENDS = ("torch", "cpp", "triton", "cuda")
@@ -264,12 +266,6 @@ def build(name: str, loss: str, inputs: dict) -> Callable[[], Tensor]:
 
 # |value - reference| <= ATOL + RTOL * |reference| per input dtype; the reference runs in
 # float64 on the same (already rounded) inputs.
-VALUE_TOL = {
-    torch.float64: (1e-9, 1e-9),
-    torch.float32: (1e-4, 1e-4),
-    torch.bfloat16: (3e-2, 2e-2),
-    torch.float16: (1e-2, 5e-3),
-}
 # Largest B x N for which the float64 oracle's logits are built whole; beyond it the
 # reference value comes from fastcl's chunked torch backend in float64 (memory-lean).
 MAX_EAGER_REFERENCE_ELEMENTS = 2**28
@@ -295,7 +291,7 @@ def reference_value(loss: str, inputs: dict) -> float:
 
 def check_value(name: str, loss: str, fn: Callable[[], Tensor], inputs: dict, expected: float | None = None) -> dict:
     """Run ``fn()`` once and assert its loss equals the float64 reference within
-    :data:`VALUE_TOL` of the input dtype; returns ``{"value", "reference", "abs_err"}``.
+    ``fastcl.testing.VALUE_TOL`` of the input dtype; returns ``{"value", "reference", "abs_err"}``.
 
     Raises :class:`PeerMismatchError` naming the implementation when it does not.
     """

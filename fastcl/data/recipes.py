@@ -1,4 +1,4 @@
-"""Data recipes of the papers (SPEC.md "Data recipes", RECIPES.md).
+"""Data recipes of the papers (docs/training.md, "Presets").
 
 Inputs are NLI rows (``premise``, ``hypothesis``, ``label``): a ``datasets.Dataset`` from
 :mod:`fastcl.data.nli` or any iterable of such dicts. Outputs are plain lists of dicts,
@@ -9,7 +9,7 @@ reproducible (and a resumed training run sees the same data).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 POS_FILLS = ("anchor", "entailment_copy", "mask", "drop")
 NEG_FILLS = ("sample", "mask", "drop")
@@ -201,9 +201,3 @@ def insert_punctuation(sentence: str, k: int, rng: random.Random, marks: Sequenc
     for g in gaps:  # right to left, so earlier gap positions stay valid
         words.insert(g, rng.choice(marks))
     return " ".join(words)
-
-
-def check_texts(texts: Iterable[str], what: str) -> None:
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise TypeError(f"{what}[{i}] must be str, got {type(t).__name__}")

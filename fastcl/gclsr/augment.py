@@ -5,7 +5,7 @@ operator, drawn by ``operators`` (a name -> probability mapping, normalised). Un
 words and padding are returned bit-for-bit unchanged. Every random number comes from one
 ``torch.Generator``, so a seed reproduces the views exactly.
 
-Two operator sets (see ../shared/RECIPES.md):
+Two operator sets (docs/gclsr.md):
 
 ``"code"`` (default; the authors' released code, which produced the published numbers)
     zero_segments 0.2     zero one short random run of features (no rescaling)

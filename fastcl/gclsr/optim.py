@@ -8,7 +8,7 @@
 * Momentum 0.9 during warm-up, 0.8 after it.
 
 Base lr: the paper writes 0.3 in one place and 0.03 in another; we use **0.03**. It is the
-authors' released setting (the one behind the published numbers, see RECIPES.md), and at
+authors' released setting (the one behind the published numbers, see docs/gclsr.md), and at
 the paper's batch 512 it gives a step of 0.12, next to SimSiam's 0.05 * 512 / 256 = 0.1
 for the same SGD + predictor + cosine recipe; 0.3 would give 1.2, twelve times that, with
 nothing in the paper (no ablation, no LARS) to support such a step.

@@ -36,7 +36,7 @@ WIKI = Path("wiki") / "wiki1m_for_simcse.partial.txt.gz"
 CONFIG_FILE = "gclsr_config.json"
 WEIGHTS_FILE = "gclsr_model.pt"
 
-# The paper's setting (RECIPES.md): 10^4 wiki sentences, batch 512, 20 epochs in all (5
+# The paper's setting (docs/gclsr.md): 10^4 wiki sentences, batch 512, 20 epochs in all (5
 # warm-up, then cosine over the other 15), base lr 0.03 (not the "0.3" typo; see
 # fastcl.gclsr.optim), predictor lr constant 1.0, wd 1e-3, p = 0.5.
 PAPER = {

@@ -2,7 +2,6 @@
 
 ::
 
-    from sentence_transformers import SentenceTransformerTrainer
     # was: from sentence_transformers.losses import MultipleNegativesRankingLoss
     from fastcl.integrations.sentence_transformers import MultipleNegativesRankingLoss
 
@@ -95,7 +94,7 @@ except ImportError:  # pragma: no cover - older sentence-transformers
 
 from .. import losses as fl
 from ..gradcache import GradCache
-from ..ops.dispatch import BACKEND_MODULES
+from ..ops.dispatch import NAMES as BACKENDS
 
 __all__ = [
     "MultipleNegativesRankingLoss",
@@ -206,8 +205,8 @@ class _FastCLSTLoss(nn.Module):
         super().__init__()
         if model is not None and not callable(model):  # None: compute_loss_from_embeddings only, as in ST
             raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
-        if backend != "auto" and backend not in BACKEND_MODULES:
-            raise ValueError(f"backend={backend!r}; expected 'auto' or one of {tuple(BACKEND_MODULES)}")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; expected 'auto' or one of {BACKENDS}")
         if mini_batch_size is not None and (
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1
         ):

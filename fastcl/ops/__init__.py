@@ -1,1 +1,1 @@
-"""Fused primitives: contract, backends, dispatch and autograd Functions (see contract.py)."""
+"""Fused primitives: contract, backend interface, backends, dispatch and the autograd Function (docs/design.md)."""

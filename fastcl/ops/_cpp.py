@@ -1,16 +1,9 @@
 """The ``"cpp"`` backend: fused C++ CPU kernels of the masked-LSE primitive.
 
-Sources: ``csrc/registration.cpp`` (op schemas ``fastcl::lse_forward``, ``lse_backward``,
-``lse_fused``) and ``csrc/cpu/lse_cpu.cpp`` (kernels and their design notes). They are
-compiled with ninja the first time the backend is asked whether it is available (see
-``fastcl.ops._build``); importing this module compiles nothing.
-
-:class:`CppLSE` has the same methods as ``TorchLSE``: ``forward``/``backward``
-(recompute, used for ``reduction="none"`` and no-grad calls) and ``fused`` (gradient in
-forward, three GEMM passes). Outputs are allocated here with ``new_output`` and the
-kernels overwrite every element (tests poison them). All float outputs are in the
-compute dtype (float64 for float64 inputs, float32 otherwise); ``fastcl.ops.contrastive``
-casts gradients to the input dtype.
+Op schemas in ``csrc/registration.cpp``, kernels in ``csrc/cpu/lse_cpu.cpp`` (design notes
+there and in docs/csrc.md). Built with ninja the first time the backend is asked whether it
+is available (``fastcl.ops._build``); importing this module compiles nothing. Outputs are
+allocated here with ``new_output`` in the compute dtype and the kernels overwrite them.
 """
 
 from __future__ import annotations
@@ -19,12 +12,9 @@ import torch
 from torch import Tensor
 
 from ._build import Extension, cpu_capability_flags
-from ._torch_impl import _SweepOut as FusedResult
-from .contract import LSEProblem, new_output
+from .backend import input_reasons
+from .contract import FusedResult, LSEProblem, compute_dtype, new_output
 from .head import HeadInputs
-from .normalize import compute_dtype
-
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _capability, _vec_flags = cpu_capability_flags()
 EXTENSION = Extension(
@@ -37,14 +27,6 @@ EXTENSION = Extension(
     describe=f"C++ CPU ({_capability})",
 )
 _fakes_registered = False
-
-
-def unavailable() -> str | None:
-    """Why the ``cpp`` backend cannot run here (builds it on the first call), or None."""
-    why = EXTENSION.error()
-    if why is None:
-        _register_fakes()
-    return why
 
 
 def _register_fakes() -> None:
@@ -66,22 +48,21 @@ def _args(problem: LSEProblem, tau: Tensor) -> tuple:
 
 
 class CppLSE:
-    """The ``"cpp"`` implementation of the masked-LSE primitive (see ``contract.py``)."""
+    """The ``"cpp"`` backend of the masked-LSE primitive (``fastcl.ops.backend.Backend``)."""
 
     name = "cpp"
-    autograd = False
-    folds_positives = True  # takes d_pos and adds it before rounding (contract.py, OwnPositives)
+    device_type = "cpu"
+    double_backward = False
+
+    def unavailable(self) -> str | None:
+        """Why the C++ library cannot run here (builds it on the first call), or None."""
+        why = EXTENSION.error()
+        if why is None:
+            _register_fakes()
+        return why
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
-        why = []
-        tensors = (problem.anchor, *problem.blocks, *problem.tags)
-        if any(t.device.type != "cpu" for t in tensors):
-            why.append(f"the cpp backend runs on CPU tensors only, got {problem.device}")
-        if problem.dtype not in DTYPES:
-            why.append(f"the cpp backend takes float32/float64/bfloat16/float16, got {problem.dtype}")
-        if any(t.dtype != torch.int32 for t in problem.tags):
-            why.append("the cpp backend takes int32 tags")
-        return why
+        return input_reasons(problem, backend=self.name, device_type=self.device_type)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         """``(lse [B], mean_logit [B])`` in the compute dtype."""
@@ -92,9 +73,7 @@ class CppLSE:
         return lse, mean_logit
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
-        """``(d anchor [B, d], (d block0, d block1))`` from ``g = dLoss/dlse`` ``[B]`` (recomputes
-        logits); ``d_pos [B, P]``, the own-positive logits' gradient, is folded in when
-        ``problem.positives`` is set (ignored otherwise, like the torch backend)."""
+        """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
         cd = compute_dtype(problem.dtype)
         d_anchor, d0, d1 = (new_output(t.shape, dtype=cd, device=problem.device)
                             for t in (problem.anchor, *problem.blocks))
@@ -105,9 +84,6 @@ class CppLSE:
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
-        """Loss rows, their gradients and the primitive's outputs in one sweep (see ``TorchLSE.fused``);
-        with ``problem.positives`` the head's ``d_pos`` is also folded into ``d_anchor`` and
-        ``d_blocks[0]`` (and still returned, for the temperature gradient)."""
         cd, B, dev = compute_dtype(problem.dtype), problem.num_anchors, problem.device
         out = FusedResult(new_output(B, dtype=cd, device=dev), new_output(B, dtype=cd, device=dev))
         out.loss_rows = new_output(B, dtype=cd, device=dev)
@@ -126,4 +102,4 @@ class CppLSE:
         return out
 
 
-OPS = {"lse": CppLSE()}
+BACKEND = CppLSE()

@@ -1,19 +1,9 @@
 """Chunked PyTorch backend (``"torch"``): the primitive's exact contract without a B x N buffer.
 
-Rows of anchors are processed in blocks of ``R`` rows; a block's logits ``[R, N]`` exist
-only while the block is processed (``R * N`` is capped by ``TILE_ELEMENTS``), so extra
-memory is O((B + N) * d + TILE_ELEMENTS) whatever the batch.
-
-Two strategies (SPEC.md, "Two ways to fuse"):
-
-* ``forward`` + ``backward`` (recompute): forward keeps only ``lse``; backward recomputes
-  each block's logits. Four GEMM-sized passes.
-* ``fused`` (gradient in forward): the block's loss and ``dLoss/dlogits`` are formed right
-  after its LSE, and ``d anchor``/``d candidates`` are accumulated at once. Three passes,
-  like eager autograd; used for ``mean``/``sum`` reductions.
-
-Both are one loop, :func:`_sweep`, which takes either known row gradients or a head that
-produces them block by block.
+Anchor rows are processed in blocks whose ``[R, N]`` logits exist only while the block is
+processed (``R * N <= TILE_ELEMENTS``), so extra memory is O((B + N) * d + TILE_ELEMENTS).
+Forward, recompute-backward and gradient-in-forward (``fused``) are one loop,
+:func:`_sweep` (strategies: docs/design.md).
 """
 
 from __future__ import annotations
@@ -24,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import TAG_PADDING, LSEProblem, excluded, new_output
+from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
 from .head import HeadInputs
-from .normalize import compute_dtype, normalize_backward, normalize_rows
+from .normalize import normalize_backward, normalize_rows
 
 # One [R, N] float32 tile is at most 4M elements (16 MB); a block holds about three.
 # Measured on the 2-core CI machine (benchmarks/bench_losses.py): 2^20..2^23 are within
@@ -51,7 +41,8 @@ def _keep(tags: Tensor) -> Tensor | None:
     """Rows to read (not padding), or None when every row is read: on the CPU that costs
     nothing to find out and saves a copy of the block; on a GPU it would be a host sync."""
     keep = tags != TAG_PADDING
-    if tags.device.type == "cpu" and bool(keep.all()):
+    # (not while torch.compile traces: reading a value would break the graph)
+    if tags.device.type == "cpu" and not torch.compiler.is_compiling() and bool(keep.all()):
         return None
     return keep
 
@@ -67,17 +58,6 @@ def _prepare(problem: LSEProblem) -> _Prepared:
         return _Prepared(a_hat, a_norm, parts[0][0], parts[0][1], tags[0])
     c_norm = None if not problem.cosine else torch.cat([p[1] for p in parts])
     return _Prepared(a_hat, a_norm, torch.cat([p[0] for p in parts]), c_norm, torch.cat(tags))
-
-
-@dataclass
-class _SweepOut:
-    lse: Tensor
-    mean_logit: Tensor
-    d_anchor: Tensor | None = None
-    d_blocks: tuple[Tensor, Tensor] | None = None
-    g_dot_mean_logit: Tensor | None = None  # sum_i g_i * mean_logit_i (temperature gradient)
-    loss_rows: Tensor | None = None
-    d_pos: Tensor | None = None
 
 
 def _fold_positives(prep: _Prepared, problem: LSEProblem, d_pos: Tensor, inv_tau: Tensor,
@@ -98,7 +78,7 @@ def _sweep(
     row_grad: Tensor | None = None,
     head: HeadInputs | None = None,
     d_pos: Tensor | None = None,
-) -> _SweepOut:
+) -> FusedResult:
     """One pass over blocks of anchor rows.
 
     With neither ``row_grad`` nor ``head``: forward only. With ``row_grad`` (``[B]``,
@@ -159,7 +139,7 @@ def _sweep(
         p_c.mul_((g * inv_tau)[:, None])
         d_c_hat.addmm_(probs.mul_(g[:, None]).T, a_blk)  # a_blk carries the 1/tau
 
-    out = _SweepOut(lse, mean_logit)
+    out = FusedResult(lse, mean_logit)
     if want_grad and d_pos is not None and problem.positives is not None:
         _fold_positives(prep, problem, d_pos, inv_tau, d_a_hat, d_c_hat)
     if want_grad:
@@ -176,11 +156,13 @@ def _sweep(
 
 
 class TorchLSE:
-    """The ``"torch"`` implementation of the masked-LSE primitive (see ``contract.py``)."""
+    """The ``"torch"`` backend of the masked-LSE primitive (``fastcl.ops.backend.Backend``)."""
 
     name = "torch"
-    autograd = False  # implements explicit forward/backward for fastcl's Function
-    folds_positives = True  # takes d_pos and adds it before rounding (contract.py)
+    double_backward = False
+
+    def unavailable(self) -> str | None:
+        return None
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         return []
@@ -193,43 +175,8 @@ class TorchLSE:
         out = _sweep(problem, tau, row_grad=g, d_pos=d_pos)
         return out.d_anchor, out.d_blocks
 
-    def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs):
+    def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
         return _sweep(problem, tau, head=head)
 
 
-class TorchGroupedCosine:
-    """``"torch"`` grouped cosine: ``cos`` per contiguous feature group, explicit backward.
-
-    Works on float32 (float64) copies of one input at a time: extra memory O(B * D).
-    """
-
-    name = "torch"
-    autograd = False
-
-    def unsupported(self, h: Tensor, z: Tensor, group_size: int) -> list[str]:
-        return []
-
-    @staticmethod
-    def _groups(x: Tensor, group_size: int) -> Tensor:
-        return x.reshape(x.shape[0], x.shape[1] // group_size, group_size)
-
-    def forward(self, h: Tensor, z: Tensor, group_size: int, eps: float) -> Tensor:
-        """``[B, G]`` cosine of each group (float32, float64 for float64 inputs)."""
-        h_hat, _ = normalize_rows(self._groups(h, group_size), eps, True)
-        z_hat, _ = normalize_rows(self._groups(z, group_size), eps, True)
-        return torch.linalg.vecdot(h_hat, z_hat)
-
-    def backward(self, h: Tensor, z: Tensor, group_size: int, eps: float, d_cos: Tensor) -> Tensor:
-        """Gradient w.r.t. ``h`` from ``d_cos`` ``[B, G]`` (``z`` is stop-gradient)."""
-        h_hat, h_norm = normalize_rows(self._groups(h, group_size), eps, True)
-        z_hat, _ = normalize_rows(self._groups(z, group_size), eps, True)
-        d_h_hat = z_hat * d_cos.to(z_hat.dtype).unsqueeze(-1)
-        d_h = normalize_backward(h_hat, h_norm, d_h_hat, eps)
-        return d_h.reshape(h.shape).to(h.dtype)
-
-
-OPS = {"lse": TorchLSE(), "grouped_cosine": TorchGroupedCosine()}
-
-
-def unavailable() -> str | None:
-    return None
+BACKEND = TorchLSE()

@@ -1,62 +1,29 @@
 """The ``"triton"`` backend: fastcl's Triton kernels (``fastcl.kernels``) behind the op contract.
 
-Runs CUDA tensors on sm_80+ GPUs (A100, H100 and newer), or CPU tensors when the Triton
-interpreter is on (``TRITON_INTERPRET=1`` set before ``fastcl.kernels`` is imported;
-tests only: it is slow). Compiled Triton is never chosen for CPU tensors: it cannot run
-there.
-
-Strategy: forward keeps only ``lse`` and backward recomputes logit tiles (no ``fused``
-method, so ``ContrastiveLSE`` always recomputes). Own positives are folded
-(``folds_positives``): ``d_pos`` joins the recomputed float32 dS tile, so the positives'
-large gradient and the softmax's nearly equal one cancel before anything is rounded. Gradient-in-forward would save one of
-four GEMM passes but must keep an fp32 ``[N, d]`` accumulator for ``d candidates``
-across row blocks (126 MB at N = 40960, d = 768: over the 64 MB budget) and hold both
-gradients from forward to backward; see docs/triton.md.
+Runs CUDA tensors on sm_80+ GPUs, or CPU tensors when the Triton interpreter is on
+(``TRITON_INTERPRET=1`` before ``fastcl.kernels`` is imported; tests only). Forward keeps
+``lse`` and backward recomputes logit tiles, folding ``d_pos`` into the float32 dS tile;
+there is no gradient-in-forward (``fused``): why, in docs/triton.md.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
 from torch import Tensor
 
+from .backend import input_reasons
 from .contract import LSEProblem
-
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _kernels():
-    """Import ``fastcl.kernels`` lazily (importing fastcl must not import triton)."""
-    return importlib.import_module("fastcl.kernels")
+    """``fastcl.kernels``, imported on first use (importing fastcl must not import triton).
 
+    An import statement, not importlib: torch.compile traces it."""
+    import fastcl.kernels
 
-def _interpreting() -> bool:
-    return _kernels().INTERPRET
-
-
-def _device_reasons(tensors: list[Tensor]) -> list[str]:
-    device = tensors[0].device
-    reasons = []
-    if any(t.device != device for t in tensors):
-        reasons.append("inputs are on different devices")
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            reasons.append(f"the Triton kernels need sm_80 or newer (bf16 tensor cores); got sm_{major}{minor}")
-    elif not (device.type == "cpu" and _interpreting()):
-        reasons.append(
-            f"{device.type} tensors: compiled Triton runs on CUDA only (CPU tensors need TRITON_INTERPRET=1 "
-            "set before fastcl.kernels is imported; tests only)"
-        )
-    return reasons
-
-
-def _dtype_reasons(dtype: torch.dtype) -> list[str]:
-    if dtype not in _SUPPORTED:
-        return [f"dtype {dtype} is not supported (float16, bfloat16, float32, float64)"]
-    return []
+    return fastcl.kernels
 
 
 DS_ENV = "FASTCL_TRITON_DS"
@@ -79,21 +46,34 @@ def ds_precision() -> str:
 
 
 class TritonLSE:
-    """Masked LSE primitive on Triton kernels (see ``kernels/lse_fwd.py``, ``kernels/lse_bwd.py``)."""
+    """The ``"triton"`` backend (``fastcl.ops.backend.Backend``) on ``kernels/lse_fwd.py`` and ``kernels/lse_bwd.py``."""
 
     name = "triton"
-    autograd = False
-    folds_positives = True  # backward adds d_pos to the float32 dS tile (contract.py)
+    double_backward = False
+    fused = None
+
+    def unavailable(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return f"triton is not installed ({exc}); pip install 'fastcl[triton]'"
+        try:
+            _kernels()
+        except Exception as exc:  # a broken triton install must not break dispatch
+            return f"cannot import fastcl.kernels: {type(exc).__name__}: {exc}"
+        if not torch.cuda.is_available() and not _kernels().INTERPRET:
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in the Triton interpreter, tests only)"
+        return None
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
-        tensors = [problem.anchor, *problem.blocks, *problem.tags]
-        reasons = _device_reasons(tensors) + _dtype_reasons(problem.dtype)
-        if any(b.dtype != problem.dtype for b in problem.blocks):
-            reasons.append("candidate blocks must have the anchor's dtype")
-        if any(t.dtype != torch.int32 for t in problem.tags):
-            reasons.append("tags must be int32")
-        reasons += _kernels().size_reasons(*problem.anchor.shape)
-        return reasons
+        # compiled Triton runs on CUDA only; the interpreter (tests) runs CPU tensors
+        device_type = "cpu" if _kernels().INTERPRET else "cuda"
+        why = input_reasons(problem, backend=self.name, device_type=device_type)
+        if not why and problem.device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(problem.device)
+            if major < 8:
+                why.append(f"the Triton kernels need sm_80 or newer (bf16 tensor cores); got sm_{major}{minor}")
+        return why + _kernels().size_reasons(*problem.anchor.shape)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         k = _kernels()
@@ -116,37 +96,4 @@ class TritonLSE:
         return d_anchor, (d_b0, d_b1)
 
 
-class TritonGroupedCosine:
-    """GCLSR grouped cosine on one fused normalise-and-dot kernel (``fastcl/kernels/grouped_cosine.py``)."""
-
-    name = "triton"
-    autograd = False
-
-    def unsupported(self, h: Tensor, z: Tensor, group_size: int) -> list[str]:
-        reasons = _device_reasons([h, z]) + _dtype_reasons(h.dtype)
-        if z.dtype != h.dtype:
-            reasons.append("h and z must have the same dtype")
-        return reasons
-
-    def forward(self, h: Tensor, z: Tensor, group_size: int, eps: float) -> Tensor:
-        return _kernels().grouped_cosine_forward(h, z, group_size, eps)
-
-    def backward(self, h: Tensor, z: Tensor, group_size: int, eps: float, d_cos: Tensor) -> Tensor:
-        return _kernels().grouped_cosine_backward(h, z, group_size, eps, d_cos)
-
-
-OPS = {"lse": TritonLSE(), "grouped_cosine": TritonGroupedCosine()}
-
-
-def unavailable() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return f"triton is not installed ({exc}); pip install 'fastcl[triton]'"
-    try:
-        _kernels()
-    except Exception as exc:  # a broken triton install must not break dispatch
-        return f"cannot import fastcl.kernels: {type(exc).__name__}: {exc}"
-    if not torch.cuda.is_available() and not _interpreting():
-        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in the Triton interpreter, tests only)"
-    return None
+BACKEND = TritonLSE()

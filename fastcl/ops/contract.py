@@ -1,51 +1,9 @@
 """The contract of fastcl's one fused primitive: the masked log-sum-exp of contrastive logits.
 
-Every LSE loss of fastcl (SupMPN, SupCon, MNRL/SimCSE-sup, InfoNCE/SimCSE-unsup, EdaCSE)
-is a thin composition over this primitive, and every backend (``torch``, ``cpp``,
-``triton``, ``cuda``) implements exactly this contract. Read this file first.
-
-Problem
--------
-``anchor``   ``[B, d]`` raw embeddings (fp16, bf16, fp32 or fp64).
-``blocks``   two candidate blocks ``[N0, d]`` and ``[N1, d]`` of the same dtype and device
-             (the second may have zero rows). The *candidate set* is their concatenation,
-             ``N = N0 + N1`` columns. The losses put every anchor's positives (``[B*P, d]``,
-             anchor-major) in block 0 and every negative (``[B*Q, d]``) in block 1, so no
-             candidate is ever copied.
-``tags``     one ``int32`` vector per block, ``[N0]`` and ``[N1]``, the *structural mask*:
-
-             ==========  ====================================================================
-             tag         meaning for candidate ``c``
-             ==========  ====================================================================
-             ``-2``      padding (``TAG_PADDING``): in no row, gets exactly zero gradient
-             ``-1``      valid (``TAG_ALL``): in every row's LSE
-             ``i >= 0``  valid, but left out of row ``i`` only (an own positive of anchor ``i``
-                         when the loss excludes own positives from its denominator, SupMPN)
-             ==========  ====================================================================
-``positives`` optional :class:`OwnPositives`: anchor ``i``'s own positive ``k`` is row
-             ``offset + i * count + k`` of block 0 (the losses' layout). Backends with
-             ``folds_positives = True`` then also take the gradient of the own-positive
-             logits (``d_pos [B, P]``) and add it to their float32 accumulators *before*
-             rounding to the input dtype: ``d anchor`` is a small difference of two large
-             terms once the softmax concentrates on the positive, and rounding each term
-             to bf16 separately would lose it.
-``cosine``   ``True``: logits ``l_ic = cos(a_i, c) / tau`` with norms clamped at ``eps``;
-             ``False`` (``similarity="dot"``): ``l_ic = <a_i, c> / tau``.
-``tau``      0-d float32 tensor on the problem's device (no host sync to read it).
-
-Outputs (every backend)
------------------------
-All float outputs are float32 (float64 when the inputs are float64: the oracle's dtype).
-
-``lse``          ``[B]``, ``log sum_{c in S_i} exp(l_ic)``; ``-inf`` when ``S_i`` is empty.
-``mean_logit``   ``[B]``, ``sum_c softmax_i(c) * l_ic`` (0 for an empty row): the
-                 temperature gradient of the LSE part is ``-(1/tau) * sum_i g_i * mean_logit_i``.
-Backward, given ``g = dLoss/dlse`` (``[B]``) and, for folding backends, ``d_pos``:
-``d anchor`` and ``d blocks`` with respect to the *raw* embeddings, in the input dtype;
-padded candidates get exactly zero.
-
-Extra memory allowed beyond inputs, outputs and their gradients: O((B + N) * d) plus a
-bounded working set (a block of rows times N is fine, B x N never is).
+Every LSE loss is a head over this primitive and every backend implements exactly this
+contract: the problem (inputs and structural tags), the compute dtype of the outputs and
+the result type of a fused sweep. The full contract, with the tag table and the memory
+rule, is in docs/design.md.
 """
 
 from __future__ import annotations
@@ -60,6 +18,14 @@ TAG_PADDING = -2
 TAG_ALL = -1
 
 EPS = 1e-8
+
+# The input dtypes every backend takes; outputs and accumulators use compute_dtype().
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation and output dtype: float64 stays float64, everything else computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -76,7 +42,7 @@ class OwnPositives:
 
 @dataclass(frozen=True)
 class LSEProblem:
-    """Inputs of the masked-LSE primitive (see the module docstring for the semantics)."""
+    """Inputs of the masked-LSE primitive (semantics: docs/design.md)."""
 
     anchor: Tensor  # [B, d]
     blocks: tuple[Tensor, Tensor]  # [N0, d], [N1, d]
@@ -114,6 +80,26 @@ class LSEProblem:
     @property
     def dtype(self) -> torch.dtype:
         return self.anchor.dtype
+
+
+@dataclass
+class FusedResult:
+    """What a gradient-in-forward sweep (``Backend.fused``) returns, all in the compute dtype.
+
+    ``lse``/``mean_logit`` ``[B]`` as from ``forward``; ``loss_rows`` ``[B]`` the head's
+    per-row loss; ``d_pos`` ``[B, P]`` its gradient w.r.t. the own-positive logits (already
+    folded into ``d_anchor``/``d_blocks`` when the problem has ``positives``; returned for
+    the temperature gradient); ``g_dot_mean_logit`` = ``sum_i g_i * mean_logit_i``.
+    The torch backend's sweep also fills it partially (forward, recompute-backward).
+    """
+
+    lse: Tensor
+    mean_logit: Tensor
+    d_anchor: Tensor | None = None
+    d_blocks: tuple[Tensor, Tensor] | None = None
+    g_dot_mean_logit: Tensor | None = None
+    loss_rows: Tensor | None = None
+    d_pos: Tensor | None = None
 
 
 def structured_tags(

@@ -1,17 +1,10 @@
 """The autograd Function of the fused LSE losses, and the entry point that picks a backend.
 
-    fastcl.losses.*  ->  contrastive_loss()  ->  ContrastiveLSE.apply  ->  backend impl  ->  kernel
+    fastcl.losses.*  ->  contrastive_loss()  ->  ContrastiveLSE  ->  Backend  ->  kernel
 
-``ContrastiveLSE`` turns the primitive (``contract.py``) plus the loss head (``head.py``)
-into a reduced loss. Its differentiable inputs are ``anchor``, the two candidate blocks,
-``tau`` and, only where positives cannot be folded (shared positives, or a backend
-without ``folds_positives``), the own-positive logits computed outside by
-``PositiveLogits``. The structural mask and head settings travel in a :class:`LossSpec`.
-
-Strategy: with ``mean``/``sum`` reduction and a backend that implements ``fused``, the
-gradient is formed in the forward pass (three GEMM passes) and backward only scales it by
-the upstream scalar; otherwise forward keeps ``lse`` and backward recomputes.
-``FASTCL_STRATEGY=recompute|fused`` overrides the choice (for benchmarking).
+``ContrastiveLSE`` turns the primitive (``contract.py``) and the loss head (``head.py``)
+into a reduced loss on any backend (``backend.py``); its strategies (fused or recompute,
+``FASTCL_STRATEGY``) and the double-backward rule are in docs/design.md.
 """
 
 from __future__ import annotations
@@ -23,10 +16,10 @@ from torch import Tensor
 
 from .. import _checks
 from . import dispatch
-from .contract import LSEProblem, OwnPositives
+from .backend import Backend
+from .contract import LSEProblem, OwnPositives, compute_dtype
 from .head import HeadInputs, head_rows
-from .normalize import compute_dtype
-from .positive_logits import own_positive_similarities, positive_logits
+from .positive_logits import own_positive_similarities
 
 STRATEGY_ENV, STRATEGIES = _checks.STRATEGY_ENV, _checks.STRATEGIES
 
@@ -35,11 +28,11 @@ STRATEGY_ENV, STRATEGIES = _checks.STRATEGY_ENV, _checks.STRATEGIES
 class LossSpec:
     """Everything about a fused loss call that is not a differentiable tensor."""
 
-    impl: object  # backend implementation of the "lse" op
+    impl: Backend
     tags: tuple[Tensor, Tensor]
     cosine: bool
     eps: float
-    positives: OwnPositives | None  # set: the backend folds d_pos (pos_logits input is None)
+    positives: OwnPositives | None  # set: own positives are in block 0 and the backend folds d_pos
     kind: str  # head: "supcon" | "supmpn"
     pos_mask: Tensor | None
     log_extra: Tensor | None
@@ -50,9 +43,9 @@ class LossSpec:
         return LSEProblem(anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives)
 
 
-def _strategy(impl, reduction: str) -> str:
+def _strategy(impl: Backend, reduction: str) -> str:
     wanted = _checks.requested_strategy()
-    can_fuse = hasattr(impl, "fused") and reduction != "none"
+    can_fuse = impl.fused is not None and reduction != "none"
     if wanted == "fused" and not can_fuse:
         raise ValueError(
             f"{STRATEGY_ENV}=fused needs reduction 'mean' or 'sum' and a backend with a fused "
@@ -75,19 +68,62 @@ def _pos_tau_grad(d_pos: Tensor, pos_logits: Tensor, tau: Tensor) -> Tensor:
     return -(d_pos * pos_logits).sum() / tau.to(d_pos.dtype)
 
 
+def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
+    """``[B, P]`` own-positive logits from the block-0 layout (values; no custom autograd)."""
+    B, P = problem.num_anchors, spec.positives.count
+    own = problem.blocks[0][spec.positives.rows(0, B)].view(B, P, -1)
+    sim = own_positive_similarities(problem.anchor, own, spec.cosine, spec.eps, spec.pos_mask)
+    return sim / tau.to(compute_dtype(problem.dtype))
+
+
+def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
+    """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``."""
+    lse, mean_logit = spec.impl.forward(problem, tau)
+    loss_rows, dlse, dpos = head_rows(lse, pos_logits, spec.pos_mask, spec.kind, spec.log_extra)
+    return lse, mean_logit, loss_rows, dlse, dpos
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes gradients through; differentiating them again raises (see ``ContrastiveLSE.backward``)."""
+
+    @staticmethod
+    def forward(ctx, name: str, *grads: Tensor):
+        ctx.name = name
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            f"fastcl: the {ctx.name!r} backend computes first derivatives only, so the gradient of its "
+            "gradient (create_graph=True, double backward, gradgradcheck) is not available; "
+            "use backend='reference', whose backward is differentiable"
+        )
+
+
+def _first_order_only(name: str, grads: tuple) -> tuple:
+    """``grads`` attached to a node that raises on a second backward, so that it is never
+    silently ``None`` or wrong (the detached inputs are what makes the node part of the graph)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    wrapped = _FirstOrderOnly.apply(name, *(grads[i].detach().requires_grad_() for i in present))
+    out = list(grads)
+    for i, g in zip(present, wrapped):
+        out[i] = g
+    return tuple(out)
+
+
 class ContrastiveLSE(torch.autograd.Function):
-    """Reduced LSE loss: ``sum_i w_i * mean_k phi(lse_i - l_ik)`` (or per-row for ``none``)."""
+    """Reduced LSE loss: ``sum_i w_i * mean_k phi(lse_i - l_ik)`` (or per-row for ``none``).
+
+    Inputs: ``anchor``, the two candidate blocks, ``pos_logits`` (the shared positives'
+    differentiable logits, or None when own positives are folded from block 0) and ``tau``.
+    """
 
     @staticmethod
     def forward(ctx, anchor, block0, block1, pos_logits, tau, spec: LossSpec):
         problem = spec.problem(anchor, block0, block1)
         cd = compute_dtype(anchor.dtype)
-        folded = pos_logits is None
-        if folded:  # values only: their gradient is folded into the backend's accumulators
-            P = spec.positives.count
-            own = block0[spec.positives.rows(0, anchor.shape[0])].view(anchor.shape[0], P, -1)
-            pos_logits = own_positive_similarities(anchor, own, spec.cosine, spec.eps, spec.pos_mask) / tau.to(cd)
-        pos_logits = pos_logits.detach().to(cd)
+        folded, pos_input = pos_logits is None, pos_logits
+        pos_logits = (_own_logits(spec, problem, tau) if folded else pos_input).detach().to(cd)
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
         ctx.mode = _strategy(spec.impl, spec.reduction) if needs_grad else "none"
@@ -105,19 +141,27 @@ class ContrastiveLSE(torch.autograd.Function):
             )
             loss_rows = out.loss_rows
         else:
-            lse, mean_logit = spec.impl.forward(problem, tau)
-            loss_rows, dlse, dpos = head_rows(lse, pos_logits, spec.pos_mask, spec.kind, spec.log_extra)
+            lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
             if needs_grad:
-                ctx.save_for_backward(anchor, block0, block1, tau, lse, mean_logit, dlse, dpos, pos_logits)
+                ctx.save_for_backward(anchor, block0, block1, tau, pos_input,
+                                      lse, mean_logit, dlse, dpos, pos_logits)
 
-        if spec.reduction == "none":
-            out_loss = loss_rows
-        else:
-            out_loss = (loss_rows * spec.weights.to(cd)).sum()
+        out_loss = loss_rows if spec.reduction == "none" else (loss_rows * spec.weights.to(cd)).sum()
         return out_loss.to(anchor.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
+        # create_graph=True runs backward with grad mode on: the caller wants a differentiable
+        # gradient. Only a backend whose backward is plain torch ops can give one; the others'
+        # gradients are computed as usual and marked so that a second backward raises.
+        if torch.is_grad_enabled() and not ctx.spec.impl.double_backward:
+            with torch.no_grad():
+                grads = ContrastiveLSE._grads(ctx, grad_out, second_order=False)
+            return _first_order_only(ctx.spec.impl.name, grads)
+        return ContrastiveLSE._grads(ctx, grad_out, second_order=torch.is_grad_enabled())
+
+    @staticmethod
+    def _grads(ctx, grad_out, second_order: bool):
         spec = ctx.spec
         go = grad_out.to(compute_dtype(ctx.dtype))
         if ctx.mode == "fused":
@@ -131,15 +175,17 @@ class ContrastiveLSE(torch.autograd.Function):
                 None,
             )
 
-        anchor, block0, block1, tau, lse, mean_logit, dlse, dpos, pos_logits = ctx.saved_tensors
+        anchor, block0, block1, tau, pos_input, *head = ctx.saved_tensors
+        problem = spec.problem(anchor, block0, block1)
+        if second_order:  # the head's values depend on the inputs too: recompute them with autograd
+            pos_logits = _own_logits(spec, problem, tau) if ctx.folded else pos_input
+            lse, mean_logit, _, dlse, dpos = _head(spec, problem, tau, pos_logits)
+        else:
+            lse, mean_logit, dlse, dpos, pos_logits = head
         row_w = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B]
         g = dlse * row_w
         d_pos = dpos * row_w[:, None]
-        problem = spec.problem(anchor, block0, block1)
-        if ctx.folded:
-            d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, lse, g, d_pos)
-        else:
-            d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, lse, g)
+        d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, lse, g, d_pos if ctx.folded else None)
         d_tau = None
         if ctx.needs_input_grad[4]:
             d_tau = -(g * mean_logit).sum() / tau.to(g.dtype)
@@ -171,21 +217,12 @@ def contrastive_loss(
 ) -> Tensor:
     """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``).
 
-    Own positives come either as a layout in block 0 (``positives``; the losses' usual
-    case) or as precomputed differentiable ``pos_logits`` ``[B, P]`` (shared positives).
+    Own positives come either as a layout in block 0 (``positives``: every backend folds
+    their gradient) or as precomputed differentiable ``pos_logits`` ``[B, P]`` (shared
+    positives, ``supcon_pool_loss``).
     """
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    problem = LSEProblem(anchor, blocks, tags, cosine, eps, positives)
-    impl = dispatch.choose("lse", anchor.device, problem, backend=backend)
-    folds = positives is not None and not impl.autograd and getattr(impl, "folds_positives", False)
-    if positives is not None and not folds:  # the backend cannot fold: differentiate them outside
-        own = blocks[0][positives.rows(0, anchor.shape[0])].view(anchor.shape[0], positives.count, -1)
-        pos_logits = positive_logits(anchor, own, tau, cosine=cosine, eps=eps, pos_mask=pos_mask)
-    if impl.autograd:  # the reference: differentiate through materialised logits
-        lse = impl.lse(problem, tau)
-        loss_rows = head_rows(lse, pos_logits.to(lse.dtype), pos_mask, kind, log_extra)[0]
-        out = loss_rows if reduction == "none" else (loss_rows * weights.to(lse.dtype)).sum()
-        return out.to(anchor.dtype)
-    spec = LossSpec(impl, tags, cosine, eps, positives if folds else None, kind, pos_mask, log_extra, weights, reduction)
-    return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], None if folds else pos_logits, tau, spec)
+    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives), backend=backend)
+    spec = LossSpec(impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, weights, reduction)
+    return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, spec)

@@ -1,34 +1,19 @@
-"""Which backend runs an op: the ``backend=`` argument > ``FASTCL_BACKEND`` > automatic.
-
-A backend is a module listed in :data:`BACKEND_MODULES` that defines
-
-* ``OPS``: ``{op_name: implementation}``; each implementation has ``name``,
-  ``autograd`` (True: differentiated by autograd, False: explicit forward/backward used by
-  fastcl's ``torch.autograd.Function``) and ``unsupported(*inputs) -> list[str]``;
-* ``unavailable() -> str | None``: why the whole backend cannot run here (not installed,
-  build failed), checked lazily.
+"""Which backend runs a problem: the ``backend=`` argument > ``FASTCL_BACKEND`` > automatic.
 
 An explicit request that cannot take the inputs raises :class:`BackendUnavailableError`
-listing *every* reason; the automatic choice takes the first backend of
-:data:`AUTO_ORDER` with no reason, and the ``torch`` backend takes everything, so
-automatic choice never fails and never changes the result beyond float rounding.
+listing every reason; ``"auto"`` takes the first backend of :data:`AUTO_ORDER` with no
+reason, falling back to ``torch``, which takes everything. Nothing here breaks a
+``torch.compile(fullgraph=True)`` trace (docs/design.md, "Dispatch").
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import Any
 
-import torch
+from .backend import Backend
+from .contract import LSEProblem
 
-BACKEND_MODULES = {
-    "reference": "fastcl.reference",
-    "torch": "fastcl.ops._torch_impl",
-    "cpp": "fastcl.ops._cpp",
-    "triton": "fastcl.ops._triton",
-    "cuda": "fastcl.ops._cuda",
-}
+NAMES = ("reference", "torch", "cpp", "triton", "cuda")
 
 # Preference per device type when the caller says "auto".
 AUTO_ORDER = {
@@ -44,46 +29,55 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run the given inputs (the message says why)."""
 
 
-def _module(name: str) -> tuple[Any | None, str | None]:
-    path = BACKEND_MODULES[name]
-    try:
-        module = importlib.import_module(path)
-    except ModuleNotFoundError as exc:
-        if exc.name == path:
-            return None, f"backend {name!r} is not part of this build of fastcl"
-        return None, f"cannot import {path}: {exc}"
-    except Exception as exc:  # a broken optional dependency must not break dispatch
-        return None, f"cannot import {path}: {type(exc).__name__}: {exc}"
-    return module, None
+def get(name: str) -> Backend:
+    """The backend called ``name``. Its module is imported on first use, by import statements
+    rather than importlib because torch.compile traces the former: importing fastcl imports
+    neither triton nor the C++ backend."""
+    if name == "reference":
+        from ..reference import BACKEND
+    elif name == "torch":
+        from ._torch_impl import BACKEND
+    elif name == "cpp":
+        from ._cpp import BACKEND
+    elif name == "triton":
+        from ._triton import BACKEND
+    elif name == "cuda":
+        from ._cuda import BACKEND
+    else:
+        raise KeyError(name)
+    return BACKEND
 
 
-def _unavailable(name: str, module: Any) -> str | None:
-    """The backend's own reason, or the error its check raised (a broken build is a reason)."""
+def _constant_under_compile(fn):
+    """``torch.compiler.assume_constant_result(fn)``: torch.compile calls ``fn`` eagerly and
+    takes its answer as a constant. That decorator only sets this attribute, but importing it
+    imports torch._dynamo and with it triton, which importing fastcl must not do; the
+    compile test (tests/test_compile.py) fails if torch ever changes the mark."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
+def unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot run in this process (None: it can).
+
+    The check may build a C++ library on its first call; under torch.compile it runs once,
+    eagerly, and its answer is a constant of the trace. A check that raises is a reason.
+    """
+    if name not in NAMES:
+        return f"unknown backend {name!r}; choose from {sorted(NAMES)} or 'auto'"
     try:
-        return module.unavailable()
+        return get(name).unavailable()
     except Exception as exc:
         return f"backend {name!r} failed its availability check: {type(exc).__name__}: {exc}"
 
 
-def reasons(name: str, op: str, *inputs: Any) -> list[str]:
-    """Every reason why backend ``name`` cannot run ``op`` on ``inputs`` (empty: it can)."""
-    if name not in BACKEND_MODULES:
-        return [f"unknown backend {name!r}; choose from {sorted(BACKEND_MODULES)} or 'auto'"]
-    module, why = _module(name)
-    if module is None:
-        return [why]
-    why = _unavailable(name, module)
+def reasons(name: str, problem: LSEProblem | None = None) -> list[str]:
+    """Every reason why backend ``name`` cannot run ``problem`` (empty: it can)."""
+    why = unavailable(name)
     if why:
         return [why]
-    impl = module.OPS.get(op)
-    if impl is None:
-        return [f"backend {name!r} does not implement {op!r}"]
-    return list(impl.unsupported(*inputs))
-
-
-def implementation(name: str, op: str) -> Any:
-    module, _ = _module(name)
-    return module.OPS[op]
+    return [] if problem is None else list(get(name).unsupported(problem))
 
 
 def requested_backend(argument: str | None) -> str:
@@ -93,27 +87,21 @@ def requested_backend(argument: str | None) -> str:
     return os.environ.get(ENV_VAR, "auto") or "auto"
 
 
-def choose(op: str, device: torch.device, *inputs: Any, backend: str | None = "auto") -> Any:
-    """The implementation of ``op`` that runs ``inputs`` (see the module docstring)."""
+def choose(problem: LSEProblem, backend: str | None = "auto") -> Backend:
+    """The backend that runs ``problem`` (see the module docstring)."""
     name = requested_backend(backend)
     if name != "auto":
-        why = reasons(name, op, *inputs)
+        why = reasons(name, problem)
         if why:
             lines = "\n".join(f"  - {w}" for w in why)
-            raise BackendUnavailableError(f"backend {name!r} cannot run {op!r} on these inputs:\n{lines}")
-        return implementation(name, op)
-    for candidate in AUTO_ORDER.get(device.type, ()):
-        if not reasons(candidate, op, *inputs):
-            return implementation(candidate, op)
-    return implementation(FALLBACK, op)
+            raise BackendUnavailableError(f"backend {name!r} cannot run these inputs:\n{lines}")
+        return get(name)
+    for candidate in AUTO_ORDER.get(problem.device.type, ()):
+        if not reasons(candidate, problem):
+            return get(candidate)
+    return get(FALLBACK)
 
 
 def describe() -> dict[str, str]:
     """``{backend: "available" or the reason it is not}`` for ``python -m fastcl.info``."""
-    out = {}
-    for name in BACKEND_MODULES:
-        module, why = _module(name)
-        if module is not None:
-            why = _unavailable(name, module)
-        out[name] = "available" if not why else why
-    return out
+    return {name: unavailable(name) or "available" for name in NAMES}

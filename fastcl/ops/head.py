@@ -12,8 +12,8 @@ leaves the anchor's *other* own positives in its denominator with logit 0, i.e.
 ``P_i - 1`` extra units of ``exp(0)``.
 
 This module is the one definition of that math for PyTorch code: the fused Function uses
-:func:`head_rows` for its loss and local derivatives, the reference path differentiates
-through it with autograd, and gradient-in-forward backends call it on blocks of rows.
+:func:`head_rows` for its loss and local derivatives (differentiated by autograd when a
+second derivative is wanted), and gradient-in-forward backends call it on blocks of rows.
 """
 
 from __future__ import annotations

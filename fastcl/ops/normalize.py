@@ -22,10 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 stays float64, everything else computes in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .contract import compute_dtype
 
 
 def _max_abs(x: Tensor) -> Tensor:

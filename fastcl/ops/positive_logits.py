@@ -3,12 +3,13 @@
 Cheap (``B * P * d``) but done with care: computed in float32 (float64 for float64) in
 blocks of rows so that no float32 copy of ``positives`` outlives a block.
 
-* :func:`own_positive_similarities`: values only; the fused Function uses them when the
+* :func:`own_positive_similarities`: values only; the fused Function uses them, and every
   backend folds the positives' gradient into its own accumulators (``OwnPositives``).
 * :class:`PositiveLogits`: differentiable, with an explicit backward that recomputes the
-  block; used where positives are shared between anchors (``supcon_pool_loss``) or the
-  backend does not fold. Autograd's version would keep float32 copies of all positives
-  alive until backward, which is more than the fused loss itself needs.
+  block; used where positives are shared between anchors (``supcon_pool_loss``).
+  Autograd's version would keep float32 copies of all positives alive until backward,
+  which is more than the fused loss itself needs (under ``create_graph=True`` it is used,
+  so that the gradient is itself differentiable).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .contract import new_output
-from .normalize import compute_dtype, normalize_backward, normalize_rows
+from .contract import compute_dtype, new_output
+from .normalize import normalize_backward, normalize_rows
 
 BLOCK_ELEMENTS = 1 << 22
 
@@ -63,6 +64,8 @@ class PositiveLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_logits: Tensor):
         anchor, positives, tau, sim = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that is itself differentiable
+            return (*_differentiable_grads(ctx, anchor, positives, tau, d_logits), None, None, None)
         cd = sim.dtype
         d_sim = d_logits.to(cd) / tau.to(cd)
         d_anchor = d_pos = d_tau = None
@@ -82,6 +85,17 @@ class PositiveLogits(torch.autograd.Function):
                 d_anchor[sl] = normalize_backward(a_hat, a_norm, d_a_hat, ctx.eps)
                 d_pos[sl] = normalize_backward(p_hat, p_norm, d_p_hat, ctx.eps)
         return d_anchor, d_pos, d_tau, None, None, None
+
+
+def _differentiable_grads(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, d_logits: Tensor) -> list:
+    """The same gradients by autograd through the plain formula (materialises ``[B, P, d]``)."""
+    inputs = (anchor, positives, tau)
+    wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:3]) if need]
+    a_hat, _ = normalize_rows(anchor, ctx.eps, ctx.cosine)
+    p_hat, _ = normalize_rows(positives, ctx.eps, ctx.cosine, ctx.pos_mask)
+    logits = torch.linalg.vecdot(p_hat, a_hat[:, None, :]) / tau.to(a_hat.dtype)
+    grads = iter(torch.autograd.grad(logits, wanted, d_logits, create_graph=True))
+    return [next(grads) if need else None for need in ctx.needs_input_grad[:3]]
 
 
 def positive_logits(anchor: Tensor, positives: Tensor, tau: Tensor, *, cosine: bool, eps: float,

@@ -34,7 +34,7 @@ def small_only() -> bool:
     return os.environ.get("FASTCL_TEST_SMALL") == "1"
 
 
-def require(name: str, op: str = "lse") -> None:
+def require(name: str) -> None:
     """Skip (or fail, if required) when backend ``name`` cannot run here at all."""
     status = dispatch.describe().get(name, f"unknown backend {name!r}")
     if status == "available":

@@ -58,7 +58,7 @@ def assert_grads_close(grads: dict, ref: dict, what: str) -> None:
     """Same parameter names; each gradient within ``F32_GRAD_TOL`` (see above)."""
     import torch
 
-    from tests.helpers.tolerances import ATOL_RMS, rel_err, rms_err
+    from fastcl.testing import ATOL_RMS, rel_err, rms_err
 
     assert grads.keys() == ref.keys(), what
     for k in ref:

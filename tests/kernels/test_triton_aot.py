@@ -133,5 +133,5 @@ def test_triton_backend_unavailable_without_cuda():
     problem = LSEProblem(a, (a, a[:0]), (torch.full((3,), TAG_ALL, dtype=torch.int32),
                                            torch.empty(0, dtype=torch.int32)))
     with pytest.raises(dispatch.BackendUnavailableError, match="no CUDA device"):
-        dispatch.choose("lse", a.device, problem, backend="triton")
-    assert dispatch.choose("lse", a.device, problem).name != "triton"  # never chosen for CPU tensors
+        dispatch.choose(problem, backend="triton")
+    assert dispatch.choose(problem).name != "triton"  # never chosen for CPU tensors

@@ -28,7 +28,7 @@ from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, 
 
 from tests.helpers.tolerances import assert_close  # noqa: E402
 
-TRITON = _triton.OPS["lse"]
+TRITON = _triton.BACKEND
 LOSSES = {"supmpn": L.supmpn_loss, "supcon": L.supcon_loss}
 
 

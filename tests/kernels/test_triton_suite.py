@@ -1,8 +1,9 @@
 """Runs the Triton interpreter suite from the plain test command.
 
 The interpreter must be switched on before Triton kernels are imported, so the suite
-(the core backend matrix, primitive and property tests for ``triton`` on small shapes,
-plus ``test_triton_interpret.py``, the non-finite tests and ``ops/test_robust.py``) runs in a child pytest process with
+    "kernels/test_triton_dot_nonfinite.py",
+    "ops/test_robust.py",
+    "ops/test_double_backward.py",
 ``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
 run fail there instead of skipping.
 """
@@ -27,8 +28,12 @@ FILES = [
     "ops/test_property.py",
     "kernels/test_triton_interpret.py",
     "kernels/test_triton_nonfinite.py",
+<<<<<<< HEAD
     "kernels/test_triton_dot_nonfinite.py",
     "ops/test_robust.py",
+=======
+    "ops/test_double_backward.py",
+>>>>>>> design-core
 ]
 
 

@@ -9,7 +9,7 @@ import torch
 import fastcl.losses as L
 
 from tests.helpers.backends import require
-from tests.helpers.tolerances import FLOOR, rel_err
+from fastcl.testing import FLOOR, rel_err
 
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

@@ -1,4 +1,4 @@
-"""Tiny cases whose expected numbers are derived by hand here, from the formulas in SPEC.md.
+"""Tiny cases whose expected numbers are derived by hand here, from the formulas in docs/losses.md.
 
 The vectors are chosen so every cosine is 1, 0, -1 or 1/sqrt(2); the expected losses are
 written out with ``math`` from those cosines, never computed by fastcl's code.

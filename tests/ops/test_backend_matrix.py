@@ -25,7 +25,7 @@ from fastcl.ops import _torch_impl
 from fastcl.ops.contract import poison_outputs
 
 from tests.helpers.backends import backends_under_test, require, small_only, device_under_test
-from tests.helpers.tolerances import FLOOR, assert_close
+from fastcl.testing import FLOOR, assert_close
 
 SMALL_SHAPES = [  # (B, P, Q, d)
     (1, 1, 0, 1),

@@ -14,20 +14,26 @@ from fastcl.ops.contract import LSEProblem
 
 
 def test_explicit_unavailable_backend_lists_reasons(monkeypatch):
-    monkeypatch.setitem(dispatch.BACKEND_MODULES, "ghost", "fastcl.ops._no_such_backend")
+    import types
+
+    ghost = types.SimpleNamespace(unavailable=lambda: "backend 'ghost' is not part of this build")
+    real = dispatch.get
+    monkeypatch.setattr(dispatch, "NAMES", (*dispatch.NAMES, "ghost"))
+    monkeypatch.setattr(dispatch, "get", lambda name: ghost if name == "ghost" else real(name))
     with pytest.raises(dispatch.BackendUnavailableError, match="not part of this build"):
         L.infonce_loss(torch.randn(2, 3), torch.randn(2, 3), backend="ghost")
 
 
 def test_env_var_selects_backend(monkeypatch):
     calls = []
-    real = dispatch.implementation
+    real = dispatch.choose
 
-    def spy(name, op):
-        calls.append(name)
-        return real(name, op)
+    def spy(problem, backend="auto"):
+        impl = real(problem, backend)
+        calls.append(impl.name)
+        return impl
 
-    monkeypatch.setattr(dispatch, "implementation", spy)
+    monkeypatch.setattr(dispatch, "choose", spy)
     monkeypatch.setenv("FASTCL_BACKEND", "reference")
     L.infonce_loss(torch.randn(2, 3), torch.randn(2, 3))
     assert calls == ["reference"]
@@ -45,13 +51,13 @@ def test_env_var_with_unknown_backend_errors(monkeypatch):
 def test_auto_on_cpu_never_picks_gpu_backends():
     prob = LSEProblem(torch.randn(3, 4), (torch.randn(3, 4), torch.randn(0, 4)),
                       (torch.full((3,), -1, dtype=torch.int32), torch.empty(0, dtype=torch.int32)))
-    impl = dispatch.choose("lse", torch.device("cpu"), prob)
+    impl = dispatch.choose(prob)
     assert impl.name in ("cpp", "torch")
 
 
 def test_describe_reports_every_backend():
     status = dispatch.describe()
-    assert set(status) == set(dispatch.BACKEND_MODULES)
+    assert set(status) == set(dispatch.NAMES)
     assert status["torch"] == "available" and status["reference"] == "available"
 
 
@@ -76,7 +82,7 @@ def test_a_raising_availability_check_is_a_reason(monkeypatch):
     def boom():
         raise FileNotFoundError("csrc/missing.cpp")
 
-    fake = types.SimpleNamespace(unavailable=boom, OPS={})
-    monkeypatch.setattr(dispatch, "_module", lambda name: (fake, None))
+    fake = types.SimpleNamespace(unavailable=boom)
+    monkeypatch.setattr(dispatch, "get", lambda name: fake)
     assert "FileNotFoundError" in dispatch.describe()["cpp"]
-    assert "FileNotFoundError" in dispatch.reasons("cpp", "lse")[0]
+    assert "FileNotFoundError" in dispatch.reasons("cpp")[0]

@@ -47,7 +47,7 @@ from fastcl import reference as R  # noqa: E402
 from fastcl.ops.contract import poison_outputs  # noqa: E402
 
 from tests.helpers.backends import backends_under_test, device_under_test, require, small_only  # noqa: E402
-from tests.helpers.tolerances import assert_close  # noqa: E402
+from fastcl.testing import assert_close  # noqa: E402
 
 _COMMON = dict(deadline=None, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -1,0 +1,60 @@
+"""The one interface every backend of the masked-LSE primitive implements (docs/design.md).
+
+A backend is an object with the attributes and methods of :class:`Backend`; dispatch
+(``fastcl.ops.dispatch``) picks one and ``fastcl.ops.contrastive.ContrastiveLSE`` calls
+it. :func:`input_reasons` is the one definition of the input checks the compiled
+backends share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .contract import FLOAT_DTYPES, FusedResult, LSEProblem
+from .head import HeadInputs
+
+
+class Backend(Protocol):
+    name: str
+    # True: ``backward`` is made of differentiable torch ops, so a second backward
+    # (create_graph=True) is exact. False: differentiating its gradients raises.
+    double_backward: bool
+    # Gradient in forward for mean/sum reductions (three GEMM passes), or None.
+    fused: Callable[[LSEProblem, Tensor, HeadInputs], FusedResult] | None
+
+    def unavailable(self) -> str | None:
+        """Why the backend cannot run in this process at all (not installed, build failed), or None."""
+
+    def unsupported(self, problem: LSEProblem) -> list[str]:
+        """Every reason it cannot run these inputs (metadata only: no host sync)."""
+
+    def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        """``(lse [B], mean_logit [B])`` in the compute dtype."""
+
+    def backward(
+        self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """``(d anchor, (d block0, d block1))`` in the compute dtype from ``g = dLoss/dlse``
+        ``[B]``; ``d_pos [B, P]``, the own-positive logits' gradient, is folded in when
+        ``problem.positives`` is set (ignored otherwise)."""
+
+
+def input_reasons(problem: LSEProblem, *, backend: str, device_type: str) -> list[str]:
+    """Device, dtype and tag checks shared by the ``cpp``, ``cuda`` and ``triton`` backends."""
+    why = []
+    tensors = (problem.anchor, *problem.blocks, *problem.tags)
+    if any(t.device != problem.device for t in tensors):
+        why.append(f"the {backend} backend needs all inputs on one device")
+    if problem.device.type != device_type:
+        why.append(f"the {backend} backend runs on {device_type.upper()} tensors only, got {problem.device}")
+    if problem.dtype not in FLOAT_DTYPES:
+        why.append(f"the {backend} backend takes float16/bfloat16/float32/float64, got {problem.dtype}")
+    if any(b.dtype != problem.dtype for b in problem.blocks):
+        why.append(f"the {backend} backend needs candidate blocks of the anchor's dtype")
+    if any(t.dtype != torch.int32 for t in problem.tags):
+        why.append(f"the {backend} backend takes int32 tags")
+    return why

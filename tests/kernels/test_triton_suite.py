@@ -1,9 +1,9 @@
 """Runs the Triton interpreter suite from the plain test command.
 
 The interpreter must be switched on before Triton kernels are imported, so the suite
-    "kernels/test_triton_dot_nonfinite.py",
-    "ops/test_robust.py",
-    "ops/test_double_backward.py",
+(the core backend matrix, primitive, property, robustness and double-backward tests for
+``triton`` on small shapes, plus the Triton-specific interpreter and non-finite tests) runs
+in a child pytest process with
 ``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
 run fail there instead of skipping.
 """
@@ -28,12 +28,9 @@ FILES = [
     "ops/test_property.py",
     "kernels/test_triton_interpret.py",
     "kernels/test_triton_nonfinite.py",
-<<<<<<< HEAD
     "kernels/test_triton_dot_nonfinite.py",
     "ops/test_robust.py",
-=======
     "ops/test_double_backward.py",
->>>>>>> design-core
 ]
 
 

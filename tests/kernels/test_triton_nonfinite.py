@@ -26,7 +26,7 @@ import fastcl.losses as L  # noqa: E402
 from fastcl.ops import _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs  # noqa: E402
 
-from tests.helpers.tolerances import assert_close  # noqa: E402
+from fastcl.testing import assert_close  # noqa: E402
 
 TRITON = _triton.BACKEND
 LOSSES = {"supmpn": L.supmpn_loss, "supcon": L.supcon_loss}

@@ -13,7 +13,7 @@
 and checks, for each backend of ``tests/helpers/backends.py`` plus ``reference``:
 
 * finite inputs: value and gradients (inputs and temperature) match the float64 oracle
-  (``fastcl.reference``) within ``tests/helpers/tolerances.py``; padded slots get exactly zero
+  (``fastcl.reference``) within ``fastcl.testing``; padded slots get exactly zero
   gradient;
 * the non-finite contract (docs/losses.md, "Non-finite inputs"): a NaN/Inf in a padded
   slot changes nothing (the result equals the one with the slot zeroed, gradients finite,

@@ -80,8 +80,13 @@ def test_supcon_labels_fwd_bwd(benchmark, bench_record, N, d, labels, impl):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     case = dict(backend=impl, N=N, d=d, num_labels=labels)
     peak = _run(benchmark, api_cases.supcon_labels_step(**case), "fastcl.bench.api_cases:supcon_labels_step", case)
-    bench_record(benchmark, workload=f"SupCon labels N={N} V=2 d={d} labels={labels} fp32 (eager = PML SupConLoss)",
-                 impl=_name(impl), peak_mib=peak, threads=THREADS)
+    bench_record(
+        benchmark,
+        workload=f"SupCon labels N={N} V=2 d={d} labels={labels} fp32 (eager = PML SupConLoss)",
+        impl=_name(impl),
+        peak_mib=peak,
+        threads=THREADS,
+    )
 
 
 @pytest.mark.parametrize("impl", MNRL_IMPLS)
@@ -96,5 +101,10 @@ def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, B, Q, d, hardness, impl
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     case = dict(backend=impl, B=B, d=d, Q=Q, hardness_mode=hardness)
     peak = _run(benchmark, api_cases.mnrl_directions_step(**case), "fastcl.bench.api_cases:mnrl_directions_step", case)
-    bench_record(benchmark, workload=f"MNRL GTE joint B={B} Q={Q} d={d} hardness={hardness} fp32 (eager = ST 6 MNRL)",
-                 impl=_name(impl), peak_mib=peak, threads=THREADS)
+    bench_record(
+        benchmark,
+        workload=f"MNRL GTE joint B={B} Q={Q} d={d} hardness={hardness} fp32 (eager = ST 6 MNRL)",
+        impl=_name(impl),
+        peak_mib=peak,
+        threads=THREADS,
+    )

@@ -96,13 +96,22 @@ def memory_record(mode: str, batch: int) -> dict:
     step()
     seconds = time.perf_counter() - t0
     after = _vm_hwm_mb()
-    return {"mode": mode, "batch": batch, "peak_rss_mb": round(after, 1),
-            "step_rss_mb": round(after - before, 1), "first_step_s": round(seconds, 3)}
+    return {
+        "mode": mode,
+        "batch": batch,
+        "peak_rss_mb": round(after, 1),
+        "step_rss_mb": round(after - before, 1),
+        "first_step_s": round(seconds, 3),
+    }
 
 
 def measure_in_subprocess(mode: str, batch: int) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, mode, str(batch)], capture_output=True, text=True, timeout=300, check=True,
+        [sys.executable, __file__, mode, str(batch)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
         env=os.environ | {"PYTHONWARNINGS": "ignore"},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -130,8 +139,7 @@ def threads():
 def test_gradcache_step(benchmark, memory_records, threads, mode, batch):
     benchmark.group = f"gradcache B={batch}"
     benchmark.extra_info.update(memory_records[mode, batch])
-    benchmark.extra_info.update({"chunk": CHUNK, "seq_len": SEQ_LEN, "threads": threads,
-                                 "torch": torch.__version__})
+    benchmark.extra_info.update({"chunk": CHUNK, "seq_len": SEQ_LEN, "threads": threads, "torch": torch.__version__})
     enc = small_bert()
     step = make_step(mode, enc, make_batch(batch))
     # No warm-up round: the min of two rounds already leaves out first-call costs.
@@ -153,11 +161,16 @@ def test_gradcache_overhead_paired(benchmark, threads):
 
     benchmark.pedantic(pair, rounds=4, iterations=1)
     best = {mode: min(ts) for mode, ts in times.items()}
-    benchmark.extra_info.update({
-        "batch": PAIRED_BATCH, "chunk": CHUNK, "threads": threads,
-        "uncached_min_s": round(best["uncached"], 4), "cached_min_s": round(best["cached"], 4),
-        "ratio_of_minima": round(best["cached"] / best["uncached"], 3),
-    })
+    benchmark.extra_info.update(
+        {
+            "batch": PAIRED_BATCH,
+            "chunk": CHUNK,
+            "threads": threads,
+            "uncached_min_s": round(best["uncached"], 4),
+            "cached_min_s": round(best["cached"], 4),
+            "ratio_of_minima": round(best["cached"] / best["uncached"], 3),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -150,8 +150,9 @@ def _selected_cases(session) -> list[dict]:
 
 def _probe_many(cases: list[dict]) -> list[float | None]:
     try:
-        peaks = cpu_extra_peak_bytes_many("fastcl.bench.cases:loss_step", cases, preload=PRELOAD,
-                                          threads=torch.get_num_threads())
+        peaks = cpu_extra_peak_bytes_many(
+            "fastcl.bench.cases:loss_step", cases, preload=PRELOAD, threads=torch.get_num_threads()
+        )
     except (RuntimeError, subprocess.TimeoutExpired):  # the tests report what they can
         return [None] * len(cases)
     return [None if p is None else p / 2**20 for p in peaks]
@@ -235,8 +236,13 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
                 torch.cuda.empty_cache()
             continue
         steps[impl] = step
-        run.info[impl] = dict(peak_mib=peak, loss_value=check["value"], reference_value=check["reference"],
-                              abs_err=check["abs_err"], check_s=check_s)
+        run.info[impl] = dict(
+            peak_mib=peak,
+            loss_value=check["value"],
+            reference_value=check["reference"],
+            abs_err=check["abs_err"],
+            check_s=check_s,
+        )
     plan = plan_floor(B, num_candidates(loss, B, P, Q), d, **FLOOR_LIMITS[torch.device(device).type])
     if steps:
         steps[FLOOR] = floor_step(plan, dtype, device)
@@ -255,12 +261,19 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
     floor_samples = result.samples.get(FLOOR)
     floor_s = min(floor_samples) * plan.scale if floor_samples else None
     run.case_info = dict(
-        noisy=result.noisy(), rounds=result.rounds, stopped=result.stopped,
-        timed_s=round(result.elapsed_s, 3), loadavg_before=load_before, loadavg_after=load_after,
-        floor_s=floor_s, floor_spread=timing.spread(floor_samples) if floor_samples else None,
-        floor_rows=plan.rows, floor_scale=plan.scale,
+        noisy=result.noisy(),
+        rounds=result.rounds,
+        stopped=result.stopped,
+        timed_s=round(result.elapsed_s, 3),
+        loadavg_before=load_before,
+        loadavg_after=load_after,
+        floor_s=floor_s,
+        floor_spread=timing.spread(floor_samples) if floor_samples else None,
+        floor_rows=plan.rows,
+        floor_scale=plan.scale,
         floor_error=None if FLOOR not in result.errors else repr(result.errors[FLOOR]),
-        noisy_threshold=timing.NOISY_SPREAD, threads=torch.get_num_threads(),
+        noisy_threshold=timing.NOISY_SPREAD,
+        threads=torch.get_num_threads(),
     )
     for impl, samples in result.samples.items():
         if impl == FLOOR:
@@ -269,8 +282,13 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
         run.samples[impl] = samples
         best = min(samples)
         info = run.info[impl]
-        info.update(min_s=best, median_s=sorted(samples)[len(samples) // 2], spread=timing.spread(samples),
-                    cold_s=info["check_s"] + result.first_s[impl], floor_share=share_of_floor(floor_s, best))
+        info.update(
+            min_s=best,
+            median_s=sorted(samples)[len(samples) // 2],
+            spread=timing.spread(samples),
+            cold_s=info["check_s"] + result.first_s[impl],
+            floor_share=share_of_floor(floor_s, best),
+        )
         if impl == "compile":  # its first calls compile (forward for the check, then fwd + bwd)
             info["compile_s"] = max(0.0, info["cold_s"] - best)
     if device == "cuda":
@@ -305,7 +323,20 @@ def test_loss_fwd_bwd(benchmark, bench_record, bench_skip, cpu_memory, request, 
     tflops = loss_flops(case["loss"], B, P, Q, d) / info["min_s"] / 1e12
     gemm = gemm_tflops(B, num_candidates(case["loss"], B, P, Q), d, case["dtype"], case["device"])
     bench_record(
-        benchmark, workload=workload, impl=impl, family=peers.IMPLS[impl].family,
-        loss=case["loss"], B=B, P=P, Q=Q, d=d, dtype=case["dtype"], device=case["device"],
-        tflops=tflops, gemm_tflops=gemm, gemm_share=tflops / gemm, **info, **run.case_info,
+        benchmark,
+        workload=workload,
+        impl=impl,
+        family=peers.IMPLS[impl].family,
+        loss=case["loss"],
+        B=B,
+        P=P,
+        Q=Q,
+        d=d,
+        dtype=case["dtype"],
+        device=case["device"],
+        tflops=tflops,
+        gemm_tflops=gemm,
+        gemm_share=tflops / gemm,
+        **info,
+        **run.case_info,
     )

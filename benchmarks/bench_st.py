@@ -132,6 +132,10 @@ def test_st_mnrl_fwd_bwd(benchmark, bench_record, B, Q, d, impl):
     finally:
         torch.set_num_threads(threads)
     bench_record(
-        benchmark, workload=f"ST MNRL B={B} Q={Q} d={d} fp32 (eager = sentence-transformers MNRL)", impl=impl,
-        peak_mib=peak, threads=THREADS, mini_batch_size=MINI_BATCH_SIZE if impl == "st_cached" else None,
+        benchmark,
+        workload=f"ST MNRL B={B} Q={Q} d={d} fp32 (eager = sentence-transformers MNRL)",
+        impl=impl,
+        peak_mib=peak,
+        threads=THREADS,
+        mini_batch_size=MINI_BATCH_SIZE if impl == "st_cached" else None,
     )

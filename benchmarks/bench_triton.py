@@ -76,8 +76,9 @@ def test_bf16_gemm_rate(benchmark, bench_record):
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=3)
-    bench_record(benchmark, workload="bf16 GEMM 8192^3", impl="cublas",
-                 tflops=2 * n**3 / benchmark.stats.stats.median / 1e12)
+    bench_record(
+        benchmark, workload="bf16 GEMM 8192^3", impl="cublas", tflops=2 * n**3 / benchmark.stats.stats.median / 1e12
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -100,5 +101,10 @@ def test_triton_fwd_bwd(benchmark, bench_record, loss, B, P, Q, d, impl):
         pytest.skip(f"{impl} runs out of memory at B={B}")
     extra = (torch.cuda.max_memory_allocated() - base) / 2**20
     seconds = benchmark.stats.stats.median
-    bench_record(benchmark, workload=f"{loss} B={B} P={P} Q={Q} d={d} {DTYPE}", impl=impl,
-                 peak_mib=extra, tflops=_flops(B, P, Q, d) / seconds / 1e12)
+    bench_record(
+        benchmark,
+        workload=f"{loss} B={B} P={P} Q={Q} d={d} {DTYPE}",
+        impl=impl,
+        peak_mib=extra,
+        tflops=_flops(B, P, Q, d) / seconds / 1e12,
+    )

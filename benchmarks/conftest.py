@@ -124,7 +124,9 @@ def _case_header(workload: str, info: dict) -> str:
     if "rounds" not in info:
         return workload
     threads = info.get("threads")
-    line = f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, {info.get('stopped')}]"
+    line = (
+        f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, {info.get('stopped')}]"
+    )
     if info.get("noisy"):
         line += f"  NOISY: a spread above {100 * NOISY_SPREAD:.0f}%, ratios not to be trusted"
     return line
@@ -135,8 +137,10 @@ def pytest_terminal_summary(terminalreporter):
     if not rows:
         return
     tr = terminalreporter
-    tr.section("fastcl: time (min of interleaved rounds, spread), share of the GEMM floor, peak memory; "
-               "ratios to eager, same run")
+    tr.section(
+        "fastcl: time (min of interleaved rounds, spread), share of the GEMM floor, peak memory; "
+        "ratios to eager, same run"
+    )
     by_workload: dict[str, list[dict]] = {}
     for r in rows:
         by_workload.setdefault(r["workload"], []).append(r)
@@ -149,8 +153,11 @@ def pytest_terminal_summary(terminalreporter):
         floor_s = items[0].get("floor_s")
         if floor_s:
             spread = items[0].get("floor_spread")
-            tr.write_line(f"  {'floor':<11} {floor_s * 1e3:9.1f} ms" + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
-                          + "  (A·Cᵀ, X·C, Xᵀ·A at this shape)")
+            tr.write_line(
+                f"  {'floor':<11} {floor_s * 1e3:9.1f} ms"
+                + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
+                + "  (A·Cᵀ, X·C, Xᵀ·A at this shape)"
+            )
         for r in items:
             t = _seconds(r)
             line = f"  {r['impl']:<11} {t * 1e3:9.1f} ms"

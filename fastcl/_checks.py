@@ -95,9 +95,7 @@ def _check_temperature_value(value: float, dtype: torch.dtype) -> None:
     """Finite, > 0, and with a finite reciprocal once cast to ``dtype``."""
     t = torch.tensor(value, dtype=dtype)
     if not (math.isfinite(value) and value > 0 and bool(t > 0) and bool(torch.isfinite(t.reciprocal()))):
-        raise ValueError(
-            f"temperature must be finite and > 0 with a finite 1/temperature in {dtype}, got {value!r}"
-        )
+        raise ValueError(f"temperature must be finite and > 0 with a finite 1/temperature in {dtype}, got {value!r}")
 
 
 def check_temperature(temperature, compute_dtype: torch.dtype = torch.float32) -> None:

@@ -17,12 +17,19 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, IO
+from typing import IO
 
 __all__ = [
-    "atomic_write", "atomic_write_text", "check_output_dir", "check_output_file", "file_digest",
-    "check_model_path", "fsync_dir", "looks_like_path",
+    "atomic_write",
+    "atomic_write_text",
+    "check_output_dir",
+    "check_output_file",
+    "file_digest",
+    "check_model_path",
+    "fsync_dir",
+    "looks_like_path",
 ]
 
 

@@ -79,7 +79,9 @@ def _handshake_device(group) -> torch.device:
     return torch.device(kind, index)
 
 
-def _handshake(group, status: int, layout: int = 0, dtype_code: int = -1, sizes: tuple[int, ...] = ()) -> list[list[int]]:
+def _handshake(
+    group, status: int, layout: int = 0, dtype_code: int = -1, sizes: tuple[int, ...] = ()
+) -> list[list[int]]:
     """All-gather ``[status, layout, dtype, sizes...]`` of every rank; read on the host."""
     call = _CALL.get()
     if call is not None:
@@ -101,7 +103,7 @@ def _check_handshake(table: list[list[int]], names: tuple[str, ...]) -> None:
             f"fastcl: rank(s) {failed} rejected their inputs to a distributed loss (their own error "
             f"says why); every rank stops here instead of waiting in a collective"
         )
-    signatures = {tuple(row[1:3 + len(names)]) for row in table}
+    signatures = {tuple(row[1 : 3 + len(names)]) for row in table}
     if len(signatures) == 1:
         return
 
@@ -139,7 +141,12 @@ def agree_on_errors(fn):
         try:
             return fn(*args, **kwargs)
         except Exception:
-            if call["handshakes"] == 0 and dist.is_available() and dist.is_initialized() and isinstance(group, dist.ProcessGroup):
+            if (
+                call["handshakes"] == 0
+                and dist.is_available()
+                and dist.is_initialized()
+                and isinstance(group, dist.ProcessGroup)
+            ):
                 _handshake(group, _FAILED)
             raise
         finally:
@@ -220,7 +227,9 @@ def gather_candidates(
     all_tags = all_tags.view(world, n0 + n1 + 1)
     global_count = all_tags[:, -1].sum()
     if check_positive and int(global_count) == 0:
-        raise ValueError("no anchor of any rank has a valid positive (pos_mask is all False everywhere): the loss is undefined")
+        raise ValueError(
+            "no anchor of any rank has a valid positive (pos_mask is all False everywhere): the loss is undefined"
+        )
     cand_tags = all_tags[:, :-1]
     foreign = torch.arange(world, device=cand_tags.device)[:, None] != rank
     cand_tags = torch.where(foreign & (cand_tags >= 0), torch.full_like(cand_tags, TAG_ALL), cand_tags)

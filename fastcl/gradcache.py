@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -83,9 +83,9 @@ def _replayed_rng(state: tuple[Tensor, list[Tensor]], cuda_devices: list[int]):
 
 
 def _capture_autocast() -> dict:
-    return {
-        dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in _AUTOCAST_DEVICES
-    } | {"cache": torch.is_autocast_cache_enabled()}
+    return {dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in _AUTOCAST_DEVICES} | {
+        "cache": torch.is_autocast_cache_enabled()
+    }
 
 
 def _replayed_autocast(state: dict) -> contextlib.ExitStack:
@@ -158,14 +158,14 @@ def _running_stats_kept(roots: list[nn.Module] | None):
 class _Call:
     """Everything one ``gc(**inputs)`` call needs to re-encode its chunks later."""
 
-    index: int                      # call order, so re-encoding order never depends on the engine
+    index: int  # call order, so re-encoding order never depends on the engine
     tensor_keys: list[str]
-    static: dict                    # non-tensor keyword arguments, passed to every chunk as is
-    devices: list[torch.device]     # where each cached tensor must go back to
+    static: dict  # non-tensor keyword arguments, passed to every chunk as is
+    devices: list[torch.device]  # where each cached tensor must go back to
     bounds: list[tuple[int, int]]
     cuda_devices: list[int]
-    rng: list = field(default_factory=list)        # per chunk: (CPU state, [CUDA states]) before it ran
-    autocast: dict = field(default_factory=dict)   # autocast state of the first pass
+    rng: list = field(default_factory=list)  # per chunk: (CPU state, [CUDA states]) before it ran
+    autocast: dict = field(default_factory=dict)  # autocast state of the first pass
     # Filled by the backward of this call's output:
     tensors: tuple[Tensor, ...] = ()
     grad: Tensor | None = None
@@ -173,7 +173,9 @@ class _Call:
 
     def chunk_inputs(self, tensors, i: int) -> dict:
         start, end = self.bounds[i]
-        chunk = {k: t[start:end].to(dev, non_blocking=True) for k, t, dev in zip(self.tensor_keys, tensors, self.devices)}
+        chunk = {
+            k: t[start:end].to(dev, non_blocking=True) for k, t, dev in zip(self.tensor_keys, tensors, self.devices)
+        }
         return chunk | self.static
 
 
@@ -181,7 +183,9 @@ def _check_chunk_output(out, rows: int, what: str) -> Tensor:
     if not isinstance(out, Tensor):
         raise TypeError(f"encode_fn must return a Tensor, got {type(out).__name__} ({what})")
     if out.dim() != 2 or out.shape[0] != rows:
-        raise ValueError(f"encode_fn must return [n, d] = [{rows}, d] for a chunk of {rows}, got {tuple(out.shape)} ({what})")
+        raise ValueError(
+            f"encode_fn must return [n, d] = [{rows}, d] for a chunk of {rows}, got {tuple(out.shape)} ({what})"
+        )
     return out
 
 
@@ -225,7 +229,9 @@ class _Reencoder:
         d = {o.shape[1] for o in outs}
         dtypes = {o.dtype for o in outs}
         if len(d) > 1 or len(dtypes) > 1:
-            raise ValueError(f"encode_fn returned chunks of different widths or dtypes: {sorted(d)}, {sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"encode_fn returned chunks of different widths or dtypes: {sorted(d)}, {sorted(map(str, dtypes))}"
+            )
         return torch.cat(outs)
 
     def flush(self) -> None:

@@ -39,21 +39,35 @@ import torch
 from torch import Tensor, nn
 
 from . import _checks, distributed
+from .losses_mnrl import check_options as _check_mnrl_options
+from .losses_mnrl import is_default as _mnrl_is_default
+from .losses_mnrl import mnrl_directions_loss
+from .losses_supcon import supcon_labels_loss
 from .ops.contract import EPS, OwnPositives, compute_dtype, empty_block, pool_tags, structured_tags
 from .ops.contrastive import contrastive_loss
 from .ops.dispatch import NAMES as BACKENDS
 from .ops.head import reduction_weights
 from .ops.normalize import normalize_backward, normalize_rows
 from .ops.positive_logits import positive_logits
-from .losses_mnrl import mnrl_directions_loss
-from .losses_mnrl import check_options as _check_mnrl_options
-from .losses_mnrl import is_default as _mnrl_is_default
-from .losses_supcon import supcon_labels_loss
 
 __all__ = [
-    "supmpn_loss", "supcon_loss", "supcon_labels_loss", "mnrl_directions_loss", "mnrl_loss", "infonce_loss", "edacse_loss", "supcon_pool_loss",
-    "grouped_cosine_loss", "gclsr_loss",
-    "SupMPNLoss", "SupConLoss", "MNRLoss", "InfoNCELoss", "EdaCSELoss", "GroupedCosineLoss", "GCLSRLoss",
+    "supmpn_loss",
+    "supcon_loss",
+    "supcon_labels_loss",
+    "mnrl_directions_loss",
+    "mnrl_loss",
+    "infonce_loss",
+    "edacse_loss",
+    "supcon_pool_loss",
+    "grouped_cosine_loss",
+    "gclsr_loss",
+    "SupMPNLoss",
+    "SupConLoss",
+    "MNRLoss",
+    "InfoNCELoss",
+    "EdaCSELoss",
+    "GroupedCosineLoss",
+    "GCLSRLoss",
 ]
 
 OWN_POSITIVES = ("exclude", "zero_logit")
@@ -87,8 +101,14 @@ def _candidates(blocks, tags, has_pos, *, reduction, dtype, process_group, sizes
     if process_group is None:
         return blocks, tags, reduction_weights(has_pos, reduction, dtype), 0
     g = distributed.gather_candidates(
-        blocks, tags, has_pos, sizes=sizes, reduction=reduction, weight_dtype=dtype,
-        check_positive=pos_mask is not None, group=process_group,
+        blocks,
+        tags,
+        has_pos,
+        sizes=sizes,
+        reduction=reduction,
+        weight_dtype=dtype,
+        check_positive=pos_mask is not None,
+        group=process_group,
     )
     return g.blocks, g.tags, g.weights, g.offset
 
@@ -154,18 +174,34 @@ def _lse_loss(
             neg_block, neg_tags = empty_block(anchor)
         has_pos = torch.ones(B, dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
         blocks, tags, weights, pos_offset = _candidates(
-            (pos_block, neg_block), (pos_tags, neg_tags), has_pos, reduction=reduction,
-            dtype=compute_dtype(anchor.dtype), process_group=process_group,
-            sizes={"B": B, "P": P, "Q": Q, "d": d}, pos_mask=pos_mask,
+            (pos_block, neg_block),
+            (pos_tags, neg_tags),
+            has_pos,
+            reduction=reduction,
+            dtype=compute_dtype(anchor.dtype),
+            process_group=process_group,
+            sizes={"B": B, "P": P, "Q": Q, "d": d},
+            pos_mask=pos_mask,
         )
         log_extra = None
         if zero_logit_own:
             count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
         return contrastive_loss(
-            anchor, blocks, tags, tau, kind=kind, positives=OwnPositives(pos_offset, P), pos_logits=None,
-            pos_mask=pos_mask, weights=weights, reduction=reduction,
-            cosine=cosine, eps=EPS, log_extra=log_extra, backend=backend,
+            anchor,
+            blocks,
+            tags,
+            tau,
+            kind=kind,
+            positives=OwnPositives(pos_offset, P),
+            pos_logits=None,
+            pos_mask=pos_mask,
+            weights=weights,
+            reduction=reduction,
+            cosine=cosine,
+            eps=EPS,
+            log_extra=log_extra,
+            backend=backend,
         )
 
 
@@ -212,9 +248,19 @@ def supmpn_loss(
     """
     _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
     return _lse_loss(
-        "supmpn", anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
-        temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
-        similarity=similarity, exclude_own=True, zero_logit_own=own_positives == "zero_logit",
+        "supmpn",
+        anchor,
+        positives,
+        negatives,
+        pos_mask=pos_mask,
+        neg_mask=neg_mask,
+        temperature=temperature,
+        reduction=reduction,
+        backend=backend,
+        process_group=process_group,
+        similarity=similarity,
+        exclude_own=True,
+        zero_logit_own=own_positives == "zero_logit",
     )
 
 
@@ -257,17 +303,33 @@ def supcon_loss(
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
         return supcon_labels_loss(
-            anchor, labels, ref_emb=ref_emb, ref_labels=ref_labels, temperature=temperature, reduction=reduction,
-            backend=backend, similarity=similarity, process_group=process_group,
+            anchor,
+            labels,
+            ref_emb=ref_emb,
+            ref_labels=ref_labels,
+            temperature=temperature,
+            reduction=reduction,
+            backend=backend,
+            similarity=similarity,
+            process_group=process_group,
         )
     if positives is None:
         raise TypeError("supcon_loss needs positives (structured form) or labels= (labels form)")
     if ref_emb is not None or ref_labels is not None:
         raise ValueError("supcon_loss: ref_emb/ref_labels belong to the labels form (give labels=)")
     return _lse_loss(
-        "supcon", anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
-        temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
-        similarity=similarity, exclude_own=False,
+        "supcon",
+        anchor,
+        positives,
+        negatives,
+        pos_mask=pos_mask,
+        neg_mask=neg_mask,
+        temperature=temperature,
+        reduction=reduction,
+        backend=backend,
+        process_group=process_group,
+        similarity=similarity,
+        exclude_own=False,
     )
 
 
@@ -312,18 +374,36 @@ def mnrl_loss(
         if neg_mask is not None:
             raise ValueError("mnrl_loss: directions/hardness options do not take neg_mask yet")
         return mnrl_directions_loss(
-            anchor, positive, negatives, directions=directions, partition_mode=partition_mode,
-            hardness_mode=hardness_mode, hardness_strength=hardness_strength, temperature=temperature,
-            reduction=reduction, backend=backend, similarity=similarity, process_group=process_group,
+            anchor,
+            positive,
+            negatives,
+            directions=directions,
+            partition_mode=partition_mode,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+            temperature=temperature,
+            reduction=reduction,
+            backend=backend,
+            similarity=similarity,
+            process_group=process_group,
         )
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")
     if negatives is not None and negatives.dim() == 2:
         negatives = negatives.unsqueeze(1)
     return _lse_loss(
-        "supcon", anchor, positive.unsqueeze(1), negatives, pos_mask=None, neg_mask=neg_mask,
-        temperature=temperature, reduction=reduction, backend=backend, process_group=process_group,
-        similarity=similarity, exclude_own=False,
+        "supcon",
+        anchor,
+        positive.unsqueeze(1),
+        negatives,
+        pos_mask=None,
+        neg_mask=neg_mask,
+        temperature=temperature,
+        reduction=reduction,
+        backend=backend,
+        process_group=process_group,
+        similarity=similarity,
+        exclude_own=False,
     )
 
 
@@ -354,7 +434,13 @@ def infonce_loss(
     """
     _checks.check_embeddings(anchor=anchor, positive=positive)
     _checks.check_rank("positive", positive, 2, "[B, d]")
-    kw = dict(temperature=temperature, reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+    kw = dict(
+        temperature=temperature,
+        reduction=reduction,
+        backend=backend,
+        process_group=process_group,
+        similarity=similarity,
+    )
     rows = mnrl_loss(anchor, positive, **kw)
     if not symmetric:
         return rows
@@ -394,7 +480,13 @@ def edacse_loss(
             f"anchor, dropout_view and augmented_view must all have shape [B, d]; got {tuple(anchor.shape)}, "
             f"{tuple(dropout_view.shape)}, {tuple(augmented_view.shape)}"
         )
-    kw = dict(temperature=temperature, reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+    kw = dict(
+        temperature=temperature,
+        reduction=reduction,
+        backend=backend,
+        process_group=process_group,
+        similarity=similarity,
+    )
     return infonce_loss(anchor, dropout_view, **kw) + lam * infonce_loss(anchor, augmented_view, **kw)
 
 
@@ -445,7 +537,9 @@ def supcon_pool_loss(
     if pos_index.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"pos_index must be an integer tensor, got {pos_index.dtype}")
     if pos_index.device.type == "cpu" and pos_index.numel() and (pos_index.min() < 0 or pos_index.max() >= N):
-        raise ValueError(f"pos_index must be in [0, {N}), got values in [{int(pos_index.min())}, {int(pos_index.max())}]")
+        raise ValueError(
+            f"pos_index must be in [0, {N}), got values in [{int(pos_index.min())}, {int(pos_index.max())}]"
+        )
     P = pos_index.shape[1]
     _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
     _checks.check_mask("cand_mask", cand_mask, (N,), anchor.device)
@@ -465,13 +559,29 @@ def supcon_pool_loss(
         empty, empty_tags = empty_block(anchor)
         has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
         blocks, tags, weights, _ = _candidates(
-            (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags), has_pos,
-            reduction=reduction, dtype=compute_dtype(anchor.dtype), process_group=process_group,
-            sizes={"B": B, "N": N, "d": d}, pos_mask=pos_mask,
+            (candidates, empty),
+            (pool_tags(N, cand_mask, device=anchor.device), empty_tags),
+            has_pos,
+            reduction=reduction,
+            dtype=compute_dtype(anchor.dtype),
+            process_group=process_group,
+            sizes={"B": B, "N": N, "d": d},
+            pos_mask=pos_mask,
         )
         return contrastive_loss(
-            anchor, blocks, tags, tau, kind="supcon", positives=None, pos_logits=pos_logits, pos_mask=pos_mask,
-            weights=weights, reduction=reduction, cosine=cosine, eps=EPS, backend=backend,
+            anchor,
+            blocks,
+            tags,
+            tau,
+            kind="supcon",
+            positives=None,
+            pos_logits=pos_logits,
+            pos_mask=pos_mask,
+            weights=weights,
+            reduction=reduction,
+            cosine=cosine,
+            eps=EPS,
+            backend=backend,
         )
 
 
@@ -536,7 +646,13 @@ def grouped_cosine_loss(
 
 
 def gclsr_loss(
-    h1: Tensor, z1: Tensor, h2: Tensor, z2: Tensor, *, group_size: int = 16, reduction: str = "mean",
+    h1: Tensor,
+    z1: Tensor,
+    h2: Tensor,
+    z2: Tensor,
+    *,
+    group_size: int = 16,
+    reduction: str = "mean",
     backend: str = "auto",
 ) -> Tensor:
     """GCLSR symmetric loss (eq. 7, SimSiam style): ``0.5 * (L(h1, z2) + L(h2, z1))``.
@@ -559,8 +675,16 @@ class _TemperatureLoss(nn.Module):
     ``learn_temperature=True`` keeps ``log(temperature)`` as a parameter (so it stays > 0).
     """
 
-    def __init__(self, temperature=0.05, *, learn_temperature=False, reduction="mean", backend="auto",
-                 process_group=None, similarity="cos"):
+    def __init__(
+        self,
+        temperature=0.05,
+        *,
+        learn_temperature=False,
+        reduction="mean",
+        backend="auto",
+        process_group=None,
+        similarity="cos",
+    ):
         super().__init__()
         # the losses' rule (fastcl._checks.check_temperature) in float32, the loose end:
         # a float64 call checks again in float64
@@ -595,18 +719,46 @@ class SupMPNLoss(_TemperatureLoss):
         self.own_positives = own_positives
 
     def forward(self, anchor, positives, negatives=None, pos_mask=None, neg_mask=None):
-        return supmpn_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask,
-                           temperature=self.temperature, own_positives=self.own_positives, **self.options)
+        return supmpn_loss(
+            anchor,
+            positives,
+            negatives,
+            pos_mask=pos_mask,
+            neg_mask=neg_mask,
+            temperature=self.temperature,
+            own_positives=self.own_positives,
+            **self.options,
+        )
 
 
 class SupConLoss(_TemperatureLoss):
     """Module form of :func:`supcon_loss`: ``forward(anchor, positives, negatives=None, pos_mask=None,
     neg_mask=None)`` or, labels form, ``forward(features, labels=y, ref_emb=None, ref_labels=None)``."""
 
-    def forward(self, anchor, positives=None, negatives=None, pos_mask=None, neg_mask=None, *,
-                labels=None, ref_emb=None, ref_labels=None):
-        return supcon_loss(anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask, labels=labels,
-                           ref_emb=ref_emb, ref_labels=ref_labels, temperature=self.temperature, **self.options)
+    def forward(
+        self,
+        anchor,
+        positives=None,
+        negatives=None,
+        pos_mask=None,
+        neg_mask=None,
+        *,
+        labels=None,
+        ref_emb=None,
+        ref_labels=None,
+    ):
+        return supcon_loss(
+            anchor,
+            positives,
+            negatives,
+            pos_mask=pos_mask,
+            neg_mask=neg_mask,
+            labels=labels,
+            ref_emb=ref_emb,
+            ref_labels=ref_labels,
+            temperature=self.temperature,
+            **self.options,
+        )
 
 
 class MNRLoss(_TemperatureLoss):
@@ -615,16 +767,35 @@ class MNRLoss(_TemperatureLoss):
     Takes sentence-transformers 6's ``directions``, ``partition_mode``, ``hardness_mode`` and
     ``hardness_strength`` at construction."""
 
-    def __init__(self, temperature=0.05, *, directions=("query_to_doc",), partition_mode="joint",
-                 hardness_mode=None, hardness_strength=0.0, **kw):
+    def __init__(
+        self,
+        temperature=0.05,
+        *,
+        directions=("query_to_doc",),
+        partition_mode="joint",
+        hardness_mode=None,
+        hardness_strength=0.0,
+        **kw,
+    ):
         super().__init__(temperature, **kw)
         self.directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
-        self.mnrl_options = dict(directions=self.directions, partition_mode=partition_mode,
-                                 hardness_mode=hardness_mode, hardness_strength=hardness_strength)
+        self.mnrl_options = dict(
+            directions=self.directions,
+            partition_mode=partition_mode,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+        )
 
     def forward(self, anchor, positive, negatives=None, neg_mask=None):
-        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, temperature=self.temperature,
-                         **self.mnrl_options, **self.options)
+        return mnrl_loss(
+            anchor,
+            positive,
+            negatives,
+            neg_mask=neg_mask,
+            temperature=self.temperature,
+            **self.mnrl_options,
+            **self.options,
+        )
 
 
 class InfoNCELoss(_TemperatureLoss):
@@ -646,7 +817,9 @@ class EdaCSELoss(_TemperatureLoss):
         self.lam = lam
 
     def forward(self, anchor, dropout_view, augmented_view):
-        return edacse_loss(anchor, dropout_view, augmented_view, lam=self.lam, temperature=self.temperature, **self.options)
+        return edacse_loss(
+            anchor, dropout_view, augmented_view, lam=self.lam, temperature=self.temperature, **self.options
+        )
 
 
 class GroupedCosineLoss(nn.Module):

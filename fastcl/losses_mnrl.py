@@ -81,8 +81,10 @@ def check_options(directions, partition_mode, hardness_mode, hardness_strength) 
             "'query_to_query' and 'doc_to_doc' never do. Use partition_mode='joint'."
         )
     _checks.check_choice("hardness_mode", hardness_mode, HARDNESS_MODES)
-    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)) or not (
-        hardness_strength >= 0 and hardness_strength < float("inf")
+    if (
+        isinstance(hardness_strength, bool)
+        or not isinstance(hardness_strength, (int, float))
+        or not (hardness_strength >= 0 and hardness_strength < float("inf"))
     ):
         raise ValueError(f"hardness_strength must be a finite number >= 0, got {hardness_strength!r}")
     return directions
@@ -122,8 +124,7 @@ class _Batch:
     to this rank's anchors: candidate ``g`` of query/document ``offset + i`` is tagged ``i``.
     """
 
-    def __init__(self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str,
-                 group=None):
+    def __init__(self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str, group=None):
         self.q, self.d, self.tau, self.cosine, self.backend = q, d, tau, cosine, backend
         B, dim = q.shape
         dev = q.device
@@ -166,11 +167,19 @@ class _Batch:
         tau = self.tau if tau is None else tau
         cd = compute_dtype(anchor.dtype)
         return contrastive_loss(
-            anchor, (block0, block1), (tags0, tags1), tau, kind="supcon",
+            anchor,
+            (block0, block1),
+            (tags0, tags1),
+            tau,
+            kind="supcon",
             positives=OwnPositives(self.offset, 1) if fold else None,
             pos_logits=None if fold else self.pos()[:, None],
-            pos_mask=None, weights=torch.ones(self.B, dtype=cd, device=anchor.device), reduction="none",
-            cosine=self.cosine, eps=EPS, backend=self.backend,
+            pos_mask=None,
+            weights=torch.ones(self.B, dtype=cd, device=anchor.device),
+            reduction="none",
+            cosine=self.cosine,
+            eps=EPS,
+            backend=self.backend,
         ).to(cd)
 
 
@@ -293,8 +302,15 @@ def mnrl_directions_loss(
         _check_same_sizes(process_group, anchor, 0 if negatives is None else negatives.shape[1])
 
     with _no_autocast(anchor):
-        bt = _Batch(anchor.contiguous(), positive.contiguous(), negatives, tau, similarity == "cos", backend,
-                    group=process_group)
+        bt = _Batch(
+            anchor.contiguous(),
+            positive.contiguous(),
+            negatives,
+            tau,
+            similarity == "cos",
+            backend,
+            group=process_group,
+        )
         if partition_mode == "joint":
             rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
             if dirs & {"doc_to_query", "doc_to_doc"}:
@@ -314,8 +330,9 @@ def _check_same_sizes(group, anchor: Tensor, Q: int) -> None:
     """Every rank passes the same ``(B, Q, d)`` and dtype (a gather of unequal sizes would hang)."""
     distributed.check_group(group)
     codes = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-    mine = torch.tensor([anchor.shape[0], Q, anchor.shape[1], codes[anchor.dtype]], dtype=torch.int64,
-                        device=anchor.device)
+    mine = torch.tensor(
+        [anchor.shape[0], Q, anchor.shape[1], codes[anchor.dtype]], dtype=torch.int64, device=anchor.device
+    )
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, mine, group=group)
     rows = {tuple(t.tolist()) for t in table}

@@ -161,7 +161,7 @@ def supcon_labels_loss(
         cand_id = anchor_id
     elif self_set:  # the anchors are rows offset .. offset + N - 1 of the gathered candidates
         uniq, cand_id = torch.unique(cand_labels, return_inverse=True)
-        anchor_id = cand_id[offset:offset + N]
+        anchor_id = cand_id[offset : offset + N]
     else:
         uniq, ids = torch.unique(torch.cat([labels, cand_labels]), return_inverse=True)
         anchor_id, cand_id = ids[:N], ids[N:]
@@ -191,20 +191,29 @@ def supcon_labels_loss(
         label_sum = torch.zeros(num_labels, d, dtype=cd, device=dev).index_add(0, cand_id, c_hat)
         pos_sum = label_sum[anchor_id]
         if self_set:
-            pos_sum = pos_sum - c_hat[offset:offset + N]
+            pos_sum = pos_sum - c_hat[offset : offset + N]
         mean_pos = torch.linalg.vecdot(a_hat, pos_sum) / (num_pos.clamp_min(1).to(cd) * tau.to(cd))
         mean_pos = torch.where(has_pos, mean_pos, torch.zeros_like(mean_pos))
 
         # denominator: the fused masked LSE, each anchor left out of its own row
         if self_set:  # candidate offset + i is anchor i: left out of row i (other ranks' rows: TAG_ALL)
             tags = torch.full((cands.shape[0],), TAG_ALL, dtype=torch.int32, device=dev)
-            tags[offset:offset + N] = torch.arange(N, dtype=torch.int32, device=dev)
+            tags[offset : offset + N] = torch.arange(N, dtype=torch.int32, device=dev)
         else:
             tags = torch.full((cands.shape[0],), TAG_ALL, dtype=torch.int32, device=dev)
         empty, empty_tags = empty_block(features)
         return contrastive_loss(
-            features, (cands, empty), (tags, empty_tags), tau, kind="supcon", positives=None,
-            pos_logits=mean_pos[:, None], pos_mask=has_pos[:, None],
-            weights=weights, reduction=reduction,
-            cosine=cosine, eps=EPS, backend=backend,
+            features,
+            (cands, empty),
+            (tags, empty_tags),
+            tau,
+            kind="supcon",
+            positives=None,
+            pos_logits=mean_pos[:, None],
+            pos_mask=has_pos[:, None],
+            weights=weights,
+            reduction=reduction,
+            cosine=cosine,
+            eps=EPS,
+            backend=backend,
         )

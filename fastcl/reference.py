@@ -139,8 +139,12 @@ def _candidates(positives: Tensor, negatives: Tensor | None, pos_mask, neg_mask)
     neg_mask = torch.ones(B, Q, dtype=torch.bool, device=dev) if neg_mask is None else neg_mask
     cands = torch.cat([positives.reshape(B * P, d), negatives.reshape(B * Q, d)])
     valid = torch.cat([pos_mask.reshape(-1), neg_mask.reshape(-1)])
-    owner = torch.cat([torch.arange(B, device=dev).repeat_interleave(P), torch.arange(B, device=dev).repeat_interleave(Q)])
-    is_pos = torch.cat([torch.ones(B * P, dtype=torch.bool, device=dev), torch.zeros(B * Q, dtype=torch.bool, device=dev)])
+    owner = torch.cat(
+        [torch.arange(B, device=dev).repeat_interleave(P), torch.arange(B, device=dev).repeat_interleave(Q)]
+    )
+    is_pos = torch.cat(
+        [torch.ones(B * P, dtype=torch.bool, device=dev), torch.zeros(B * Q, dtype=torch.bool, device=dev)]
+    )
     return cands, valid, owner, is_pos, pos_mask
 
 
@@ -157,8 +161,16 @@ def _logits(anchor: Tensor, cands: Tensor, temperature, similarity: str) -> Tens
 
 
 def supmpn(
-    anchor, positives, negatives=None, *, pos_mask=None, neg_mask=None, temperature=0.05,
-    reduction="mean", similarity="cos", own_positives="exclude",
+    anchor,
+    positives,
+    negatives=None,
+    *,
+    pos_mask=None,
+    neg_mask=None,
+    temperature=0.05,
+    reduction="mean",
+    similarity="cos",
+    own_positives="exclude",
 ):
     """SupMPN eq. 7: ``mean_k [-l_ik + log(exp(l_ik) + R_i)]``, ``R_i`` = every valid candidate
     except anchor i's own positives (``own_positives="zero_logit"``: those count exp(0) each)."""
@@ -179,8 +191,15 @@ def supmpn(
 
 
 def supcon(
-    anchor, positives, negatives=None, *, pos_mask=None, neg_mask=None, temperature=0.05,
-    reduction="mean", similarity="cos",
+    anchor,
+    positives,
+    negatives=None,
+    *,
+    pos_mask=None,
+    neg_mask=None,
+    temperature=0.05,
+    reduction="mean",
+    similarity="cos",
 ):
     """Supervised contrastive (L_out): ``mean_k [-l_ik + LSE_{c in C} l_ic]``, C = all valid candidates."""
     B, P, _ = positives.shape
@@ -223,9 +242,9 @@ def infonce(anchor, positive, *, temperature=0.05, symmetric=False, reduction="m
 
 def edacse(anchor, dropout_view, augmented_view, *, lam=0.6, temperature=0.05, reduction="mean", similarity="cos"):
     """EdaCSE eq. 2: ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``."""
-    return infonce(anchor, dropout_view, temperature=temperature, reduction=reduction, similarity=similarity) + lam * infonce(
-        anchor, augmented_view, temperature=temperature, reduction=reduction, similarity=similarity
-    )
+    return infonce(
+        anchor, dropout_view, temperature=temperature, reduction=reduction, similarity=similarity
+    ) + lam * infonce(anchor, augmented_view, temperature=temperature, reduction=reduction, similarity=similarity)
 
 
 def grouped_cosine(h, z, *, group_size, reduction="mean"):
@@ -241,5 +260,7 @@ def grouped_cosine(h, z, *, group_size, reduction="mean"):
 
 def gclsr(h1, z1, h2, z2, *, group_size=16, reduction="mean"):
     """GCLSR eq. 7 (SimSiam-symmetric): ``0.5 * (L(h1, z2) + L(h2, z1))``."""
-    return 0.5 * (grouped_cosine(h1, z2, group_size=group_size, reduction=reduction)
-                  + grouped_cosine(h2, z1, group_size=group_size, reduction=reduction))
+    return 0.5 * (
+        grouped_cosine(h1, z2, group_size=group_size, reduction=reduction)
+        + grouped_cosine(h2, z1, group_size=group_size, reduction=reduction)
+    )

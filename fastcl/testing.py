@@ -71,8 +71,9 @@ def bound(dtype: torch.dtype, eager: torch.Tensor | None = None, ref: torch.Tens
     return max(floor, EAGER_FACTOR * eager_err) if math.isfinite(eager_err) else floor
 
 
-def assert_close(name: str, got, ref, dtype: torch.dtype, eager=None, *, scalar_sum: bool = False,
-                 abs_scale: float | None = None) -> None:
+def assert_close(
+    name: str, got, ref, dtype: torch.dtype, eager=None, *, scalar_sum: bool = False, abs_scale: float | None = None
+) -> None:
     """Fail unless ``got`` matches ``ref`` (see the module docstring); ``scalar_sum`` marks
     a scalar formed by a cancelling sum (the temperature gradient). ``abs_scale``: the size
     of the terms ``got`` is a difference of (the logits, ``1/tau``, for a loss): an error

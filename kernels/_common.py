@@ -77,9 +77,25 @@ def sqrt_rn(x):
 
 
 @triton.jit
-def raw_dot_tile(X, Y, SX, SY, rows, cols, row_ok, col_ok, d, stride_x, stride_y,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 ACC: tl.constexpr, PRECISION: tl.constexpr, SCALE_ON_LOAD: tl.constexpr):
+def raw_dot_tile(
+    X,
+    Y,
+    SX,
+    SY,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    d,
+    stride_x,
+    stride_y,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SCALE_ON_LOAD: tl.constexpr,
+):
     """``[BM, BN]`` tile of ``<x_r, y_c>`` over the full feature dimension, in ``ACC``.
 
     Rows of ``X``/``Y`` outside ``row_ok``/``col_ok`` are never read (they count as zero:
@@ -144,8 +160,14 @@ def online_lse(m, l, u, logits, keep):
 # dtype rules
 # ---------------------------------------------------------------------------------------
 
-TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-               torch.int32: "i32", torch.int64: "i64"}
+TRITON_TYPE = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 
 def dtype_class(dtype: torch.dtype) -> str:
@@ -189,10 +211,15 @@ class Kernel:
     import); they share the jit function's compiled binaries.
     """
 
-    registry: dict[str, "Kernel"] = {}
+    registry: dict[str, Kernel] = {}
 
-    def __init__(self, fn, tables: dict[str, dict[str, list[triton.Config]]], dtype_arg: str,
-                 restore_value: list[str] | None = None):
+    def __init__(
+        self,
+        fn,
+        tables: dict[str, dict[str, list[triton.Config]]],
+        dtype_arg: str,
+        restore_value: list[str] | None = None,
+    ):
         self.fn = fn
         self.name = fn.__name__
         self.tables = tables
@@ -222,8 +249,9 @@ class Kernel:
         with self._lock:
             if key not in self._tuners:
                 # key=[]: the bucket is in the dictionary key, not in the kernel's arguments
-                self._tuners[key] = triton.autotune(configs=self.configs(arch, dclass), key=[],
-                                                    restore_value=self.restore_value)(self.fn)
+                self._tuners[key] = triton.autotune(
+                    configs=self.configs(arch, dclass), key=[], restore_value=self.restore_value
+                )(self.fn)
             return self._tuners[key], {}
 
 
@@ -304,8 +332,9 @@ def launch(kernel: Kernel, grid, arch: str, tune: tuple[int, ...] = (), **args) 
     configured = set(kernel.configs(arch, dclass)[0].kwargs)
     expected = set(kernel.fn.arg_names) - configured
     if set(args) != expected:
-        raise TypeError(f"{kernel.name}: missing {sorted(expected - set(args))}, "
-                        f"unexpected {sorted(set(args) - expected)}")
+        raise TypeError(
+            f"{kernel.name}: missing {sorted(expected - set(args))}, unexpected {sorted(set(args) - expected)}"
+        )
     names = [n for n in kernel.fn.arg_names if n in args]
     flags = tuple((n, args[n]) for n in names if n in kernel.constexprs)
     if _STATE.records is not None:

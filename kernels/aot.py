@@ -50,7 +50,7 @@ def _tiny_problem(dtype: torch.dtype, sizes: tuple[int, int], extra: int, B: int
     anchor = torch.randn(B, 8, generator=gen).to(dtype)
     blocks = [torch.randn(n, 8, generator=gen).to(dtype) for n in sizes]
     tags = [torch.full((n,), TAG_ALL, dtype=torch.int32) for n in sizes]
-    tags[0][extra:extra + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
+    tags[0][extra : extra + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
     return anchor, blocks, tags
 
 
@@ -71,8 +71,9 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
                     lse, _ = _lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
                     d_pos = torch.zeros(B, P) if P else None
                     for fp32_ds in (True, False):
-                        _lse_backward(anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), d_pos, 3,
-                                      cosine, 1e-8, fp32_ds)
+                        _lse_backward(
+                            anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), d_pos, 3, cosine, 1e-8, fp32_ds
+                        )
     for launch in launches:
         out.setdefault(launch.key, launch)
     return list(out.values())
@@ -108,8 +109,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return (not self.error and self.shared <= self.shared_limit
-                and (bool(self.mma) or not self.needs_mma))
+        return not self.error and self.shared <= self.shared_limit and (bool(self.mma) or not self.needs_mma)
 
 
 def _ast_source(launch: Launch, cfg):
@@ -129,8 +129,9 @@ def _ast_source(launch: Launch, cfg):
             signature[name] = "constexpr"
         else:
             raise KeyError(f"{launch.kernel}: argument {name} is in neither the launch nor the config")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if types.get(name, "").startswith("*")}
+    attrs = {
+        (i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if types.get(name, "").startswith("*")
+    }
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
@@ -157,8 +158,9 @@ def _compile(launch: Launch, arch: str, cfg, frontend_only: bool):
         context = ir.context()
         ir.load_dialects(context)
         backend.load_dialects(context)
-        module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                             context)
+        module = src.make_ir(
+            target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+        )
         return None, str(module)
     log = io.StringIO()
     # ptxas always runs with -v; its log is printed only on request, and only when the
@@ -176,22 +178,36 @@ def _compile(launch: Launch, arch: str, cfg, frontend_only: bool):
 def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False) -> Result:
     """Compile one pair for one arch; compile errors come back in ``Result.error``."""
     config = " ".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f" w{cfg.num_warps} s{cfg.num_stages}"
-    common = dict(kernel=launch.kernel, spec=launch.describe(), arch=arch, config=config.strip(),
-                  shared_limit=SMEM_LIMIT[arch], needs_mma=uses_dot(launch) and not frontend_only)
+    common = dict(
+        kernel=launch.kernel,
+        spec=launch.describe(),
+        arch=arch,
+        config=config.strip(),
+        shared_limit=SMEM_LIMIT[arch],
+        needs_mma=uses_dot(launch) and not frontend_only,
+    )
     try:
         compiled, log = _compile(launch, arch, cfg, frontend_only)
     except Exception as exc:  # reported per row; the test fails on any
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
-        return Result(**common, registers=-1, spill_bytes=-1, local_ptx=-1, shared=0, mma="",
-                      error=f"{type(exc).__name__}: {' | '.join(lines[:3])}"[:400])
+        return Result(
+            **common,
+            registers=-1,
+            spill_bytes=-1,
+            local_ptx=-1,
+            shared=0,
+            mma="",
+            error=f"{type(exc).__name__}: {' | '.join(lines[:3])}"[:400],
+        )
     if compiled is None:
         return Result(**common, registers=-1, spill_bytes=-1, local_ptx=-1, shared=0, mma="")
     ptx = compiled.asm["ptx"]
     regs, spills = _ptxas_usage(log)
     local = len(re.findall(r"\b(?:ld|st)\.local\b", ptx))
     mma = next((p for p in MMA_PATTERNS[arch] if p in ptx), "")
-    return Result(**common, registers=regs, spill_bytes=spills, local_ptx=local,
-                  shared=compiled.metadata.shared, mma=mma)
+    return Result(
+        **common, registers=regs, spill_bytes=spills, local_ptx=local, shared=compiled.metadata.shared, mma=mma
+    )
 
 
 def ttir(launch: Launch, arch: str) -> str:
@@ -219,9 +235,13 @@ def representatives(launches: list[Launch] | None = None) -> list[Launch]:
 
 def jobs(archs=ARCHS, kernel: str | None = None, launches: list[Launch] | None = None):
     """Every ``(launch, arch, config index)`` to compile."""
-    return [(launch, arch, i) for launch in (launches if launches is not None else all_launches())
-            if not kernel or launch.kernel == kernel
-            for arch in archs for i in range(len(configs(launch, arch)))]
+    return [
+        (launch, arch, i)
+        for launch in (launches if launches is not None else all_launches())
+        if not kernel or launch.kernel == kernel
+        for arch in archs
+        for i in range(len(configs(launch, arch)))
+    ]
 
 
 def _run_job(job) -> Result:
@@ -249,8 +269,9 @@ def run_jobs(jobs, workers: int = 1, progress: bool = True) -> list[Result]:
     return results
 
 
-def compile_all(archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True,
-                every_spec: bool = False) -> list[Result]:
+def compile_all(
+    archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True, every_spec: bool = False
+) -> list[Result]:
     """Fully compile every config of :func:`representatives` (or of every launch) for each
     arch, and run every other launch through the frontend; one :class:`Result` each."""
     launches = all_launches()
@@ -266,13 +287,17 @@ def compile_all(archs=ARCHS, kernel: str | None = None, workers: int = 1, progre
 
 def table(results: list[Result]) -> str:
     """Markdown table of the results."""
-    head = "| kernel | specialisation | arch | config | regs | spill B | ld/st.local | smem KiB (limit) | mma | status |"
+    head = (
+        "| kernel | specialisation | arch | config | regs | spill B | ld/st.local | smem KiB (limit) | mma | status |"
+    )
     rows = [head, "|" + "---|" * 10]
     results = [r for r in results if r.registers >= 0 or r.error]  # frontend-only rows have no facts
     for r in results:
         status = "ok" if r.ok else ("ERROR " + r.error if r.error else "FAIL")
-        rows.append(f"| {r.kernel} | {r.spec} | {r.arch} | {r.config} | {r.registers} | {r.spill_bytes} | "
-                    f"{r.local_ptx} | {r.shared / 1024:.1f} ({r.shared_limit // 1024}) | {r.mma or '-'} | {status} |")
+        rows.append(
+            f"| {r.kernel} | {r.spec} | {r.arch} | {r.config} | {r.registers} | {r.spill_bytes} | "
+            f"{r.local_ptx} | {r.shared / 1024:.1f} ({r.shared_limit // 1024}) | {r.mma or '-'} | {status} |"
+        )
     return "\n".join(rows)
 
 
@@ -281,9 +306,12 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma list of sm80, sm90")
     parser.add_argument("--kernel", default=None, help="only this kernel (e.g. _lse_fwd_kernel)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
-    parser.add_argument("--every-spec", action="store_true",
-                        help="fully compile every specialisation x config (hours on a small CPU), "
-                             "not only one representative spec per kernel and dtype class")
+    parser.add_argument(
+        "--every-spec",
+        action="store_true",
+        help="fully compile every specialisation x config (hours on a small CPU), "
+        "not only one representative spec per kernel and dtype class",
+    )
     args = parser.parse_args(argv)
     if INTERPRET:
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the kernels AOT compiles")

@@ -59,11 +59,38 @@ from .matmul import MM
 
 @triton.jit
 def _lse_ds_kernel(
-    A, C, TAGS, IA, IC, TAU, LSE, G, DPOS, DS, ROWW, COLW,
-    B, NC, d, stride_ds, stride_roww, stride_colw, n_row_parts, n_col_parts, pos_offset, pos_count,
-    COSINE: tl.constexpr, SCALE_TILE: tl.constexpr, SCALE_ON_LOAD: tl.constexpr, FOLD_NORMS: tl.constexpr,
-    FOLD_POS: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PART: tl.constexpr,
+    A,
+    C,
+    TAGS,
+    IA,
+    IC,
+    TAU,
+    LSE,
+    G,
+    DPOS,
+    DS,
+    ROWW,
+    COLW,
+    B,
+    NC,
+    d,
+    stride_ds,
+    stride_roww,
+    stride_colw,
+    n_row_parts,
+    n_col_parts,
+    pos_offset,
+    pos_count,
+    COSINE: tl.constexpr,
+    SCALE_TILE: tl.constexpr,
+    SCALE_ON_LOAD: tl.constexpr,
+    FOLD_NORMS: tl.constexpr,
+    FOLD_POS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PART: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
     pid_m = tl.program_id(0)
@@ -74,8 +101,9 @@ def _lse_ds_kernel(
     col_ok = cols < NC
     inv_tau = 1.0 / tl.load(TAU)
     tags = load_tags(TAGS, cols, col_ok)
-    s = raw_dot_tile(A, C, IA, IC, rows, cols, row_ok, col_ok & (tags != PAD_TAG), d, d, d,
-                     BM, BN, BK, ACC, PRECISION, SCALE_ON_LOAD)
+    s = raw_dot_tile(
+        A, C, IA, IC, rows, cols, row_ok, col_ok & (tags != PAD_TAG), d, d, d, BM, BN, BK, ACC, PRECISION, SCALE_ON_LOAD
+    )
     logits = _logits(s, rows, cols, row_ok, col_ok, IA, IC, inv_tau, SCALE_TILE)
     keep = structural_mask(rows, B, tags, col_ok)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
@@ -95,19 +123,28 @@ def _lse_ds_kernel(
         gl = grad * logits  # padded and out-of-range columns: logits 0 (never read), grad 0
         row_sums = tl.sum(tl.reshape(gl, [BM, BN // PART, PART]), 2)
         col_groups = pid_n * (BN // PART) + tl.arange(0, BN // PART)
-        tl.store(ROWW + col_groups.to(tl.int64)[None, :] * stride_roww + rows[:, None], row_sums,
-                 mask=row_ok[:, None] & (col_groups < n_col_parts)[None, :])
+        tl.store(
+            ROWW + col_groups.to(tl.int64)[None, :] * stride_roww + rows[:, None],
+            row_sums,
+            mask=row_ok[:, None] & (col_groups < n_col_parts)[None, :],
+        )
         col_sums = tl.sum(tl.reshape(gl, [BM // PART, PART, BN]), 1)
         row_groups = pid_m * (BM // PART) + tl.arange(0, BM // PART)
-        tl.store(COLW + row_groups.to(tl.int64)[:, None] * stride_colw + cols[None, :], col_sums,
-                 mask=(row_groups < n_row_parts)[:, None] & col_ok[None, :])
+        tl.store(
+            COLW + row_groups.to(tl.int64)[:, None] * stride_colw + cols[None, :],
+            col_sums,
+            mask=(row_groups < n_row_parts)[:, None] & col_ok[None, :],
+        )
     ds = grad * inv_tau
     if FOLD_NORMS:
         ia = tl.load(IA + rows, mask=row_ok, other=0.0)
         ic = tl.load(IC + cols, mask=col_ok, other=0.0)
         ds = ds * ia[:, None] * ic[None, :]
-    tl.store(DS + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :], cast_to(ds, DS.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        DS + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :],
+        cast_to(ds, DS.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
@@ -127,9 +164,21 @@ DS = Kernel(_lse_ds_kernel, plan.DS_TILES, dtype_arg="A")
 SUM_PARTS = Kernel(_sum_parts_kernel, plan.REDUCE, dtype_arg="OUT")
 
 
-def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor,
-                  lse: Tensor, g: Tensor, d_pos: Tensor | None, pos_offset: int, cosine: bool, eps: float,
-                  fp32_ds: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _lse_backward(
+    anchor: Tensor,
+    block0: Tensor,
+    block1: Tensor,
+    tags0: Tensor,
+    tags1: Tensor,
+    tau: Tensor,
+    lse: Tensor,
+    g: Tensor,
+    d_pos: Tensor | None,
+    pos_offset: int,
+    cosine: bool,
+    eps: float,
+    fp32_ds: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``d anchor, d block0, d block1`` (input dtype) from ``g = dLoss/dlse [B]``.
 
     ``d_pos [B, P]`` (or None): gradient of the own-positive logits, anchor ``i``'s positive
@@ -178,38 +227,126 @@ def _lse_backward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor,
         # does this chunk of block 0 hold rows pos_offset .. pos_offset + B * P - 1?
         fold_pos = bi == 0 and pos_count > 0 and c0 < pos_offset + B * pos_count and pos_offset < c1
         grid = lambda meta, nc=nc: (triton.cdiv(B, meta["BM"]), triton.cdiv(nc, meta["BN"]))  # noqa: E731
-        launch(DS, grid, arch, tune=(B, width, d),
-               A=anchor, C=blk, TAGS=tg, IA=ia, IC=ic, TAU=tau, LSE=lse, G=g, DPOS=dpos if fold_pos else none,
-               DS=ds, ROWW=row_parts, COLW=col_parts,
-               B=B, NC=nc, d=d, stride_ds=width, stride_roww=B, stride_colw=width,
-               n_row_parts=n_row_parts, n_col_parts=n_col_parts,
-               pos_offset=pos_offset - c0 if fold_pos else 0, pos_count=pos_count if fold_pos else 0,
-               COSINE=cosine, SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, FOLD_NORMS=fold,
-               FOLD_POS=fold_pos, PRECISION=precision)
+        launch(
+            DS,
+            grid,
+            arch,
+            tune=(B, width, d),
+            A=anchor,
+            C=blk,
+            TAGS=tg,
+            IA=ia,
+            IC=ic,
+            TAU=tau,
+            LSE=lse,
+            G=g,
+            DPOS=dpos if fold_pos else none,
+            DS=ds,
+            ROWW=row_parts,
+            COLW=col_parts,
+            B=B,
+            NC=nc,
+            d=d,
+            stride_ds=width,
+            stride_roww=B,
+            stride_colw=width,
+            n_row_parts=n_row_parts,
+            n_col_parts=n_col_parts,
+            pos_offset=pos_offset - c0 if fold_pos else 0,
+            pos_count=pos_count if fold_pos else 0,
+            COSINE=cosine,
+            SCALE_TILE=not on_load,
+            SCALE_ON_LOAD=on_load,
+            FOLD_NORMS=fold,
+            FOLD_POS=fold_pos,
+            PRECISION=precision,
+        )
         if cosine:
             grid = lambda meta: (triton.cdiv(B, meta["BR"]),)  # noqa: E731
-            launch(SUM_PARTS, grid, arch, PARTS=row_parts, OUT=row_w, n=B, n_parts=n_col_parts, stride_p=B,
-                   ACCUMULATE=not first)
+            launch(
+                SUM_PARTS,
+                grid,
+                arch,
+                PARTS=row_parts,
+                OUT=row_w,
+                n=B,
+                n_parts=n_col_parts,
+                stride_p=B,
+                ACCUMULATE=not first,
+            )
 
-        mm_grid = lambda M: (lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(d, meta["BN"]),))  # noqa: E731
+        mm_grid = lambda M: lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(d, meta["BN"]),)  # noqa: E731
         # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
-        launch(MM, mm_grid(nc), arch, tune=(nc, d, B),
-               X=ds, Y=anchor, OUT=d_blk, ACC_IN=none, KSCALE=ia if on_load_mm else none,
-               MSCALE=ic if on_load_mm else none, RINV=rc if cosine else none, RADW=col_parts, Z=blk if cosine else none, TAGS=tg,
-               M=nc, N=d, K=B, stride_xm=1, stride_xk=width, stride_yk=d, stride_yn=1, stride_om=d,
-               n_parts=n_row_parts, stride_radw=width,
-               SPLIT_X=ds.dtype != dt, Y_KSCALE=on_load_mm, M_SCALE=on_load_mm, ACCUMULATE=False,
-               RADIAL=cosine, PAD_K=False, PAD_M=True, PRECISION=precision)
+        launch(
+            MM,
+            mm_grid(nc),
+            arch,
+            tune=(nc, d, B),
+            X=ds,
+            Y=anchor,
+            OUT=d_blk,
+            ACC_IN=none,
+            KSCALE=ia if on_load_mm else none,
+            MSCALE=ic if on_load_mm else none,
+            RINV=rc if cosine else none,
+            RADW=col_parts,
+            Z=blk if cosine else none,
+            TAGS=tg,
+            M=nc,
+            N=d,
+            K=B,
+            stride_xm=1,
+            stride_xk=width,
+            stride_yk=d,
+            stride_yn=1,
+            stride_om=d,
+            n_parts=n_row_parts,
+            stride_radw=width,
+            SPLIT_X=ds.dtype != dt,
+            Y_KSCALE=on_load_mm,
+            M_SCALE=on_load_mm,
+            ACCUMULATE=False,
+            RADIAL=cosine,
+            PAD_K=False,
+            PAD_M=True,
+            PRECISION=precision,
+        )
         # d anchor: accumulate dS @ C[chunk] over chunks in fixed order
         radial = cosine and last
-        launch(MM, mm_grid(B), arch, tune=(B, d, width),
-               X=ds, Y=blk, OUT=d_anchor if last else acc_buf, ACC_IN=acc_buf if not first else none,
-               KSCALE=ic if on_load_mm else none, MSCALE=ia if on_load_mm else none,
-               RINV=ra if radial else none, RADW=row_w if radial else none, Z=anchor if radial else none, TAGS=tg,
-               M=B, N=d, K=nc, stride_xm=width, stride_xk=1, stride_yk=d, stride_yn=1, stride_om=d,
-               n_parts=1, stride_radw=B,
-               SPLIT_X=ds.dtype != dt, Y_KSCALE=on_load_mm, M_SCALE=on_load_mm, ACCUMULATE=not first,
-               RADIAL=radial, PAD_K=True, PAD_M=False, PRECISION=precision)
+        launch(
+            MM,
+            mm_grid(B),
+            arch,
+            tune=(B, d, width),
+            X=ds,
+            Y=blk,
+            OUT=d_anchor if last else acc_buf,
+            ACC_IN=acc_buf if not first else none,
+            KSCALE=ic if on_load_mm else none,
+            MSCALE=ia if on_load_mm else none,
+            RINV=ra if radial else none,
+            RADW=row_w if radial else none,
+            Z=anchor if radial else none,
+            TAGS=tg,
+            M=B,
+            N=d,
+            K=nc,
+            stride_xm=width,
+            stride_xk=1,
+            stride_yk=d,
+            stride_yn=1,
+            stride_om=d,
+            n_parts=1,
+            stride_radw=B,
+            SPLIT_X=ds.dtype != dt,
+            Y_KSCALE=on_load_mm,
+            M_SCALE=on_load_mm,
+            ACCUMULATE=not first,
+            RADIAL=radial,
+            PAD_K=True,
+            PAD_M=False,
+            PRECISION=precision,
+        )
     return (d_anchor, *d_blocks)
 
 

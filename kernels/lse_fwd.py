@@ -59,8 +59,9 @@ def _pow2_floor(x):
 
 
 @triton.jit
-def _row_norms_kernel(X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr, NORMS: tl.constexpr,
-                      BR: tl.constexpr, BD: tl.constexpr):
+def _row_norms_kernel(
+    X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr, NORMS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
+):
     ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = rows < n_rows
@@ -73,7 +74,7 @@ def _row_norms_kernel(X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr
         # to [LO, HI] so that 1/scale is a normal number): squares neither overflow nor
         # underflow, and multiplying by 1/scale is exact
         LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
-        HI: tl.constexpr = 3.273390607896142e+150 if ACC == tl.float64 else 1.2676506002282294e+30  # 2^500, 2^100
+        HI: tl.constexpr = 3.273390607896142e150 if ACC == tl.float64 else 1.2676506002282294e30  # 2^500, 2^100
         scale = tl.full([BR], LO, dtype=ACC)
         ssq = tl.zeros([BR], dtype=ACC)
         for k0 in range(0, d, BD):
@@ -117,10 +118,25 @@ def _logits(s, rows, cols, row_ok, col_ok, IA, IC, inv_tau, SCALE_TILE: tl.const
 
 @triton.jit
 def _lse_fwd_kernel(
-    A, C, TAGS, IA, IC, TAU, PARTS,
-    B, NC, d, split_width, split_base, n_slots,
-    SCALE_TILE: tl.constexpr, SCALE_ON_LOAD: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    A,
+    C,
+    TAGS,
+    IA,
+    IC,
+    TAU,
+    PARTS,
+    B,
+    NC,
+    d,
+    split_width,
+    split_base,
+    n_slots,
+    SCALE_TILE: tl.constexpr,
+    SCALE_ON_LOAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
     pid_m = tl.program_id(0)
@@ -137,8 +153,25 @@ def _lse_fwd_kernel(
         cols = c0 + tl.arange(0, BN)
         col_ok = cols < c_end
         tags = load_tags(TAGS, cols, col_ok)
-        s = raw_dot_tile(A, C, IA, IC, rows, cols, row_ok, col_ok & (tags != PAD_TAG), d, d, d,
-                         BM, BN, BK, ACC, PRECISION, SCALE_ON_LOAD)
+        s = raw_dot_tile(
+            A,
+            C,
+            IA,
+            IC,
+            rows,
+            cols,
+            row_ok,
+            col_ok & (tags != PAD_TAG),
+            d,
+            d,
+            d,
+            BM,
+            BN,
+            BK,
+            ACC,
+            PRECISION,
+            SCALE_ON_LOAD,
+        )
         logits = _logits(s, rows, cols, row_ok, col_ok, IA, IC, inv_tau, SCALE_TILE)
         m, l, u = online_lse(m, l, u, logits, structural_mask(rows, B, tags, col_ok))
     slot = split_base + pid_s
@@ -201,13 +234,26 @@ def prepare(anchor: Tensor, blocks, tags, tau: Tensor, cosine: bool, eps: float,
         if n == 0:
             continue
         grid = lambda meta, n=n: (triton.cdiv(n, meta["BR"]),)  # noqa: E731
-        launch(ROW_NORMS, grid, arch, X=x, TAGS=tg if tg is not None else dummy(x.device), INV=inv, RINV=rinv,
-               n_rows=n, d=d, eps=float(eps), HAS_TAGS=tg is not None, NORMS=cosine)
+        launch(
+            ROW_NORMS,
+            grid,
+            arch,
+            X=x,
+            TAGS=tg if tg is not None else dummy(x.device),
+            INV=inv,
+            RINV=rinv,
+            n_rows=n,
+            d=d,
+            eps=float(eps),
+            HAS_TAGS=tg is not None,
+            NORMS=cosine,
+        )
     return tau, sizes, views
 
 
-def _lse_forward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor,
-                 cosine: bool, eps: float) -> tuple[Tensor, Tensor]:
+def _lse_forward(
+    anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor, cosine: bool, eps: float
+) -> tuple[Tensor, Tensor]:
     dev, dt = anchor.device, anchor.dtype
     B, d = anchor.shape
     acc = acc_dtype(dt)
@@ -229,10 +275,28 @@ def _lse_forward(anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, 
         if n_split == 0:
             continue
         grid = lambda meta, s=n_split: (triton.cdiv(B, meta["BM"]), s)  # noqa: E731
-        launch(FWD, grid, arch, tune=(B, sum(sizes), d),
-               A=anchor, C=blk, TAGS=tg, IA=ia, IC=ic, TAU=tau, PARTS=ws["parts"],
-               B=B, NC=blk.shape[0], d=d, split_width=width, split_base=base, n_slots=n_slots,
-               SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, PRECISION=dot_precision(dt))
+        launch(
+            FWD,
+            grid,
+            arch,
+            tune=(B, sum(sizes), d),
+            A=anchor,
+            C=blk,
+            TAGS=tg,
+            IA=ia,
+            IC=ic,
+            TAU=tau,
+            PARTS=ws["parts"],
+            B=B,
+            NC=blk.shape[0],
+            d=d,
+            split_width=width,
+            split_base=base,
+            n_slots=n_slots,
+            SCALE_TILE=not on_load,
+            SCALE_ON_LOAD=on_load,
+            PRECISION=dot_precision(dt),
+        )
         base += n_split
     grid = lambda meta: (triton.cdiv(B, meta["BR"]),)  # noqa: E731
     launch(COMBINE, grid, arch, PARTS=ws["parts"], LSE=lse, MEAN_LOGIT=mean_logit, B=B, n_slots=n_slots)

@@ -30,11 +30,38 @@ from ._common import PAD_TAG, Kernel, cast_to, cfg, mma
 
 @triton.jit
 def _mm_kernel(
-    X, Y, OUT, ACC_IN, KSCALE, MSCALE, RINV, RADW, Z, TAGS,
-    M, N, K, stride_xm, stride_xk, stride_yk, stride_yn, stride_om, n_parts, stride_radw,
-    SPLIT_X: tl.constexpr, Y_KSCALE: tl.constexpr, M_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
-    RADIAL: tl.constexpr, PAD_K: tl.constexpr, PAD_M: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    X,
+    Y,
+    OUT,
+    ACC_IN,
+    KSCALE,
+    MSCALE,
+    RINV,
+    RADW,
+    Z,
+    TAGS,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_yk,
+    stride_yn,
+    stride_om,
+    n_parts,
+    stride_radw,
+    SPLIT_X: tl.constexpr,
+    Y_KSCALE: tl.constexpr,
+    M_SCALE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    RADIAL: tl.constexpr,
+    PAD_K: tl.constexpr,
+    PAD_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     # grouped ordering: programs that run together share Y column panels in L2
@@ -61,10 +88,12 @@ def _mm_kernel(
         y_ok = k_ok
         if PAD_K:
             y_ok = k_ok & (tl.load(TAGS + rk, mask=k_ok, other=PAD_TAG) != PAD_TAG)
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        y = tl.load(Y + rk[:, None] * stride_yk + rn[None, :] * stride_yn, mask=y_ok[:, None] & n_ok[None, :],
-                    other=0.0)
+        x = tl.load(
+            X + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        y = tl.load(
+            Y + rk[:, None] * stride_yk + rn[None, :] * stride_yn, mask=y_ok[:, None] & n_ok[None, :], other=0.0
+        )
         if Y_KSCALE:
             ks = tl.load(KSCALE + rk, mask=k_ok, other=0.0)
             y = cast_to(y.to(ACC) * ks[:, None], y.dtype)
@@ -114,15 +143,23 @@ MM = Kernel(
     _mm_kernel,
     {
         "sm80": {
-            "16": [_C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8), _C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8),
-                   _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8), _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8)],
+            "16": [
+                _C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8),
+                _C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8),
+                _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8),
+                _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8),
+            ],
             "32": _MM_32,
             "64": _MM_64,
         },
         "sm90": {
-            "16": [_C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8), _C(8, 3, BM=64, BN=128, BK=64, GROUP_M=8),
-                   _C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8), _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8),
-                   _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8)],
+            "16": [
+                _C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8),
+                _C(8, 3, BM=64, BN=128, BK=64, GROUP_M=8),
+                _C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8),
+                _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8),
+                _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8),
+            ],
             "32": _MM_32 + [_C(8, 3, BM=64, BN=64, BK=32, GROUP_M=8)],
             "64": _MM_64,
         },

@@ -41,8 +41,12 @@ TILES = {
         "64": [cfg(4, 2, BM=32, BN=64, BK=16), cfg(4, 2, BM=32, BN=32, BK=16)],
     },
     "sm90": {
-        "16": [cfg(8, 4, BM=128, BN=64, BK=32), cfg(8, 3, BM=128, BN=64, BK=64), cfg(8, 3, BM=64, BN=128, BK=64),
-               cfg(4, 4, BM=64, BN=64, BK=32)],
+        "16": [
+            cfg(8, 4, BM=128, BN=64, BK=32),
+            cfg(8, 3, BM=128, BN=64, BK=64),
+            cfg(8, 3, BM=64, BN=128, BK=64),
+            cfg(4, 4, BM=64, BN=64, BK=32),
+        ],
         "32": [cfg(4, 3, BM=64, BN=64, BK=16), cfg(8, 3, BM=128, BN=64, BK=16), cfg(8, 3, BM=64, BN=64, BK=32)],
         "64": [cfg(4, 2, BM=32, BN=64, BK=16), cfg(4, 2, BM=32, BN=32, BK=16)],
     },
@@ -196,8 +200,10 @@ INT32_ELEMENTS = 2**31 - 1
 def size_reasons(B: int, d: int) -> list[str]:
     """Why the backward cannot take ``B`` anchors of ``d`` features (empty: it can)."""
     if B * d > INT32_ELEMENTS:
-        return [f"the anchor block has B * d = {B * d} >= 2**31 elements (the backward GEMM uses 32-bit "
-                "offsets); split the anchors into several calls"]
+        return [
+            f"the anchor block has B * d = {B * d} >= 2**31 elements (the backward GEMM uses 32-bit "
+            "offsets); split the anchors into several calls"
+        ]
     return []
 
 
@@ -214,8 +220,9 @@ def chunk_width(B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, arch
     return max(align, min(width, cap, _round_up(max(max(sizes), 1), align)))
 
 
-def backward_plan(B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, cosine: bool, arch: str,
-                  fp32_ds: bool = True) -> Plan:
+def backward_plan(
+    B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, cosine: bool, arch: str, fp32_ds: bool = True
+) -> Plan:
     acc = acc_dtype(dtype)
     width = chunk_width(B, sizes, d, dtype, arch, fp32_ds)
     part = partial_width(arch, dtype_class(dtype))

@@ -57,7 +57,7 @@ def loss_of(model, loss_fn, anchor, positive, negative, negatives: int) -> torch
     b = anchor.shape[0]
     # one forward for all texts, as a real encoder would do
     emb = model(torch.cat([anchor, positive, negative]))
-    a, p, n = emb[:b], emb[b:2 * b], emb[2 * b:].reshape(b, negatives, -1)
+    a, p, n = emb[:b], emb[b : 2 * b], emb[2 * b :].reshape(b, negatives, -1)
     return loss_fn(a, p, n)
 
 
@@ -107,8 +107,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank draws its own data
 
     if rank == 0:
-        print(f"world size {world}, {args.batch} pairs per rank: each anchor sees "
-              f"{world * args.batch * (1 + args.negatives)} candidates")
+        print(
+            f"world size {world}, {args.batch} pairs per rank: each anchor sees "
+            f"{world * args.batch * (1 + args.negatives)} candidates"
+        )
     for step in range(args.steps):
         batch = synthetic_batch(args.batch, args.negatives, gen, device)
         loss = loss_of(ddp_model, loss_fn, *batch, args.negatives)

@@ -30,8 +30,19 @@ def main(argv=None) -> None:
     p.add_argument("--eval", action="store_true", help="also time one STS-B dev evaluation")
     args = p.parse_args(argv)
 
-    recipe, cfg = parse(["gclsr", "--preset", "paper", "--batch-size", str(args.batch_size),
-                         "--max-examples", str(args.sentences), "--max-words", str(args.max_words)])
+    recipe, cfg = parse(
+        [
+            "gclsr",
+            "--preset",
+            "paper",
+            "--batch-size",
+            str(args.batch_size),
+            "--max-examples",
+            str(args.sentences),
+            "--max-words",
+            str(args.max_words),
+        ]
+    )
     t = time.perf_counter()
     data = recipe.build_dataset(cfg)
     print(f"vectors + tokenise {len(data)} sentences: {time.perf_counter() - t:.2f} s")
@@ -40,7 +51,9 @@ def main(argv=None) -> None:
     opt = recipe.build_optimizer(cfg, model)
     sched = recipe.build_scheduler(cfg, opt, 100)
     n_params = sum(q.numel() for q in model.parameters())
-    print(f"parameters: {n_params / 1e6:.1f} M (backbone {sum(q.numel() for q in model.backbone.parameters()) / 1e6:.2f} M)")
+    print(
+        f"parameters: {n_params / 1e6:.1f} M (backbone {sum(q.numel() for q in model.backbone.parameters()) / 1e6:.2f} M)"
+    )
 
     phases: dict[str, float] = {}
     cpu = [0.0]  # process CPU seconds per step: less distorted than wall time on a loaded machine
@@ -49,7 +62,7 @@ def main(argv=None) -> None:
         ctx = StepContext(cfg=cfg, step=i, rng=random.Random(i))
         c0 = time.process_time()
         times = [time.perf_counter()]
-        batch = recipe.collate(data[(i * args.batch_size) % len(data):][: args.batch_size], ctx)
+        batch = recipe.collate(data[(i * args.batch_size) % len(data) :][: args.batch_size], ctx)
         times.append(time.perf_counter())
         model.train()
         loss, _ = recipe.loss(model, batch, ctx)

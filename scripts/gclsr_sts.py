@@ -48,8 +48,9 @@ def main(argv=None) -> int:
         vectors, max_words = enc.vectors, enc.max_words
     else:
         vectors, max_words = load_word_vectors(args.word_vectors or default_word_vectors()), args.max_words
-    results["avg_word_vectors"] = scores(AveragedWordVectors(vectors, max_words=max_words), tasks, args.data_dir,
-                                         args.split)
+    results["avg_word_vectors"] = scores(
+        AveragedWordVectors(vectors, max_words=max_words), tasks, args.data_dir, args.split
+    )
     print(json.dumps(results, indent=2))
     if args.output:
         with open(args.output, "w") as f:

@@ -42,16 +42,26 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true", help="also the extra peak RSS (fresh process per case)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print("| workload (fp32, fwd+bwd) | " + " | ".join(f"{i} s" for i in IMPLS) + " | cpp / torch | cpp / eager |"
-          + (" peak MiB eager / torch / cpp |" if args.memory else ""))
+    print(
+        "| workload (fp32, fwd+bwd) | "
+        + " | ".join(f"{i} s" for i in IMPLS)
+        + " | cpp / torch | cpp / eager |"
+        + (" peak MiB eager / torch / cpp |" if args.memory else "")
+    )
     print("|---" * (len(IMPLS) + 3 + args.memory) + "|")
     for loss, B, P, Q, d in CASES:
         secs = {impl: cpu_seconds(loss_step(loss, impl, B, P, Q, d), args.repeat) for impl in IMPLS}
-        row = (f"| {loss} B={B} P={P} Q={Q} d={d} | " + " | ".join(f"{secs[i]:.3f}" for i in IMPLS)
-               + f" | {secs['cpp'] / secs['torch']:.2f} | {secs['cpp'] / secs['eager']:.2f} |")
+        row = (
+            f"| {loss} B={B} P={P} Q={Q} d={d} | "
+            + " | ".join(f"{secs[i]:.3f}" for i in IMPLS)
+            + f" | {secs['cpp'] / secs['torch']:.2f} | {secs['cpp'] / secs['eager']:.2f} |"
+        )
         if args.memory:
-            mib = [cpu_extra_peak_bytes("fastcl.bench.cases:loss_step",
-                                        dict(loss=loss, backend=i, B=B, P=P, Q=Q, d=d)) / 2**20 for i in IMPLS]
+            mib = [
+                cpu_extra_peak_bytes("fastcl.bench.cases:loss_step", dict(loss=loss, backend=i, B=B, P=P, Q=Q, d=d))
+                / 2**20
+                for i in IMPLS
+            ]
             row += " " + " / ".join(f"{m:.0f}" for m in mib) + " |"
         print(row, flush=True)
 

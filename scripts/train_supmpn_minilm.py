@@ -20,8 +20,11 @@ import torch
 def stsb(path_or_encoder, pooling="mean"):
     from fastcl.eval import Encoder, evaluate_sts
 
-    enc = Encoder.from_pretrained(path_or_encoder, pooling=pooling, show_progress=False) \
-        if isinstance(path_or_encoder, str) else path_or_encoder
+    enc = (
+        Encoder.from_pretrained(path_or_encoder, pooling=pooling, show_progress=False)
+        if isinstance(path_or_encoder, str)
+        else path_or_encoder
+    )
     dev = evaluate_sts(enc, ["stsb"], split="dev")["stsb"].score
     test = evaluate_sts(enc, ["stsb"], split="test")["stsb"].score
     return {"stsb_dev": round(dev, 2), "stsb_test": round(test, 2)}
@@ -50,9 +53,21 @@ def main() -> None:
         report["eval_before_s"] = round(time.perf_counter() - t, 1)
     print(json.dumps(report), flush=True)
     summary = train_method(
-        "supmpn", model=model, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
-        pooling="mean", num_positives=5, num_negatives=5, pos_fill="anchor", neg_fill="sample",
-        temperature=0.05, max_length=32, eval_steps=args.eval_steps, save_steps=0, output_dir=args.output_dir,
+        "supmpn",
+        model=model,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        pooling="mean",
+        num_positives=5,
+        num_negatives=5,
+        pos_fill="anchor",
+        neg_fill="sample",
+        temperature=0.05,
+        max_length=32,
+        eval_steps=args.eval_steps,
+        save_steps=0,
+        output_dir=args.output_dir,
         warmup_ratio=0.1,
     )
     report["train"] = summary

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from fastcl._paths import data_dir as _data_dir
+
 # Paths relative to tests/; a "::name" suffix marks one test (every parametrisation).
 SLOW = (
     "distributed/",
@@ -47,8 +49,6 @@ def pytest_collection_modifyitems(config, items):
         name = f"{rel}::{item.originalname}"
         if any(rel.startswith(s) if s.endswith("/") else s in (rel, name) for s in SLOW):
             item.add_marker(pytest.mark.slow)
-
-from fastcl._paths import data_dir as _data_dir
 
 
 @pytest.fixture(scope="session")

@@ -45,8 +45,9 @@ def supcon_labels_fn(impl: str, features, labels, temperature: float = TEMPERATU
     return lambda: supcon_labels_loss(features, labels, temperature=temperature, backend=impl)
 
 
-def supcon_labels_step(backend: str, N: int, d: int, num_labels: int, views: int = 2,
-                       dtype: str = "float32", device: str = "cpu"):
+def supcon_labels_step(
+    backend: str, N: int, d: int, num_labels: int, views: int = 2, dtype: str = "float32", device: str = "cpu"
+):
     features, labels = supcon_labels_inputs(N, d, num_labels, views, getattr(torch, dtype), device)
     fn = supcon_labels_fn(backend, features, labels)
 
@@ -66,11 +67,23 @@ def mnrl_directions_inputs(B: int, d: int, Q: int = 1, dtype=torch.float32, devi
     return [_leaf(gen, B, d, dtype=dtype, device=device) for _ in range(2 + Q)]
 
 
-def mnrl_directions_fn(impl: str, columns, *, directions=GTE, partition_mode="joint", hardness_mode=None,
-                       hardness_strength=0.0, temperature: float = 0.05):
+def mnrl_directions_fn(
+    impl: str,
+    columns,
+    *,
+    directions=GTE,
+    partition_mode="joint",
+    hardness_mode=None,
+    hardness_strength=0.0,
+    temperature: float = 0.05,
+):
     """``() -> loss`` for ``impl``: a fastcl backend or ``"st-mnrl"`` (sentence-transformers)."""
-    opts = dict(directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
-                hardness_strength=hardness_strength)
+    opts = dict(
+        directions=directions,
+        partition_mode=partition_mode,
+        hardness_mode=hardness_mode,
+        hardness_strength=hardness_strength,
+    )
     if impl == "st-mnrl":
         from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
@@ -82,10 +95,19 @@ def mnrl_directions_fn(impl: str, columns, *, directions=GTE, partition_mode="jo
     return lambda: mnrl_loss(columns[0], columns[1], negatives, temperature=temperature, backend=impl, **opts)
 
 
-def mnrl_directions_step(backend: str, B: int, d: int, Q: int = 1, hardness_mode: str | None = None,
-                         dtype: str = "float32", device: str = "cpu"):
+def mnrl_directions_step(
+    backend: str,
+    B: int,
+    d: int,
+    Q: int = 1,
+    hardness_mode: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+):
     columns = mnrl_directions_inputs(B, d, Q, getattr(torch, dtype), device)
-    fn = mnrl_directions_fn(backend, columns, hardness_mode=hardness_mode, hardness_strength=5.0 if hardness_mode else 0.0)
+    fn = mnrl_directions_fn(
+        backend, columns, hardness_mode=hardness_mode, hardness_strength=5.0 if hardness_mode else 0.0
+    )
 
     def step():
         for c in columns:

@@ -22,8 +22,9 @@ LOSSES = {
 }
 
 
-def make_inputs(loss: str, B: int, P: int, Q: int, d: int, dtype: str = "float32", device: str = "cpu",
-                seed: int = 0) -> dict[str, torch.Tensor]:
+def make_inputs(
+    loss: str, B: int, P: int, Q: int, d: int, dtype: str = "float32", device: str = "cpu", seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Random leaf tensors (requires_grad) named as the loss's arguments."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = DTYPES[dtype]
@@ -47,8 +48,9 @@ def loss_fn(loss: str, backend: str):
     return lambda **t: fused(**t, temperature=0.05, backend=backend)
 
 
-def loss_step(loss: str, backend: str, B: int, P: int = 1, Q: int = 0, d: int = 128, dtype: str = "float32",
-              device: str = "cpu"):
+def loss_step(
+    loss: str, backend: str, B: int, P: int = 1, Q: int = 0, d: int = 128, dtype: str = "float32", device: str = "cpu"
+):
     """Build inputs, return a zero-argument callable running forward + backward once.
 
     ``backend`` is any implementation of ``fastcl.bench.peers.IMPLS``: ``"eager"``, a fastcl

@@ -48,14 +48,23 @@ def check_workload(loss: str, B: int, P: int, Q: int, d: int, dtype: str, device
     inputs = make_inputs(loss, B, P, Q, d, dtype, device)
     t64 = {k: (None if v is None else v.detach().double().requires_grad_()) for k, v in inputs.items()}
     oracle = LOSSES[loss][1]
-    ref_value, ref_grads = _grads(lambda: oracle(**t64, temperature=peers.TEMPERATURE), t64)
+    ref_value, ref_grads = _grads(lambda t=t64: oracle(**t, temperature=peers.TEMPERATURE), t64)
     del t64
     dt = inputs["anchor"].dtype
     atol, rtol = VALUE_TOL[dt]
     out = []
     for name in impls:
-        rec = {"loss": loss, "B": B, "P": P, "Q": Q, "d": d, "dtype": dtype, "device": device, "impl": name,
-               "family": peers.IMPLS[name].family}
+        rec = {
+            "loss": loss,
+            "B": B,
+            "P": P,
+            "Q": Q,
+            "d": d,
+            "dtype": dtype,
+            "device": device,
+            "impl": name,
+            "family": peers.IMPLS[name].family,
+        }
         why = peers.unavailable(name, loss, device)
         if why:
             out.append({**rec, "status": "skipped", "reason": why})
@@ -71,8 +80,17 @@ def check_workload(loss: str, B: int, P: int, Q: int, d: int, dtype: str, device
         value_ok = abs(value - ref_value) <= atol + rtol * abs(ref_value)
         grads_ok = all(e <= GRAD_RTOL[dt] for e in errs.values())
         ok = value_ok and (grads_ok or rec["family"] != "fastcl")
-        out.append({**rec, "status": "ok" if ok else "FAIL", "value": value, "reference": ref_value,
-                    "abs_err": abs(value - ref_value), "grad_rel_err": errs, "grads_within_tol": grads_ok})
+        out.append(
+            {
+                **rec,
+                "status": "ok" if ok else "FAIL",
+                "value": value,
+                "reference": ref_value,
+                "abs_err": abs(value - ref_value),
+                "grad_rel_err": errs,
+                "grads_within_tol": grads_ok,
+            }
+        )
     return out
 
 
@@ -90,11 +108,15 @@ def main(args: argparse.Namespace) -> int:
     records = []
     for (loss, B, P, Q, d), dtype in tqdm(jobs, desc="correctness", unit="workload"):
         B = max(2, int(B * args.scale))
-        records += check_workload(loss, B, P, Q, d, dtype, args.device, [n for n in impls if loss in peers.IMPLS[n].losses])
+        records += check_workload(
+            loss, B, P, Q, d, dtype, args.device, [n for n in impls if loss in peers.IMPLS[n].losses]
+        )
     failed = [r for r in records if r["status"] == "FAIL"]
     for r in records:
-        extra = r.get("reason") or (f"|dvalue| {r['abs_err']:.2e}, grad rel err "
-                                    + ", ".join(f"{k} {v:.1e}" for k, v in r["grad_rel_err"].items()))
+        extra = r.get("reason") or (
+            f"|dvalue| {r['abs_err']:.2e}, grad rel err "
+            + ", ".join(f"{k} {v:.1e}" for k, v in r["grad_rel_err"].items())
+        )
         print(f"{r['status']:>7}  {r['loss']:<7} B={r['B']:<6} {r['dtype']:<8} {r['impl']:<10} {extra}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

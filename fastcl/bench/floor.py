@@ -69,8 +69,9 @@ class FloorPlan:
         return self.rows * self.N
 
 
-def plan_floor(B: int, N: int, d: int, max_elements: int = FLOOR_MAX_ELEMENTS,
-               max_flops: int = FLOOR_MAX_FLOPS) -> FloorPlan:
+def plan_floor(
+    B: int, N: int, d: int, max_elements: int = FLOOR_MAX_ELEMENTS, max_flops: int = FLOOR_MAX_FLOPS
+) -> FloorPlan:
     """Block height and how many blocks to time (see the module docstring)."""
     if min(B, N, d) < 1:
         raise ValueError(f"floor of an empty problem: B={B}, N={N}, d={d}")

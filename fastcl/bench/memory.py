@@ -58,8 +58,9 @@ def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600) -> in
     return int(json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"])
 
 
-def cpu_extra_peak_bytes_many(factory: str, cases: list[dict], preload: tuple[str, ...] = (),
-                              timeout: float = 1800, threads: int | None = None) -> list[int | None]:
+def cpu_extra_peak_bytes_many(
+    factory: str, cases: list[dict], preload: tuple[str, ...] = (), timeout: float = 1800, threads: int | None = None
+) -> list[int | None]:
     """:func:`cpu_extra_peak_bytes` for many cases, paying Python's and the libraries' start-up once.
 
     One fresh Python process imports ``factory``'s module and ``preload`` and runs no

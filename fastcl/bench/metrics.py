@@ -9,7 +9,7 @@ best of a few), so "share of GEMM" = achieved / measured, not a datasheet peak.
 from __future__ import annotations
 
 import time
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -36,7 +36,7 @@ def synchronize(device: str | torch.device) -> None:
 _MAX_GEMM_ELEMENTS = 2**26
 
 
-@lru_cache(maxsize=None)
+@cache
 def gemm_tflops(B: int, N: int, d: int, dtype: str = "float32", device: str = "cpu", repeats: int = 5) -> float:
     """Measured TFLOP/s of ``[B, d] @ [d, N]`` in ``dtype`` on ``device`` (best of ``repeats``).
 

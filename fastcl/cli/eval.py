@@ -23,9 +23,20 @@ STS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 TRANSFER = ("mr", "cr", "subj", "mpqa", "sst2", "trec", "mrpc")
 ALIASES = {"sts": STS, "transfer": TRANSFER, "all": STS + TRANSFER}
 LABELS = {
-    "sts12": "STS12", "sts13": "STS13", "sts14": "STS14", "sts15": "STS15", "sts16": "STS16",
-    "stsb": "STS-B", "sickr": "SICK-R", "mr": "MR", "cr": "CR", "subj": "SUBJ", "mpqa": "MPQA",
-    "sst2": "SST-2", "trec": "TREC", "mrpc": "MRPC",
+    "sts12": "STS12",
+    "sts13": "STS13",
+    "sts14": "STS14",
+    "sts15": "STS15",
+    "sts16": "STS16",
+    "stsb": "STS-B",
+    "sickr": "SICK-R",
+    "mr": "MR",
+    "cr": "CR",
+    "subj": "SUBJ",
+    "mpqa": "MPQA",
+    "sst2": "SST-2",
+    "trec": "TREC",
+    "mrpc": "MRPC",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -48,23 +59,47 @@ def parse_tasks(text: str) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="STS / SentEval transfer evaluation of a Hugging Face encoder",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "eval",
+        help="STS / SentEval transfer evaluation of a Hugging Face encoder",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", required=True, help="local folder or hub id loadable by AutoModel")
     p.add_argument("--pooling", default="cls", choices=POOLINGS, help="sentence pooling (default: cls)")
     p.add_argument("--tasks", default="sts", help="comma list of tasks, or sts / transfer / all (default: sts)")
     p.add_argument("--data-dir", default=None, help="staged data folder (default: $FASTCL_DATA_DIR)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
-    p.add_argument("--protocol", default="senteval", choices=("senteval", "mteb"),
-                   help="STS text and splits: senteval (SimCSE papers) or mteb (MTEB leaderboard)")
-    p.add_argument("--split", default="test", choices=("test", "dev"),
-                   help="dev: STS-B / SICK-R development sets, for model selection")
-    p.add_argument("--aggregation", default="all", choices=("all", "wmean", "mean"),
-                   help="STS12-16 subset aggregation (default: all)")
-    p.add_argument("--source", default="local", choices=("local", "hf"),
-                   help="STS data from --data-dir or from the MTEB copies on the hub (online)")
-    p.add_argument("--transfer-config", default="full", choices=("full", "fast", "test"),
-                   help="SentEval classifier: full (10-fold, Adam), fast (5-fold, RMSprop), test")
+    p.add_argument(
+        "--protocol",
+        default="senteval",
+        choices=("senteval", "mteb"),
+        help="STS text and splits: senteval (SimCSE papers) or mteb (MTEB leaderboard)",
+    )
+    p.add_argument(
+        "--split",
+        default="test",
+        choices=("test", "dev"),
+        help="dev: STS-B / SICK-R development sets, for model selection",
+    )
+    p.add_argument(
+        "--aggregation",
+        default="all",
+        choices=("all", "wmean", "mean"),
+        help="STS12-16 subset aggregation (default: all)",
+    )
+    p.add_argument(
+        "--source",
+        default="local",
+        choices=("local", "hf"),
+        help="STS data from --data-dir or from the MTEB copies on the hub (online)",
+    )
+    p.add_argument(
+        "--transfer-config",
+        default="full",
+        choices=("full", "fast", "test"),
+        help="SentEval classifier: full (10-fold, Adam), fast (5-fold, RMSprop), test",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-length", type=int, default=None, help="token limit (default: the tokenizer's)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -76,7 +111,9 @@ def _table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for k, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        )
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -114,8 +151,13 @@ def run(args) -> int:
         raise SystemExit(f"fastcl eval: {e}") from None
 
     encoder = Encoder.from_pretrained(
-        args.model, pooling=args.pooling, batch_size=args.batch_size, max_length=args.max_length,
-        device=args.device, dtype=getattr(torch, args.dtype), show_progress=not args.quiet,
+        args.model,
+        pooling=args.pooling,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        show_progress=not args.quiet,
     )
     results: dict = {}
     details: dict = {}
@@ -124,7 +166,9 @@ def run(args) -> int:
 
         for name in sts:
             start = time.perf_counter()
-            res = evaluate_sts(encoder, [name], args.data_dir, args.protocol, args.split, args.aggregation, args.source)[name]
+            res = evaluate_sts(
+                encoder, [name], args.data_dir, args.protocol, args.split, args.aggregation, args.source
+            )[name]
             details[name] = {**res.to_dict(), "seconds": round(time.perf_counter() - start, 1)}
             results[name] = res.score
     if transfer:
@@ -181,8 +225,9 @@ def _write_results(out: Path, text: str) -> int:
                 f.write(text)
             print(f"fastcl eval: the results were saved to {fallback} instead", file=sys.stderr)
         except OSError as e2:
-            print(f"fastcl eval: could not save them to a temporary file either ({e2}); here they are:",
-                  file=sys.stderr)
+            print(
+                f"fastcl eval: could not save them to a temporary file either ({e2}); here they are:", file=sys.stderr
+            )
             print(text)
         return 1
     print(f"wrote {out}")

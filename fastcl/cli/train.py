@@ -15,8 +15,11 @@ from fastcl.trainers.registry import RECIPES, get_recipe
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a sentence encoder (simcse-unsup, simcse-sup, supmpn, supcon, edacse, gclsr)",
-                       description="Train with one method's recipe; `fastcl train METHOD -h` lists its options.")
+    p = sub.add_parser(
+        "train",
+        help="train a sentence encoder (simcse-unsup, simcse-sup, supmpn, supcon, edacse, gclsr)",
+        description="Train with one method's recipe; `fastcl train METHOD -h` lists its options.",
+    )
     _add_methods(p)
 
 

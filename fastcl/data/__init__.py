@@ -7,16 +7,44 @@
 See docs/training.md.
 """
 
-from fastcl.data.collate import (LABEL_IDS, collate_groups, collate_liao, collate_triplets, collate_views,
-                                 tokenize)
+from fastcl.data.collate import LABEL_IDS, collate_groups, collate_liao, collate_triplets, collate_views, tokenize
 from fastcl.data.nli import LABELS, load_nli, normalize_label, read_nli_csv, read_nli_jsonl, read_senteval_nli
-from fastcl.data.recipes import (LIAO_CAPS, NEG_FILLS, POS_FILLS, PUNCTUATION, group_by_premise, insert_punctuation,
-                                 liao_in_batch, simcse_triplets, supmpn_capacity, supmpn_groups)
+from fastcl.data.recipes import (
+    LIAO_CAPS,
+    NEG_FILLS,
+    POS_FILLS,
+    PUNCTUATION,
+    group_by_premise,
+    insert_punctuation,
+    liao_in_batch,
+    simcse_triplets,
+    supmpn_capacity,
+    supmpn_groups,
+)
 from fastcl.data.sentences import read_sentences
 
 __all__ = [
-    "LABELS", "LABEL_IDS", "LIAO_CAPS", "NEG_FILLS", "POS_FILLS", "PUNCTUATION",
-    "collate_groups", "collate_liao", "collate_triplets", "collate_views", "group_by_premise",
-    "insert_punctuation", "liao_in_batch", "load_nli", "normalize_label", "read_nli_csv", "read_nli_jsonl",
-    "read_senteval_nli", "read_sentences", "simcse_triplets", "supmpn_capacity", "supmpn_groups", "tokenize",
+    "LABELS",
+    "LABEL_IDS",
+    "LIAO_CAPS",
+    "NEG_FILLS",
+    "POS_FILLS",
+    "PUNCTUATION",
+    "collate_groups",
+    "collate_liao",
+    "collate_triplets",
+    "collate_views",
+    "group_by_premise",
+    "insert_punctuation",
+    "liao_in_batch",
+    "load_nli",
+    "normalize_label",
+    "read_nli_csv",
+    "read_nli_jsonl",
+    "read_senteval_nli",
+    "read_sentences",
+    "simcse_triplets",
+    "supmpn_capacity",
+    "supmpn_groups",
+    "tokenize",
 ]

@@ -26,8 +26,9 @@ def tokenize(tokenizer, texts: Sequence[str], max_length: int) -> dict[str, torc
     return dict(tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
 
 
-def collate_views(sentences: Sequence[str], tokenizer, max_length: int, views: int = 2,
-                  augment: Callable[[str], str] | None = None) -> dict:
+def collate_views(
+    sentences: Sequence[str], tokenizer, max_length: int, views: int = 2, augment: Callable[[str], str] | None = None
+) -> dict:
     """SimCSE-unsup / EdaCSE: ``views`` copies of the B sentences (dropout makes them differ),
     plus, with ``augment``, one augmented copy each. ``inputs`` rows: view 0 (B), view 1
     (B), ..., augmented (B)."""
@@ -51,8 +52,12 @@ def collate_groups(examples: Sequence[dict], tokenizer, max_length: int) -> dict
     texts = [e["anchor"] for e in examples]
     texts += [t for e in examples for t, ok in zip(e["positives"], e["pos_mask"]) if ok]
     texts += [t for e in examples for t, ok in zip(e["negatives"], e["neg_mask"]) if ok]
-    return {"inputs": tokenize(tokenizer, texts, max_length), "batch_size": len(examples),
-            "pos_mask": pos_mask, "neg_mask": neg_mask}
+    return {
+        "inputs": tokenize(tokenizer, texts, max_length),
+        "batch_size": len(examples),
+        "pos_mask": pos_mask,
+        "neg_mask": neg_mask,
+    }
 
 
 def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,5 +84,8 @@ def collate_liao(rows: Sequence[dict], tokenizer, max_length: int, cap: str, rng
         "batch_size": len(rows),
         "labels": torch.tensor([LABEL_IDS[r["label"]] for r in rows], dtype=torch.long),
         "anchor_rows": torch.tensor(built["anchor_rows"], dtype=torch.long),
-        "pos_index": pos_index, "pos_mask": pos_mask, "neg_index": neg_index, "neg_mask": neg_mask,
+        "pos_index": pos_index,
+        "pos_mask": pos_mask,
+        "neg_index": neg_index,
+        "neg_mask": neg_mask,
     }

@@ -101,7 +101,9 @@ def read_senteval_nli(folder: str | os.PathLike, split: str):
         )
     s1, s2, labels = (_lines(p) for p in paths)
     if not len(s1) == len(s2) == len(labels):
-        raise ValueError(f"{folder}: s1/s2/labels.{split} have {len(s1)}/{len(s2)}/{len(labels)} lines; they must align")
+        raise ValueError(
+            f"{folder}: s1/s2/labels.{split} have {len(s1)}/{len(s2)}/{len(labels)} lines; they must align"
+        )
     return _dataset([s.strip() for s in s1], [s.strip() for s in s2], labels, str(folder))
 
 
@@ -127,8 +129,10 @@ def read_nli_csv(path: str | os.PathLike):
         raise ValueError(f"{path}: empty file")
     header = [h.strip() for h in rows[0]]
     if any(h.lower() in _PREMISE_KEYS for h in header):
-        p, h, lab = (header.index(_pick(k, header, w, path)) for k, w in (
-            (_PREMISE_KEYS, "premise"), (_HYPOTHESIS_KEYS, "hypothesis"), (_LABEL_KEYS, "label")))
+        p, h, lab = (
+            header.index(_pick(k, header, w, path))
+            for k, w in ((_PREMISE_KEYS, "premise"), (_HYPOTHESIS_KEYS, "hypothesis"), (_LABEL_KEYS, "label"))
+        )
         body = rows[1:]
         return _dataset([r[p] for r in body], [r[h] for r in body], [r[lab] for r in body], str(path))
     # headerless: label label premise hypothesis (snli/sample20k)
@@ -151,8 +155,10 @@ def read_nli_jsonl(path: str | os.PathLike):
     if not records:
         raise ValueError(f"{path}: empty file")
     keys = list(records[0])
-    p, h, lab = (_pick(k, keys, w, path) for k, w in (
-        (_PREMISE_KEYS, "premise"), (_HYPOTHESIS_KEYS, "hypothesis"), (_LABEL_KEYS, "label")))
+    p, h, lab = (
+        _pick(k, keys, w, path)
+        for k, w in ((_PREMISE_KEYS, "premise"), (_HYPOTHESIS_KEYS, "hypothesis"), (_LABEL_KEYS, "label"))
+    )
     return _dataset([r[p] for r in records], [r[h] for r in records], [r[lab] for r in records], str(path))
 
 
@@ -185,6 +191,8 @@ def _load_hub(name: str, split: str):
     except Exception as e:  # offline, unknown name: both mean "not available here"
         raise FileNotFoundError(f"NLI data {name!r} is neither a local path nor a reachable hub dataset ({e})") from e
     cols = ds.column_names
-    p, h, lab = (_pick(k, cols, w, Path(name)) for k, w in (
-        (_PREMISE_KEYS, "premise"), (_HYPOTHESIS_KEYS, "hypothesis"), (_LABEL_KEYS, "label")))
+    p, h, lab = (
+        _pick(k, cols, w, Path(name))
+        for k, w in ((_PREMISE_KEYS, "premise"), (_HYPOTHESIS_KEYS, "hypothesis"), (_LABEL_KEYS, "label"))
+    )
     return _dataset(ds[p], ds[h], ds[lab], name)

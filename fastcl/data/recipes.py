@@ -74,7 +74,11 @@ def supmpn_groups(
         raise ValueError(f"pos_fill={pos_fill!r}; expected one of {POS_FILLS}")
     if neg_fill not in NEG_FILLS:
         raise ValueError(f"neg_fill={neg_fill!r}; expected one of {NEG_FILLS}")
-    for name, v in (("num_positives", num_positives), ("num_negatives", num_negatives), ("min_positives", min_positives)):
+    for name, v in (
+        ("num_positives", num_positives),
+        ("num_negatives", num_negatives),
+        ("min_positives", min_positives),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "num_positives" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'num_positives' else 0}, got {v!r}")
     groups = group_by_premise(nli)
@@ -120,12 +124,17 @@ def supmpn_groups(
                 fill = [""] * missing
                 neg_mask += [False] * missing
             cons = cons + fill
-        out.append({"anchor": premise, "positives": ents, "negatives": cons, "pos_mask": pos_mask, "neg_mask": neg_mask})
+        out.append(
+            {"anchor": premise, "positives": ents, "negatives": cons, "pos_mask": pos_mask, "neg_mask": neg_mask}
+        )
     if not out:
         raise ValueError(
             f"no SupMPN example left: no premise has >= {min_positives} entailment(s)"
-            + (f" and {num_positives} entailments / {num_negatives} contradictions (fill policy 'drop')"
-               if "drop" in (pos_fill, neg_fill) else "")
+            + (
+                f" and {num_positives} entailments / {num_negatives} contradictions (fill policy 'drop')"
+                if "drop" in (pos_fill, neg_fill)
+                else ""
+            )
         )
     return out
 
@@ -149,8 +158,10 @@ def supmpn_capacity(nli) -> tuple[int, int]:
     """The largest real (entailment, contradiction) counts of any premise: P/Q beyond these
     need a fill policy."""
     groups = group_by_premise(nli)
-    return (max((len(g["entailment"]) for g in groups.values()), default=0),
-            max((len(g["contradiction"]) for g in groups.values()), default=0))
+    return (
+        max((len(g["entailment"]) for g in groups.values()), default=0),
+        max((len(g["contradiction"]) for g in groups.values()), default=0),
+    )
 
 
 def liao_in_batch(rows: Sequence[dict], cap: str = "allpalln", rng: random.Random | None = None) -> dict:
@@ -174,8 +185,11 @@ def liao_in_batch(rows: Sequence[dict], cap: str = "allpalln", rng: random.Rando
     for r, row in enumerate(rows):
         if row["label"] != "entailment":
             continue
-        same = [c for c, other in enumerate(rows)
-                if c != r and other["label"] == "entailment" and other["premise"] == row["premise"]]
+        same = [
+            c
+            for c, other in enumerate(rows)
+            if c != r and other["label"] == "entailment" and other["premise"] == row["premise"]
+        ]
         pos_set = set(same) | {r}
         negs = [c for c in range(len(rows)) if c not in pos_set]
         if cap == "3p3n":

@@ -65,7 +65,9 @@ PRESETS = {
     "full": ClassifierConfig(),
     "fast": ClassifierConfig(optim="rmsprop", batch_size=128, tenacity=3, epoch_size=2, kfold=5),
     # tests and smoke runs only: 2-fold, one L2 value, at most 6 epochs; not comparable
-    "test": ClassifierConfig(optim="rmsprop", batch_size=128, tenacity=0, epoch_size=2, max_epoch=4, kfold=2, l2_grid=(1e-5,)),
+    "test": ClassifierConfig(
+        optim="rmsprop", batch_size=128, tenacity=0, epoch_size=2, max_epoch=4, kfold=2, l2_grid=(1e-5,)
+    ),
 }
 
 

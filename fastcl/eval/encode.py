@@ -107,9 +107,9 @@ def encode(
             starts = range(0, len(order), batch_size)
             for start in tqdm(starts, desc=desc, disable=not show_progress, unit="batch", leave=False):
                 batch = [unique[i] for i in order[start : start + batch_size]]
-                inputs = tokenizer(
-                    batch, padding=True, truncation=True, max_length=max_length, return_tensors="pt"
-                ).to(device)
+                inputs = tokenizer(batch, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(
+                    device
+                )
                 kwargs = {"output_hidden_states": True} if hidden_states else {}
                 outputs = model(**inputs, **kwargs, return_dict=True)
                 chunks.append(pool(outputs, inputs["attention_mask"], pooling).float().cpu())
@@ -157,7 +157,7 @@ class Encoder:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         show_progress: bool = True,
-    ) -> "Encoder":
+    ) -> Encoder:
         """Load ``AutoModel`` + ``AutoTokenizer`` from a local folder or hub id.
 
         ``device`` None = CUDA when available, else CPU. ``dtype`` None = as saved (float32

@@ -74,8 +74,15 @@ def plot_similarity(
         for i in range(n):
             for j in range(n):
                 value = sim[i, j]
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                        color="black" if value > 0.6 else "white")
+                ax.text(
+                    j,
+                    i,
+                    f"{value:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if value > 0.6 else "white",
+                )
     if title:
         ax.set_title(title)
     fig.tight_layout()

@@ -44,9 +44,7 @@ def inner_kfold(x: Tensor, y: np.ndarray, nclasses: int, cfg: ClassifierConfig, 
     outer = _folds(y, cfg.kfold, cfg.seed)
     grid = cfg.l2_grid
     # every (outer fold, inner fold) x L2 model in one run
-    sets = [
-        TrainSet(train[tr], train[te]) for train, _ in outer for tr, te in _folds(y[train], cfg.kfold, cfg.seed)
-    ]
+    sets = [TrainSet(train[tr], train[te]) for train, _ in outer for tr, te in _folds(y[train], cfg.kfold, cfg.seed)]
     inner = fit_grid(x, y, nclasses, sets, grid, cfg, desc).val_accuracy.reshape(len(outer), cfg.kfold, len(grid))
     dev, chosen = [], []
     for o in range(len(outer)):

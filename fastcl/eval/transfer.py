@@ -50,7 +50,9 @@ def _f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:
     return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
 
 
-def score_transfer(data: TransferData, embed, cfg: ClassifierConfig, device=None, progress: bool = False) -> TransferResult:
+def score_transfer(
+    data: TransferData, embed, cfg: ClassifierConfig, device=None, progress: bool = False
+) -> TransferResult:
     """Run ``data``'s SentEval protocol; ``embed(list[str], desc) -> (N, H)`` tensor."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -22,8 +22,15 @@ from fastcl.gclsr.vectors import WordVectors, tokenize
 from fastcl.losses import gclsr_loss
 
 
-def two_view_loss(model: GCLSRModel, x: Tensor, mask: Tensor, pwva: PWVA, *, group_size: int = 16,
-                  generator: torch.Generator | None = None) -> Tensor:
+def two_view_loss(
+    model: GCLSRModel,
+    x: Tensor,
+    mask: Tensor,
+    pwva: PWVA,
+    *,
+    group_size: int = 16,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """One GCLSR training loss: two independent PWVA views of ``x [B, L, d]`` (``mask
     [B, L]``), the model's ``(h1, z1, h2, z2)`` and the symmetric grouped cosine loss with
     stop-gradient on ``z`` (a scalar in ``[-1, 1]``)."""
@@ -33,6 +40,15 @@ def two_view_loss(model: GCLSRModel, x: Tensor, mask: Tensor, pwva: PWVA, *, gro
 
 
 __all__ = [
-    "PWVA", "AveragedWordVectors", "GCLSREncoder", "GCLSRModel", "TextCNN", "WordVectors",
-    "predictor", "projector", "tokenize", "two_view_loss", "word_importance",
+    "PWVA",
+    "AveragedWordVectors",
+    "GCLSREncoder",
+    "GCLSRModel",
+    "TextCNN",
+    "WordVectors",
+    "predictor",
+    "projector",
+    "tokenize",
+    "two_view_loss",
+    "word_importance",
 ]

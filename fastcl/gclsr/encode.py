@@ -34,8 +34,15 @@ class GCLSREncoder:
     The model's train/eval mode is restored afterwards.
     """
 
-    def __init__(self, model: GCLSRModel, vectors: WordVectors, *, max_words: int = 64, batch_size: int = 256,
-                 progress: bool = True):
+    def __init__(
+        self,
+        model: GCLSRModel,
+        vectors: WordVectors,
+        *,
+        max_words: int = 64,
+        batch_size: int = 256,
+        progress: bool = True,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.vectors = model, vectors
@@ -69,6 +76,8 @@ class AveragedWordVectors:
 
     def encode(self, sentences: Sequence[str], desc: str = "encode") -> Tensor:
         sentences = _sentences(sentences)
-        parts = [self.vectors.average(sentences[s : s + self.batch_size], self.max_words)
-                 for s in range(0, len(sentences), self.batch_size)]
+        parts = [
+            self.vectors.average(sentences[s : s + self.batch_size], self.max_words)
+            for s in range(0, len(sentences), self.batch_size)
+        ]
         return torch.cat(parts) if parts else torch.empty(0, self.vectors.dim)

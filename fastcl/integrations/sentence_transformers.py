@@ -289,8 +289,9 @@ class _FastCLSTLoss(nn.Module):
         """
         return self.mini_batch_size is not None
 
-    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
-                       with_backward: bool = False) -> Tensor:
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
         """The loss of per-column lists of embedding chunks (sentence-transformers' cached-loss hook).
 
         With ``with_backward`` the gradient goes into the chunks' ``.grad`` and the value
@@ -327,8 +328,14 @@ class _FastCLSTLoss(nn.Module):
 
     def _check_columns(self, n: int) -> None:
         if n < self.min_columns or (self.max_columns is not None and n > self.max_columns):
-            want = f"{self.min_columns}" if self.max_columns == self.min_columns else (
-                f"at least {self.min_columns}" if self.max_columns is None else f"{self.min_columns}..{self.max_columns}"
+            want = (
+                f"{self.min_columns}"
+                if self.max_columns == self.min_columns
+                else (
+                    f"at least {self.min_columns}"
+                    if self.max_columns is None
+                    else f"{self.min_columns}..{self.max_columns}"
+                )
             )
             raise ValueError(f"{type(self).__name__} takes {want} columns {self.layout}, got {n}")
 
@@ -385,9 +392,18 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
 
     layout = "(anchor, positive, negative_1, ..., negative_Q)"
 
-    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, directions=("query_to_doc",),
-                 partition_mode: str = "joint", hardness_mode: str | None = None, hardness_strength: float = 0.0,
-                 **kw):
+    def __init__(
+        self,
+        model,
+        scale=None,
+        similarity_fct=cos_sim,
+        *,
+        directions=("query_to_doc",),
+        partition_mode: str = "joint",
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
+        **kw,
+    ):
         super().__init__(model, scale, similarity_fct, **kw)
         self.directions = fl._check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
         self.partition_mode = partition_mode
@@ -401,15 +417,23 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
 
     def _extra_config(self):
         return {
-            "directions": self.directions, "partition_mode": self.partition_mode,
-            "hardness_mode": self.hardness_mode, "hardness_strength": self.hardness_strength,
+            "directions": self.directions,
+            "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode,
+            "hardness_strength": self.hardness_strength,
         }
 
     def _loss(self, embeddings):
         anchor, positive, *negatives = embeddings
         return fl.mnrl_loss(
-            anchor, positive, _stack(negatives), directions=self.directions, partition_mode=self.partition_mode,
-            hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength, **self._options(),
+            anchor,
+            positive,
+            _stack(negatives),
+            directions=self.directions,
+            partition_mode=self.partition_mode,
+            hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength,
+            **self._options(),
         )
 
 

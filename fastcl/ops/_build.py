@@ -116,8 +116,11 @@ class Extension:
         build_dir.mkdir(parents=True, exist_ok=True)
         cached = (build_dir / f"{self.name}.so").exists()
         if not cached:
-            print(f"fastcl: compiling the {self.describe} backend (first use only, about a minute) in {build_dir}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"fastcl: compiling the {self.describe} backend (first use only, about a minute) in {build_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
         start = time.perf_counter()
         try:
             cpp_extension.load(
@@ -140,8 +143,11 @@ class Extension:
             return why
         self.library = str(build_dir / f"{self.name}.so")
         if not cached:
-            print(f"fastcl: {self.describe} backend built in {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"fastcl: {self.describe} backend built in {time.perf_counter() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
 
 

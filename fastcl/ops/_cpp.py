@@ -75,12 +75,21 @@ class CppLSE:
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
         cd = compute_dtype(problem.dtype)
-        d_anchor, d0, d1 = (new_output(t.shape, dtype=cd, device=problem.device)
-                            for t in (problem.anchor, *problem.blocks))
+        d_anchor, d0, d1 = (
+            new_output(t.shape, dtype=cd, device=problem.device) for t in (problem.anchor, *problem.blocks)
+        )
         fold = d_pos is not None and problem.positives is not None
         offset = problem.positives.offset if fold else 0
-        _ops().lse_backward(*_args(problem, tau), lse.to(cd), g.to(cd), d_pos.to(cd) if fold else None, offset,
-                            d_anchor=d_anchor, d_block0=d0, d_block1=d1)
+        _ops().lse_backward(
+            *_args(problem, tau),
+            lse.to(cd),
+            g.to(cd),
+            d_pos.to(cd) if fold else None,
+            offset,
+            d_anchor=d_anchor,
+            d_block0=d0,
+            d_block1=d1,
+        )
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
@@ -92,11 +101,21 @@ class CppLSE:
         out.d_blocks = tuple(new_output(b.shape, dtype=cd, device=dev) for b in problem.blocks)
         out.g_dot_mean_logit = new_output((), dtype=cd, device=dev)
         _ops().lse_fused(
-            *_args(problem, tau), head.kind, head.pos_logits.to(cd), head.pos_mask,
-            None if head.log_extra is None else head.log_extra.to(cd), head.weights.to(cd),
-            0 if problem.positives is None else problem.positives.offset, problem.positives is not None,
-            lse=out.lse, mean_logit=out.mean_logit, loss_rows=out.loss_rows, d_pos=out.d_pos,
-            d_anchor=out.d_anchor, d_block0=out.d_blocks[0], d_block1=out.d_blocks[1],
+            *_args(problem, tau),
+            head.kind,
+            head.pos_logits.to(cd),
+            head.pos_mask,
+            None if head.log_extra is None else head.log_extra.to(cd),
+            head.weights.to(cd),
+            0 if problem.positives is None else problem.positives.offset,
+            problem.positives is not None,
+            lse=out.lse,
+            mean_logit=out.mean_logit,
+            loss_rows=out.loss_rows,
+            d_pos=out.d_pos,
+            d_anchor=out.d_anchor,
+            d_block0=out.d_blocks[0],
+            d_block1=out.d_blocks[1],
             g_dot_mean_logit=out.g_dot_mean_logit,
         )
         return out

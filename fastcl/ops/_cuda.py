@@ -73,8 +73,11 @@ class CudaLSE(_cpp.CppLSE):
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         why = input_reasons(problem, backend=self.name, device_type=self.device_type)
-        if (not why and problem.dtype in (torch.float16, torch.bfloat16)
-                and torch.cuda.get_device_capability(problem.device) < (8, 0)):
+        if (
+            not why
+            and problem.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(problem.device) < (8, 0)
+        ):
             why.append("the cuda backend's 16-bit tensor-core path needs sm_80 or newer")
         return why
 

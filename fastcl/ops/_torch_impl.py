@@ -60,8 +60,9 @@ def _prepare(problem: LSEProblem) -> _Prepared:
     return _Prepared(a_hat, a_norm, torch.cat([p[0] for p in parts]), c_norm, torch.cat(tags))
 
 
-def _fold_positives(prep: _Prepared, problem: LSEProblem, d_pos: Tensor, inv_tau: Tensor,
-                    d_a_hat: Tensor, d_c_hat: Tensor) -> None:
+def _fold_positives(
+    prep: _Prepared, problem: LSEProblem, d_pos: Tensor, inv_tau: Tensor, d_a_hat: Tensor, d_c_hat: Tensor
+) -> None:
     """Add the own-positive logits' gradient to the float32 accumulators, in place."""
     B, d = prep.a_hat.shape
     rows = problem.positives.rows(0, B)

@@ -54,8 +54,11 @@ class LSEProblem:
     def __post_init__(self):
         # a wrong layout would fold gradients into the wrong rows: refuse it (shapes only, no sync)
         pos = self.positives
-        if pos is not None and not (pos.offset >= 0 and pos.count >= 1
-                                    and pos.offset + self.anchor.shape[0] * pos.count <= self.blocks[0].shape[0]):
+        if pos is not None and not (
+            pos.offset >= 0
+            and pos.count >= 1
+            and pos.offset + self.anchor.shape[0] * pos.count <= self.blocks[0].shape[0]
+        ):
             raise ValueError(
                 f"own positives (offset {pos.offset}, {pos.count} per anchor, {self.anchor.shape[0]} anchors) "
                 f"do not fit in block 0 ({self.blocks[0].shape[0]} rows)"

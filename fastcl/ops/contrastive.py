@@ -136,15 +136,17 @@ class ContrastiveLSE(torch.autograd.Function):
             if folded:
                 d_tau = d_tau + _pos_tau_grad(out.d_pos, pos_logits, tau)
             ctx.save_for_backward(
-                out.d_anchor.to(keep), out.d_blocks[0].to(keep), out.d_blocks[1].to(keep), out.d_pos,
+                out.d_anchor.to(keep),
+                out.d_blocks[0].to(keep),
+                out.d_blocks[1].to(keep),
+                out.d_pos,
                 d_tau.to(tau.dtype),
             )
             loss_rows = out.loss_rows
         else:
             lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
             if needs_grad:
-                ctx.save_for_backward(anchor, block0, block1, tau, pos_input,
-                                      lse, mean_logit, dlse, dpos, pos_logits)
+                ctx.save_for_backward(anchor, block0, block1, tau, pos_input, lse, mean_logit, dlse, dpos, pos_logits)
 
         out_loss = loss_rows if spec.reduction == "none" else (loss_rows * spec.weights.to(cd)).sum()
         return out_loss.to(anchor.dtype)
@@ -193,8 +195,12 @@ class ContrastiveLSE(torch.autograd.Function):
                 d_tau = d_tau + _pos_tau_grad(d_pos, pos_logits, tau)
             d_tau = d_tau.to(tau.dtype)
         return (
-            d_anchor.to(ctx.dtype), d_b0.to(ctx.dtype), d_b1.to(ctx.dtype),
-            None if ctx.folded else d_pos, d_tau, None,
+            d_anchor.to(ctx.dtype),
+            d_b0.to(ctx.dtype),
+            d_b1.to(ctx.dtype),
+            None if ctx.folded else d_pos,
+            d_tau,
+            None,
         )
 
 

@@ -31,8 +31,9 @@ def _keep(pos_mask: Tensor | None, sl: slice) -> Tensor | None:
     return None if pos_mask is None else pos_mask[sl]
 
 
-def own_positive_similarities(anchor: Tensor, positives: Tensor, cosine: bool, eps: float,
-                              pos_mask: Tensor | None = None) -> Tensor:
+def own_positive_similarities(
+    anchor: Tensor, positives: Tensor, cosine: bool, eps: float, pos_mask: Tensor | None = None
+) -> Tensor:
     """``[B, P]`` similarities ``s(a_i, p_ik)`` in the compute dtype (no autograd).
 
     Padded positives (``pos_mask`` False) are read as zeros: their similarity is 0 and no
@@ -42,9 +43,9 @@ def own_positive_similarities(anchor: Tensor, positives: Tensor, cosine: bool, e
     sim = new_output((B, P), dtype=compute_dtype(anchor.dtype), device=anchor.device)
     step = _rows_per_block(P, d, B)
     for r0 in range(0, B, step):
-        a_hat, _ = normalize_rows(anchor[r0:r0 + step], eps, cosine)
-        p_hat, _ = normalize_rows(positives[r0:r0 + step], eps, cosine, _keep(pos_mask, slice(r0, r0 + step)))
-        sim[r0:r0 + step] = torch.linalg.vecdot(p_hat, a_hat[:, None, :])
+        a_hat, _ = normalize_rows(anchor[r0 : r0 + step], eps, cosine)
+        p_hat, _ = normalize_rows(positives[r0 : r0 + step], eps, cosine, _keep(pos_mask, slice(r0, r0 + step)))
+        sim[r0 : r0 + step] = torch.linalg.vecdot(p_hat, a_hat[:, None, :])
     return sim
 
 
@@ -52,8 +53,9 @@ class PositiveLogits(torch.autograd.Function):
     """``anchor [B, d]``, ``positives [B, P, d]``, ``tau`` (0-d) -> logits ``[B, P]``."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, cosine: bool, eps: float,
-                pos_mask: Tensor | None) -> Tensor:
+    def forward(
+        ctx, anchor: Tensor, positives: Tensor, tau: Tensor, cosine: bool, eps: float, pos_mask: Tensor | None
+    ) -> Tensor:
         B, P, d = positives.shape
         sim = own_positive_similarities(anchor, positives, cosine, eps, pos_mask)
         ctx.save_for_backward(anchor, positives, tau, sim)
@@ -98,8 +100,9 @@ def _differentiable_grads(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, d
     return [next(grads) if need else None for need in ctx.needs_input_grad[:3]]
 
 
-def positive_logits(anchor: Tensor, positives: Tensor, tau: Tensor, *, cosine: bool, eps: float,
-                    pos_mask: Tensor | None = None) -> Tensor:
+def positive_logits(
+    anchor: Tensor, positives: Tensor, tau: Tensor, *, cosine: bool, eps: float, pos_mask: Tensor | None = None
+) -> Tensor:
     """``[B, P]`` float32 (float64) own-positive logits; differentiable in all three inputs.
     Padded positives (``pos_mask`` False) are read as zeros (logit 0, gradient exactly 0)."""
     return PositiveLogits.apply(anchor, positives, tau, cosine, eps, pos_mask)

@@ -1,7 +1,7 @@
 """Thin trainers: one shared loop (``loop.train``), a ``Recipe`` per method. See docs/training.md.
 
-    from fastcl.trainers import get_recipe, train_method
-    summary = train_method("supmpn", model="path/to/model", max_steps=100, output_dir="runs/x")
+from fastcl.trainers import get_recipe, train_method
+summary = train_method("supmpn", model="path/to/model", max_steps=100, output_dir="runs/x")
 """
 
 from fastcl.trainers.recipe import Recipe, StepContext, warmup_schedule

@@ -42,11 +42,28 @@ _FORMAT = 1
 # Options that may differ between a checkpoint and the run resuming it: where things live,
 # how the run reports, and how long it goes on. Every other option (method, batch size, lr,
 # seed, precision, data, loss and pooling options, any a recipe adds) must match.
-RESUME_MAY_CHANGE = frozenset({
-    "output_dir", "resume", "device", "progress", "tensorboard", "log_steps", "eval_steps", "eval_batch_size",
-    "save_steps", "save_total_limit", "max_steps", "epochs", "data_dir", "chunk_size", "preset", "list_presets",
-    "allow_config_change", "command",
-})
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "output_dir",
+        "resume",
+        "device",
+        "progress",
+        "tensorboard",
+        "log_steps",
+        "eval_steps",
+        "eval_batch_size",
+        "save_steps",
+        "save_total_limit",
+        "max_steps",
+        "epochs",
+        "data_dir",
+        "chunk_size",
+        "preset",
+        "list_presets",
+        "allow_config_change",
+        "command",
+    }
+)
 _PATH_OPTIONS = ("model", "train_file")
 
 
@@ -129,7 +146,7 @@ def mark_complete(folder: Path, *, world_size: int, step: int, written: dict | N
 
 
 def _step_of(folder: Path) -> int | None:
-    suffix = folder.name[len(PREFIX):]
+    suffix = folder.name[len(PREFIX) :]
     return int(suffix) if folder.name.startswith(PREFIX) and suffix.isdigit() else None
 
 
@@ -156,8 +173,10 @@ def problem(folder: Path) -> str | None:
     manifest = folder / MANIFEST
     if not manifest.is_file():
         where = f" ({STATE} is there)" if (folder / STATE).exists() else ""
-        return (f"{manifest} missing{where}: the checkpoint was interrupted before all its files were "
-                "written, or comes from a fastcl without complete-checkpoint markers")
+        return (
+            f"{manifest} missing{where}: the checkpoint was interrupted before all its files were "
+            "written, or comes from a fastcl without complete-checkpoint markers"
+        )
     try:
         info = json.loads(manifest.read_text())
         files = info["files"]
@@ -194,13 +213,15 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
             why = problem(folder)
             if why is None:
                 for reason in skipped:
-                    warnings.warn(f"--resume auto: skipping {reason}; resuming from {folder}", RuntimeWarning,
-                                  stacklevel=2)
+                    warnings.warn(
+                        f"--resume auto: skipping {reason}; resuming from {folder}", RuntimeWarning, stacklevel=2
+                    )
                 return folder
             skipped.append(why)
         if skipped:
             raise CheckpointError(
-                f"--resume auto: no complete checkpoint in {output_dir}: " + "; ".join(skipped)
+                f"--resume auto: no complete checkpoint in {output_dir}: "
+                + "; ".join(skipped)
                 + ". Move these folders away to start over."
             )
         return None
@@ -263,8 +284,9 @@ def check_config(folder: Path, state: dict, cfg) -> list[str]:
             f"--resume: {folder} was trained with different options ({listing}); resume with the "
             "checkpoint's values, or pass --allow-config-change to continue with the new ones"
         )
-    warnings.warn(f"--allow-config-change: resuming {folder} with changed options: {listing}", RuntimeWarning,
-                  stacklevel=2)
+    warnings.warn(
+        f"--allow-config-change: resuming {folder} with changed options: {listing}", RuntimeWarning, stacklevel=2
+    )
     return diffs
 
 

@@ -8,10 +8,13 @@ All options are added with ``default=None`` so that "not given" can be told apar
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastcl._fsio import check_output_dir
 from fastcl.trainers.recipe import SCHEDULES, Recipe
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 
@@ -71,8 +74,12 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-ratio", type=float)
     g.add_argument("--schedule", choices=SCHEDULES)
     g.add_argument("--max-grad-norm", type=float, help="clip the gradient norm (off by default)")
-    g.add_argument("--precision", choices=PRECISIONS, help="autocast dtype (fp16 uses a GradScaler, CUDA only); "
-                   "auto: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on the CPU")
+    g.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="autocast dtype (fp16 uses a GradScaler, CUDA only); "
+        "auto: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on the CPU",
+    )
     g.add_argument("--chunk-size", type=int, help="gradient cache: encode in chunks of this many texts")
     g.add_argument("--seed", type=int)
     g.add_argument("--shuffle", type=_bool, help="shuffle each epoch (true/false)")
@@ -82,9 +89,13 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-total-limit", type=int, help="keep the last N checkpoints")
     g.add_argument("--log-steps", type=int)
     g.add_argument("--resume", help="checkpoint folder to resume from, or 'auto' (latest in --output-dir)")
-    g.add_argument("--allow-config-change", action="store_true", default=None,
-                   help="resume even if method, batch size, lr, seed or other training options differ "
-                        "from the checkpoint's (they are refused by default)")
+    g.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        default=None,
+        help="resume even if method, batch size, lr, seed or other training options differ "
+        "from the checkpoint's (they are refused by default)",
+    )
     g.add_argument("--device", help="cpu / cuda / cuda:N (default: cuda when available)")
     g.add_argument("--progress", type=_bool, help="tqdm progress bar (true/false)")
     g.add_argument("--tensorboard", type=_bool, help="TensorBoard event files (true/false)")
@@ -117,7 +128,7 @@ def resolve(args: argparse.Namespace, recipe: Recipe) -> argparse.Namespace:
     return cfg
 
 
-def resolve_precision(precision: str, device: "torch.device | str | None" = None) -> str:
+def resolve_precision(precision: str, device: torch.device | str | None = None) -> str:
     """The autocast setting actually used: ``auto`` becomes mixed precision on CUDA (bf16
     where the GPU supports it, else fp16 with loss scaling, as SimCSE and SupMPN trained)
     and fp32 on any other device; explicit values pass through. ``device=None`` means

@@ -40,7 +40,9 @@ class HFRecipe(Recipe):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group(f"{self.name} options")
         g.add_argument("--pooling", choices=POOLINGS, help="sentence embedding at train time (fastcl.pooling)")
-        g.add_argument("--mlp", choices=MLP_MODES, help="SimCSE MLP head over the pooled embedding: none / train only / always")
+        g.add_argument(
+            "--mlp", choices=MLP_MODES, help="SimCSE MLP head over the pooled embedding: none / train only / always"
+        )
         g.add_argument("--max-length", type=int, help="truncation length in tokens for training texts")
         g.add_argument("--temperature", type=float, help="softmax temperature tau (logit = similarity / tau)")
         g.add_argument("--train-split", help="split of a SentEval-format NLI folder (s1.SPLIT) or hub dataset")
@@ -50,8 +52,13 @@ class HFRecipe(Recipe):
         """Subclasses add their own options here."""
 
     def option_defaults(self) -> dict:
-        return {"pooling": "cls_before_pooler", "mlp": "none", "max_length": 32, "temperature": 0.05,
-                "train_split": "train"}
+        return {
+            "pooling": "cls_before_pooler",
+            "mlp": "none",
+            "max_length": 32,
+            "temperature": 0.05,
+            "train_split": "train",
+        }
 
     # ------------------------------------------------------------------ validation
     def validate(self, cfg) -> None:
@@ -99,8 +106,10 @@ class HFRecipe(Recipe):
         backbone, info = AutoModel.from_pretrained(str(cfg.model), output_loading_info=True)
         missing_pooler = [k for k in info.get("missing_keys", []) if "pooler" in k]
         if cfg.pooling == "cls" and missing_pooler:
-            raise ValueError(f"--model {cfg.model} has no trained pooler; pooling='cls' would start from random "
-                             "weights: use --pooling cls_before_pooler --mlp always (SimCSE's head)")
+            raise ValueError(
+                f"--model {cfg.model} has no trained pooler; pooling='cls' would start from random "
+                "weights: use --pooling cls_before_pooler --mlp always (SimCSE's head)"
+            )
         self.tokenizer(cfg)
         self._eval_batch = cfg.eval_batch_size
         return SentenceEncoder(backbone, cfg.pooling, cfg.mlp)

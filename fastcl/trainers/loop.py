@@ -170,8 +170,9 @@ def train(recipe: Recipe, cfg) -> dict:
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     progress = {"step": 0, "best_score": None, "best_step": None}
     if resume_from is not None:
-        progress = ckpt.apply_state(resume_state, model=model, optimizer=optimizer, scheduler=scheduler,
-                                    scaler=scaler, cfg=cfg)
+        progress = ckpt.apply_state(
+            resume_state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, cfg=cfg
+        )
         resume_state = None
         ckpt.load_rng(resume_from, rank)
 
@@ -202,8 +203,13 @@ def train(recipe: Recipe, cfg) -> dict:
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, initial=progress["step"], desc=f"train {recipe.name}", unit="step",
-               disable=rank != 0 or not cfg.progress)
+    bar = tqdm(
+        total=total,
+        initial=progress["step"],
+        desc=f"train {recipe.name}",
+        unit="step",
+        disable=rank != 0 or not cfg.progress,
+    )
     start, window = time.perf_counter(), []
     order_epoch, order = None, None
     step = progress["step"]
@@ -213,12 +219,24 @@ def train(recipe: Recipe, cfg) -> dict:
             order, order_epoch = epoch_order(n, cfg.seed, epoch, cfg.shuffle), epoch
         first = pos * cfg.batch_size + rank * per_rank
         examples = [dataset[i] for i in order[first : first + per_rank]]
-        ctx = StepContext(cfg=cfg, step=step, epoch=epoch, rank=rank, world_size=world, device=device,
-                          process_group=group, rng=random.Random(f"{cfg.seed}-{step}-{rank}"), encode=encode)
+        ctx = StepContext(
+            cfg=cfg,
+            step=step,
+            epoch=epoch,
+            rank=rank,
+            world_size=world,
+            device=device,
+            process_group=group,
+            rng=random.Random(f"{cfg.seed}-{step}-{rank}"),
+            encode=encode,
+        )
         batch = _to_device(recipe.collate(examples, ctx), device)
         model.train()
-        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast:
             loss, metrics = recipe.loss(step_model, batch, ctx)
         if not torch.isfinite(loss.detach()).all():
@@ -248,9 +266,14 @@ def train(recipe: Recipe, cfg) -> dict:
             mean_loss = torch.stack(window).mean()
             if world > 1:
                 dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-            record = {"step": step, "epoch": epoch, "loss": float(mean_loss),
-                      "lr": optimizer.param_groups[0]["lr"], "elapsed_s": round(time.perf_counter() - start, 3),
-                      **{k: float(v) for k, v in metrics.items()}}
+            record = {
+                "step": step,
+                "epoch": epoch,
+                "loss": float(mean_loss),
+                "lr": optimizer.param_groups[0]["lr"],
+                "elapsed_s": round(time.perf_counter() - start, 3),
+                **{k: float(v) for k, v in metrics.items()},
+            }
             if grad_norm is not None:
                 record["grad_norm"] = grad_norm
             logger.log(record)
@@ -265,8 +288,16 @@ def train(recipe: Recipe, cfg) -> dict:
             logger.log({"step": step, "stsb_dev": score, "best_stsb_dev": progress["best_score"]})
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == total:
             folder = output_dir / f"{ckpt.PREFIX}{step}"
-            written = ckpt.save_checkpoint(folder, rank=rank, model=model, optimizer=optimizer,
-                                           scheduler=scheduler, scaler=scaler, progress=dict(progress), cfg=cfg)
+            written = ckpt.save_checkpoint(
+                folder,
+                rank=rank,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                progress=dict(progress),
+                cfg=cfg,
+            )
             if world > 1:  # returns once every rank's files are on disk; rank 0 gets their digests
                 everyone = [None] * world
                 dist.all_gather_object(everyone, written)
@@ -275,9 +306,14 @@ def train(recipe: Recipe, cfg) -> dict:
                 ckpt.mark_complete(folder, world_size=world, step=step, written=written)
                 ckpt.prune(output_dir, cfg.save_total_limit)
     bar.close()
-    summary = {"method": recipe.name, "steps": step, "wall_s": round(time.perf_counter() - start, 2),
-               "best_stsb_dev": progress["best_score"], "best_step": progress["best_step"],
-               "output_dir": str(output_dir)}
+    summary = {
+        "method": recipe.name,
+        "steps": step,
+        "wall_s": round(time.perf_counter() - start, 2),
+        "best_stsb_dev": progress["best_score"],
+        "best_step": progress["best_step"],
+        "output_dir": str(output_dir),
+    }
     if rank == 0:
         recipe.save_pretrained(model, output_dir / "final", cfg)
         atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

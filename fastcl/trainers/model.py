@@ -69,8 +69,16 @@ class EvalEncoder:
         from fastcl.eval import encode
 
         enc = self.encoder
-        emb = encode(enc.backbone, self.tokenizer, sentences, pooling=enc.pooling, batch_size=self.batch_size,
-                     max_length=self.max_length, show_progress=False, desc=desc)
+        emb = encode(
+            enc.backbone,
+            self.tokenizer,
+            sentences,
+            pooling=enc.pooling,
+            batch_size=self.batch_size,
+            max_length=self.max_length,
+            show_progress=False,
+            desc=desc,
+        )
         if enc.mlp is not None and enc.mlp_mode == "always":
             param = next(enc.mlp.parameters())
             with torch.no_grad():
@@ -89,7 +97,9 @@ def _st_modules():
     return m
 
 
-def save_pretrained(encoder: SentenceEncoder, tokenizer, path: str | os.PathLike, sentence_transformers: bool = True) -> Path:
+def save_pretrained(
+    encoder: SentenceEncoder, tokenizer, path: str | os.PathLike, sentence_transformers: bool = True
+) -> Path:
     """Write ``path`` loadable by ``AutoModel`` and (where the embedding can be expressed with
     its modules) by ``SentenceTransformer``; returns the path.
 
@@ -105,15 +115,23 @@ def save_pretrained(encoder: SentenceEncoder, tokenizer, path: str | os.PathLike
     if use_mlp:
         dense = getattr(getattr(backbone, "pooler", None), "dense", None)
         lin = encoder.mlp[0]
-        if encoder.pooling == "cls_before_pooler" and isinstance(dense, nn.Linear) and dense.weight.shape == lin.weight.shape:
+        if (
+            encoder.pooling == "cls_before_pooler"
+            and isinstance(dense, nn.Linear)
+            and dense.weight.shape == lin.weight.shape
+        ):
             with torch.no_grad():
                 dense.weight.copy_(lin.weight)
                 dense.bias.copy_(lin.bias)
             eval_pooling = "cls"
     backbone.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    info = {"pooling": eval_pooling, "mlp": "in_pooler" if eval_pooling == "cls" and use_mlp else encoder.mlp_mode,
-            "train_pooling": encoder.pooling, "sentence_transformers": False}
+    info = {
+        "pooling": eval_pooling,
+        "mlp": "in_pooler" if eval_pooling == "cls" and use_mlp else encoder.mlp_mode,
+        "train_pooling": encoder.pooling,
+        "sentence_transformers": False,
+    }
     if sentence_transformers:
         info["sentence_transformers"] = _save_st(encoder, path, use_mlp)
     (path / "fastcl_model.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -147,13 +165,23 @@ def _save_st(encoder: SentenceEncoder, path: Path, use_mlp: bool) -> bool:
         modules = [m.Transformer(str(path))]
     else:  # the transformer must return every layer (saved as output_hidden_states in config.json)
         start, weights = layer_weights
-        modules = [m.Transformer(str(path), config_kwargs={"output_hidden_states": True}),
-                   m.WeightedLayerPooling(hidden, num_hidden_layers=layers, layer_start=start,
-                                          layer_weights=nn.Parameter(torch.tensor(weights)))]
+        modules = [
+            m.Transformer(str(path), config_kwargs={"output_hidden_states": True}),
+            m.WeightedLayerPooling(
+                hidden, num_hidden_layers=layers, layer_start=start, layer_weights=nn.Parameter(torch.tensor(weights))
+            ),
+        ]
     modules.append(m.Pooling(hidden, pooling_mode=mode))
     if use_mlp:
         lin = encoder.mlp[0]
-        modules.append(m.Dense(hidden, hidden, activation_function=nn.Tanh(),
-                               init_weight=lin.weight.detach().float().cpu(), init_bias=lin.bias.detach().float().cpu()))
+        modules.append(
+            m.Dense(
+                hidden,
+                hidden,
+                activation_function=nn.Tanh(),
+                init_weight=lin.weight.detach().float().cpu(),
+                init_bias=lin.bias.detach().float().cpu(),
+            )
+        )
     SentenceTransformer(modules=modules, device="cpu").save(str(path))
     return True

@@ -72,27 +72,73 @@ def test_correctness_module_on_tiny_workload():
 def _fake_run(tmp_path, threads=2, name="run.json", interleaved=True, speed=1.0):
     """A pytest-benchmark JSON shaped like bench_losses.py's output (``interleaved=False``:
     the older, median-timed records without spread or floor)."""
+
     def bench(impl, family, B, seconds, peak, noisy=False, **more):
         seconds /= speed
-        e = {"workload": f"supmpn B={B} P=5 Q=5 d=64 float32 cpu", "impl": impl, "family": family,
-             "loss": "supmpn", "B": B, "P": 5, "Q": 5, "d": 64, "dtype": "float32", "device": "cpu",
-             "peak_mib": peak, "tflops": 1e-3, "gemm_share": 0.5, "abs_err": 1e-7, "threads": threads}
+        e = {
+            "workload": f"supmpn B={B} P=5 Q=5 d=64 float32 cpu",
+            "impl": impl,
+            "family": family,
+            "loss": "supmpn",
+            "B": B,
+            "P": 5,
+            "Q": 5,
+            "d": 64,
+            "dtype": "float32",
+            "device": "cpu",
+            "peak_mib": peak,
+            "tflops": 1e-3,
+            "gemm_share": 0.5,
+            "abs_err": 1e-7,
+            "threads": threads,
+        }
         if interleaved:
-            e.update(min_s=seconds, spread=0.01, noisy=noisy, floor_s=0.05 / speed, floor_spread=0.02,
-                     floor_share=0.05 / seconds / speed, rounds=4, **more)
-        return {"name": f"x-{impl}-{B}", "stats": {"median": seconds * 1.5 if interleaved else seconds,
-                                                    "min": seconds}, "extra_info": e}
+            e.update(
+                min_s=seconds,
+                spread=0.01,
+                noisy=noisy,
+                floor_s=0.05 / speed,
+                floor_spread=0.02,
+                floor_share=0.05 / seconds / speed,
+                rounds=4,
+                **more,
+            )
+        return {
+            "name": f"x-{impl}-{B}",
+            "stats": {"median": seconds * 1.5 if interleaved else seconds, "min": seconds},
+            "extra_info": e,
+        }
+
     doc = {
-        "datetime": "2026-11-23T12:00:00", "machine_info": {"python_version": "3.11", "fastcl": {
-            "date": "2026-11-23T12:00:00+00:00", "cpu_count": 2, "torch_threads": threads, "loadavg_start": [3.0, 2, 1],
-            "loadavg_end": [4.0, 2, 1], "versions": {"torch": "2.13"}, "backends": {"cpp": "not built"}}},
-        "benchmarks": [bench("eager", "reference", 128, 0.2, 100.0), bench("torch", "fastcl", 128, 0.1, 10.0),
-                       bench("compile", "reference", 128, 0.125, 50.0, compile_s=12.5),
-                       bench("pml-ntxent", "peer", 128, 0.4, 120.0), bench("eager", "reference", 512, 0.8, 400.0, noisy=True),
-                       bench("torch", "fastcl", 512, 0.5, 20.0), {"name": "gradcache", "stats": {"median": 1.0},
-                                                                  "extra_info": {"mode": "cached"}}],
-        "fastcl_skipped": [{"workload": "supmpn B=128 P=5 Q=5 d=64 float32 cpu", "impl": "cpp",
-                            "reason": "fastcl backend 'cpp': not built"}],
+        "datetime": "2026-11-23T12:00:00",
+        "machine_info": {
+            "python_version": "3.11",
+            "fastcl": {
+                "date": "2026-11-23T12:00:00+00:00",
+                "cpu_count": 2,
+                "torch_threads": threads,
+                "loadavg_start": [3.0, 2, 1],
+                "loadavg_end": [4.0, 2, 1],
+                "versions": {"torch": "2.13"},
+                "backends": {"cpp": "not built"},
+            },
+        },
+        "benchmarks": [
+            bench("eager", "reference", 128, 0.2, 100.0),
+            bench("torch", "fastcl", 128, 0.1, 10.0),
+            bench("compile", "reference", 128, 0.125, 50.0, compile_s=12.5),
+            bench("pml-ntxent", "peer", 128, 0.4, 120.0),
+            bench("eager", "reference", 512, 0.8, 400.0, noisy=True),
+            bench("torch", "fastcl", 512, 0.5, 20.0),
+            {"name": "gradcache", "stats": {"median": 1.0}, "extra_info": {"mode": "cached"}},
+        ],
+        "fastcl_skipped": [
+            {
+                "workload": "supmpn B=128 P=5 Q=5 d=64 float32 cpu",
+                "impl": "cpp",
+                "reason": "fastcl backend 'cpp': not built",
+            }
+        ],
     }
     path = tmp_path / name
     path.write_text(json.dumps(doc))

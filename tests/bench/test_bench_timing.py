@@ -13,7 +13,6 @@ from fastcl import reference as R
 from fastcl.bench import floor, fusable, peers, timing
 from fastcl.bench.cases import make_inputs
 
-
 # --- spread and the noisy rule ---------------------------------------------------------
 
 
@@ -76,7 +75,11 @@ class FakeMachine:
 def test_round_order_rotates():
     names = ["a", "b", "c"]
     assert [timing.round_order(names, r) for r in range(4)] == [
-        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
     assert timing.round_order([], 3) == []
 
 
@@ -144,8 +147,12 @@ def test_replay_into_pytest_benchmark(benchmark):
     if benchmark.disabled:
         pytest.skip("pytest-benchmark is disabled in this run")
     stats = benchmark.stats.stats
-    assert (stats.rounds, stats.min, stats.median, stats.max) == (3, pytest.approx(0.1), pytest.approx(0.2),
-                                                                  pytest.approx(0.3))
+    assert (stats.rounds, stats.min, stats.median, stats.max) == (
+        3,
+        pytest.approx(0.1),
+        pytest.approx(0.2),
+        pytest.approx(0.3),
+    )
 
 
 # --- the GEMM floor --------------------------------------------------------------------
@@ -227,8 +234,10 @@ def test_run_case_checks_times_and_reports_each_implementation(monkeypatch):
 
         return fn
 
-    extra = {"wrong": peers.Impl("wrong", "peer", ("mnrl",), wrong),
-             "refuses": peers.Impl("refuses", "peer", ("mnrl",), refuses)}
+    extra = {
+        "wrong": peers.Impl("wrong", "peer", ("mnrl",), wrong),
+        "refuses": peers.Impl("refuses", "peer", ("mnrl",), refuses),
+    }
     monkeypatch.setattr(peers, "IMPLS", {**peers.IMPLS, **extra})
     monkeypatch.setattr(BL, "TIMING", dict(warmup=1, min_rounds=2, max_rounds=2, budget_s=0.0))
     base = dict(loss="mnrl", B=8, P=1, Q=1, d=16, dtype="float32", device="cpu")

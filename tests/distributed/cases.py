@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ def _mask(g, rows: int, cols: int, rank: int, *, uneven_anchors: bool) -> torch.
     m = torch.rand(rows, cols, generator=g) < keep
     if uneven_anchors:
         m[:, 0] = True
-        m[VALID_ANCHORS[rank]:] = False
+        m[VALID_ANCHORS[rank] :] = False
     return m
 
 
@@ -90,8 +90,11 @@ def _pool(N=5, P=2):
         cand_mask[pos_index[:, 0]] = True  # keep VALID_ANCHORS exact (an invalid candidate is no positive)
         pos_mask = _mask(g, B, P, rank, uneven_anchors=True)
         return {
-            "anchor": _randn(g, B, D), "candidates": _randn(g, N, D),
-            "pos_index": pos_index, "pos_mask": pos_mask, "cand_mask": cand_mask,
+            "anchor": _randn(g, B, D),
+            "candidates": _randn(g, N, D),
+            "pos_index": pos_index,
+            "pos_mask": pos_mask,
+            "cand_mask": cand_mask,
         }
 
     return make
@@ -122,13 +125,20 @@ class Case:
 
 def _supmpn(own):
     return lambda x, **kw: L.supmpn_loss(
-        x["anchor"], x["positives"], x.get("negatives"), pos_mask=x.get("pos_mask"), neg_mask=x.get("neg_mask"),
-        own_positives=own, **kw)
+        x["anchor"],
+        x["positives"],
+        x.get("negatives"),
+        pos_mask=x.get("pos_mask"),
+        neg_mask=x.get("neg_mask"),
+        own_positives=own,
+        **kw,
+    )
 
 
 def _supcon(x, **kw):
-    return L.supcon_loss(x["anchor"], x["positives"], x.get("negatives"), pos_mask=x.get("pos_mask"),
-                         neg_mask=x.get("neg_mask"), **kw)
+    return L.supcon_loss(
+        x["anchor"], x["positives"], x.get("negatives"), pos_mask=x.get("pos_mask"), neg_mask=x.get("neg_mask"), **kw
+    )
 
 
 CASES = [
@@ -141,20 +151,38 @@ CASES = [
     Case("supcon-none", _structured(2, 2), _supcon, reduction="none"),
     Case("supcon-fp32", _structured(2, 2, dtype=torch.float32), _supcon),
     Case("supmpn-bf16", _structured(2, 2, dtype=torch.bfloat16), _supmpn("exclude")),
-    Case("mnrl-hard-negatives", _pairs("anchor", "positive", Q=2),
-         lambda x, **kw: L.mnrl_loss(x["anchor"], x["positive"], x["negatives"], neg_mask=x["neg_mask"], **kw),
-         masked=False),
-    Case("mnrl-in-batch", _pairs("anchor", "positive"),
-         lambda x, **kw: L.mnrl_loss(x["anchor"], x["positive"], **kw), masked=False),
-    Case("infonce-symmetric", _pairs("anchor", "positive"),
-         lambda x, **kw: L.infonce_loss(x["anchor"], x["positive"], symmetric=True, **kw), masked=False),
-    Case("edacse", _pairs("anchor", "dropout_view", "augmented_view"),
-         lambda x, **kw: L.edacse_loss(x["anchor"], x["dropout_view"], x["augmented_view"], lam=0.6, **kw),
-         masked=False),
-    Case("supcon-pool", _pool(),
-         lambda x, **kw: L.supcon_pool_loss(x["anchor"], x["candidates"], x["pos_index"], pos_mask=x["pos_mask"],
-                                            cand_mask=x["cand_mask"], **kw),
-         merge=_concat_pool),
+    Case(
+        "mnrl-hard-negatives",
+        _pairs("anchor", "positive", Q=2),
+        lambda x, **kw: L.mnrl_loss(x["anchor"], x["positive"], x["negatives"], neg_mask=x["neg_mask"], **kw),
+        masked=False,
+    ),
+    Case(
+        "mnrl-in-batch",
+        _pairs("anchor", "positive"),
+        lambda x, **kw: L.mnrl_loss(x["anchor"], x["positive"], **kw),
+        masked=False,
+    ),
+    Case(
+        "infonce-symmetric",
+        _pairs("anchor", "positive"),
+        lambda x, **kw: L.infonce_loss(x["anchor"], x["positive"], symmetric=True, **kw),
+        masked=False,
+    ),
+    Case(
+        "edacse",
+        _pairs("anchor", "dropout_view", "augmented_view"),
+        lambda x, **kw: L.edacse_loss(x["anchor"], x["dropout_view"], x["augmented_view"], lam=0.6, **kw),
+        masked=False,
+    ),
+    Case(
+        "supcon-pool",
+        _pool(),
+        lambda x, **kw: L.supcon_pool_loss(
+            x["anchor"], x["candidates"], x["pos_index"], pos_mask=x["pos_mask"], cand_mask=x["cand_mask"], **kw
+        ),
+        merge=_concat_pool,
+    ),
 ]
 CASE_NAMES = [c.name for c in CASES]
 
@@ -207,8 +235,9 @@ class ToyEncoder(nn.Module):
 
     def forward(self, xa, xp, xn, pos_mask, neg_mask):
         b, p, _ = xp.shape
-        return self.loss(self.enc(xa), self.enc(xp).reshape(b, p, D), self.enc(xn).reshape(b, -1, D),
-                         pos_mask, neg_mask)
+        return self.loss(
+            self.enc(xa), self.enc(xp).reshape(b, p, D), self.enc(xn).reshape(b, -1, D), pos_mask, neg_mask
+        )
 
 
 def ddp_inputs(seed: int, rank: int) -> tuple:
@@ -283,7 +312,10 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> N
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=TIMEOUT_S),
         )
         group = dist.group.WORLD

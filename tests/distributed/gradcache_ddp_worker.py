@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers.gradcache import make_batch, param_grads, tiny_encoder
 from fastcl.gradcache import GradCache
 from fastcl.losses import infonce_loss
+from tests.helpers.gradcache import make_batch, param_grads, tiny_encoder
 
 N, CHUNK, STEPS = 7, 3, 2
 

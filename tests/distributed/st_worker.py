@@ -38,32 +38,52 @@ def _embedding_cases(seed: int, rank: int) -> dict:
     st_mnrl = STMNRL(None, gather_across_devices=True)
     st_sym = STMNRL(None, gather_across_devices=True, **sym)
     gte = dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"))
-    hard = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
-                hardness_mode="all_negatives", hardness_strength=4.0)
+    hard = dict(
+        directions=("query_to_doc", "doc_to_query"),
+        partition_mode="per_direction",
+        hardness_mode="all_negatives",
+        hardness_strength=4.0,
+    )
     st_gte = STMNRL(None, gather_across_devices=True, hardness_mode="in_batch_negatives", hardness_strength=3.0, **gte)
     st_hard = STMNRL(None, gather_across_devices=True, **hard)
     return {
         "mnrl_gte_hardness": (
             _grads(lambda e: st_gte.compute_loss_from_embeddings(e, None), triplet),
-            _grads(fst.MultipleNegativesRankingLoss(ident, gather_across_devices=True, hardness_mode="in_batch_negatives",
-                                                    hardness_strength=3.0, **gte).compute_loss_from_embeddings, triplet),
+            _grads(
+                fst.MultipleNegativesRankingLoss(
+                    ident, gather_across_devices=True, hardness_mode="in_batch_negatives", hardness_strength=3.0, **gte
+                ).compute_loss_from_embeddings,
+                triplet,
+            ),
         ),
         "mnrl_per_direction_hardness": (
             _grads(lambda e: st_hard.compute_loss_from_embeddings(e, None), triplet),
-            _grads(fst.MultipleNegativesRankingLoss(ident, process_group=dist.group.WORLD, **hard).compute_loss_from_embeddings,
-                   triplet),
+            _grads(
+                fst.MultipleNegativesRankingLoss(
+                    ident, process_group=dist.group.WORLD, **hard
+                ).compute_loss_from_embeddings,
+                triplet,
+            ),
         ),
         "mnrl": (
             _grads(lambda e: st_mnrl.compute_loss_from_embeddings(e, None), triplet),
-            _grads(fst.MultipleNegativesRankingLoss(ident, gather_across_devices=True).compute_loss_from_embeddings, triplet),
+            _grads(
+                fst.MultipleNegativesRankingLoss(ident, gather_across_devices=True).compute_loss_from_embeddings,
+                triplet,
+            ),
         ),
         "mnrl_group": (
             _grads(lambda e: st_mnrl.compute_loss_from_embeddings(e, None), triplet),
-            _grads(fst.MultipleNegativesRankingLoss(ident, process_group=dist.group.WORLD).compute_loss_from_embeddings, triplet),
+            _grads(
+                fst.MultipleNegativesRankingLoss(ident, process_group=dist.group.WORLD).compute_loss_from_embeddings,
+                triplet,
+            ),
         ),
         "infonce_symmetric": (
             _grads(lambda e: st_sym.compute_loss_from_embeddings(e, None), pair),
-            _grads(fst.InfoNCELoss(ident, symmetric=True, gather_across_devices=True).compute_loss_from_embeddings, pair),
+            _grads(
+                fst.InfoNCELoss(ident, symmetric=True, gather_across_devices=True).compute_loss_from_embeddings, pair
+            ),
         ),
     }
 
@@ -99,7 +119,11 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> N
         # Built before the group exists: transformers' save_pretrained writes only on rank 0 of a group.
         model = common.tiny_model(os.path.join(out_dir, f"model{rank}"), dropout=0.0, seed=seed)
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=TIMEOUT_S),
         )
         results = {"embeddings": _embedding_cases(seed, rank), "ddp_cached": _ddp_cached(model, seed, rank)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

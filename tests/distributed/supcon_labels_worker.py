@@ -26,15 +26,25 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> N
         from fastcl.losses import supcon_loss
 
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=TIMEOUT_S),
         )
         features, labels = inputs(seed, rank)
         out = {}
         for backend in ("reference", "torch", "cpp"):
             for reduction in ("mean", "sum"):
                 x = features.clone().requires_grad_()
-                loss = supcon_loss(x, labels=labels, temperature=0.2, reduction=reduction, backend=backend,
-                                   process_group=dist.group.WORLD)
+                loss = supcon_loss(
+                    x,
+                    labels=labels,
+                    temperature=0.2,
+                    reduction=reduction,
+                    backend=backend,
+                    process_group=dist.group.WORLD,
+                )
                 loss.backward()
                 out[(backend, reduction)] = (loss.detach(), x.grad)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -17,7 +17,6 @@ group stays usable after every error.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.gradcache import chunked_graph, one_thread, param_grads, tiny_encoder  # noqa: F401
-from tests.distributed.gradcache_ddp_worker import CHUNK, STEPS, step_data
 from fastcl.losses import infonce_loss
+from tests.distributed.gradcache_ddp_worker import CHUNK, STEPS, step_data
+from tests.helpers.gradcache import chunked_graph, one_thread, param_grads, tiny_encoder  # noqa: F401
 
 WORLD = 2
 TIMEOUT_S = 180
@@ -36,8 +36,22 @@ def run_workers(tmp_path: Path) -> list[dict]:
     port, outs = free_port(), [tmp_path / f"rank{r}.pt" for r in range(WORLD)]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.distributed.gradcache_ddp_worker", str(r), str(WORLD), str(port), str(outs[r])],
-                         env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed.gradcache_ddp_worker",
+                str(r),
+                str(WORLD),
+                str(port),
+                str(outs[r]),
+            ],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(WORLD)
     ]
     logs = []
@@ -74,8 +88,13 @@ def test_two_process_ddp_equals_one_process(tmp_path):
             # The ranks' halves are summed in another order than the oracle's: allow float
             # rounding of the tensor's scale where terms cancel (key biases: exactly 0 in theory).
             atol = 1e-7 + 1e-5 * want[name].abs().max().item()
-            torch.testing.assert_close(res["grads"][name], want[name], rtol=1e-5, atol=atol,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                res["grads"][name],
+                want[name],
+                rtol=1e-5,
+                atol=atol,
+                msg=lambda m, rank=rank, name=name: f"rank {rank}, {name}: {m}",
+            )
         # One sync per synced backward, covering both cached calls and all their chunks, just
         # like a plain DDP backward; none inside the user's no_sync().
         assert res["plain_allreduces"] >= 1

@@ -10,7 +10,6 @@ fastcl's cached MNRL gets the parameter gradients of sentence-transformers' cach
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -32,7 +31,9 @@ def ranks(tmp_path_factory) -> list[dict]:
     return spawn_ranks(W.worker, WORLD, tmp, seed, SPAWN_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("case", ["mnrl", "mnrl_group", "infonce_symmetric", "mnrl_gte_hardness", "mnrl_per_direction_hardness"])
+@pytest.mark.parametrize(
+    "case", ["mnrl", "mnrl_group", "infonce_symmetric", "mnrl_gte_hardness", "mnrl_per_direction_hardness"]
+)
 def test_gathered_loss_equals_sentence_transformers(ranks, case):
     for rank, result in enumerate(ranks):
         (ref_value, ref_grads), (value, grads) = result["embeddings"][case]

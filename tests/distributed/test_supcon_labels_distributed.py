@@ -43,6 +43,6 @@ def test_gathered_supcon_labels_equals_one_process(ranks, backend, reduction):
     n = W.B * W.V
     for r in range(WORLD):
         grad = results[r][(backend, reduction)][1]  # [B, V, d], this rank's features
-        want = WORLD * ref_grad[r * n:(r + 1) * n].reshape(W.V, W.B, W.D).transpose(0, 1)
+        want = WORLD * ref_grad[r * n : (r + 1) * n].reshape(W.V, W.B, W.D).transpose(0, 1)
         assert want.abs().max() > 0
         torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-10, msg=f"rank {r}")

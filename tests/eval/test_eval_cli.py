@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tests.helpers.eval import save_tiny_model
 from fastcl.__main__ import main
 from fastcl.cli.eval import parse_tasks
+from tests.helpers.eval import save_tiny_model
 
 
 def test_parse_tasks():
@@ -29,9 +29,28 @@ def tiny_model(tmp_path_factory):
 @pytest.mark.data
 def test_eval_cli_writes_scores_and_details(tiny_model, data_dir, tmp_path, capsys):
     out = tmp_path / "res" / "results.json"
-    rc = main(["eval", "--model", str(tiny_model), "--pooling", "avg_first_last", "--tasks", "sts16,stsb,trec",
-               "--data-dir", str(data_dir), "--output", str(out), "--aggregation", "wmean",
-               "--transfer-config", "test", "--device", "cpu", "--quiet"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_model),
+            "--pooling",
+            "avg_first_last",
+            "--tasks",
+            "sts16,stsb,trec",
+            "--data-dir",
+            str(data_dir),
+            "--output",
+            str(out),
+            "--aggregation",
+            "wmean",
+            "--transfer-config",
+            "test",
+            "--device",
+            "cpu",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     for task in ("sts16", "stsb", "trec"):
@@ -57,10 +76,28 @@ def test_eval_cli_rejects_bad_arguments(tiny_model, tmp_path):
 
 def test_plot_similarity_cli(tiny_model, tmp_path, capsys):
     sentences = tmp_path / "s.txt"
-    sentences.write_text("# a comment\nA man plays a guitar.\n\nSomeone is playing music.\nThe stock market fell today.\n")
+    sentences.write_text(
+        "# a comment\nA man plays a guitar.\n\nSomeone is playing music.\nThe stock market fell today.\n"
+    )
     fig = tmp_path / "fig" / "sim.png"
-    assert main(["plot-similarity", "--model", str(tiny_model), "--sentences", str(sentences),
-                 "--out", str(fig), "--pooling", "mean", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "plot-similarity",
+                "--model",
+                str(tiny_model),
+                "--sentences",
+                str(sentences),
+                "--out",
+                str(fig),
+                "--pooling",
+                "mean",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and fig.stat().st_size > 5000
     assert "3 sentences" in capsys.readouterr().out
     sentences.write_text("only one\n")

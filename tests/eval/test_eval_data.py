@@ -75,8 +75,13 @@ def test_format_quirks(data_dir):
 # MTEB's descriptive statistics for its STS test sets (embeddings-benchmark/mteb,
 # mteb/descriptive_stats/STS/*.json): pairs and total characters of sentence1 + sentence2.
 MTEB_STATS = {
-    "sts12": (3108, 402118), "sts13": (1500, 161949), "sts14": (3750, 407185), "sts15": (3000, 346442),
-    "sts16": (1186, 154802), "stsb": (1379, 147886), "sickr": (9927, 915617),
+    "sts12": (3108, 402118),
+    "sts13": (1500, 161949),
+    "sts14": (3750, 407185),
+    "sts15": (3000, 346442),
+    "sts16": (1186, 154802),
+    "stsb": (1379, 147886),
+    "sickr": (9927, 915617),
 }
 
 
@@ -112,13 +117,21 @@ def test_hub_loader_parses_a_dataset(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
     t = load_sts_hf("stsb", split="dev")
-    assert seen == {"repo": "mteb/stsbenchmark-sts", "split": "validation", "revision": "b0fddb56ed78048fa8b90373c8a3cfc37b684831"}
+    assert seen == {
+        "repo": "mteb/stsbenchmark-sts",
+        "split": "validation",
+        "revision": "b0fddb56ed78048fa8b90373c8a3cfc37b684831",
+    }
     assert t.n_pairs == 2 and t.subsets["all"].scores.tolist() == [1.0, 4.5]
 
 
 TRANSFER_SIZES = {
-    "mr": {"all": 10662}, "cr": {"all": 3775}, "subj": {"all": 10000}, "mpqa": {"all": 10606},
-    "sst2": {"train": 67349, "dev": 872, "test": 1821}, "trec": {"train": 5452, "test": 500},
+    "mr": {"all": 10662},
+    "cr": {"all": 3775},
+    "subj": {"all": 10000},
+    "mpqa": {"all": 10606},
+    "sst2": {"train": 67349, "dev": 872, "test": 1821},
+    "trec": {"train": 5452, "test": 500},
     "mrpc": {"train": 4076, "test": 1725},
 }
 

@@ -23,9 +23,9 @@ import os
 
 import pytest
 
-from tests.helpers.eval import minilm_path
 from fastcl.eval.encode import Encoder
 from fastcl.eval.sts import evaluate_sts
+from tests.helpers.eval import minilm_path
 
 pytestmark = [pytest.mark.data, pytest.mark.slow]
 
@@ -54,8 +54,9 @@ TASKS = list(PUBLISHED) if FULL else ["sts16", "stsb"]
 
 @pytest.fixture(scope="module")
 def minilm():
-    return Encoder.from_pretrained(minilm_path(), pooling="mean", max_length=256, batch_size=64,
-                                   device="cpu", show_progress=False)
+    return Encoder.from_pretrained(
+        minilm_path(), pooling="mean", max_length=256, batch_size=64, device="cpu", show_progress=False
+    )
 
 
 @pytest.mark.parametrize("task", TASKS)

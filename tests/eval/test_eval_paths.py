@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from tests.helpers.eval import save_tiny_model
 from fastcl.__main__ import main
 from fastcl._fsio import check_model_path, looks_like_path
+from tests.helpers.eval import save_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,10 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(Encoder, "from_pretrained", refuse)
 
 
-@pytest.mark.parametrize("model", ["/nonexistent/fastcl-model", "./no-such-model", "~/no-such-fastcl-model",
-                                   "runs/a/final", "my models/bert"])
+@pytest.mark.parametrize(
+    "model",
+    ["/nonexistent/fastcl-model", "./no-such-model", "~/no-such-fastcl-model", "runs/a/final", "my models/bert"],
+)
 def test_missing_local_model_path(model, tmp_path, no_model_load):
     with pytest.raises(SystemExit) as e:
         main(["eval", "--model", model, "--tasks", "stsb", "--data-dir", str(tmp_path)])
@@ -44,7 +46,11 @@ def test_model_folder_without_config(tmp_path, no_model_load):
 
 
 def test_hub_ids_stay_allowed():
-    for name in ("bert-base-uncased", "sentence-transformers/all-MiniLM-L6-v2", "princeton-nlp/sup-simcse-bert-base-uncased"):
+    for name in (
+        "bert-base-uncased",
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "princeton-nlp/sup-simcse-bert-base-uncased",
+    ):
         assert not looks_like_path(name)
         check_model_path(name)  # no error: transformers resolves it
 
@@ -65,11 +71,22 @@ def test_plot_similarity_checks_paths_first(tmp_path, no_model_load):
     sentences = tmp_path / "s.txt"
     sentences.write_text("a b\nc d\n")
     with pytest.raises(SystemExit, match="model path not found"):
-        main(["plot-similarity", "--model", "./missing", "--sentences", str(sentences), "--out", str(tmp_path / "f.png")])
+        main(
+            ["plot-similarity", "--model", "./missing", "--sentences", str(sentences), "--out", str(tmp_path / "f.png")]
+        )
     (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit, match="is a file"):
-        main(["plot-similarity", "--model", "bert-base-uncased", "--sentences", str(sentences),
-              "--out", str(tmp_path / "file" / "f.png")])
+        main(
+            [
+                "plot-similarity",
+                "--model",
+                "bert-base-uncased",
+                "--sentences",
+                str(sentences),
+                "--out",
+                str(tmp_path / "file" / "f.png"),
+            ]
+        )
 
 
 @pytest.mark.data
@@ -90,8 +107,24 @@ def test_results_survive_a_late_write_error(tiny_model, data_dir, tmp_path, caps
         return real(path, write_then_fail)
 
     monkeypatch.setattr(fsio, "atomic_write", disk_full)
-    rc = main(["eval", "--model", str(tiny_model), "--pooling", "mean", "--tasks", "stsb", "--data-dir", str(data_dir),
-               "--output", str(out), "--device", "cpu", "--quiet"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_model),
+            "--pooling",
+            "mean",
+            "--tasks",
+            "stsb",
+            "--data-dir",
+            str(data_dir),
+            "--output",
+            str(out),
+            "--device",
+            "cpu",
+            "--quiet",
+        ]
+    )
     assert rc == 1
     assert out.read_text() == '{"old": true}\n'  # atomic: no half-written file
     assert not [p for p in tmp_path.iterdir() if p.name != "results.json"], "temporary file left behind"
@@ -107,7 +140,26 @@ def test_results_survive_a_late_write_error(tiny_model, data_dir, tmp_path, caps
 @pytest.mark.data
 def test_results_written_atomically(tiny_model, data_dir, tmp_path):
     out = tmp_path / "new" / "dir" / "results.json"  # missing folders are created
-    assert main(["eval", "--model", str(tiny_model), "--pooling", "mean", "--tasks", "stsb", "--data-dir", str(data_dir),
-                 "--output", str(out), "--device", "cpu", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(tiny_model),
+                "--pooling",
+                "mean",
+                "--tasks",
+                "stsb",
+                "--data-dir",
+                str(data_dir),
+                "--output",
+                str(out),
+                "--device",
+                "cpu",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert isinstance(json.loads(out.read_text())["stsb"], float)
     assert [p.name for p in out.parent.iterdir()] == ["results.json"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.eval import minilm_path, tiny_bert
 from fastcl.pooling import POOLINGS, masked_mean, needs_hidden_states, pool
+from tests.helpers.eval import minilm_path, tiny_bert
 
 
 def _batch(seed=0, B=5, T=9):
@@ -20,9 +20,11 @@ def _batch(seed=0, B=5, T=9):
 def _reference(outputs, mask, method):
     """float64 loops: the definition, token by token."""
     m = mask.double()
+
     def mmean(states):
         s = states.double()
         return torch.stack([(s[i] * m[i, :, None]).sum(0) / m[i].sum().clamp_min(1) for i in range(len(s))])
+
     if method == "cls":
         return outputs.pooler_output.double()
     if method == "cls_before_pooler":
@@ -31,7 +33,9 @@ def _reference(outputs, mask, method):
         return mmean(outputs.last_hidden_state)
     if method == "mean_no_cls":  # Liao: every real token but the first ([CLS])
         s = outputs.last_hidden_state.double()
-        return torch.stack([s[i, 1 : int(mask[i].sum())].sum(0) / max(1, int(mask[i].sum()) - 1) for i in range(len(s))])
+        return torch.stack(
+            [s[i, 1 : int(mask[i].sum())].sum(0) / max(1, int(mask[i].sum()) - 1) for i in range(len(s))]
+        )
     hs = outputs.hidden_states
     if method == "avg_first_last":
         return (mmean(hs[1]) + mmean(hs[-1])) / 2

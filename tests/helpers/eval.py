@@ -25,8 +25,12 @@ def tiny_bert(pooler: bool = True, layers: int = 2, seed: int = 0):
 
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128,
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
     )
     return BertModel(config, add_pooling_layer=pooler).eval()
 

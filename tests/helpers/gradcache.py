@@ -25,9 +25,14 @@ def tiny_encoder(*, dropout: float = 0.1, pooling: str = "mean", seed: int = 0, 
     from transformers import BertConfig, BertModel
 
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(seed)
     model = BertModel(config, add_pooling_layer=False)
@@ -46,7 +51,9 @@ def make_batch(n: int, length: int = 11, seed: int = 0) -> dict:
 def chunked_graph(encode_fn, inputs: dict, chunk_size: int) -> torch.Tensor:
     """The oracle: the same chunks encoded with grad, all kept in one autograd graph."""
     n = next(iter(inputs.values())).shape[0]
-    return torch.cat([encode_fn(**{k: v[s:s + chunk_size] for k, v in inputs.items()}) for s in range(0, n, chunk_size)])
+    return torch.cat(
+        [encode_fn(**{k: v[s : s + chunk_size] for k, v in inputs.items()}) for s in range(0, n, chunk_size)]
+    )
 
 
 def param_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:

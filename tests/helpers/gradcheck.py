@@ -15,8 +15,15 @@ from fastcl.ops.head import reduction_weights
 from fastcl.ops.positive_logits import positive_logits
 
 
-def gradcheck_contrastive(backend: str, *, kind: str, reduction: str = "mean", cosine: bool = True,
-                          folded: bool = True, zero_logit: bool = False) -> None:
+def gradcheck_contrastive(
+    backend: str,
+    *,
+    kind: str,
+    reduction: str = "mean",
+    cosine: bool = True,
+    folded: bool = True,
+    zero_logit: bool = False,
+) -> None:
     """``folded``: the backend adds the positives' gradient itself (``OwnPositives``);
     otherwise precomputed differentiable positive logits (shared positives)."""
     B, P, Q, d = 4, 2, 3, 5
@@ -26,16 +33,30 @@ def gradcheck_contrastive(backend: str, *, kind: str, reduction: str = "mean", c
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     pos_mask = torch.tensor([[True, False], [True, True], [False, False], [False, True]])
     neg_mask = torch.rand(B, Q) > 0.3
-    tags = (structured_tags(B, P, pos_mask, device=a.device, exclude_owner=kind == "supmpn"),
-            structured_tags(B, Q, neg_mask, device=a.device, exclude_owner=False))
+    tags = (
+        structured_tags(B, P, pos_mask, device=a.device, exclude_owner=kind == "supmpn"),
+        structured_tags(B, Q, neg_mask, device=a.device, exclude_owner=False),
+    )
     weights = reduction_weights(pos_mask.any(1), reduction, torch.float64)
     log_extra = (pos_mask.sum(1) - 1).clamp_min(0).double().log() if zero_logit else None
 
     def f(a, pos, neg, tau):
         pl = None if folded else positive_logits(a, pos, tau, cosine=cosine, eps=1e-8)
-        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tags, tau, kind=kind,
-                                positives=OwnPositives(0, P) if folded else None, pos_logits=pl,
-                                pos_mask=pos_mask, weights=weights, reduction=reduction, cosine=cosine,
-                                eps=1e-8, log_extra=log_extra, backend=backend)
+        return contrastive_loss(
+            a,
+            (pos.reshape(B * P, d), neg.reshape(B * Q, d)),
+            tags,
+            tau,
+            kind=kind,
+            positives=OwnPositives(0, P) if folded else None,
+            pos_logits=pl,
+            pos_mask=pos_mask,
+            weights=weights,
+            reduction=reduction,
+            cosine=cosine,
+            eps=1e-8,
+            log_extra=log_extra,
+            backend=backend,
+        )
 
     assert torch.autograd.gradcheck(f, (a, pos, neg, tau))

@@ -32,9 +32,14 @@ def tiny_model(directory, *, dropout: float = 0.1, seed: int = 0):
     vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
     BertTokenizerFast(vocab=vocab).save_pretrained(path)
     config = BertConfig(
-        vocab_size=len(vocab), hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+        vocab_size=len(vocab),
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -63,4 +68,6 @@ def assert_grads_close(grads: dict, ref: dict, what: str) -> None:
     assert grads.keys() == ref.keys(), what
     for k in ref:
         err, rms = rel_err(grads[k], ref[k]), rms_err(grads[k], ref[k])
-        assert err <= F32_GRAD_TOL or rms <= ATOL_RMS[torch.float32], f"{what}: {k}: relative error {err:.3g}, rms {rms:.3g}"
+        assert err <= F32_GRAD_TOL or rms <= ATOL_RMS[torch.float32], (
+            f"{what}: {k}: relative error {err:.3g}, rms {rms:.3g}"
+        )

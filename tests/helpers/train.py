@@ -21,9 +21,16 @@ def make_tiny_bert(folder: Path, dropout: float = 0.1) -> Path:
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=64,
-                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    cfg = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     BertModel(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

@@ -48,8 +48,11 @@ def test_batch_encoding_is_accepted(tmp_path, make, cached):
     encode = getattr(model, make)
     features = [encode(rows[i::3]) for i in range(3)]
     assert isinstance(features[0], Mapping) and not isinstance(features[0], dict), type(features[0])
-    loss = (fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2) if cached
-            else fst.MultipleNegativesRankingLoss(model))
+    loss = (
+        fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+        if cached
+        else fst.MultipleNegativesRankingLoss(model)
+    )
     ref_value, ref_grads = _step(model, st_losses.MultipleNegativesRankingLoss(model), [dict(f) for f in features])
     value, grads = _step(model, loss, features)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
@@ -74,7 +77,6 @@ from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import fastcl.losses as L  # noqa: E402
 from fastcl.losses_mnrl import DIRECTIONS  # noqa: E402
-
 from tests.helpers.backends import require  # noqa: E402
 
 GTE = DIRECTIONS  # all four: the GTE "improved contrastive loss"
@@ -92,10 +94,20 @@ HARDNESS = [None, "in_batch_negatives", "hard_negatives", "all_negatives"]
 F64 = dict(rtol=1e-10, atol=1e-10)
 
 
-def _st_mnrl(directions, partition_mode, hardness_mode, hardness_strength, scale=20.0, sim="cos", model=None, cached=False, **kw):
+def _st_mnrl(
+    directions, partition_mode, hardness_mode, hardness_strength, scale=20.0, sim="cos", model=None, cached=False, **kw
+):
     cls = st_losses.CachedMultipleNegativesRankingLoss if cached else st_losses.MultipleNegativesRankingLoss
-    return cls(model, scale=scale, similarity_fct=cos_sim if sim == "cos" else dot_score, directions=directions,
-               partition_mode=partition_mode, hardness_mode=hardness_mode, hardness_strength=hardness_strength, **kw)
+    return cls(
+        model,
+        scale=scale,
+        similarity_fct=cos_sim if sim == "cos" else dot_score,
+        directions=directions,
+        partition_mode=partition_mode,
+        hardness_mode=hardness_mode,
+        hardness_strength=hardness_strength,
+        **kw,
+    )
 
 
 def _embs(B, d, n, seed, scale=1.0):
@@ -116,8 +128,14 @@ def test_mnrl_options_equal_sentence_transformers(directions, partition_mode, ha
     strength = 4.0 if hardness_mode else 0.0
     ref = _st_mnrl(directions, partition_mode, hardness_mode, strength, scale=12.0, sim=sim)
     ours = fst.MultipleNegativesRankingLoss(
-        torch.nn.Identity(), scale=12.0, similarity_fct=sim, directions=directions, partition_mode=partition_mode,
-        hardness_mode=hardness_mode, hardness_strength=strength, backend=backend,
+        torch.nn.Identity(),
+        scale=12.0,
+        similarity_fct=sim,
+        directions=directions,
+        partition_mode=partition_mode,
+        hardness_mode=hardness_mode,
+        hardness_strength=strength,
+        backend=backend,
     )
     want = ref.compute_loss_from_embeddings(embs, None)
     got = ours.compute_loss_from_embeddings(embs)
@@ -137,8 +155,12 @@ def _oracle(q, d, negs, tau, directions, partition_mode, hardness_mode, alpha):
     rows, cols = torch.arange(B)[:, None], torch.arange(N)[None, :]
     own = cols % B == rows  # a query's own documents: its positive and its hard negatives
     is_pos = own & (cols < B)
-    hard = {None: torch.zeros_like(own), "in_batch_negatives": ~own, "hard_negatives": own & ~is_pos,
-            "all_negatives": ~is_pos}[hardness_mode]
+    hard = {
+        None: torch.zeros_like(own),
+        "in_batch_negatives": ~own,
+        "hard_negatives": own & ~is_pos,
+        "all_negatives": ~is_pos,
+    }[hardness_mode]
     s_qd = qn @ docs.T
     out = {"query_to_doc": s_qd / tau + alpha * torch.where(hard, s_qd.detach(), torch.zeros_like(s_qd))}
     dn = docs[:B]
@@ -169,8 +191,17 @@ def test_tiny_batches_and_learnable_temperature(hardness_mode, B, Q, backend):
     negs = torch.stack(embs[2:], 1) if Q else None
     strength = 2.5 if hardness_mode else 0.0
     for directions, partition_mode in ((GTE, "joint"), (("query_to_doc", "doc_to_query"), "per_direction")):
-        got = L.mnrl_loss(embs[0], embs[1], negs, temperature=tau, directions=directions, partition_mode=partition_mode,
-                          hardness_mode=hardness_mode, hardness_strength=strength, backend=backend)
+        got = L.mnrl_loss(
+            embs[0],
+            embs[1],
+            negs,
+            temperature=tau,
+            directions=directions,
+            partition_mode=partition_mode,
+            hardness_mode=hardness_mode,
+            hardness_strength=strength,
+            backend=backend,
+        )
         want = _oracle(embs[0], embs[1], embs[2:], tau, directions, partition_mode, hardness_mode, strength)
         st_value = _st_mnrl(directions, partition_mode, hardness_mode, strength, scale=1 / 0.07)
         torch.testing.assert_close(want, st_value.compute_loss_from_embeddings(embs, None), **F64)  # the oracle is ST's
@@ -190,21 +221,27 @@ def test_reductions_and_module():
     module = L.MNRLoss(0.1, directions=GTE, hardness_mode="all_negatives", hardness_strength=1.5)
     torch.testing.assert_close(module(embs[0], embs[1], embs[2]), mean, **F64)
     # default options keep the plain fused path and its value
-    torch.testing.assert_close(L.mnrl_loss(embs[0], embs[1], directions=("query_to_doc",), partition_mode="per_direction",
-                                           temperature=0.1), L.mnrl_loss(embs[0], embs[1], temperature=0.1), **F64)
+    torch.testing.assert_close(
+        L.mnrl_loss(embs[0], embs[1], directions=("query_to_doc",), partition_mode="per_direction", temperature=0.1),
+        L.mnrl_loss(embs[0], embs[1], temperature=0.1),
+        **F64,
+    )
 
 
-@pytest.mark.parametrize("kw,err,match", [
-    (dict(directions=("query_to_query",)), ValueError, "query_to_doc"),
-    (dict(directions=("query_to_doc", "sideways")), ValueError, "invalid directions"),
-    (dict(directions="query_to_doc"), TypeError, "tuple"),
-    (dict(directions=GTE, partition_mode="per_direction"), ValueError, "joint"),
-    (dict(partition_mode="both"), ValueError, "partition_mode"),
-    (dict(hardness_mode="hardest"), ValueError, "hardness_mode"),
-    (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError, "hardness_strength"),
-    (dict(directions=GTE, neg_mask=torch.ones(3, 1, dtype=torch.bool)), ValueError, "neg_mask"),
-    (dict(directions=GTE, process_group=object()), RuntimeError, "process_group"),
-])
+@pytest.mark.parametrize(
+    "kw,err,match",
+    [
+        (dict(directions=("query_to_query",)), ValueError, "query_to_doc"),
+        (dict(directions=("query_to_doc", "sideways")), ValueError, "invalid directions"),
+        (dict(directions="query_to_doc"), TypeError, "tuple"),
+        (dict(directions=GTE, partition_mode="per_direction"), ValueError, "joint"),
+        (dict(partition_mode="both"), ValueError, "partition_mode"),
+        (dict(hardness_mode="hardest"), ValueError, "hardness_mode"),
+        (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError, "hardness_strength"),
+        (dict(directions=GTE, neg_mask=torch.ones(3, 1, dtype=torch.bool)), ValueError, "neg_mask"),
+        (dict(directions=GTE, process_group=object()), RuntimeError, "process_group"),
+    ],
+)
 def test_option_errors(kw, err, match):
     a, p, n = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
     with pytest.raises(err, match=match):
@@ -220,18 +257,27 @@ def test_st_class_config_and_warning(caplog):
         fst.CachedMultipleNegativesRankingLoss(torch.nn.Identity(), directions=GTE, partition_mode="per_direction")
 
 
-@pytest.mark.parametrize("directions,partition_mode,hardness_mode", [
-    (GTE, "joint", None),
-    (("query_to_doc", "doc_to_query"), "per_direction", "in_batch_negatives"),
-    (("query_to_doc", "query_to_query"), "joint", "hard_negatives"),
-])
-def test_plain_and_cached_match_sentence_transformers_through_a_model(tmp_path, directions, partition_mode, hardness_mode):
+@pytest.mark.parametrize(
+    "directions,partition_mode,hardness_mode",
+    [
+        (GTE, "joint", None),
+        (("query_to_doc", "doc_to_query"), "per_direction", "in_batch_negatives"),
+        (("query_to_doc", "query_to_query"), "joint", "hard_negatives"),
+    ],
+)
+def test_plain_and_cached_match_sentence_transformers_through_a_model(
+    tmp_path, directions, partition_mode, hardness_mode
+):
     """Parameter gradients of a dropout-free tiny BERT: fastcl plain / cached vs ST plain / cached."""
     model = common.tiny_model(tmp_path, dropout=0.0).train()
     rows = common.sentences(15, seed=31)
     features = [model.preprocess(rows[i::3][:5]) for i in range(3)]
-    opts = dict(directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
-                hardness_strength=5.0 if hardness_mode else 0.0)
+    opts = dict(
+        directions=directions,
+        partition_mode=partition_mode,
+        hardness_mode=hardness_mode,
+        hardness_strength=5.0 if hardness_mode else 0.0,
+    )
     ref_value, ref_grads = _step(model, _st_mnrl(model=model, **opts), [dict(f) for f in features])
     runs = {
         "fastcl": fst.MultipleNegativesRankingLoss(model, **opts),
@@ -253,7 +299,9 @@ ROW_BYTES = MEM_B * 3 * MEM_B * 4  # one float32 [B, 3B] buffer (a query row: 2B
 def test_meter_sees_st_buffers():
     from fastcl.bench.memory import cpu_extra_peak_bytes
 
-    peer = cpu_extra_peak_bytes("fastcl.bench.api_cases:mnrl_directions_step", dict(backend="st-mnrl", B=MEM_B, d=MEM_D))
+    peer = cpu_extra_peak_bytes(
+        "fastcl.bench.api_cases:mnrl_directions_step", dict(backend="st-mnrl", B=MEM_B, d=MEM_D)
+    )
     assert peer > ROW_BYTES, f"ST's MNRL (GTE directions) peaked at only {peer / 2**20:.0f} MiB"
 
 
@@ -263,8 +311,10 @@ def test_gte_directions_have_no_bxn_buffer(backend, hardness_mode):
     require(backend)
     from fastcl.bench.memory import cpu_extra_peak_bytes
 
-    extra = cpu_extra_peak_bytes("fastcl.bench.api_cases:mnrl_directions_step",
-                                 dict(backend=backend, B=MEM_B, d=MEM_D, hardness_mode=hardness_mode))
+    extra = cpu_extra_peak_bytes(
+        "fastcl.bench.api_cases:mnrl_directions_step",
+        dict(backend=backend, B=MEM_B, d=MEM_D, hardness_mode=hardness_mode),
+    )
     assert extra < ROW_BYTES / 2, f"{backend}: extra peak {extra / 2**20:.0f} MiB"
 
 
@@ -292,7 +342,9 @@ def test_supcon_labels_cached_equals_plain_through_a_model(tmp_path):
     features = [model.preprocess(rows[:6]), model.preprocess(rows[6:])]
     labels = torch.tensor([0, 1, 2, 0, 1, 2])
     ref_value, ref_grads = _step_labels(model, fst.SupConLabelsLoss(model, temperature=0.1), features, labels)
-    value, grads = _step_labels(model, fst.SupConLabelsLoss(model, temperature=0.1, mini_batch_size=4), features, labels)
+    value, grads = _step_labels(
+        model, fst.SupConLabelsLoss(model, temperature=0.1, mini_batch_size=4), features, labels
+    )
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
     common.assert_grads_close(grads, ref_grads, "cached SupConLabelsLoss")
 
@@ -320,27 +372,39 @@ def _seeded_step(model, loss, features, labels=None, seed=0):
     return value.detach(), _param_grads(model)
 
 
-@pytest.mark.parametrize("options", [{}, dict(directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=5.0)])
+@pytest.mark.parametrize(
+    "options", [{}, dict(directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=5.0)]
+)
 def test_cached_losses_work_inside_matryoshka(tmp_path, options):
     """fastcl's cached MNRL inside MatryoshkaLoss: sentence-transformers' gradients (they raised before)."""
     model = common.tiny_model(tmp_path, dropout=0.0).train()
     rows = common.sentences(18, seed=51)
     features = [model.preprocess(rows[i::3][:6]) for i in range(3)]
-    ref = _seeded_step(model, st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model, **options), DIMS,
-                                                       matryoshka_weights=[1.0, 0.5, 0.25]), features)
+    ref = _seeded_step(
+        model,
+        st_losses.MatryoshkaLoss(
+            model, st_losses.MultipleNegativesRankingLoss(model, **options), DIMS, matryoshka_weights=[1.0, 0.5, 0.25]
+        ),
+        features,
+    )
     runs = {
         "ST cached": st_losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **options),
         "fastcl cached": fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **options),
         "fastcl plain": fst.MultipleNegativesRankingLoss(model, **options),
     }
     for name, inner in runs.items():
-        value, grads = _seeded_step(model, st_losses.MatryoshkaLoss(model, inner, DIMS, matryoshka_weights=[1.0, 0.5, 0.25]),
-                                    features)
+        value, grads = _seeded_step(
+            model, st_losses.MatryoshkaLoss(model, inner, DIMS, matryoshka_weights=[1.0, 0.5, 0.25]), features
+        )
         torch.testing.assert_close(value, ref[0], rtol=1e-5, atol=1e-6, msg=name)
         common.assert_grads_close(grads, ref[1], name)
     with torch.no_grad():  # evaluation: the value, no backward inside
-        loss = st_losses.MatryoshkaLoss(model, fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **options), DIMS,
-                                        matryoshka_weights=[1.0, 0.5, 0.25])
+        loss = st_losses.MatryoshkaLoss(
+            model,
+            fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, **options),
+            DIMS,
+            matryoshka_weights=[1.0, 0.5, 0.25],
+        )
         torch.testing.assert_close(loss([dict(f) for f in features], None), ref[0], rtol=1e-5, atol=1e-6)
 
 
@@ -350,8 +414,9 @@ def test_cached_supcon_labels_inside_matryoshka(tmp_path):
     features = [model.preprocess(rows)]
     labels = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     plain = _seeded_step(model, st_losses.MatryoshkaLoss(model, fst.SupConLabelsLoss(model), DIMS), features, labels)
-    cached = _seeded_step(model, st_losses.MatryoshkaLoss(model, fst.SupConLabelsLoss(model, mini_batch_size=3), DIMS),
-                          features, labels)
+    cached = _seeded_step(
+        model, st_losses.MatryoshkaLoss(model, fst.SupConLabelsLoss(model, mini_batch_size=3), DIMS), features, labels
+    )
     torch.testing.assert_close(cached[0], plain[0], rtol=1e-5, atol=1e-6)
     common.assert_grads_close(cached[1], plain[1], "cached SupConLabelsLoss in MatryoshkaLoss")
 
@@ -363,8 +428,10 @@ def test_matryoshka_2d_and_adaptive_layer(tmp_path):
     model = common.tiny_model(tmp_path, dropout=0.0).train()
     rows = common.sentences(12, seed=53)
     features = [model.preprocess(rows[:6]), model.preprocess(rows[6:])]
-    for wrap in (lambda inner: st_losses.Matryoshka2dLoss(model, inner, DIMS, n_layers_per_step=1, n_dims_per_step=2),
-                 lambda inner: st_losses.AdaptiveLayerLoss(model, inner)):
+    for wrap in (
+        lambda inner: st_losses.Matryoshka2dLoss(model, inner, DIMS, n_layers_per_step=1, n_dims_per_step=2),
+        lambda inner: st_losses.AdaptiveLayerLoss(model, inner),
+    ):
         ref = _seeded_step(model, wrap(st_losses.MultipleNegativesRankingLoss(model)), features, seed=7)
         got = _seeded_step(model, wrap(fst.MultipleNegativesRankingLoss(model)), features, seed=7)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)

@@ -73,8 +73,10 @@ def test_mnrl_equals_sentence_transformers(B, d, Q):
     embs = _columns(B, d, 2 + Q)
     ref = st_losses.MultipleNegativesRankingLoss(model=None)  # scale=20
     ours = fst.MultipleNegativesRankingLoss(torch.nn.Identity())
-    _assert_same(_value_and_grads(ours.compute_loss_from_embeddings, embs),
-                 _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs))
+    _assert_same(
+        _value_and_grads(ours.compute_loss_from_embeddings, embs),
+        _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs),
+    )
 
 
 @pytest.mark.parametrize("similarity", ["cos", "dot"])
@@ -84,7 +86,9 @@ def test_mnrl_scale_and_similarity_match(similarity):
     ref = st_losses.MultipleNegativesRankingLoss(None, scale=scale, similarity_fct=fct)
     want = _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs)
     by_scale = fst.MultipleNegativesRankingLoss(torch.nn.Identity(), scale=scale, similarity_fct=fct)
-    by_temperature = fst.MultipleNegativesRankingLoss(torch.nn.Identity(), temperature=1 / scale, similarity_fct=similarity)
+    by_temperature = fst.MultipleNegativesRankingLoss(
+        torch.nn.Identity(), temperature=1 / scale, similarity_fct=similarity
+    )
     _assert_same(_value_and_grads(by_scale.compute_loss_from_embeddings, embs), want)
     _assert_same(_value_and_grads(by_temperature.compute_loss_from_embeddings, embs), want)
 
@@ -93,8 +97,10 @@ def test_supcon_with_one_positive_column_is_mnrl():
     embs = _columns(5, 8, 4)  # anchor, positive, 2 negatives
     ref = st_losses.MultipleNegativesRankingLoss(None, scale=11.0)
     ours = fst.SupConLoss(torch.nn.Identity(), scale=11.0)
-    _assert_same(_value_and_grads(ours.compute_loss_from_embeddings, embs),
-                 _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs))
+    _assert_same(
+        _value_and_grads(ours.compute_loss_from_embeddings, embs),
+        _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs),
+    )
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -103,8 +109,10 @@ def test_infonce_equals_sentence_transformers(symmetric):
     kw = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction") if symmetric else {}
     ref = st_losses.MultipleNegativesRankingLoss(None, **kw)
     ours = fst.InfoNCELoss(torch.nn.Identity(), symmetric=symmetric)
-    _assert_same(_value_and_grads(ours.compute_loss_from_embeddings, embs),
-                 _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs))
+    _assert_same(
+        _value_and_grads(ours.compute_loss_from_embeddings, embs),
+        _value_and_grads(lambda e: ref.compute_loss_from_embeddings(e, None), embs),
+    )
 
 
 # --------------------------------------------------------------------------- multi-positive layouts
@@ -230,8 +238,10 @@ def test_gather_without_process_group_is_single_process():
     gathered = fst.MultipleNegativesRankingLoss(torch.nn.Identity(), gather_across_devices=True)
     plain = fst.MultipleNegativesRankingLoss(torch.nn.Identity())
     assert gathered._group() is None
-    _assert_same(_value_and_grads(gathered.compute_loss_from_embeddings, embs),
-                 _value_and_grads(plain.compute_loss_from_embeddings, embs))
+    _assert_same(
+        _value_and_grads(gathered.compute_loss_from_embeddings, embs),
+        _value_and_grads(plain.compute_loss_from_embeddings, embs),
+    )
 
 
 def test_matryoshka_wraps_the_plain_loss(tmp_path):
@@ -240,8 +250,12 @@ def test_matryoshka_wraps_the_plain_loss(tmp_path):
     rows = common.sentences(10, seed=5)
     features = [model.preprocess(rows[:5]), model.preprocess(rows[5:])]
     dims = [common.HIDDEN, common.HIDDEN // 2]
-    ref_value, ref_grads = _st_step(model, st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model), dims), features)
-    value, grads = _st_step(model, st_losses.MatryoshkaLoss(model, fst.MultipleNegativesRankingLoss(model), dims), features)
+    ref_value, ref_grads = _st_step(
+        model, st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model), dims), features
+    )
+    value, grads = _st_step(
+        model, st_losses.MatryoshkaLoss(model, fst.MultipleNegativesRankingLoss(model), dims), features
+    )
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
     common.assert_grads_close(grads, ref_grads, "matryoshka")
     # The cached form follows sentence-transformers' gradient-cache protocol (MatryoshkaLoss
@@ -262,7 +276,7 @@ def test_cached_chunks_drop_unused_padding(tmp_path):
     original = model.forward
     model.forward = lambda f, **kw: (widths.append(f["input_ids"].shape[1]), original(f, **kw))[1]
     try:
-        chunks = [encode(**{k: v[i:i + 2] if torch.is_tensor(v) else v for k, v in features.items()}) for i in (0, 2)]
+        chunks = [encode(**{k: v[i : i + 2] if torch.is_tensor(v) else v for k, v in features.items()}) for i in (0, 2)]
     finally:
         del model.forward
     assert widths == [5, features["input_ids"].shape[1]]  # [CLS] the cat sat [SEP]

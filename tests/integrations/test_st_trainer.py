@@ -29,19 +29,23 @@ ROWS, BATCH, STEPS = 24, 6, 3
 
 def _dataset(columns: list[str], seed: int):
     pool = common.sentences(ROWS * len(columns), seed=seed)
-    return datasets.Dataset.from_dict({c: pool[i * ROWS:(i + 1) * ROWS] for i, c in enumerate(columns)})
+    return datasets.Dataset.from_dict({c: pool[i * ROWS : (i + 1) * ROWS] for i, c in enumerate(columns)})
 
 
 # name -> (loss factory, dataset columns); InfoNCE is SimCSE-unsup: the same sentence twice.
 CASES = {
     "mnrl": (lambda m: fst.MultipleNegativesRankingLoss(m), ["anchor", "positive", "negative"]),
     "mnrl_pairs": (lambda m: fst.MultipleNegativesRankingLoss(m, scale=10.0), ["anchor", "positive"]),
-    "cached_mnrl": (lambda m: fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=4), ["anchor", "positive", "negative"]),
+    "cached_mnrl": (
+        lambda m: fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=4),
+        ["anchor", "positive", "negative"],
+    ),
     "mnrl_bf16_autocast": (lambda m: fst.MultipleNegativesRankingLoss(m), ["anchor", "positive", "negative"]),
     "infonce": (lambda m: fst.InfoNCELoss(m, symmetric=True), ["anchor", "positive"]),
     "supmpn": (lambda m: fst.SupMPNLoss(m, num_positives=2), ["anchor", "positive_1", "positive_2", "negative"]),
     "supmpn_cached": (
-        lambda m: fst.SupMPNLoss(m, num_positives=2, mini_batch_size=4), ["anchor", "positive_1", "positive_2", "negative"]
+        lambda m: fst.SupMPNLoss(m, num_positives=2, mini_batch_size=4),
+        ["anchor", "positive_1", "positive_2", "negative"],
     ),
     "supcon": (lambda m: fst.SupConLoss(m, temperature=0.1, num_positives=2), ["anchor", "positive_1", "positive_2"]),
 }
@@ -56,9 +60,19 @@ def test_trainer_trains_saves_and_reloads(tmp_path, name):
         train = train.map(lambda row: {"positive": row["anchor"]})
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=BATCH, max_steps=STEPS,
-        learning_rate=1e-3, warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, disable_tqdm=True, dataloader_drop_last=True, seed=0, bf16=name.endswith("bf16_autocast"),
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+        seed=0,
+        bf16=name.endswith("bf16_autocast"),
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=make_loss(model))
     trainer.train()

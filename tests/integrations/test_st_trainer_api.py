@@ -29,28 +29,44 @@ CASES = {
     "mnrl_gte_joint": (lambda m: fst.MultipleNegativesRankingLoss(m, directions=GTE), QPN),
     "mnrl_symmetric_per_direction": (
         lambda m: fst.MultipleNegativesRankingLoss(
-            m, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"), ["anchor", "positive"]),
+            m, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+        ),
+        ["anchor", "positive"],
+    ),
     "mnrl_in_batch_hardness": (
-        lambda m: fst.MultipleNegativesRankingLoss(m, hardness_mode="in_batch_negatives", hardness_strength=9.0), QPN),
+        lambda m: fst.MultipleNegativesRankingLoss(m, hardness_mode="in_batch_negatives", hardness_strength=9.0),
+        QPN,
+    ),
     "mnrl_hard_negatives_hardness": (
-        lambda m: fst.MultipleNegativesRankingLoss(m, hardness_mode="hard_negatives", hardness_strength=5.0), QPN),
+        lambda m: fst.MultipleNegativesRankingLoss(m, hardness_mode="hard_negatives", hardness_strength=5.0),
+        QPN,
+    ),
     "cached_mnrl_gte_all_negatives": (
         lambda m: fst.CachedMultipleNegativesRankingLoss(
-            m, mini_batch_size=3, directions=GTE, hardness_mode="all_negatives", hardness_strength=5.0), QPN),
+            m, mini_batch_size=3, directions=GTE, hardness_mode="all_negatives", hardness_strength=5.0
+        ),
+        QPN,
+    ),
     "matryoshka_cached_mnrl": (
-        lambda m: st_losses.MatryoshkaLoss(m, fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=3), [16, 8, 4]), QPN),
+        lambda m: st_losses.MatryoshkaLoss(m, fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=3), [16, 8, 4]),
+        QPN,
+    ),
     "matryoshka_2d_mnrl_gte": (
-        lambda m: st_losses.Matryoshka2dLoss(m, fst.MultipleNegativesRankingLoss(m, directions=GTE), [16, 8]), QPN),
+        lambda m: st_losses.Matryoshka2dLoss(m, fst.MultipleNegativesRankingLoss(m, directions=GTE), [16, 8]),
+        QPN,
+    ),
     "supcon_labels": (lambda m: fst.SupConLabelsLoss(m, temperature=0.1), ["sentence", "label"]),
     "supcon_labels_two_views_cached": (
-        lambda m: fst.SupConLabelsLoss(m, temperature=0.1, mini_batch_size=3), ["view_1", "view_2", "label"]),
+        lambda m: fst.SupConLabelsLoss(m, temperature=0.1, mini_batch_size=3),
+        ["view_1", "view_2", "label"],
+    ),
 }
 
 
 def _dataset(columns: list[str], seed: int):
     texts = [c for c in columns if c != "label"]
     pool = common.sentences(ROWS * len(texts), seed=seed)
-    data = {c: pool[i * ROWS:(i + 1) * ROWS] for i, c in enumerate(texts)}
+    data = {c: pool[i * ROWS : (i + 1) * ROWS] for i, c in enumerate(texts)}
     if "label" in columns:
         data["label"] = [i % 3 for i in range(ROWS)]  # 3 classes: every batch of 8 repeats labels
     return datasets.Dataset.from_dict(data)
@@ -63,9 +79,18 @@ def test_trainer_runs_new_options(tmp_path, name):
     train = _dataset(columns, seed=len(name))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=BATCH, max_steps=STEPS,
-        learning_rate=1e-3, warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, disable_tqdm=True, dataloader_drop_last=True, seed=0,
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+        seed=0,
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=make_loss(model))
     trainer.train()

@@ -19,7 +19,6 @@ from fastcl.ops import _build, _cpp, dispatch
 from fastcl.ops._torch_impl import TorchLSE
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
 from fastcl.ops.head import HeadInputs, reduction_weights
-
 from tests.helpers.backends import require
 from tests.helpers.gradcheck import gradcheck_contrastive
 
@@ -80,12 +79,25 @@ def _op_cases(requires_grad: bool):
     head = _head(B, 1, "supmpn", g, torch.float32, log_extra=True)  # folded: rows 0 .. 4 of block0
     yield "lse_forward", args, dict(lse=torch.empty(B), mean_logit=torch.empty(B))
     for d_pos in (None, torch.randn(B, 1)):  # positives at rows 2 + i of block0
-        yield "lse_backward", args + (torch.randn(B), torch.randn(B), d_pos, 2), dict(
-            d_anchor=torch.empty(B, d), d_block0=torch.empty(7, d), d_block1=torch.empty(3, d))
-    yield "lse_fused", args + ("supmpn", head.pos_logits, head.pos_mask, head.log_extra, head.weights, 0, True), dict(
-        lse=torch.empty(B), mean_logit=torch.empty(B), loss_rows=torch.empty(B), d_pos=torch.empty(B, 1),
-        d_anchor=torch.empty(B, d), d_block0=torch.empty(7, d), d_block1=torch.empty(3, d),
-        g_dot_mean_logit=torch.empty(()))
+        yield (
+            "lse_backward",
+            args + (torch.randn(B), torch.randn(B), d_pos, 2),
+            dict(d_anchor=torch.empty(B, d), d_block0=torch.empty(7, d), d_block1=torch.empty(3, d)),
+        )
+    yield (
+        "lse_fused",
+        args + ("supmpn", head.pos_logits, head.pos_mask, head.log_extra, head.weights, 0, True),
+        dict(
+            lse=torch.empty(B),
+            mean_logit=torch.empty(B),
+            loss_rows=torch.empty(B),
+            d_pos=torch.empty(B, 1),
+            d_anchor=torch.empty(B, d),
+            d_block0=torch.empty(7, d),
+            d_block1=torch.empty(3, d),
+            g_dot_mean_logit=torch.empty(()),
+        ),
+    )
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -134,10 +146,12 @@ def test_empty_row_among_others(monkeypatch, kind):
     B, d = 5, 6
     tags0 = torch.where(torch.rand(B + 3, generator=g) < 0.3, TAG_PADDING, 0).to(torch.int32)
     tags1 = torch.tensor([0, TAG_PADDING, 0], dtype=torch.int32)
-    prob = LSEProblem(torch.randn(B, d, dtype=torch.float64, generator=g),
-                      (torch.randn(B + 3, d, dtype=torch.float64, generator=g),
-                       torch.randn(3, d, dtype=torch.float64, generator=g)),
-                      (tags0, tags1), positives=OwnPositives(3, 1))
+    prob = LSEProblem(
+        torch.randn(B, d, dtype=torch.float64, generator=g),
+        (torch.randn(B + 3, d, dtype=torch.float64, generator=g), torch.randn(3, d, dtype=torch.float64, generator=g)),
+        (tags0, tags1),
+        positives=OwnPositives(3, 1),
+    )
     head = _head(B, 1, kind, g, masks=False)
     got = _compare_fused(prob, head, torch.tensor(0.2, dtype=torch.float64), 1e-10)
     assert got.lse[0] == float("-inf") and got.mean_logit[0] == 0
@@ -185,16 +199,22 @@ def test_empty_and_degenerate_shapes():
     tau = torch.tensor(0.5)
     impl = _cpp.CppLSE()
     # no candidates at all: every row is empty
-    prob = LSEProblem(torch.randn(3, 4), (torch.randn(0, 4), torch.randn(0, 4)),
-                      (torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)))
+    prob = LSEProblem(
+        torch.randn(3, 4),
+        (torch.randn(0, 4), torch.randn(0, 4)),
+        (torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)),
+    )
     with poison_outputs():
         lse, ml = impl.forward(prob, tau)
         d_a, (d0, d1) = impl.backward(prob, tau, lse, torch.ones(3))
     assert torch.isneginf(lse).all() and (ml == 0).all() and (d_a == 0).all()
     # d = 1 and zero vectors: finite, and the d = 1 cosine gradient is exactly 0
     a = torch.tensor([[2.0], [0.0], [-3.0]])
-    prob = LSEProblem(a, (torch.tensor([[1.0], [-0.5]]), torch.zeros(1, 1)),
-                      (torch.tensor([-1, 0], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)))
+    prob = LSEProblem(
+        a,
+        (torch.tensor([[1.0], [-0.5]]), torch.zeros(1, 1)),
+        (torch.tensor([-1, 0], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)),
+    )
     with poison_outputs():
         lse, _ = impl.forward(prob, tau)
         d_a, (d0, d1) = impl.backward(prob, tau, lse, torch.ones(3))
@@ -243,11 +263,17 @@ def test_bad_arguments_raise_before_compute():
 
 
 def test_unsupported_lists_reasons():
-    meta = LSEProblem(torch.randn(2, 3, device="meta"), (torch.randn(2, 3, device="meta"),) * 2,
-                      (torch.full((2,), -1, dtype=torch.int32, device="meta"),) * 2)
+    meta = LSEProblem(
+        torch.randn(2, 3, device="meta"),
+        (torch.randn(2, 3, device="meta"),) * 2,
+        (torch.full((2,), -1, dtype=torch.int32, device="meta"),) * 2,
+    )
     assert any("CPU tensors only" in r for r in _cpp.CppLSE().unsupported(meta))
-    ints = LSEProblem(torch.ones(2, 3, dtype=torch.int64), (torch.ones(2, 3, dtype=torch.int64),) * 2,
-                      (torch.full((2,), -1, dtype=torch.int32),) * 2)
+    ints = LSEProblem(
+        torch.ones(2, 3, dtype=torch.int64),
+        (torch.ones(2, 3, dtype=torch.int64),) * 2,
+        (torch.full((2,), -1, dtype=torch.int32),) * 2,
+    )
     assert any("float32/float64" in r for r in _cpp.CppLSE().unsupported(ints))
 
 
@@ -262,8 +288,10 @@ def test_auto_picks_cpp_on_cpu():
 
 def test_import_never_builds(tmp_path):
     """Importing fastcl (and the backend module) with an empty cache compiles nothing."""
-    code = ("import fastcl, fastcl.losses, fastcl.ops._cpp as c, json; "
-            "print(json.dumps([c.EXTENSION._tried, c.EXTENSION.build_dir().exists()]))")
+    code = (
+        "import fastcl, fastcl.losses, fastcl.ops._cpp as c, json; "
+        "print(json.dumps([c.EXTENSION._tried, c.EXTENSION.build_dir().exists()]))"
+    )
     env = dict(os.environ, FASTCL_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -26,7 +26,9 @@ CSRC = _build.csrc_dir()
 CU_FILES = sorted(p.name for p in (CSRC / "cuda").glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
 STATIC_SMEM_LIMIT = 48 * 1024
-NVCC = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None)
+NVCC = shutil.which("nvcc") or (
+    os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
+)
 
 needs_nvcc = pytest.mark.skipif(NVCC is None or not os.path.exists(NVCC), reason="nvcc not found (PATH or CUDA_HOME)")
 
@@ -64,9 +66,21 @@ def parse_resource_usage(text: str) -> dict[str, dict[str, int]]:
 
 
 def nvcc_cubin(source: str, arch: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    cmd = [NVCC, "-std=c++17", "-O3", f"-arch={arch}", "--cubin", "--resource-usage",
-           "-Xptxas", "-warn-spills,-warn-lmem-usage", "-I", str(CSRC),
-           "-o", str(out_dir / f"{Path(source).stem}.{arch}.cubin"), str(CSRC / "cuda" / source)]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        "-O3",
+        f"-arch={arch}",
+        "--cubin",
+        "--resource-usage",
+        "-Xptxas",
+        "-warn-spills,-warn-lmem-usage",
+        "-I",
+        str(CSRC),
+        "-o",
+        str(out_dir / f"{Path(source).stem}.{arch}.cubin"),
+        str(CSRC / "cuda" / source),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return out, parse_resource_usage(out.stdout + out.stderr)
 
@@ -92,8 +106,23 @@ def test_cu_compiles_without_spills(source, arch, tmp_path):
         assert 0 < k["registers"] <= 255, f"{name}: {k}"
     if "tc" in source:  # the tensor-core kernel really issues tensor-core MMAs
         ptx = tmp_path / f"{Path(source).stem}.{arch}.ptx"
-        out = subprocess.run([NVCC, "-std=c++17", "-O3", f"-arch={arch}", "--ptx", "-I", str(CSRC), "-o", str(ptx),
-                              str(CSRC / "cuda" / source)], capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [
+                NVCC,
+                "-std=c++17",
+                "-O3",
+                f"-arch={arch}",
+                "--ptx",
+                "-I",
+                str(CSRC),
+                "-o",
+                str(ptx),
+                str(CSRC / "cuda" / source),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         text = ptx.read_text()
         assert "wmma.mma.sync" in text and ".bf16" in text and ".f16" in text, f"no bf16/f16 wmma in {source}"
@@ -114,8 +143,16 @@ def test_torch_glue_passes_a_syntax_check(tmp_path):
     if not (torch_include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists():
         (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
     cxx = os.environ.get("CXX", "c++")
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", f"-I{tmp_path}", *(f"-I{p}" for p in include_paths()),
-           f"-I{cuda_include}", f"-I{CSRC}", str(CSRC / "cuda" / "lse_cuda.cpp")]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-fsyntax-only",
+        f"-I{tmp_path}",
+        *(f"-I{p}" for p in include_paths()),
+        f"-I{cuda_include}",
+        f"-I{CSRC}",
+        str(CSRC / "cuda" / "lse_cuda.cpp"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
 
@@ -134,7 +171,8 @@ ptxas info    : Function properties for _Z1kv
     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers, 36608 bytes smem, 440 bytes cmem[0]"""
     assert parse_resource_usage(text) == {
-        "_Z1kv": {"registers": 255, "spill_stores": 4, "spill_loads": 4, "stack": 8, "smem": 36608}}
+        "_Z1kv": {"registers": 255, "spill_stores": 4, "spill_loads": 4, "stack": 8, "smem": 36608}
+    }
 
 
 # ----------------------------------------------------------------- on a GPU only
@@ -167,8 +205,13 @@ def test_cuda_matches_torch_backend(dtype, fold):
         with poison_outputs():
             fused = impl.fused(prob, tau, h)
             lse, ml = impl.forward(prob, tau)
-            back = impl.backward(prob, tau, lse, torch.linspace(-1, 1, B, device=dev, dtype=cd),
-                                 torch.ones(B, P, device=dev, dtype=cd) if fold else None)
+            back = impl.backward(
+                prob,
+                tau,
+                lse,
+                torch.linspace(-1, 1, B, device=dev, dtype=cd),
+                torch.ones(B, P, device=dev, dtype=cd) if fold else None,
+            )
         results.append((fused, lse, ml, back))
     (f_ref, lse_ref, ml_ref, b_ref), (f, lse, ml, b) = results
     close = lambda x, y: torch.testing.assert_close(x.cpu(), y, rtol=tol, atol=tol)  # noqa: E731

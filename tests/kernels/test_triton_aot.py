@@ -29,7 +29,6 @@ from fastcl.kernels import aot  # noqa: E402
 from fastcl.ops import dispatch  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, LSEProblem  # noqa: E402
 
-
 LAUNCHES = aot.all_launches()
 
 
@@ -80,13 +79,18 @@ def test_recorded_launches_cover_every_flag():
             assert values == {True, False}, f"{kernel}.{name} only {values}"
     assert {x.dclass for x in LAUNCHES if x.kernel == "_lse_fwd_kernel"} == {"16", "32", "64"}
     assert {dict(x.signature)["A"] for x in LAUNCHES if x.kernel == "_lse_fwd_kernel"} == {
-        "*bf16", "*fp16", "*fp32", "*fp64"}
+        "*bf16",
+        "*fp16",
+        "*fp32",
+        "*fp64",
+    }
 
 
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_every_launch_passes_the_frontend(arch):
-    errors = [r for r in (aot.compile_one(x, arch, aot.configs(x, arch)[0], frontend_only=True)
-                          for x in LAUNCHES) if r.error]
+    errors = [
+        r for r in (aot.compile_one(x, arch, aot.configs(x, arch)[0], frontend_only=True) for x in LAUNCHES) if r.error
+    ]
     assert not errors, "\n".join(f"{r.spec}: {r.error}" for r in errors)
 
 
@@ -120,8 +124,10 @@ def test_kernel_compiles_for_target(launch, arch, cfg):
     assert r.registers > 0
     if r.spill_bytes:
         warnings.warn(f"{r.kernel} {arch} {r.config}: ptxas spills {r.spill_bytes} bytes", stacklevel=1)
-    print(f"\n{r.kernel} {arch} {r.config}: {r.registers} regs, {r.spill_bytes} B spills, "
-          f"{r.shared / 1024:.1f} KiB smem, {r.mma or 'no mma'}")
+    print(
+        f"\n{r.kernel} {arch} {r.config}: {r.registers} regs, {r.spill_bytes} B spills, "
+        f"{r.shared / 1024:.1f} KiB smem, {r.mma or 'no mma'}"
+    )
 
 
 def test_triton_backend_unavailable_without_cuda():
@@ -130,8 +136,9 @@ def test_triton_backend_unavailable_without_cuda():
     why = dispatch.describe()["triton"]
     assert "no CUDA device" in why and "TRITON_INTERPRET" in why
     a = torch.randn(3, 4)
-    problem = LSEProblem(a, (a, a[:0]), (torch.full((3,), TAG_ALL, dtype=torch.int32),
-                                           torch.empty(0, dtype=torch.int32)))
+    problem = LSEProblem(
+        a, (a, a[:0]), (torch.full((3,), TAG_ALL, dtype=torch.int32), torch.empty(0, dtype=torch.int32))
+    )
     with pytest.raises(dispatch.BackendUnavailableError, match="no CUDA device"):
         dispatch.choose(problem, backend="triton")
     assert dispatch.choose(problem).name != "triton"  # never chosen for CPU tensors

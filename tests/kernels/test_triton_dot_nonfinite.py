@@ -19,8 +19,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process",
-                allow_module_level=True)
+    pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process", allow_module_level=True)
 pytest.importorskip("triton")
 
 from fastcl.ops import _triton  # noqa: E402

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process",
-                allow_module_level=True)
+    pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process", allow_module_level=True)
 pytest.importorskip("triton")
 
 import triton  # noqa: E402
@@ -33,7 +32,6 @@ from fastcl import reference as R  # noqa: E402
 from fastcl.kernels import _common, aot  # noqa: E402
 from fastcl.ops import _torch_impl, _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
-
 from fastcl.testing import assert_close  # noqa: E402
 
 TRITON = _triton.BACKEND
@@ -74,7 +72,7 @@ def _problem(B, P, Q, d, dtype, cosine, gen, exclude_own=True):
     """Positives anchor-major in block 0 after ``extra`` leading rows; padding, an empty row,
     a zero-norm candidate (clamped norm)."""
     extra = 3  # block 0 rows before the positives: OwnPositives.offset
-    scale = 1.0 if cosine else d ** -0.5
+    scale = 1.0 if cosine else d**-0.5
     anchor = torch.randn(B, d, generator=gen) * scale
     block0 = torch.randn(extra + B * P, d, generator=gen) * scale
     block1 = torch.randn(Q, d, generator=gen) * scale
@@ -119,9 +117,14 @@ PRIMITIVE_CASES = [  # B, P, Q, d, dtype, cosine, exclude_own
 ]
 
 
-@pytest.mark.parametrize("B, P, Q, d, dtype, cosine, exclude_own", PRIMITIVE_CASES,
-                         ids=[f"B{c[0]}P{c[1]}Q{c[2]}d{c[3]}-{str(c[4])[6:]}-{'cos' if c[5] else 'dot'}"
-                              f"-{'excl' if c[6] else 'all'}" for c in PRIMITIVE_CASES])
+@pytest.mark.parametrize(
+    "B, P, Q, d, dtype, cosine, exclude_own",
+    PRIMITIVE_CASES,
+    ids=[
+        f"B{c[0]}P{c[1]}Q{c[2]}d{c[3]}-{str(c[4])[6:]}-{'cos' if c[5] else 'dot'}-{'excl' if c[6] else 'all'}"
+        for c in PRIMITIVE_CASES
+    ],
+)
 def test_primitive_matches_oracle(B, P, Q, d, dtype, cosine, exclude_own):
     gen = torch.Generator().manual_seed(B * 1000 + d)
     problem = _problem(B, P, Q, d, dtype, cosine, gen, exclude_own)
@@ -192,11 +195,14 @@ def test_custom_ops_pass_opcheck():
     tau = torch.tensor(0.1)
     lse, _ = torch.ops.fastcl_triton.lse_forward(a, c0, c1, t0, t1, tau, True, 1e-8)
     checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.fastcl_triton.lse_forward.default, (a, c0, c1, t0, t1, tau, True, 1e-8),
-                          test_utils=checks)
-    torch.library.opcheck(torch.ops.fastcl_triton.lse_backward.default,
-                          (a, c0, c1, t0, t1, tau, lse, torch.ones(5), torch.ones(5, 2), 0, True, 1e-8, True),
-                          test_utils=checks)
+    torch.library.opcheck(
+        torch.ops.fastcl_triton.lse_forward.default, (a, c0, c1, t0, t1, tau, True, 1e-8), test_utils=checks
+    )
+    torch.library.opcheck(
+        torch.ops.fastcl_triton.lse_backward.default,
+        (a, c0, c1, t0, t1, tau, lse, torch.ones(5), torch.ones(5, 2), 0, True, 1e-8, True),
+        test_utils=checks,
+    )
 
 
 def test_every_real_launch_is_in_the_aot_list():

@@ -18,14 +18,12 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process",
-                allow_module_level=True)
+    pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process", allow_module_level=True)
 pytest.importorskip("triton")
 
 import fastcl.losses as L  # noqa: E402
 from fastcl.ops import _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs  # noqa: E402
-
 from fastcl.testing import assert_close  # noqa: E402
 
 TRITON = _triton.BACKEND
@@ -139,8 +137,9 @@ def test_cosine_primitive_is_scale_free(dtype, scales):
     a = torch.randn(B, d, generator=gen, dtype=torch.float64)
     c0 = torch.randn(extra + B * P, d, generator=gen, dtype=torch.float64)
     c1 = torch.randn(Q, d, generator=gen, dtype=torch.float64)
-    tags0 = torch.cat([torch.full((extra,), TAG_ALL, dtype=torch.int32),
-                       torch.arange(B, dtype=torch.int32).repeat_interleave(P)])
+    tags0 = torch.cat(
+        [torch.full((extra,), TAG_ALL, dtype=torch.int32), torch.arange(B, dtype=torch.int32).repeat_interleave(P)]
+    )
     tags1 = torch.full((Q,), TAG_ALL, dtype=torch.int32)
     tau, g, d_pos = torch.tensor(0.1), torch.randn(B, generator=gen), torch.randn(B, P, generator=gen)
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import fastcl.losses as L
-
-from tests.helpers.backends import require
 from fastcl.testing import FLOOR, rel_err
+from tests.helpers.backends import require
 
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
@@ -24,8 +23,9 @@ def _labels_case(dt):
 def _mnrl_case(dt):
     gen = torch.Generator().manual_seed(2)
     cols = [torch.randn(64, 32, generator=gen).to(dt) for _ in range(3)]
-    return cols, lambda t, b: L.mnrl_loss(*t, temperature=0.01, directions=GTE, hardness_mode="in_batch_negatives",
-                                          hardness_strength=9.0, backend=b)
+    return cols, lambda t, b: L.mnrl_loss(
+        *t, temperature=0.01, directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=9.0, backend=b
+    )
 
 
 @pytest.mark.parametrize("case", [_labels_case, _mnrl_case], ids=["supcon_labels", "mnrl_gte_hardness"])

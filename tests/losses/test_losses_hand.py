@@ -92,8 +92,9 @@ def test_masks_remove_slots_and_anchors(backend):
     expected = -1 + math.log(E + math.exp(-1))
     got = L.supcon_loss(A, POS, NEG, pos_mask=pos_mask, neg_mask=neg_mask, temperature=1.0, backend=backend)
     assert got.item() == pytest.approx(expected, rel=1e-12)
-    rows = L.supcon_loss(A, POS, NEG, pos_mask=pos_mask, neg_mask=neg_mask, temperature=1.0,
-                         reduction="none", backend=backend)
+    rows = L.supcon_loss(
+        A, POS, NEG, pos_mask=pos_mask, neg_mask=neg_mask, temperature=1.0, reduction="none", backend=backend
+    )
     assert rows[1].item() == 0.0
 
 
@@ -178,7 +179,9 @@ def test_grouped_cosine_and_gclsr(backend):
     h = t([[1.0, 0.0, 0.0, 1.0]])
     z = t([[1.0, 0.0, 1.0, 0.0]])  # group cosines: 1 and 0
     assert L.grouped_cosine_loss(h, z, group_size=2, backend=backend).item() == pytest.approx(-0.5)
-    assert L.grouped_cosine_loss(h, z, group_size=4, backend=backend).item() == pytest.approx(-0.5)  # SimSiam: cos = 1/2
+    assert L.grouped_cosine_loss(h, z, group_size=4, backend=backend).item() == pytest.approx(
+        -0.5
+    )  # SimSiam: cos = 1/2
     h2 = t([[0.0, 1.0, 0.0, 1.0]])
     z2 = t([[0.0, 2.0, 0.0, -1.0]])  # L(h1, z2): groups (1,0)v(0,2)=0 ; (0,1)v(0,-1)=-1 -> 0.5
     # L(h2, z1): (0,1)v(1,0)=0 ; (0,1)v(1,0)=0 -> 0

@@ -23,9 +23,8 @@ import fastcl.losses as L
 from fastcl import reference as R
 from fastcl.ops import _torch_impl
 from fastcl.ops.contract import poison_outputs
-
-from tests.helpers.backends import backends_under_test, require, small_only, device_under_test
 from fastcl.testing import FLOOR, assert_close
+from tests.helpers.backends import backends_under_test, device_under_test, require, small_only
 
 SMALL_SHAPES = [  # (B, P, Q, d)
     (1, 1, 0, 1),
@@ -68,13 +67,15 @@ LOSSES = {
 def _cases():
     """A deterministic spread over the option space (not the full product, to stay fast)."""
     reductions = itertools.cycle(["mean", "sum", "none"])
-    options = itertools.cycle([
-        dict(masks=True, similarity="cos", learn_tau=False),
-        dict(masks=False, similarity="cos", learn_tau=True),
-        dict(masks=True, similarity="dot", learn_tau=True),
-        dict(masks=True, similarity="cos", learn_tau=True),
-        dict(masks=False, similarity="dot", learn_tau=False),
-    ])
+    options = itertools.cycle(
+        [
+            dict(masks=True, similarity="cos", learn_tau=False),
+            dict(masks=False, similarity="cos", learn_tau=True),
+            dict(masks=True, similarity="dot", learn_tau=True),
+            dict(masks=True, similarity="cos", learn_tau=True),
+            dict(masks=False, similarity="dot", learn_tau=False),
+        ]
+    )
     for loss in LOSSES:
         for shape in SHAPES:
             for dtype in DTYPES:
@@ -82,7 +83,11 @@ def _cases():
                     continue
                 opt = next(options)
                 yield pytest.param(
-                    loss, shape, dtype, next(reductions), opt,
+                    loss,
+                    shape,
+                    dtype,
+                    next(reductions),
+                    opt,
                     id=f"{loss}-B{shape[0]}P{shape[1]}Q{shape[2]}d{shape[3]}-{str(dtype)[6:]}-"
                     + "-".join(f"{k}={v}" for k, v in opt.items()),
                 )
@@ -98,7 +103,7 @@ def _masks(B: int, n: int, gen: torch.Generator, device) -> torch.Tensor:
 
 def _inputs(family, shape, dtype, opt, gen, device):
     B, P, Q, d = shape
-    scale = d ** -0.5 if opt["similarity"] == "dot" else 1.0  # keep dot logits O(1)
+    scale = d**-0.5 if opt["similarity"] == "dot" else 1.0  # keep dot logits O(1)
 
     def emb(*s):
         return (torch.randn(*s, generator=gen) * scale).to(device=device, dtype=dtype)
@@ -168,8 +173,15 @@ def test_loss_matches_reference(backend, loss, shape, dtype, reduction, opt):
 
     with poison_outputs():
         got, got_g = _run(fn, tensors, kw, tau, reduction, opt["similarity"], upstream, backend=backend)
-    ref, ref_g = _run(oracle, {k: None if v is None else v.double() for k, v in tensors.items()}, kw,
-                      tau.double() if isinstance(tau, torch.Tensor) else tau, reduction, opt["similarity"], upstream)
+    ref, ref_g = _run(
+        oracle,
+        {k: None if v is None else v.double() for k, v in tensors.items()},
+        kw,
+        tau.double() if isinstance(tau, torch.Tensor) else tau,
+        reduction,
+        opt["similarity"],
+        upstream,
+    )
     eager, eager_g = (None, {})
     if dtype != torch.float64:  # eager PyTorch in the same dtype sets the error bound
         eager, eager_g = _run(oracle, tensors, kw, tau, reduction, opt["similarity"], upstream)
@@ -178,8 +190,15 @@ def test_loss_matches_reference(backend, loss, shape, dtype, reduction, opt):
     logit_scale = 1.0 / float(tau)  # |logits| <= 1/tau for cosine; O(1/tau) for the scaled dot inputs
     assert_close("loss", got, ref, dtype, eager, abs_scale=logit_scale)
     for name, g in ref_g.items():
-        assert_close(f"d {name}", got_g[name], g, dtype, eager_g.get(name), scalar_sum=name == "temperature",
-                     abs_scale=logit_scale)
+        assert_close(
+            f"d {name}",
+            got_g[name],
+            g,
+            dtype,
+            eager_g.get(name),
+            scalar_sum=name == "temperature",
+            abs_scale=logit_scale,
+        )
         if name != "temperature":
             assert got_g[name].dtype == dtype
     # padded slots: exactly zero gradient

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fastcl.losses as L
+
 B, P, Q, D = 4, 2, 3, 8
 
 LOSSES = {
@@ -41,7 +42,11 @@ def _value_and_grads(fn, encoder, inputs):
 def test_training_step_compiles_fullgraph(loss, backend):
     gen = torch.Generator().manual_seed(5)
     encoder = torch.nn.Linear(D, D)
-    inputs = (torch.randn(B, D, generator=gen), torch.randn(B, P, D, generator=gen), torch.randn(B, Q, D, generator=gen))
+    inputs = (
+        torch.randn(B, D, generator=gen),
+        torch.randn(B, P, D, generator=gen),
+        torch.randn(B, Q, D, generator=gen),
+    )
     step = _step(encoder, LOSSES[loss], backend)
     torch._dynamo.reset()
     # aot_eager: dynamo (where graph breaks happen) and AOTAutograd's joint forward/backward
@@ -58,7 +63,11 @@ def test_inductor_compiles_the_auto_cpu_backend():
     """The default backend (inductor) on the automatic CPU choice (``cpp`` when built)."""
     gen = torch.Generator().manual_seed(6)
     encoder = torch.nn.Linear(D, D)
-    inputs = (torch.randn(B, D, generator=gen), torch.randn(B, P, D, generator=gen), torch.randn(B, Q, D, generator=gen))
+    inputs = (
+        torch.randn(B, D, generator=gen),
+        torch.randn(B, P, D, generator=gen),
+        torch.randn(B, Q, D, generator=gen),
+    )
     step = _step(encoder, LOSSES["supmpn"], "auto")
     torch._dynamo.reset()
     got, got_grads = _value_and_grads(torch.compile(step, fullgraph=True), encoder, inputs)

@@ -49,8 +49,11 @@ def test_env_var_with_unknown_backend_errors(monkeypatch):
 
 
 def test_auto_on_cpu_never_picks_gpu_backends():
-    prob = LSEProblem(torch.randn(3, 4), (torch.randn(3, 4), torch.randn(0, 4)),
-                      (torch.full((3,), -1, dtype=torch.int32), torch.empty(0, dtype=torch.int32)))
+    prob = LSEProblem(
+        torch.randn(3, 4),
+        (torch.randn(3, 4), torch.randn(0, 4)),
+        (torch.full((3,), -1, dtype=torch.int32), torch.empty(0, dtype=torch.int32)),
+    )
     impl = dispatch.choose(prob)
     assert impl.name in ("cpp", "torch")
 

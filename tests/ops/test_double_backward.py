@@ -12,7 +12,6 @@ import torch
 
 import fastcl.losses as L
 from fastcl.ops import dispatch
-
 from tests.helpers.backends import backends_under_test, device_under_test, require
 
 B, P, Q, D = 4, 2, 3, 5
@@ -20,8 +19,9 @@ B, P, Q, D = 4, 2, 3, 5
 
 def _inputs(dtype=torch.float64, device="cpu"):
     gen = torch.Generator().manual_seed(3)
-    a, p, n = (torch.randn(*s, generator=gen, dtype=dtype).to(device).requires_grad_()
-               for s in ((B, D), (B, P, D), (B, Q, D)))
+    a, p, n = (
+        torch.randn(*s, generator=gen, dtype=dtype).to(device).requires_grad_() for s in ((B, D), (B, P, D), (B, Q, D))
+    )
     tau = torch.tensor(0.3, dtype=torch.float64, device=device, requires_grad=True)
     return a, p, n, tau
 
@@ -29,13 +29,23 @@ def _inputs(dtype=torch.float64, device="cpu"):
 CASES = {
     "supmpn": lambda a, p, n, t, be: L.supmpn_loss(a, p, n, temperature=t, backend=be),
     "supmpn_zero_logit_masked": lambda a, p, n, t, be: L.supmpn_loss(
-        a, p, n, temperature=t, backend=be, own_positives="zero_logit",
-        pos_mask=torch.tensor([[True, False], [True, True], [False, False], [True, True]], device=a.device)),
+        a,
+        p,
+        n,
+        temperature=t,
+        backend=be,
+        own_positives="zero_logit",
+        pos_mask=torch.tensor([[True, False], [True, True], [False, False], [True, True]], device=a.device),
+    ),
     "supcon_none": lambda a, p, n, t, be: L.supcon_loss(a, p, n, temperature=t, reduction="none", backend=be),
     "mnrl_dot": lambda a, p, n, t, be: L.mnrl_loss(a, p[:, 0], n, temperature=t, similarity="dot", backend=be),
     "pool": lambda a, p, n, t, be: L.supcon_pool_loss(
-        a, n.reshape(B * Q, D), torch.tensor([[0, 1], [3, 4], [6, 8], [9, 11]], device=a.device),
-        temperature=t, backend=be),
+        a,
+        n.reshape(B * Q, D),
+        torch.tensor([[0, 1], [3, 4], [6, 8], [9, 11]], device=a.device),
+        temperature=t,
+        backend=be,
+    ),
 }
 
 
@@ -70,5 +80,7 @@ def test_other_backends_refuse_double_backward(monkeypatch, backend, case, strat
     want = torch.autograd.grad(CASES[case](a, p, n, t, backend), (a, t), upstream)
     torch.testing.assert_close((g_a, g_t), want, rtol=1e-5, atol=1e-6)
     assert g_a.requires_grad, "a gradient that drops out of the graph would make the second backward silent"
-    with pytest.raises(RuntimeError, match=rf"{backend!r} backend computes first derivatives only.*backend='reference'"):
+    with pytest.raises(
+        RuntimeError, match=rf"{backend!r} backend computes first derivatives only.*backend='reference'"
+    ):
         (g_a.square().sum() + g_t).backward()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from fastcl.bench.memory import cpu_extra_peak_bytes
-
 from tests.helpers.backends import backends_under_test, require
 
 B, P, Q, D = 4096, 5, 5, 32

@@ -10,7 +10,6 @@ from fastcl.ops import dispatch
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
 from fastcl.ops.positive_logits import positive_logits
 from fastcl.reference import ReferenceLSE
-
 from tests.helpers.backends import backends_under_test, device_under_test, require
 from tests.helpers.gradcheck import gradcheck_contrastive
 
@@ -19,8 +18,11 @@ def _problem(B, N0, N1, d, dtype=torch.float64, device="cpu", cosine=True, exclu
     a = torch.randn(B, d, dtype=dtype, device=device)
     b0 = torch.randn(N0, d, dtype=dtype, device=device)
     b1 = torch.randn(N1, d, dtype=dtype, device=device)
-    t0 = torch.randint(-2, B, (N0,), dtype=torch.int32, device=device) if exclude else torch.full(
-        (N0,), TAG_ALL, dtype=torch.int32, device=device)
+    t0 = (
+        torch.randint(-2, B, (N0,), dtype=torch.int32, device=device)
+        if exclude
+        else torch.full((N0,), TAG_ALL, dtype=torch.int32, device=device)
+    )
     t1 = torch.where(torch.rand(N1, device=device) < 0.3, TAG_PADDING, TAG_ALL).to(torch.int32)
     return LSEProblem(a, (b0, b1), (t0, t1), cosine)
 
@@ -52,8 +54,9 @@ def test_lse_contract(backend):
     t1 = torch.full((7,), TAG_PADDING, dtype=torch.int32, device=dev)
     prob = LSEProblem(prob.anchor, prob.blocks, (t0, t1), True)
     tau = torch.tensor(0.1, device=dev)
-    want = ReferenceLSE().forward(LSEProblem(prob.anchor.double(), tuple(b.double() for b in prob.blocks), prob.tags),
-                                  tau)[0]
+    want = ReferenceLSE().forward(
+        LSEProblem(prob.anchor.double(), tuple(b.double() for b in prob.blocks), prob.tags), tau
+    )[0]
     with poison_outputs():
         got, mean_logit = impl.forward(prob, tau)
     assert torch.isfinite(mean_logit).all()
@@ -127,7 +130,9 @@ def test_positive_logits_gradcheck():
     p = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     for cosine in (True, False):
-        assert torch.autograd.gradcheck(lambda a, p, t: positive_logits(a, p, t, cosine=cosine, eps=1e-8), (a, p, tau))
+        assert torch.autograd.gradcheck(
+            lambda a, p, t, cosine=cosine: positive_logits(a, p, t, cosine=cosine, eps=1e-8), (a, p, tau)
+        )
 
 
 def test_grouped_cosine_gradcheck():
@@ -155,7 +160,7 @@ def test_grouped_cosine_matches_reference(dtype, shape, group):
 
 
 def test_own_positives_must_fit_in_block0():
-    from fastcl.ops.contract import LSEProblem, OwnPositives
+    from fastcl.ops.contract import LSEProblem
 
     a, b0, b1 = torch.randn(3, 4), torch.randn(6, 4), torch.randn(0, 4)
     tags = (torch.full((6,), -1, dtype=torch.int32), torch.empty(0, dtype=torch.int32))

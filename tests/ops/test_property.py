@@ -45,12 +45,15 @@ from hypothesis import strategies as st  # noqa: E402
 import fastcl.losses as L  # noqa: E402
 from fastcl import reference as R  # noqa: E402
 from fastcl.ops.contract import poison_outputs  # noqa: E402
-
-from tests.helpers.backends import backends_under_test, device_under_test, require, small_only  # noqa: E402
 from fastcl.testing import assert_close  # noqa: E402
+from tests.helpers.backends import backends_under_test, device_under_test, require, small_only  # noqa: E402
 
-_COMMON = dict(deadline=None, database=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_COMMON = dict(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.register_profile("ci", max_examples=8 if small_only() else 40, **_COMMON)
 settings.register_profile("long", max_examples=2000, **_COMMON)
 PROFILE = os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci")
@@ -62,8 +65,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 DIMS = [1, 2, 3, 5, 7, 15, 17, 31, 33, 63, 65, 100, 129]
 LOSSES = {
     "supmpn": (L.supmpn_loss, R.supmpn),
-    "supmpn_zero_logit": (functools.partial(L.supmpn_loss, own_positives="zero_logit"),
-                          functools.partial(R.supmpn, own_positives="zero_logit")),
+    "supmpn_zero_logit": (
+        functools.partial(L.supmpn_loss, own_positives="zero_logit"),
+        functools.partial(R.supmpn, own_positives="zero_logit"),
+    ),
     "supcon": (L.supcon_loss, R.supcon),
     "mnrl": (L.mnrl_loss, R.mnrl),
 }
@@ -116,8 +121,11 @@ def cases(draw):
         if not pos_mask.any():
             pos_mask[draw(st.integers(0, B - 1)), 0] = True
     if Q and draw(st.booleans()):
-        neg_mask = torch.zeros(B, Q, dtype=torch.bool) if draw(st.booleans()) else \
-            torch.tensor(draw(st.lists(st.booleans(), min_size=B * Q, max_size=B * Q))).view(B, Q)
+        neg_mask = (
+            torch.zeros(B, Q, dtype=torch.bool)
+            if draw(st.booleans())
+            else torch.tensor(draw(st.lists(st.booleans(), min_size=B * Q, max_size=B * Q))).view(B, Q)
+        )
 
     shapes = {"anchor": (B, d), "positives": (B, P, d), "negatives": (B, Q, d)}
     layouts = {
@@ -148,15 +156,30 @@ def cases(draw):
         if layouts[spot[0]] == "expanded":
             layouts[spot[0]] = "contiguous"
     seed = draw(st.integers(0, 2**31 - 1))
-    return dict(loss=loss, shapes=shapes, dtype=dtype, similarity=similarity, reduction=reduction, tau=tau,
-                learn_tau=learn_tau, pos_mask=pos_mask, neg_mask=neg_mask, layouts=layouts, special=special,
-                spot=spot, value=value, whole_slot=whole_slot, seed=seed, has_pos=has_pos)
+    return dict(
+        loss=loss,
+        shapes=shapes,
+        dtype=dtype,
+        similarity=similarity,
+        reduction=reduction,
+        tau=tau,
+        learn_tau=learn_tau,
+        pos_mask=pos_mask,
+        neg_mask=neg_mask,
+        layouts=layouts,
+        special=special,
+        spot=spot,
+        value=value,
+        whole_slot=whole_slot,
+        seed=seed,
+        has_pos=has_pos,
+    )
 
 
 def _leaves(case, device) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(case["seed"])
     d = case["shapes"]["anchor"][1]
-    scale = d ** -0.5 if case["similarity"] == "dot" else 1.0  # keep dot logits O(1)
+    scale = d**-0.5 if case["similarity"] == "dot" else 1.0  # keep dot logits O(1)
     out = {}
     for name, shape in case["shapes"].items():
         if name == "negatives" and shape[1] == 0:
@@ -187,8 +210,14 @@ def _run(fn, leaves, case, tau, **extra):
     if case["loss"] == "mnrl":
         out = fn(views["anchor"], views["positives"][:, 0], views.get("negatives"), neg_mask=case["neg_mask"], **kw)
     else:
-        out = fn(views["anchor"], views["positives"], views.get("negatives"),
-                 pos_mask=case["pos_mask"], neg_mask=case["neg_mask"], **kw)
+        out = fn(
+            views["anchor"],
+            views["positives"],
+            views.get("negatives"),
+            pos_mask=case["pos_mask"],
+            neg_mask=case["neg_mask"],
+            **kw,
+        )
     wrt = list(leaves.values()) + ([t] if isinstance(t, torch.Tensor) else [])
     names = list(leaves) + (["temperature"] if isinstance(t, torch.Tensor) else [])
     grads = torch.autograd.grad(out.double().sum(), wrt)
@@ -235,8 +264,15 @@ def _check_against_oracle(case, backend, leaves, device) -> None:
     logit_scale = 1.0 / case["tau"]
     assert_close("loss", got, ref, dtype, eager, abs_scale=logit_scale)
     for name, g in ref_g.items():
-        assert_close(f"d {name}", got_g[name], g, dtype, eager_g.get(name), scalar_sum=name == "temperature",
-                     abs_scale=logit_scale)
+        assert_close(
+            f"d {name}",
+            got_g[name],
+            g,
+            dtype,
+            eager_g.get(name),
+            scalar_sum=name == "temperature",
+            abs_scale=logit_scale,
+        )
     _padded_grads_are_zero(case, got_g)
 
 

@@ -13,14 +13,12 @@ Backends: the reference plus ``tests/helpers/backends.py``'s list (CPU by defaul
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
 
 import fastcl.losses as L
 from fastcl.ops.head import head_rows
-
 from tests.helpers.backends import backends_under_test, device_under_test, require
 
 BACKENDS = ["reference", *backends_under_test()]
@@ -166,8 +164,17 @@ A, P, N = torch.randn(4, 8), torch.randn(4, 2, 8), torch.randn(4, 3, 8)
 
 @pytest.mark.parametrize(
     "temperature",
-    [float("inf"), torch.tensor(float("inf")), torch.tensor(float("nan")), 1e-39, torch.tensor(1e-39),
-     torch.tensor(0.0), torch.tensor(-1.0), 1e-300, float("nan")],
+    [
+        float("inf"),
+        torch.tensor(float("inf")),
+        torch.tensor(float("nan")),
+        1e-39,
+        torch.tensor(1e-39),
+        torch.tensor(0.0),
+        torch.tensor(-1.0),
+        1e-300,
+        float("nan"),
+    ],
     ids=["inf", "tensor-inf", "tensor-nan", "1e-39", "tensor-1e-39", "tensor-0", "tensor-neg", "1e-300", "nan"],
 )
 def test_bad_temperature_refused_on_every_backend(backend, temperature):

@@ -13,8 +13,15 @@ def sgd(cfg, model):
 
 def run_rank(rank: int, world: int, port: int, argvs: list[list[str]]) -> None:
     """Train each command line in ``argvs`` in turn, in one process group (spawn costs)."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 

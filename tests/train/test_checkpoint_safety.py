@@ -33,8 +33,18 @@ def _write(out, step, world=WORLD, mark=True):
     folder = out / f"checkpoint-{step}"
     written = {}
     for rank in range(world):
-        written.update(ckpt.save_checkpoint(folder, rank=rank, model=model, optimizer=opt, scheduler=None,
-                                            scaler=None, progress={"step": step}, cfg=_cfg()))
+        written.update(
+            ckpt.save_checkpoint(
+                folder,
+                rank=rank,
+                model=model,
+                optimizer=opt,
+                scheduler=None,
+                scaler=None,
+                progress={"step": step},
+                cfg=_cfg(),
+            )
+        )
     if mark:
         ckpt.mark_complete(folder, world_size=world, step=step, written=written)
     return folder
@@ -157,8 +167,9 @@ def test_prune_keeps_the_last_complete_and_drops_older_incomplete(tmp_path):
 
 def test_config_differences_name_each_option():
     saved = vars(_cfg(lr=1e-3, seed=1, batch_size=8, method="supmpn", device="cpu", model="./m"))
-    now = _cfg(lr=2e-3, seed=2, batch_size=16, method="simcse-sup", device="cuda", max_steps=99,
-               model=os.path.abspath("m"))
+    now = _cfg(
+        lr=2e-3, seed=2, batch_size=16, method="simcse-sup", device="cuda", max_steps=99, model=os.path.abspath("m")
+    )
     diffs = ckpt.config_differences(saved, now)
     assert [d.split(":")[0] for d in diffs] == ["--batch-size", "--lr", "--method", "--seed"]
     assert "--lr: checkpoint 0.001, now 0.002" in diffs

@@ -8,8 +8,18 @@ import random
 
 import pytest
 
-from fastcl.data import (collate_groups, collate_liao, group_by_premise, insert_punctuation, liao_in_batch, load_nli,
-                         read_sentences, simcse_triplets, supmpn_capacity, supmpn_groups)
+from fastcl.data import (
+    collate_groups,
+    collate_liao,
+    group_by_premise,
+    insert_punctuation,
+    liao_in_batch,
+    load_nli,
+    read_sentences,
+    simcse_triplets,
+    supmpn_capacity,
+    supmpn_groups,
+)
 
 ROWS = [  # premise A: 2 entailments, 1 contradiction, 1 neutral; B: 2 contradictions; C: 1 entailment
     {"premise": "A", "hypothesis": "a1", "label": "entailment"},
@@ -23,6 +33,7 @@ ROWS = [  # premise A: 2 entailments, 1 contradiction, 1 neutral; B: 2 contradic
 
 
 # ----------------------------------------------------------------------------- readers
+
 
 def _write(path, text, gz=False):
     if gz:
@@ -90,6 +101,7 @@ def test_sentences_drop_cut_last_line(tmp_path, data_dir):
 
 # ----------------------------------------------------------------------------- recipes
 
+
 def test_group_and_triplets():
     g = group_by_premise(ROWS)
     assert list(g) == ["A", "B", "C"]
@@ -123,8 +135,11 @@ def test_supmpn_fill_policies():
 
 
 def test_supmpn_sampled_negatives_come_from_other_premises():
-    rows = [{"premise": f"P{i}", "hypothesis": f"h{i}-{j}", "label": lab}
-            for i in range(20) for j, lab in enumerate(["entailment", "contradiction", "neutral"])]
+    rows = [
+        {"premise": f"P{i}", "hypothesis": f"h{i}-{j}", "label": lab}
+        for i in range(20)
+        for j, lab in enumerate(["entailment", "contradiction", "neutral"])
+    ]
     out = supmpn_groups(rows, 2, 5, pos_fill="anchor", neg_fill="sample", seed=3)
     for e in out:
         i = e["anchor"][1:]
@@ -137,11 +152,11 @@ def test_supmpn_sampled_negatives_come_from_other_premises():
 
 
 BATCH = [  # consecutive rows, as Liao's unshuffled SNLI
-    {"premise": "A", "hypothesis": "a1", "label": "entailment"},     # 0
+    {"premise": "A", "hypothesis": "a1", "label": "entailment"},  # 0
     {"premise": "A", "hypothesis": "a-", "label": "contradiction"},  # 1
-    {"premise": "A", "hypothesis": "a2", "label": "entailment"},     # 2
-    {"premise": "B", "hypothesis": "b1", "label": "entailment"},     # 3
-    {"premise": "B", "hypothesis": "b0", "label": "neutral"},        # 4
+    {"premise": "A", "hypothesis": "a2", "label": "entailment"},  # 2
+    {"premise": "B", "hypothesis": "b1", "label": "entailment"},  # 3
+    {"premise": "B", "hypothesis": "b0", "label": "neutral"},  # 4
 ]
 
 
@@ -185,6 +200,7 @@ def test_insert_punctuation_seeded():
 
 # ----------------------------------------------------------------------------- collators
 
+
 class _Tok:
     """Whitespace 'tokenizer': enough to check the collators' layout."""
 
@@ -193,8 +209,10 @@ class _Tok:
 
         ids = [[len(w) + 1 for w in t.split()][:max_length] or [1] for t in texts]
         width = max(len(i) for i in ids)
-        return {"input_ids": torch.tensor([i + [0] * (width - len(i)) for i in ids]),
-                "attention_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])}
+        return {
+            "input_ids": torch.tensor([i + [0] * (width - len(i)) for i in ids]),
+            "attention_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]),
+        }
 
 
 def test_collate_groups_encodes_only_valid_slots():

@@ -21,16 +21,28 @@ def _table_module():
 def _fake_row(folder: Path, score: float, args: str) -> None:
     folder.mkdir(parents=True)
     tasks = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
-    (folder / "sts.json").write_text(json.dumps({
-        "gclsr": {**{t: score for t in tasks}, "avg": score},
-        "avg_word_vectors": {**{t: 50.0 for t in tasks}, "avg": 50.0},
-    }))
+    (folder / "sts.json").write_text(
+        json.dumps(
+            {
+                "gclsr": {**{t: score for t in tasks}, "avg": score},
+                "avg_word_vectors": {**{t: 50.0 for t in tasks}, "avg": 50.0},
+            }
+        )
+    )
     (folder / "timing.json").write_text(json.dumps({"train_s": 10, "sts_s": 2, "args": args}))
     (folder / "summary.json").write_text(json.dumps({"steps": 380, "best_step": 190}))
     (folder / "machine.txt").write_text("start x load average: 0.1\nend y\n")
-    (folder / "log.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"step": 10, "loss": -0.1, "std_z": 0.015}, {"step": 19, "stsb_dev": 70.0, "best_stsb_dev": 70.0},
-        {"step": 20, "loss": -0.9, "std_z": 0.014}]) + "\n")
+    (folder / "log.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"step": 10, "loss": -0.1, "std_z": 0.015},
+                {"step": 19, "stsb_dev": 70.0, "best_stsb_dev": 70.0},
+                {"step": 20, "loss": -0.9, "std_z": 0.014},
+            ]
+        )
+        + "\n"
+    )
 
 
 def test_table_lists_baseline_and_every_row(tmp_path):

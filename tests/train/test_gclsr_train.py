@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastcl import reference
-from fastcl.gclsr import GCLSRModel, PWVA, two_view_loss
+from fastcl.gclsr import PWVA, GCLSRModel, two_view_loss
 from fastcl.gclsr.optim import build_sgd, gclsr_scheduler, scaled_lr, set_momentum, warmup_cosine
 from fastcl.gclsr.recipe import PAPER, GCLSRRecipe, load_pretrained
 from fastcl.losses import gclsr_loss
@@ -91,17 +91,28 @@ WORDS = "the a man woman plays playing guitar music cat dog sits on mat runs in 
 def recipe_cfg(tmp_path):
     g = torch.Generator().manual_seed(0)
     vec = tmp_path / "vectors.txt"
-    vec.write_text("".join(f"{w} " + " ".join(f"{v:.5f}" for v in torch.randn(10, generator=g).tolist()) + "\n"
-                           for w in WORDS))
+    vec.write_text(
+        "".join(f"{w} " + " ".join(f"{v:.5f}" for v in torch.randn(10, generator=g).tolist()) + "\n" for w in WORDS)
+    )
     rng = random.Random(0)
     lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))).capitalize() + "." for _ in range(64)]
     corpus = tmp_path / "sentences.txt"
     corpus.write_text("\n".join(lines) + "\n")
     recipe = GCLSRRecipe()
-    cfg = argparse.Namespace(**{
-        **PAPER, **recipe.option_defaults(), "word_vectors": str(vec), "model": None, "train_file": str(corpus),
-        "data_dir": None, "seed": 0, "chunk_size": None, "precision": "fp32", "max_examples": None,
-    })
+    cfg = argparse.Namespace(
+        **{
+            **PAPER,
+            **recipe.option_defaults(),
+            "word_vectors": str(vec),
+            "model": None,
+            "train_file": str(corpus),
+            "data_dir": None,
+            "seed": 0,
+            "chunk_size": None,
+            "precision": "fp32",
+            "max_examples": None,
+        }
+    )
     cfg.batch_size, cfg.region_sizes, cfg.filters, cfg.proj_dim, cfg.pred_hidden = 16, "1,2,3", 16, 64, 16
     cfg.warmup_ratio, cfg.lr = 0.2, 0.5
     return recipe, cfg
@@ -149,8 +160,16 @@ def test_recipe_collate_is_seeded(recipe_cfg):
 
 def test_recipe_validation(recipe_cfg):
     recipe, cfg = recipe_cfg
-    for key, value in [("chunk_size", 4), ("group_size", 24), ("pwva_p", 1.5), ("region_sizes", "1,x"),
-                       ("precision", "fp16"), ("precision", "auto"), ("momentum", 1.0), ("pred_lr", 0.0)]:
+    for key, value in [
+        ("chunk_size", 4),
+        ("group_size", 24),
+        ("pwva_p", 1.5),
+        ("region_sizes", "1,x"),
+        ("precision", "fp16"),
+        ("precision", "auto"),
+        ("momentum", 1.0),
+        ("pred_lr", 0.0),
+    ]:
         bad = argparse.Namespace(**vars(cfg))
         setattr(bad, key, value)
         with pytest.raises(ValueError):
@@ -186,12 +205,53 @@ def test_cli_train_gclsr_end_to_end(recipe_cfg, tmp_path):
 
     _, cfg = recipe_cfg
     out = tmp_path / "run"
-    rc = main(["train", "gclsr", "--word-vectors", cfg.word_vectors, "--train-file", cfg.train_file,
-               "--output-dir", str(out), "--batch-size", "8", "--max-steps", "3", "--eval-steps", "0",
-               "--region-sizes", "1,2", "--filters", "8", "--proj-dim", "32", "--pred-hidden", "8",
-               "--progress", "false", "--tensorboard", "false"])
+    rc = main(
+        [
+            "train",
+            "gclsr",
+            "--word-vectors",
+            cfg.word_vectors,
+            "--train-file",
+            cfg.train_file,
+            "--output-dir",
+            str(out),
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "3",
+            "--eval-steps",
+            "0",
+            "--region-sizes",
+            "1,2",
+            "--filters",
+            "8",
+            "--proj-dim",
+            "32",
+            "--pred-hidden",
+            "8",
+            "--progress",
+            "false",
+            "--tensorboard",
+            "false",
+        ]
+    )
     assert rc == 0
     enc = load_pretrained(out / "final", progress=False)
     assert enc.encode(["the man plays", "a dog runs"]).shape == (2, 16)
-    assert main(["train", "gclsr", "--word-vectors", cfg.word_vectors, "--train-file", cfg.train_file,
-                 "--group-size", "5", "--output-dir", str(out)]) == 2  # validated before any compute
+    assert (
+        main(
+            [
+                "train",
+                "gclsr",
+                "--word-vectors",
+                cfg.word_vectors,
+                "--train-file",
+                cfg.train_file,
+                "--group-size",
+                "5",
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 2
+    )  # validated before any compute

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tests.helpers.gradcache import chunked_graph, make_batch, one_thread, param_grads, tiny_encoder  # noqa: F401
 from fastcl.gradcache import GradCache, HFEncoder
 from fastcl.losses import infonce_loss, supmpn_loss
+from tests.helpers.gradcache import chunked_graph, make_batch, one_thread, param_grads, tiny_encoder  # noqa: F401
 
 # Same chunks, same arithmetic: only the order in which the chunks' parameter gradients are
 # summed differs between the oracle's single graph and the chunk-by-chunk re-encoding.
@@ -32,7 +32,7 @@ def infonce(a, p):
 def assert_grads_close(got: dict, want: dict, rtol=RTOL, atol=ATOL):
     assert got.keys() == want.keys() and got, "different sets of parameters received a gradient"
     for name in want:
-        assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def simcse_step(enc, batch, encode, seed=1, forward_context=contextlib.nullcontext):
@@ -64,8 +64,9 @@ def test_dropout_on_equals_chunks_in_one_graph(chunk_size):
     assert_grads_close(got, want)
     # Control: another seed gives other masks and visibly other gradients.
     _, _, other = simcse_step(enc, batch, lambda b: gc(**b), seed=2)
-    assert not torch.allclose(other["model.encoder.layer.0.output.dense.weight"],
-                              want["model.encoder.layer.0.output.dense.weight"], rtol=1e-3)
+    assert not torch.allclose(
+        other["model.encoder.layer.0.output.dense.weight"], want["model.encoder.layer.0.output.dense.weight"], rtol=1e-3
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 5, 16])
@@ -249,10 +250,19 @@ def test_non_tensor_inputs_pass_to_every_chunk():
         (lambda enc: GradCache("not callable", chunk_size=2), TypeError, "callable"),
         (lambda enc: GradCache(enc, chunk_size=2, ddp=object()), TypeError, "DistributedDataParallel"),
         (lambda enc: GradCache(enc, 2)(scale=1.0), ValueError, "at least one tensor"),
-        (lambda enc: GradCache(enc, 2)(input_ids=torch.ones(3, 4, dtype=torch.long), attention_mask=torch.ones(2, 4)),
-         ValueError, "leading dimension"),
+        (
+            lambda enc: GradCache(enc, 2)(
+                input_ids=torch.ones(3, 4, dtype=torch.long), attention_mask=torch.ones(2, 4)
+            ),
+            ValueError,
+            "leading dimension",
+        ),
         (lambda enc: GradCache(enc, 2)(input_ids=torch.ones(0, 4, dtype=torch.long)), ValueError, "n = 0"),
-        (lambda enc: GradCache(enc, 2)(inputs_embeds=torch.ones(3, 4, 32, requires_grad=True)), ValueError, "require grad"),
+        (
+            lambda enc: GradCache(enc, 2)(inputs_embeds=torch.ones(3, 4, 32, requires_grad=True)),
+            ValueError,
+            "require grad",
+        ),
         (lambda enc: GradCache(lambda **x: torch.ones(3), 2)(x=torch.ones(4)), ValueError, r"\[n, d\]"),
         (lambda enc: GradCache(lambda **x: [1], 2)(x=torch.ones(4)), TypeError, "must return a Tensor"),
         (lambda enc: HFEncoder(enc.model, pooling="max"), ValueError, "pooling"),
@@ -323,6 +333,7 @@ class SavedActivations:
         def encode(**inputs):
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.t):
                 return encode_fn(**inputs)
+
         return encode
 
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from tests.helpers.gradcache import one_thread, param_grads  # noqa: F401
 from fastcl.gradcache import GradCache
 from fastcl.losses import infonce_loss
+from tests.helpers.gradcache import one_thread, param_grads  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N, CHUNK = 16, 4
@@ -54,7 +54,7 @@ def _oracle(enc: nn.Module, x: torch.Tensor):
     ref = copy.deepcopy(enc)
 
     def encode(t):
-        return torch.cat([ref(x=t[s:s + CHUNK]) for s in range(0, t.shape[0], CHUNK)])
+        return torch.cat([ref(x=t[s : s + CHUNK]) for s in range(0, t.shape[0], CHUNK)])
 
     _step(encode, x)
     return _stats(ref), param_grads(ref)

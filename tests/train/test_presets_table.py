@@ -42,7 +42,7 @@ def parse_tables(markdown: str) -> dict[str, dict]:
     """``{method: {"presets": [...], "rows": {option: ([values], source)}}}``."""
     if MARKER not in markdown:
         raise AssertionError(f"{DOC} lost its preset-table marker {MARKER!r}")
-    body = markdown[markdown.index(MARKER):]
+    body = markdown[markdown.index(MARKER) :]
     body = body[: body.index("\n## ")] if "\n## " in body else body
     tables: dict[str, dict] = {}
     method = None
@@ -104,5 +104,9 @@ def test_preset_matches_the_documented_table(method, preset):
 def test_the_parser_catches_a_drift():
     doc = DOC.read_text().replace("| lr | 3e-5 | 1e-5 |", "| lr | 3e-4 | 1e-5 |", 1)
     assert parse_tables(doc)["simcse-unsup"]["rows"]["lr"][0] == [3e-4, 1e-5]
-    assert parse_value("`1,1,1,6,15,20`") == "1,1,1,6,15,20" and parse_value("unset") is None and parse_value("none") == "none"
+    assert (
+        parse_value("`1,1,1,6,15,20`") == "1,1,1,6,15,20"
+        and parse_value("unset") is None
+        and parse_value("none") == "none"
+    )
     assert parse_value("0.25") == 0.25 and parse_value("false") is False and parse_value("512") == 512

@@ -24,9 +24,7 @@ from fastcl.gclsr import GCLSRModel
 from fastcl.gclsr.optim import build_sgd, gclsr_scheduler, set_momentum
 from fastcl.pooling import pool, without_first_token
 from fastcl.trainers.config import resolve_precision
-
 from tests.helpers.train import make_tiny_bert
-
 
 # ---------------------------------------------------------------- 1, 2: GCLSR optimiser
 
@@ -42,7 +40,7 @@ def test_gclsr_predictor_lr_is_constant_one_whatever_the_batch_and_schedule():
     total = 40
     sched = recipe.build_scheduler(cfg, opt, total)
     seen = []
-    for step in range(total):
+    for _ in range(total):
         seen.append((opt.param_groups[0]["lr"], opt.param_groups[1]["lr"]))
         opt.step()
         sched.step()
@@ -125,8 +123,9 @@ def test_liao_preset_pools_without_cls_at_train_and_test(tiny, tmp_path):
     recipe.save_pretrained(model, tmp_path / "saved", cfg)
     info = json.loads((tmp_path / "saved" / "fastcl_model.json").read_text())
     assert info["pooling"] == info["train_pooling"] == "mean_no_cls"
-    saved = encode(AutoModel.from_pretrained(tmp_path / "saved"), tok, sentences, pooling=info["pooling"],
-                   show_progress=False)
+    saved = encode(
+        AutoModel.from_pretrained(tmp_path / "saved"), tok, sentences, pooling=info["pooling"], show_progress=False
+    )
     torch.testing.assert_close(saved, manual, rtol=1e-5, atol=1e-6)
 
 
@@ -147,8 +146,10 @@ def test_edacse_weight_decay_is_papers(tiny, preset):
 def test_supmpn_negative_fill_never_samples_neutral_hypotheses():
     rows = [{"premise": "p0", "hypothesis": "p0 ent", "label": "entailment"}]  # needs 5 filled negatives
     for i in range(1, 4):
-        rows += [{"premise": f"p{i}", "hypothesis": f"p{i} ent", "label": "entailment"},
-                 {"premise": f"p{i}", "hypothesis": f"p{i} con", "label": "contradiction"}]
+        rows += [
+            {"premise": f"p{i}", "hypothesis": f"p{i} ent", "label": "entailment"},
+            {"premise": f"p{i}", "hypothesis": f"p{i} con", "label": "contradiction"},
+        ]
         rows += [{"premise": f"p{i}", "hypothesis": f"p{i} neutral {j}", "label": "neutral"} for j in range(20)]
     allowed = {f"p{i} {kind}" for i in range(1, 4) for kind in ("ent", "con")} | {"p0 ent"}
     for seed in range(20):
@@ -178,9 +179,14 @@ def test_auto_precision_resolution(monkeypatch, cuda, bf16, expected):
         assert resolve_precision(explicit, "cpu") == explicit
 
 
-@pytest.mark.parametrize("method, presets", [("simcse-unsup", ("bert-base", "bert-large")),
-                                             ("simcse-sup", ("bert-base", "bert-large")),
-                                             ("supmpn", ("bert-base", "bert-large"))])
+@pytest.mark.parametrize(
+    "method, presets",
+    [
+        ("simcse-unsup", ("bert-base", "bert-large")),
+        ("simcse-sup", ("bert-base", "bert-large")),
+        ("supmpn", ("bert-base", "bert-large")),
+    ],
+)
 def test_simcse_and_supmpn_presets_use_mixed_precision_on_cuda(tiny, method, presets):
     for preset in presets:
         _, cfg = parse([method, "--model", str(tiny), "--preset", preset])
@@ -192,11 +198,36 @@ def test_loop_resolves_auto_precision_on_the_cpu(tiny, tmp_path):
 
     corpus = tmp_path / "wiki.txt"
     rng = random.Random(0)
-    corpus.write_text("\n".join(" ".join(rng.choice("a man dog runs plays in the park".split()) for _ in range(6))
-                                for _ in range(8)) + "\n")
-    recipe, cfg = parse(["simcse-unsup", "--model", str(tiny), "--train-file", str(corpus), "--precision", "auto",
-                         "--batch-size", "4", "--max-steps", "1", "--eval-steps", "0", "--save-steps", "0",
-                         "--device", "cpu", "--progress", "false", "--tensorboard", "false",
-                         "--output-dir", str(tmp_path / "run")])
+    corpus.write_text(
+        "\n".join(" ".join(rng.choice("a man dog runs plays in the park".split()) for _ in range(6)) for _ in range(8))
+        + "\n"
+    )
+    recipe, cfg = parse(
+        [
+            "simcse-unsup",
+            "--model",
+            str(tiny),
+            "--train-file",
+            str(corpus),
+            "--precision",
+            "auto",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "1",
+            "--eval-steps",
+            "0",
+            "--save-steps",
+            "0",
+            "--device",
+            "cpu",
+            "--progress",
+            "false",
+            "--tensorboard",
+            "false",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     train(recipe, cfg)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["precision"] == "fp32"

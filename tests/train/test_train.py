@@ -15,7 +15,6 @@ import torch
 from fastcl.__main__ import main as cli
 from fastcl.cli.train import parse
 from fastcl.trainers.loop import train
-
 from tests.helpers.train import make_samples, make_tiny_bert
 
 pytestmark = pytest.mark.data
@@ -25,8 +24,11 @@ NLI_METHODS = ("simcse-sup", "supmpn", "supcon")
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, data_dir):
     root = tmp_path_factory.mktemp("train")
-    return {"model": make_tiny_bert(root / "tiny"), "model_no_dropout": make_tiny_bert(root / "tiny0", dropout=0.0),
-            **make_samples(data_dir, root / "data")}
+    return {
+        "model": make_tiny_bert(root / "tiny"),
+        "model_no_dropout": make_tiny_bert(root / "tiny0", dropout=0.0),
+        **make_samples(data_dir, root / "data"),
+    }
 
 
 def _source(setup, method):
@@ -34,8 +36,18 @@ def _source(setup, method):
 
 
 def _options(setup, method, out, **extra):
-    opts = dict(model=setup["model"], train_file=_source(setup, method), output_dir=out, batch_size=8,
-                eval_steps=0, save_steps=0, log_steps=1, progress="false", tensorboard="false", seed=1)
+    opts = dict(
+        model=setup["model"],
+        train_file=_source(setup, method),
+        output_dir=out,
+        batch_size=8,
+        eval_steps=0,
+        save_steps=0,
+        log_steps=1,
+        progress="false",
+        tensorboard="false",
+        seed=1,
+    )
     opts.update(extra)
     return opts
 
@@ -51,8 +63,17 @@ def _losses(out):
     return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-@pytest.mark.parametrize("method, cap", [("simcse-unsup", None), ("simcse-sup", None), ("supmpn", None),
-                                         ("supcon", "allpalln"), ("supcon", "3p3n"), ("edacse", None)])
+@pytest.mark.parametrize(
+    "method, cap",
+    [
+        ("simcse-unsup", None),
+        ("simcse-sup", None),
+        ("supmpn", None),
+        ("supcon", "allpalln"),
+        ("supcon", "3p3n"),
+        ("edacse", None),
+    ],
+)
 def test_recipe_learns_and_saves(setup, tmp_path, method, cap):
     out = tmp_path / method
     # the same 8 examples every step (max_examples = batch), a large lr: the loss must fall
@@ -62,7 +83,9 @@ def test_recipe_learns_and_saves(setup, tmp_path, method, cap):
     extra = {"pooling": "mean"} if method in ("simcse-unsup", "simcse-sup", "edacse") else {}
     if cap is not None:
         extra["cap"] = cap
-    args = _argv(method, _options(setup, method, out, max_examples=8, max_steps=8, lr=3e-3, schedule="constant", **extra))
+    args = _argv(
+        method, _options(setup, method, out, max_examples=8, max_steps=8, lr=3e-3, schedule="constant", **extra)
+    )
     assert cli(["train", *args]) == 0
     losses = _losses(out)
     assert len(losses) == 8
@@ -71,6 +94,7 @@ def test_recipe_learns_and_saves(setup, tmp_path, method, cap):
     from transformers import AutoModel, AutoTokenizer
 
     from fastcl.eval import encode
+
     final = out / "final"
     info = json.loads((final / "fastcl_model.json").read_text())
     model = AutoModel.from_pretrained(final)
@@ -115,8 +139,9 @@ def test_mlp_head_saved_for_automodel_and_sentence_transformers(setup, tmp_path)
         direct = trained.eval()(**tok(sentences, padding=True, return_tensors="pt"))
     torch.testing.assert_close(expected, direct, rtol=1e-5, atol=1e-6)
     model = AutoModel.from_pretrained(out / "final")
-    torch.testing.assert_close(encode(model, tok, sentences, pooling="cls", show_progress=False), expected,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        encode(model, tok, sentences, pooling="cls", show_progress=False), expected, rtol=1e-5, atol=1e-6
+    )
     st = SentenceTransformer(str(out / "final"), device="cpu")
     torch.testing.assert_close(torch.as_tensor(st.encode(sentences)), expected, rtol=1e-4, atol=1e-5)
 
@@ -165,6 +190,7 @@ def test_resume_after_interruption_is_bit_identical(setup, tmp_path, method):
     _assert_same_tensors(full["model"], resumed["model"], "model")
     _assert_same_tensors(full["optimizer"], resumed["optimizer"], "optimizer")
     assert full["scheduler"] == resumed["scheduler"]
+
     # the crashed run logged step 4 before dying; the resumed run drops that record (it resumes
     # from step 3) and logs step 4 again, identically: each step appears once
     def by_step(out):
@@ -183,7 +209,9 @@ def test_gradient_cache_matches_full_batch(setup, tmp_path):
     states = []
     for out, extra in ((tmp_path / "a", {}), (tmp_path / "b", {"chunk_size": 5})):
         recipe, cfg = parse(_argv("simcse-unsup", _options(setup, "simcse-unsup", out, **common, **extra)))
-        recipe.build_optimizer = lambda cfg, model: torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        recipe.build_optimizer = lambda cfg, model: torch.optim.SGD(
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr
+        )
         train(recipe, cfg)
         states.append(_state(out / "checkpoint-2")["model"])
     a, b = states
@@ -193,8 +221,23 @@ def test_gradient_cache_matches_full_batch(setup, tmp_path):
 
 def test_bf16_autocast_dev_eval_and_best_checkpoint(setup, tmp_path):
     out = tmp_path / "bf16"
-    summary = train(*parse(_argv("supmpn", _options(setup, "supmpn", out, max_examples=16, max_steps=2,
-                                                    precision="bf16", eval_steps=1, max_grad_norm=1.0))))
+    summary = train(
+        *parse(
+            _argv(
+                "supmpn",
+                _options(
+                    setup,
+                    "supmpn",
+                    out,
+                    max_examples=16,
+                    max_steps=2,
+                    precision="bf16",
+                    eval_steps=1,
+                    max_grad_norm=1.0,
+                ),
+            )
+        )
+    )
     assert summary["best_stsb_dev"] is not None and summary["best_step"] in (1, 2)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "stsb_dev" in r] == [1, 2]
@@ -211,16 +254,19 @@ def test_presets_and_precedence(setup):
     assert (cfg.max_insertions, cfg.lam, cfg.mlp, cfg.schedule) == (3, 0.6, "train", "cosine")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["supmpn"], "--model PATH_OR_NAME is required"),
-    (["supmpn", "--model", "/nonexistent/model"], "no Hugging Face model"),
-    (["supmpn", "--preset", "huge"], "unknown preset"),
-    (["supmpn", "--batch-size", "0"], "--batch-size must be"),
-    (["supmpn", "--pos-fill", "drop", "--num-positives", "9"], "no premise of"),
-    (["supmpn", "--train-file", "/nonexistent/snli.csv"], "not found"),
-    (["supcon", "--lam", "1.5"], "--lam must be in"),
-    (["edacse", "--max-insertions", "0"], "--max-insertions"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["supmpn"], "--model PATH_OR_NAME is required"),
+        (["supmpn", "--model", "/nonexistent/model"], "no Hugging Face model"),
+        (["supmpn", "--preset", "huge"], "unknown preset"),
+        (["supmpn", "--batch-size", "0"], "--batch-size must be"),
+        (["supmpn", "--pos-fill", "drop", "--num-positives", "9"], "no premise of"),
+        (["supmpn", "--train-file", "/nonexistent/snli.csv"], "not found"),
+        (["supcon", "--lam", "1.5"], "--lam must be in"),
+        (["edacse", "--max-insertions", "0"], "--max-insertions"),
+    ],
+)
 def test_cli_errors_before_compute(setup, capsys, args, message):
     full = ["train", *args]
     if "--model" not in args and args != ["supmpn"]:
@@ -284,9 +330,18 @@ def test_liao_3p3n_local_loss_equals_pool_loss_when_sets_cover_the_batch(similar
     from fastcl.losses import supcon_pool_loss
     from fastcl.trainers.recipes.supcon import local_supcon
 
-    rows = [{"premise": p, "hypothesis": f"{p}{i}", "label": lab} for p, i, lab in [
-        ("A", 0, "entailment"), ("A", 1, "entailment"), ("A", 2, "neutral"), ("B", 3, "entailment"),
-        ("B", 4, "contradiction"), ("C", 5, "contradiction"), ("D", 6, "entailment")]]
+    rows = [
+        {"premise": p, "hypothesis": f"{p}{i}", "label": lab}
+        for p, i, lab in [
+            ("A", 0, "entailment"),
+            ("A", 1, "entailment"),
+            ("A", 2, "neutral"),
+            ("B", 3, "entailment"),
+            ("B", 4, "contradiction"),
+            ("C", 5, "contradiction"),
+            ("D", 6, "entailment"),
+        ]
+    ]
     built = liao_in_batch(rows, "allpalln")
     pos_index, pos_mask = _pad(built["pos_index"])
     neg_index, neg_mask = _pad(built["neg_index"])
@@ -294,8 +349,9 @@ def test_liao_3p3n_local_loss_equals_pool_loss_when_sets_cover_the_batch(similar
     cands = torch.randn(len(rows), 16, dtype=torch.float64, requires_grad=True)
     tau = 1.0 if similarity == "dot" else 0.1
     local = local_supcon(anchors, cands, pos_index, pos_mask, neg_index, neg_mask, tau, similarity == "cos")
-    fused = supcon_pool_loss(anchors, cands, pos_index, pos_mask=pos_mask, temperature=tau, similarity=similarity,
-                             backend="reference")
+    fused = supcon_pool_loss(
+        anchors, cands, pos_index, pos_mask=pos_mask, temperature=tau, similarity=similarity, backend="reference"
+    )
     torch.testing.assert_close(local.double(), fused)
     g_local = torch.autograd.grad(local, (anchors, cands))
     g_fused = torch.autograd.grad(fused, (anchors, cands))

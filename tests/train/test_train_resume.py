@@ -10,7 +10,6 @@ import pytest
 from fastcl.__main__ import main as cli
 from fastcl.cli.train import parse
 from fastcl.trainers.loop import train
-
 from tests.helpers.train import make_samples, make_tiny_bert
 from tests.train.test_train import _argv, _assert_same_tensors, _options, _state
 
@@ -56,6 +55,7 @@ def test_resume_auto_skips_damaged_newest_checkpoint_and_logs_each_step_once(set
     full, resumed = _state(tmp_path / "full" / "checkpoint-6"), _state(tmp_path / "cut" / "checkpoint-6")
     _assert_same_tensors(full["model"], resumed["model"], "model")
     _assert_same_tensors(full["optimizer"], resumed["optimizer"], "optimizer")
+
     # steps 3-5 were logged by the crashed run and again after the resume: only once now
     def timeless(out):
         return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in _records(out)]
@@ -79,8 +79,12 @@ def test_resume_refuses_changed_options_and_allows_them_explicitly(setup, tmp_pa
     assert cli(["train", *_argv(METHOD, changed)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    for text in ("--batch-size: checkpoint 8, now 4", "--lr: checkpoint 0.001, now 0.002",
-                 "--seed: checkpoint 1, now 7", "--allow-config-change"):
+    for text in (
+        "--batch-size: checkpoint 8, now 4",
+        "--lr: checkpoint 0.001, now 0.002",
+        "--seed: checkpoint 1, now 7",
+        "--allow-config-change",
+    ):
         assert text in err, err
     assert not (out / "checkpoint-2").exists()
 
@@ -91,12 +95,21 @@ def test_resume_refuses_changed_options_and_allows_them_explicitly(setup, tmp_pa
 
     # explicitly allowed: continues, with the new learning rate in effect
     with pytest.warns(RuntimeWarning, match="--allow-config-change: .*--lr"):
-        assert cli(["train", *_argv(METHOD, {**opts, "resume": "auto", "max_steps": 2, "lr": 2e-3}),
-                    "--allow-config-change"]) == 0
+        assert (
+            cli(
+                [
+                    "train",
+                    *_argv(METHOD, {**opts, "resume": "auto", "max_steps": 2, "lr": 2e-3}),
+                    "--allow-config-change",
+                ]
+            )
+            == 0
+        )
     state = _state(out / "checkpoint-2")
     assert state["progress"]["step"] == 2
-    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == pytest.approx([2e-3] * len(
-        state["optimizer"]["param_groups"]))
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == pytest.approx(
+        [2e-3] * len(state["optimizer"]["param_groups"])
+    )
     assert [r["lr"] for r in _records(out) if "loss" in r] == pytest.approx([1e-3, 2e-3])
 
 

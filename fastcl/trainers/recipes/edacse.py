@@ -6,9 +6,17 @@ from fastcl.data import PUNCTUATION, collate_views, insert_punctuation, read_sen
 from fastcl.losses import edacse_loss
 from fastcl.trainers.hf import WIKI, HFRecipe, split_rows
 
-_PAPER = {"max_length": 32, "temperature": 0.05, "pooling": "cls_before_pooler", "mlp": "train",
-          "schedule": "cosine", "warmup_ratio": 0.0, "epochs": 1, "max_examples": 10_000,
-          "weight_decay": 0.01}  # paper Table 4
+_PAPER = {
+    "max_length": 32,
+    "temperature": 0.05,
+    "pooling": "cls_before_pooler",
+    "mlp": "train",
+    "schedule": "cosine",
+    "warmup_ratio": 0.0,
+    "epochs": 1,
+    "max_examples": 10_000,
+    "weight_decay": 0.01,
+}  # paper Table 4
 
 
 class EdaCSE(HFRecipe):
@@ -28,8 +36,13 @@ class EdaCSE(HFRecipe):
         g.add_argument("--marks", help=f"punctuation marks to insert, as one string (default {''.join(PUNCTUATION)!r})")
 
     def option_defaults(self):
-        return {**super().option_defaults(), "mlp": "train", "lam": 0.6, "max_insertions": 3,
-                "marks": "".join(PUNCTUATION)}
+        return {
+            **super().option_defaults(),
+            "mlp": "train",
+            "lam": 0.6,
+            "max_insertions": 3,
+            "marks": "".join(PUNCTUATION),
+        }
 
     def validate(self, cfg) -> None:
         if cfg.max_insertions < 1:
@@ -46,11 +59,17 @@ class EdaCSE(HFRecipe):
     def collate(self, examples, ctx):
         cfg, rng = ctx.cfg, ctx.rng
         marks = tuple(cfg.marks)
-        return collate_views(examples, self._tokenizer, cfg.max_length, views=2,
-                             augment=lambda s: insert_punctuation(s, cfg.max_insertions, rng, marks))
+        return collate_views(
+            examples,
+            self._tokenizer,
+            cfg.max_length,
+            views=2,
+            augment=lambda s: insert_punctuation(s, cfg.max_insertions, rng, marks),
+        )
 
     def loss(self, model, batch, ctx):
         B = batch["batch_size"]
         a, a_drop, a_aug = split_rows(ctx.encode(model, **batch["inputs"]), B, B, B)
-        return edacse_loss(a, a_drop, a_aug, lam=ctx.cfg.lam, temperature=ctx.cfg.temperature,
-                           process_group=ctx.process_group), {}
+        return edacse_loss(
+            a, a_drop, a_aug, lam=ctx.cfg.lam, temperature=ctx.cfg.temperature, process_group=ctx.process_group
+        ), {}

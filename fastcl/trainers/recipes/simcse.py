@@ -7,8 +7,16 @@ from fastcl.losses import infonce_loss, mnrl_loss
 from fastcl.trainers.hf import WIKI, HFRecipe, split_rows
 
 # fp16 in the paper: "auto" = bf16/fp16 autocast on CUDA, fp32 on the CPU (config.resolve_precision)
-_COMMON = {"max_length": 32, "temperature": 0.05, "pooling": "cls_before_pooler", "schedule": "linear",
-           "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_steps": 125, "precision": "auto"}
+_COMMON = {
+    "max_length": 32,
+    "temperature": 0.05,
+    "pooling": "cls_before_pooler",
+    "schedule": "linear",
+    "warmup_ratio": 0.0,
+    "weight_decay": 0.0,
+    "eval_steps": 125,
+    "precision": "auto",
+}
 
 
 class SimCSEUnsup(HFRecipe):

@@ -46,12 +46,23 @@ class LiaoModel(nn.Module):
         return self.encoder(**inputs)
 
 
-def local_supcon(anchor: Tensor, candidates: Tensor, pos_index: Tensor, pos_mask: Tensor, neg_index: Tensor,
-                 neg_mask: Tensor, tau: float, cosine: bool) -> Tensor:
+def local_supcon(
+    anchor: Tensor,
+    candidates: Tensor,
+    pos_index: Tensor,
+    pos_mask: Tensor,
+    neg_index: Tensor,
+    neg_mask: Tensor,
+    tau: float,
+    cosine: bool,
+) -> Tensor:
     """Per-anchor SupCon: ``mean_k [-l_ik + LSE_{c in pos_i u neg_i} l_ic]``, mean over anchors
     with a positive. anchor ``[A, d]``, candidates ``[N, d]``, index/mask ``[A, P]`` / ``[A, Q]``."""
     if cosine:
-        anchor, candidates = F.normalize(anchor.float(), dim=-1, eps=1e-8), F.normalize(candidates.float(), dim=-1, eps=1e-8)
+        anchor, candidates = (
+            F.normalize(anchor.float(), dim=-1, eps=1e-8),
+            F.normalize(candidates.float(), dim=-1, eps=1e-8),
+        )
     index, mask = torch.cat([pos_index, neg_index], 1), torch.cat([pos_mask, neg_mask], 1)
     logits = torch.einsum("ad,akd->ak", anchor.float(), candidates.float()[index]) / tau
     logits = logits.masked_fill(~mask, float("-inf"))
@@ -80,12 +91,36 @@ class SupCon(HFRecipe):
     presets = {
         # code: AdamW 2e-5, batch 64, 1 epoch, 10 % warm-up then constant, SNLI in data order;
         # mean pooling over the tokens except [CLS] (a proper masked mean) at train and test
-        "liao": {"batch_size": 64, "lr": 2e-5, "epochs": 1, "warmup_ratio": 0.1, "schedule": "constant",
-                 "pooling": "mean_no_cls", "mlp": "none", "lam": 0.3, "temperature": 1.0, "similarity": "dot",
-                 "cap": "allpalln", "shuffle": False, "max_length": 128},
-        "liao-transfer": {"batch_size": 64, "lr": 2e-5, "epochs": 1, "warmup_ratio": 0.1, "schedule": "constant",
-                          "pooling": "mean_no_cls", "mlp": "none", "lam": 0.1, "temperature": 1.0, "similarity": "dot",
-                          "cap": "allpalln", "shuffle": False, "max_length": 128},
+        "liao": {
+            "batch_size": 64,
+            "lr": 2e-5,
+            "epochs": 1,
+            "warmup_ratio": 0.1,
+            "schedule": "constant",
+            "pooling": "mean_no_cls",
+            "mlp": "none",
+            "lam": 0.3,
+            "temperature": 1.0,
+            "similarity": "dot",
+            "cap": "allpalln",
+            "shuffle": False,
+            "max_length": 128,
+        },
+        "liao-transfer": {
+            "batch_size": 64,
+            "lr": 2e-5,
+            "epochs": 1,
+            "warmup_ratio": 0.1,
+            "schedule": "constant",
+            "pooling": "mean_no_cls",
+            "mlp": "none",
+            "lam": 0.1,
+            "temperature": 1.0,
+            "similarity": "dot",
+            "cap": "allpalln",
+            "shuffle": False,
+            "max_length": 128,
+        },
     }
     defaults = {"batch_size": 64, "lr": 2e-5, "warmup_ratio": 0.1, "schedule": "constant", "shuffle": False}
 
@@ -96,8 +131,17 @@ class SupCon(HFRecipe):
         g.add_argument("--head-dim", type=int, help="inner width of the softmax head (768)")
 
     def option_defaults(self):
-        return {**super().option_defaults(), "pooling": "mean_no_cls", "mlp": "none", "lam": 0.3, "cap": "allpalln",
-                "similarity": "dot", "temperature": 1.0, "head_dim": 768, "max_length": 128}
+        return {
+            **super().option_defaults(),
+            "pooling": "mean_no_cls",
+            "mlp": "none",
+            "lam": 0.3,
+            "cap": "allpalln",
+            "similarity": "dot",
+            "temperature": 1.0,
+            "head_dim": 768,
+            "max_length": 128,
+        }
 
     def validate(self, cfg) -> None:
         if not 0.0 <= cfg.lam <= 1.0:
@@ -108,8 +152,10 @@ class SupCon(HFRecipe):
 
     def read_data(self, cfg):
         nli = load_nli(self.source(cfg), cfg.train_split)
-        return [{"premise": p, "hypothesis": h, "label": lab}
-                for p, h, lab in zip(nli["premise"], nli["hypothesis"], nli["label"])]
+        return [
+            {"premise": p, "hypothesis": h, "label": lab}
+            for p, h, lab in zip(nli["premise"], nli["hypothesis"], nli["label"])
+        ]
 
     def build_model(self, cfg) -> nn.Module:
         enc = self.build_encoder(cfg)
@@ -132,13 +178,28 @@ class SupCon(HFRecipe):
             # anchors (non-entailment rows fully masked), positive slots padded to B
             anchors, pos_index, pos_mask = u, *_pad_to_all_rows(batch, B)
         if cfg.cap == "allpalln" and (anchors.shape[0] or ctx.process_group is not None):
-            scl = supcon_pool_loss(anchors, v, pos_index, pos_mask=pos_mask, temperature=cfg.temperature,
-                                   similarity=cfg.similarity, process_group=ctx.process_group).float()
+            scl = supcon_pool_loss(
+                anchors,
+                v,
+                pos_index,
+                pos_mask=pos_mask,
+                temperature=cfg.temperature,
+                similarity=cfg.similarity,
+                process_group=ctx.process_group,
+            ).float()
         elif anchors.shape[0] == 0:  # no entailment row in this batch: CE only
             scl = ce * 0.0
         else:
-            scl = local_supcon(anchors, v, batch["pos_index"], batch["pos_mask"], batch["neg_index"],
-                               batch["neg_mask"], cfg.temperature, cosine)
+            scl = local_supcon(
+                anchors,
+                v,
+                batch["pos_index"],
+                batch["pos_mask"],
+                batch["neg_index"],
+                batch["neg_mask"],
+                cfg.temperature,
+                cosine,
+            )
         loss = (1 - cfg.lam) * ce + cfg.lam * scl
         return loss, {"ce": float(ce.detach()), "scl": float(scl.detach())}
 

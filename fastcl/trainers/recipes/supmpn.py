@@ -6,10 +6,22 @@ from fastcl.data import NEG_FILLS, POS_FILLS, collate_groups, load_nli, supmpn_c
 from fastcl.losses import OWN_POSITIVES, supmpn_loss
 from fastcl.trainers.hf import HFRecipe, split_rows
 
-_PAPER = {"max_length": 32, "temperature": 0.05, "pooling": "avg_first_last", "mlp": "none", "epochs": 3,
-          "num_positives": 5, "num_negatives": 5, "pos_fill": "anchor", "neg_fill": "sample",
-          "schedule": "linear", "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_steps": 125,
-          "precision": "auto"}  # fp16 on GPUs as SimCSE: bf16/fp16 autocast on CUDA, fp32 on the CPU
+_PAPER = {
+    "max_length": 32,
+    "temperature": 0.05,
+    "pooling": "avg_first_last",
+    "mlp": "none",
+    "epochs": 3,
+    "num_positives": 5,
+    "num_negatives": 5,
+    "pos_fill": "anchor",
+    "neg_fill": "sample",
+    "schedule": "linear",
+    "warmup_ratio": 0.0,
+    "weight_decay": 0.0,
+    "eval_steps": 125,
+    "precision": "auto",
+}  # fp16 on GPUs as SimCSE: bf16/fp16 autocast on CUDA, fp32 on the CPU
 
 
 class SupMPN(HFRecipe):
@@ -24,17 +36,33 @@ class SupMPN(HFRecipe):
     def add_method_arguments(self, g) -> None:
         g.add_argument("--num-positives", type=int, help="P: positives per anchor (paper 5)")
         g.add_argument("--num-negatives", type=int, help="Q: hard negatives per anchor (paper 5)")
-        g.add_argument("--pos-fill", choices=POS_FILLS, help="premises with < P entailments: copy the anchor / "
-                       "repeat entailments / mask / drop the premise")
-        g.add_argument("--neg-fill", choices=NEG_FILLS, help="premises with < Q contradictions: sample other "
-                       "premises' hypotheses / mask / drop")
+        g.add_argument(
+            "--pos-fill",
+            choices=POS_FILLS,
+            help="premises with < P entailments: copy the anchor / repeat entailments / mask / drop the premise",
+        )
+        g.add_argument(
+            "--neg-fill",
+            choices=NEG_FILLS,
+            help="premises with < Q contradictions: sample other premises' hypotheses / mask / drop",
+        )
         g.add_argument("--min-positives", type=int, help="skip premises with fewer real entailments (default 1)")
-        g.add_argument("--own-positives", choices=OWN_POSITIVES, help="eq. 7 ('exclude') or the released code ('zero_logit')")
+        g.add_argument(
+            "--own-positives", choices=OWN_POSITIVES, help="eq. 7 ('exclude') or the released code ('zero_logit')"
+        )
 
     def option_defaults(self):
-        return {**super().option_defaults(), "pooling": "avg_first_last", "mlp": "none", "num_positives": 5,
-                "num_negatives": 5, "pos_fill": "anchor", "neg_fill": "sample", "min_positives": 1,
-                "own_positives": "exclude"}
+        return {
+            **super().option_defaults(),
+            "pooling": "avg_first_last",
+            "mlp": "none",
+            "num_positives": 5,
+            "num_negatives": 5,
+            "pos_fill": "anchor",
+            "neg_fill": "sample",
+            "min_positives": 1,
+            "own_positives": "exclude",
+        }
 
     def validate(self, cfg) -> None:
         if cfg.num_positives < 1 or cfg.num_negatives < 0 or cfg.min_positives < 0:
@@ -45,13 +73,24 @@ class SupMPN(HFRecipe):
         nli = load_nli(self.source(cfg), cfg.train_split)
         max_pos, max_neg = supmpn_capacity(nli)
         if cfg.pos_fill == "drop" and cfg.num_positives > max_pos:
-            raise ValueError(f"--num-positives {cfg.num_positives} but no premise of {self.source(cfg)} has more than "
-                             f"{max_pos} entailments; choose --pos-fill anchor/entailment_copy/mask")
+            raise ValueError(
+                f"--num-positives {cfg.num_positives} but no premise of {self.source(cfg)} has more than "
+                f"{max_pos} entailments; choose --pos-fill anchor/entailment_copy/mask"
+            )
         if cfg.neg_fill == "drop" and cfg.num_negatives > max_neg:
-            raise ValueError(f"--num-negatives {cfg.num_negatives} but no premise of {self.source(cfg)} has more than "
-                             f"{max_neg} contradictions; choose --neg-fill sample/mask")
-        return supmpn_groups(nli, cfg.num_positives, cfg.num_negatives, cfg.pos_fill, cfg.neg_fill,
-                             seed=cfg.seed, min_positives=cfg.min_positives)
+            raise ValueError(
+                f"--num-negatives {cfg.num_negatives} but no premise of {self.source(cfg)} has more than "
+                f"{max_neg} contradictions; choose --neg-fill sample/mask"
+            )
+        return supmpn_groups(
+            nli,
+            cfg.num_positives,
+            cfg.num_negatives,
+            cfg.pos_fill,
+            cfg.neg_fill,
+            seed=cfg.seed,
+            min_positives=cfg.min_positives,
+        )
 
     def collate(self, examples, ctx):
         return collate_groups(examples, self._tokenizer, ctx.cfg.max_length)
@@ -64,7 +103,14 @@ class SupMPN(HFRecipe):
         # scatter the encoded valid texts into the padded [B, P, d] / [B, Q, d] layout
         positives = emb.new_zeros(*pos_mask.shape, emb.shape[1]).masked_scatter(pos_mask[..., None], pos_flat)
         negatives = emb.new_zeros(*neg_mask.shape, emb.shape[1]).masked_scatter(neg_mask[..., None], neg_flat)
-        loss = supmpn_loss(anchor, positives, negatives if neg_mask.shape[1] else None, pos_mask=pos_mask,
-                           neg_mask=neg_mask if neg_mask.shape[1] else None, temperature=ctx.cfg.temperature,
-                           own_positives=ctx.cfg.own_positives, process_group=ctx.process_group)
+        loss = supmpn_loss(
+            anchor,
+            positives,
+            negatives if neg_mask.shape[1] else None,
+            pos_mask=pos_mask,
+            neg_mask=neg_mask if neg_mask.shape[1] else None,
+            temperature=ctx.cfg.temperature,
+            own_positives=ctx.cfg.own_positives,
+            process_group=ctx.process_group,
+        )
         return loss, {}

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 from fastcl.ops import _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, poison_outputs  # noqa: E402
 
-TRITON = _triton.OPS["lse"]
+TRITON = _triton.BACKEND
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 B, N0, N1, D = 6, 40, 9, 16
 BAD_ROW, OWNER = 17, 2  # candidate 17 of block 0 is row 2's own (left out of row 2 only)

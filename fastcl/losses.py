@@ -8,25 +8,23 @@ each anchor's own positives. The fused backends never build the ``[B, N]`` logit
 
 Shapes: ``anchor [B, d]``, ``positives [B, P, d]``, ``negatives [B, Q, d]`` (Q may be 0),
 ``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding (a padded
-slot is never read: NaN/Inf there change nothing, see docs/losses.md). Embeddings
-are raw (fp16, bf16, fp32 or fp64, all one dtype); cosine similarity normalises them
-inside the op and the gradient flows to the raw tensors. The loss comes back in the input
-dtype; accumulation is float32 (float64 for float64 inputs).
+slot is never read, see docs/losses.md). Embeddings are raw (fp16, bf16, fp32 or fp64,
+all one dtype); cosine similarity normalises them inside the op and the gradient flows to
+the raw tensors. The loss comes back in the input dtype; accumulation is float32 (float64
+for float64 inputs).
 
 Common keyword arguments:
-    temperature: float or 0-d tensor > 0 (``logit = similarity / temperature``); a tensor
-        that requires grad receives its gradient. sentence-transformers' ``scale`` is
-        ``1 / temperature``. It must be finite with a finite ``1 / temperature`` in the
-        compute dtype (``fastcl._checks``; a CUDA tensor's value is not read).
+    temperature: float or 0-d tensor > 0 (``logit = similarity / temperature``, finite in
+        the compute dtype); a tensor that requires grad receives its gradient.
+        sentence-transformers' ``scale`` is ``1 / temperature``.
     reduction: ``"mean"`` (over anchors with a valid positive), ``"sum"``, or ``"none"``
         (``[B]``, zeros for anchors without a positive).
     backend: ``"auto"`` (``FASTCL_BACKEND`` or the best available), ``"reference"``,
         ``"torch"``, ``"cpp"``, ``"triton"``, ``"cuda"``. An explicit backend that cannot
         take the inputs raises ``BackendUnavailableError`` saying why.
-    process_group: ``torch.distributed`` group (e.g. ``dist.group.WORLD``): every rank's
-        candidates join every anchor's denominator, scaled so that DDP's gradient averaging
-        gives exactly the gradient of the global-batch loss (``mean_r loss_r`` equals the
-        one-process loss); all ranks must pass the same shapes. See ``fastcl.distributed``.
+    process_group: ``torch.distributed`` group: every rank's candidates join every
+        anchor's denominator, and DDP's gradient averaging gives exactly the global-batch
+        loss's gradient; all ranks pass the same shapes. See ``fastcl.distributed``.
     similarity: ``"cos"`` (default) or ``"dot"`` (raw dot products, Liao's released code).
 """
 
@@ -81,6 +79,33 @@ def _no_autocast(t: Tensor):
     return nullcontext()
 
 
+def _options(temperature, reduction, backend, process_group, similarity) -> dict:
+    """The keyword arguments every LSE loss passes on unchanged."""
+    return dict(
+        temperature=temperature,
+        reduction=reduction,
+        backend=backend,
+        process_group=process_group,
+        similarity=similarity,
+    )
+
+
+def _check_options(reduction: str, similarity: str) -> None:
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.requested_strategy()
+
+
+def _check_positives(anchor: Tensor, pos_mask: Tensor | None, process_group, temperature) -> Tensor:
+    """Some anchor has a valid positive (with a group the check is global: a rank may have
+    none); returns the temperature as a tensor."""
+    if process_group is None:
+        _checks.check_some_positive(pos_mask)
+    else:
+        distributed.check_group(process_group)
+    return _checks.as_temperature(temperature, anchor)
+
+
 def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
     """``anchor`` with the rows of anchors that have no valid positive read as zeros.
 
@@ -92,47 +117,52 @@ def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
     return torch.where(pos_mask.any(1, keepdim=True), anchor, anchor.new_zeros(()))
 
 
-def _candidates(blocks, tags, has_pos, *, reduction, dtype, process_group, sizes, pos_mask):
-    """The candidate set and reduction weights: this rank's, or every rank's (``fastcl.distributed``).
-
-    Returns blocks, tags, weights and the row of block 0 where this rank's own candidates
-    (hence its anchors' own positives) start.
-    """
+def _fused_loss(
+    kind, anchor, blocks, tags, tau, *, sizes, pos_mask, own_count=None, pos_logits=None, log_extra=None, **opts
+):
+    """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``) and
+    run the fused loss. Own positives are either ``own_count`` rows per anchor in block 0
+    (from where this rank's candidates start) or the given ``pos_logits``; ``opts``:
+    reduction, backend, process_group, similarity."""
+    reduction, process_group = opts["reduction"], opts["process_group"]
+    dev, cd = anchor.device, compute_dtype(anchor.dtype)
+    has_pos = torch.ones(anchor.shape[0], dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
     if process_group is None:
-        return blocks, tags, reduction_weights(has_pos, reduction, dtype), 0
-    g = distributed.gather_candidates(
+        weights, offset = reduction_weights(has_pos, reduction, cd), 0
+    else:
+        g = distributed.gather_candidates(
+            blocks,
+            tags,
+            has_pos,
+            sizes=sizes,
+            reduction=reduction,
+            weight_dtype=cd,
+            check_positive=pos_mask is not None,
+            group=process_group,
+        )
+        blocks, tags, weights, offset = g.blocks, g.tags, g.weights, g.offset
+    own = None if own_count is None else OwnPositives(offset, own_count)
+    return contrastive_loss(
+        anchor,
         blocks,
         tags,
-        has_pos,
-        sizes=sizes,
+        tau,
+        kind=kind,
+        positives=own,
+        pos_logits=pos_logits,
+        pos_mask=pos_mask,
+        weights=weights,
         reduction=reduction,
-        weight_dtype=dtype,
-        check_positive=pos_mask is not None,
-        group=process_group,
+        cosine=opts["similarity"] == "cos",
+        eps=EPS,
+        log_extra=log_extra,
+        backend=opts["backend"],
     )
-    return g.blocks, g.tags, g.weights, g.offset
 
 
-def _lse_loss(
-    kind: str,
-    anchor: Tensor,
-    positives: Tensor,
-    negatives: Tensor | None,
-    *,
-    pos_mask: Tensor | None,
-    neg_mask: Tensor | None,
-    temperature,
-    reduction: str,
-    backend: str,
-    process_group,
-    similarity: str,
-    exclude_own: bool,
-    zero_logit_own: bool = False,
-) -> Tensor:
-    """The structured layout shared by SupMPN, SupCon, MNRL and InfoNCE."""
-    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
-    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
-    _checks.requested_strategy()
+def _lse_loss(kind, anchor, positives, negatives, pos_mask, neg_mask, *, exclude_own, zero_logit_own=False, **opts):
+    """The structured layout shared by SupMPN, SupCon, MNRL and InfoNCE (``opts``: :func:`_options`)."""
+    _check_options(opts["reduction"], opts["similarity"])
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
     _checks.check_rank("positives", positives, 3, "[B, P, d]")
@@ -155,53 +185,25 @@ def _lse_loss(
         Q = negatives.shape[1]
     _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
     _checks.check_mask("neg_mask", neg_mask, (B, Q), anchor.device)
-    if process_group is None:  # with a group the check is global (a rank may have none)
-        _checks.check_some_positive(pos_mask)
-    else:
-        distributed.check_group(process_group)
-    tau = _checks.as_temperature(temperature, anchor)
-    cosine = similarity == "cos"
+    tau = _check_positives(anchor, pos_mask, opts["process_group"], opts.pop("temperature"))
     dev = anchor.device
 
     with _no_autocast(anchor):
         anchor = _without_unused_anchors(anchor, pos_mask)
-        pos_block = positives.reshape(B * P, d)
         pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
         if Q:
             neg_block = negatives.reshape(B * Q, d)
             neg_tags = structured_tags(B, Q, neg_mask, device=dev, exclude_owner=False)
         else:
             neg_block, neg_tags = empty_block(anchor)
-        has_pos = torch.ones(B, dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
-        blocks, tags, weights, pos_offset = _candidates(
-            (pos_block, neg_block),
-            (pos_tags, neg_tags),
-            has_pos,
-            reduction=reduction,
-            dtype=compute_dtype(anchor.dtype),
-            process_group=process_group,
-            sizes={"B": B, "P": P, "Q": Q, "d": d},
-            pos_mask=pos_mask,
-        )
         log_extra = None
         if zero_logit_own:
             count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
-        return contrastive_loss(
-            anchor,
-            blocks,
-            tags,
-            tau,
-            kind=kind,
-            positives=OwnPositives(pos_offset, P),
-            pos_logits=None,
-            pos_mask=pos_mask,
-            weights=weights,
-            reduction=reduction,
-            cosine=cosine,
-            eps=EPS,
-            log_extra=log_extra,
-            backend=backend,
+        blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
+        sizes = {"B": B, "P": P, "Q": Q, "d": d}
+        return _fused_loss(
+            kind, anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, own_count=P, log_extra=log_extra, **opts
         )
 
 
@@ -247,20 +249,10 @@ def supmpn_loss(
         >>> supmpn_loss(a, p, n, temperature=0.05)
     """
     _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
+    opts = _options(temperature, reduction, backend, process_group, similarity)
+    zero_logit = own_positives == "zero_logit"
     return _lse_loss(
-        "supmpn",
-        anchor,
-        positives,
-        negatives,
-        pos_mask=pos_mask,
-        neg_mask=neg_mask,
-        temperature=temperature,
-        reduction=reduction,
-        backend=backend,
-        process_group=process_group,
-        similarity=similarity,
-        exclude_own=True,
-        zero_logit_own=own_positives == "zero_logit",
+        "supmpn", anchor, positives, negatives, pos_mask, neg_mask, exclude_own=True, zero_logit_own=zero_logit, **opts
     )
 
 
@@ -299,38 +291,16 @@ def supcon_loss(
 
         >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
     """
+    opts = _options(temperature, reduction, backend, process_group, similarity)
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
-        return supcon_labels_loss(
-            anchor,
-            labels,
-            ref_emb=ref_emb,
-            ref_labels=ref_labels,
-            temperature=temperature,
-            reduction=reduction,
-            backend=backend,
-            similarity=similarity,
-            process_group=process_group,
-        )
+        return supcon_labels_loss(anchor, labels, ref_emb=ref_emb, ref_labels=ref_labels, **opts)
     if positives is None:
         raise TypeError("supcon_loss needs positives (structured form) or labels= (labels form)")
     if ref_emb is not None or ref_labels is not None:
         raise ValueError("supcon_loss: ref_emb/ref_labels belong to the labels form (give labels=)")
-    return _lse_loss(
-        "supcon",
-        anchor,
-        positives,
-        negatives,
-        pos_mask=pos_mask,
-        neg_mask=neg_mask,
-        temperature=temperature,
-        reduction=reduction,
-        backend=backend,
-        process_group=process_group,
-        similarity=similarity,
-        exclude_own=False,
-    )
+    return _lse_loss("supcon", anchor, positives, negatives, pos_mask, neg_mask, exclude_own=False, **opts)
 
 
 @distributed.agree_on_errors
@@ -369,42 +339,18 @@ def mnrl_loss(
 
         >>> mnrl_loss(torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32))
     """
+    opts = _options(temperature, reduction, backend, process_group, similarity)
     directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
     if not _mnrl_is_default(directions, partition_mode, hardness_mode, hardness_strength):
         if neg_mask is not None:
             raise ValueError("mnrl_loss: directions/hardness options do not take neg_mask yet")
-        return mnrl_directions_loss(
-            anchor,
-            positive,
-            negatives,
-            directions=directions,
-            partition_mode=partition_mode,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-            temperature=temperature,
-            reduction=reduction,
-            backend=backend,
-            similarity=similarity,
-            process_group=process_group,
-        )
+        mnrl = dict(partition_mode=partition_mode, hardness_mode=hardness_mode, hardness_strength=hardness_strength)
+        return mnrl_directions_loss(anchor, positive, negatives, directions=directions, **mnrl, **opts)
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")
     if negatives is not None and negatives.dim() == 2:
         negatives = negatives.unsqueeze(1)
-    return _lse_loss(
-        "supcon",
-        anchor,
-        positive.unsqueeze(1),
-        negatives,
-        pos_mask=None,
-        neg_mask=neg_mask,
-        temperature=temperature,
-        reduction=reduction,
-        backend=backend,
-        process_group=process_group,
-        similarity=similarity,
-        exclude_own=False,
-    )
+    return _lse_loss("supcon", anchor, positive.unsqueeze(1), negatives, None, neg_mask, exclude_own=False, **opts)
 
 
 @distributed.agree_on_errors
@@ -434,17 +380,11 @@ def infonce_loss(
     """
     _checks.check_embeddings(anchor=anchor, positive=positive)
     _checks.check_rank("positive", positive, 2, "[B, d]")
-    kw = dict(
-        temperature=temperature,
-        reduction=reduction,
-        backend=backend,
-        process_group=process_group,
-        similarity=similarity,
-    )
-    rows = mnrl_loss(anchor, positive, **kw)
+    opts = _options(temperature, reduction, backend, process_group, similarity)
+    rows = mnrl_loss(anchor, positive, **opts)
     if not symmetric:
         return rows
-    return 0.5 * (rows + mnrl_loss(positive, anchor, **kw))
+    return 0.5 * (rows + mnrl_loss(positive, anchor, **opts))
 
 
 @distributed.agree_on_errors
@@ -480,14 +420,8 @@ def edacse_loss(
             f"anchor, dropout_view and augmented_view must all have shape [B, d]; got {tuple(anchor.shape)}, "
             f"{tuple(dropout_view.shape)}, {tuple(augmented_view.shape)}"
         )
-    kw = dict(
-        temperature=temperature,
-        reduction=reduction,
-        backend=backend,
-        process_group=process_group,
-        similarity=similarity,
-    )
-    return infonce_loss(anchor, dropout_view, **kw) + lam * infonce_loss(anchor, augmented_view, **kw)
+    opts = _options(temperature, reduction, backend, process_group, similarity)
+    return infonce_loss(anchor, dropout_view, **opts) + lam * infonce_loss(anchor, augmented_view, **opts)
 
 
 @distributed.agree_on_errors
@@ -516,9 +450,7 @@ def supcon_pool_loss(
         pos_index: ``[B, P]`` int64 indices into ``candidates``.
         pos_mask: ``[B, P]`` bool, ``False`` = padding. cand_mask: ``[N]`` bool.
     """
-    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
-    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
-    _checks.requested_strategy()
+    _check_options(reduction, similarity)
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
@@ -547,41 +479,17 @@ def supcon_pool_loss(
     if cand_mask is not None:  # a positive that is not a valid candidate is no positive
         valid = cand_mask[pos_index]
         pos_mask = valid if pos_mask is None else pos_mask & valid
-    if process_group is None:  # with a group the check is global (a rank may have none)
-        _checks.check_some_positive(pos_mask)
-    else:
-        distributed.check_group(process_group)
-    tau = _checks.as_temperature(temperature, anchor)
+    tau = _check_positives(anchor, pos_mask, process_group, temperature)
     cosine = similarity == "cos"
     with _no_autocast(anchor):
         anchor = _without_unused_anchors(anchor, pos_mask)
         pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
         empty, empty_tags = empty_block(anchor)
-        has_pos = torch.ones(B, dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
-        blocks, tags, weights, _ = _candidates(
-            (candidates, empty),
-            (pool_tags(N, cand_mask, device=anchor.device), empty_tags),
-            has_pos,
-            reduction=reduction,
-            dtype=compute_dtype(anchor.dtype),
-            process_group=process_group,
-            sizes={"B": B, "N": N, "d": d},
-            pos_mask=pos_mask,
-        )
-        return contrastive_loss(
-            anchor,
-            blocks,
-            tags,
-            tau,
-            kind="supcon",
-            positives=None,
-            pos_logits=pos_logits,
-            pos_mask=pos_mask,
-            weights=weights,
-            reduction=reduction,
-            cosine=cosine,
-            eps=EPS,
-            backend=backend,
+        blocks, tags = (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags)
+        opts = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+        sizes = {"B": B, "N": N, "d": d}
+        return _fused_loss(
+            "supcon", anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, pos_logits=pos_logits, **opts
         )
 
 
@@ -705,6 +613,10 @@ class _TemperatureLoss(nn.Module):
     def temperature(self) -> float | Tensor:
         return self.log_temperature.exp() if self.learn_temperature else self._fixed_temperature
 
+    def _kw(self) -> dict:
+        """The loss function's keyword arguments: the temperature and the options."""
+        return dict(temperature=self.temperature, **self.options)
+
     def extra_repr(self) -> str:
         t = "learnable" if self.learn_temperature else self._fixed_temperature
         return f"temperature={t}, reduction={self.options['reduction']!r}, backend={self.options['backend']!r}"
@@ -719,15 +631,9 @@ class SupMPNLoss(_TemperatureLoss):
         self.own_positives = own_positives
 
     def forward(self, anchor, positives, negatives=None, pos_mask=None, neg_mask=None):
+        kw = self._kw()
         return supmpn_loss(
-            anchor,
-            positives,
-            negatives,
-            pos_mask=pos_mask,
-            neg_mask=neg_mask,
-            temperature=self.temperature,
-            own_positives=self.own_positives,
-            **self.options,
+            anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask, own_positives=self.own_positives, **kw
         )
 
 
@@ -747,17 +653,9 @@ class SupConLoss(_TemperatureLoss):
         ref_emb=None,
         ref_labels=None,
     ):
+        labels_form = dict(labels=labels, ref_emb=ref_emb, ref_labels=ref_labels)
         return supcon_loss(
-            anchor,
-            positives,
-            negatives,
-            pos_mask=pos_mask,
-            neg_mask=neg_mask,
-            labels=labels,
-            ref_emb=ref_emb,
-            ref_labels=ref_labels,
-            temperature=self.temperature,
-            **self.options,
+            anchor, positives, negatives, pos_mask=pos_mask, neg_mask=neg_mask, **labels_form, **self._kw()
         )
 
 
@@ -787,15 +685,7 @@ class MNRLoss(_TemperatureLoss):
         )
 
     def forward(self, anchor, positive, negatives=None, neg_mask=None):
-        return mnrl_loss(
-            anchor,
-            positive,
-            negatives,
-            neg_mask=neg_mask,
-            temperature=self.temperature,
-            **self.mnrl_options,
-            **self.options,
-        )
+        return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, **self.mnrl_options, **self._kw())
 
 
 class InfoNCELoss(_TemperatureLoss):
@@ -806,7 +696,7 @@ class InfoNCELoss(_TemperatureLoss):
         self.symmetric = symmetric
 
     def forward(self, anchor, positive):
-        return infonce_loss(anchor, positive, temperature=self.temperature, symmetric=self.symmetric, **self.options)
+        return infonce_loss(anchor, positive, symmetric=self.symmetric, **self._kw())
 
 
 class EdaCSELoss(_TemperatureLoss):
@@ -817,9 +707,7 @@ class EdaCSELoss(_TemperatureLoss):
         self.lam = lam
 
     def forward(self, anchor, dropout_view, augmented_view):
-        return edacse_loss(
-            anchor, dropout_view, augmented_view, lam=self.lam, temperature=self.temperature, **self.options
-        )
+        return edacse_loss(anchor, dropout_view, augmented_view, lam=self.lam, **self._kw())
 
 
 class GroupedCosineLoss(nn.Module):

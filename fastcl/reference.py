@@ -120,7 +120,11 @@ BACKEND = ReferenceLSE()
 # ---------------------------------------------------------------------------------------
 
 
-def _reduce(per_anchor: Tensor, has_pos: Tensor, reduction: str) -> Tensor:
+def _reduce(terms: Tensor, pos_mask: Tensor, reduction: str) -> Tensor:
+    """Each anchor's mean over its valid positives' ``terms [B, P]``, then ``reduction``."""
+    terms = torch.where(pos_mask, terms, torch.zeros_like(terms))
+    per_anchor = terms.sum(1) / pos_mask.sum(1).clamp_min(1)
+    has_pos = pos_mask.any(1)
     per_anchor = torch.where(has_pos, per_anchor, torch.zeros_like(per_anchor))
     if reduction == "none":
         return per_anchor
@@ -139,12 +143,9 @@ def _candidates(positives: Tensor, negatives: Tensor | None, pos_mask, neg_mask)
     neg_mask = torch.ones(B, Q, dtype=torch.bool, device=dev) if neg_mask is None else neg_mask
     cands = torch.cat([positives.reshape(B * P, d), negatives.reshape(B * Q, d)])
     valid = torch.cat([pos_mask.reshape(-1), neg_mask.reshape(-1)])
-    owner = torch.cat(
-        [torch.arange(B, device=dev).repeat_interleave(P), torch.arange(B, device=dev).repeat_interleave(Q)]
-    )
-    is_pos = torch.cat(
-        [torch.ones(B * P, dtype=torch.bool, device=dev), torch.zeros(B * Q, dtype=torch.bool, device=dev)]
-    )
+    rows = torch.arange(B, device=dev)
+    owner = torch.cat([rows.repeat_interleave(P), rows.repeat_interleave(Q)])
+    is_pos = torch.arange(B * (P + Q), device=dev) < B * P
     return cands, valid, owner, is_pos, pos_mask
 
 
@@ -184,10 +185,7 @@ def supmpn(
     if own_positives == "zero_logit":
         big_r = big_r + (pos_mask.sum(1) - 1).clamp_min(0).to(big_r.dtype)
     pos_l = _own_positive_logits(logits, B, P)
-    terms = -pos_l + torch.log(pos_l.exp() + big_r[:, None])
-    terms = torch.where(pos_mask, terms, torch.zeros_like(terms))
-    per_anchor = terms.sum(1) / pos_mask.sum(1).clamp_min(1)
-    return _reduce(per_anchor, pos_mask.any(1), reduction)
+    return _reduce(-pos_l + torch.log(pos_l.exp() + big_r[:, None]), pos_mask, reduction)
 
 
 def supcon(
@@ -207,9 +205,7 @@ def supcon(
     logits = _logits(anchor, cands, temperature, similarity)
     lse = torch.logsumexp(logits.masked_fill(~valid[None, :], float("-inf")), dim=1)
     pos_l = _own_positive_logits(logits, B, P)
-    terms = torch.where(pos_mask, lse[:, None] - pos_l, torch.zeros_like(pos_l))
-    per_anchor = terms.sum(1) / pos_mask.sum(1).clamp_min(1)
-    return _reduce(per_anchor, pos_mask.any(1), reduction)
+    return _reduce(lse[:, None] - pos_l, pos_mask, reduction)
 
 
 def mnrl(anchor, positive, negatives=None, *, neg_mask=None, temperature=0.05, reduction="mean", similarity="cos"):
@@ -242,9 +238,8 @@ def infonce(anchor, positive, *, temperature=0.05, symmetric=False, reduction="m
 
 def edacse(anchor, dropout_view, augmented_view, *, lam=0.6, temperature=0.05, reduction="mean", similarity="cos"):
     """EdaCSE eq. 2: ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``."""
-    return infonce(
-        anchor, dropout_view, temperature=temperature, reduction=reduction, similarity=similarity
-    ) + lam * infonce(anchor, augmented_view, temperature=temperature, reduction=reduction, similarity=similarity)
+    kw = dict(temperature=temperature, reduction=reduction, similarity=similarity)
+    return infonce(anchor, dropout_view, **kw) + lam * infonce(anchor, augmented_view, **kw)
 
 
 def grouped_cosine(h, z, *, group_size, reduction="mean"):
@@ -260,7 +255,5 @@ def grouped_cosine(h, z, *, group_size, reduction="mean"):
 
 def gclsr(h1, z1, h2, z2, *, group_size=16, reduction="mean"):
     """GCLSR eq. 7 (SimSiam-symmetric): ``0.5 * (L(h1, z2) + L(h2, z1))``."""
-    return 0.5 * (
-        grouped_cosine(h1, z2, group_size=group_size, reduction=reduction)
-        + grouped_cosine(h2, z1, group_size=group_size, reduction=reduction)
-    )
+    kw = dict(group_size=group_size, reduction=reduction)
+    return 0.5 * (grouped_cosine(h1, z2, **kw) + grouped_cosine(h2, z1, **kw))

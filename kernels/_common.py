@@ -204,11 +204,9 @@ class Kernel:
     """A jit kernel with a config table per ``(arch, dtype class)`` and lazy autotuners.
 
     ``tables[arch][dclass]`` lists configs (a missing class falls back to ``"16"``);
-    ``"interp"`` (the Triton interpreter) has exactly one, passed as plain keyword
-    arguments because ``@triton.autotune`` with several configs cannot run without a
-    GPU. ``dtype_arg`` names the argument whose dtype picks the table. On a GPU one
-    autotuner exists per size bucket (built on first use, so nothing queries a device at
-    import); they share the jit function's compiled binaries.
+    ``"interp"`` has exactly one, passed as keyword arguments (``@triton.autotune`` cannot
+    run without a GPU). ``dtype_arg`` names the argument whose dtype picks the table. On a
+    GPU one autotuner per size bucket is built on first use (nothing queries a device at import).
     """
 
     registry: dict[str, Kernel] = {}
@@ -220,11 +218,8 @@ class Kernel:
         dtype_arg: str,
         restore_value: list[str] | None = None,
     ):
-        self.fn = fn
-        self.name = fn.__name__
-        self.tables = tables
-        self.dtype_arg = dtype_arg
-        self.restore_value = restore_value
+        self.fn, self.name, self.tables = fn, fn.__name__, tables
+        self.dtype_arg, self.restore_value = dtype_arg, restore_value
         # the interpreter's function has no .params: read the annotations of the source function
         params = inspect.signature(fn.fn).parameters.values()
         self.constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -363,8 +358,7 @@ def register_op(name: str, fn):
     op = torch.library.custom_op(name, fn, mutates_args=())
 
     def fake(*args, **kwargs):
-        saved = _STATE.dry
-        _STATE.dry = True
+        saved, _STATE.dry = _STATE.dry, True
         try:
             return fn(*args, **kwargs)
         finally:

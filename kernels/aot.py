@@ -3,22 +3,10 @@
 ``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N]`` compiles every
 ``(launch, tuning config)`` pair and prints one row per pair: registers, spilled bytes,
 local-memory loads/stores in the PTX, shared memory against the device limit, and whether
-the PTX uses tensor-core MMA.
-
-What is compiled: :func:`all_launches` runs the LSE launchers *dry* (``_common.recording``:
-nothing launches, tensors stay on the CPU) over every flag combination they can reach
-(dtype, cosine/dot, dS precision, chunks with and without own positives, first/last
-chunk) and records each launch's argument types and constexprs; the kernels' own argument
-names give the order. So the list is what the launchers pass, by construction.
-
-No GPU is needed: ``triton.compile`` with ``GPUTarget("cuda", 80|90, 32)`` runs the whole
-pipeline to a cubin; registers and spill bytes come from the ``ptxas -v`` log of that
-compile. Run it in a process *without* ``TRITON_INTERPRET=1``.
-
-Two depths (``frontend_only``): a full compile takes seconds, so the CI test compiles fully
-one launch per ``(kernel, dtype class, config, arch)`` (the one with the most features on:
-:func:`representatives`) and runs every other launch through the Triton frontend (TTIR).
-Pointers are compiled as 16-byte aligned and integers with no divisibility hint.
+the PTX uses tensor-core MMA. The launch list is recorded from dry runs of the launchers
+(:func:`all_launches`), so it is what they pass by construction; no GPU is needed (run it
+without ``TRITON_INTERPRET=1``). What is compiled fully and what only to TTIR:
+docs/triton.md, "Compile facts".
 """
 
 from __future__ import annotations
@@ -98,13 +86,13 @@ class Result:
     spec: str
     arch: str
     config: str
-    registers: int
-    spill_bytes: int  # spill stores + loads reported by the cubin (0: no spills)
-    local_ptx: int  # ld.local / st.local instructions in the PTX
-    shared: int  # bytes
     shared_limit: int
-    mma: str  # the tensor-core instruction found, "" if none
     needs_mma: bool
+    registers: int = -1  # -1: not compiled to a cubin (frontend only, or an error)
+    spill_bytes: int = -1  # spill stores + loads reported by the cubin (0: no spills)
+    local_ptx: int = -1  # ld.local / st.local instructions in the PTX
+    shared: int = 0  # bytes
+    mma: str = ""  # the tensor-core instruction found, "" if none
     error: str = ""
 
     @property
@@ -190,17 +178,9 @@ def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False) -> 
         compiled, log = _compile(launch, arch, cfg, frontend_only)
     except Exception as exc:  # reported per row; the test fails on any
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
-        return Result(
-            **common,
-            registers=-1,
-            spill_bytes=-1,
-            local_ptx=-1,
-            shared=0,
-            mma="",
-            error=f"{type(exc).__name__}: {' | '.join(lines[:3])}"[:400],
-        )
+        return Result(**common, error=f"{type(exc).__name__}: {' | '.join(lines[:3])}"[:400])
     if compiled is None:
-        return Result(**common, registers=-1, spill_bytes=-1, local_ptx=-1, shared=0, mma="")
+        return Result(**common)
     ptx = compiled.asm["ptx"]
     regs, spills = _ptxas_usage(log)
     local = len(re.findall(r"\b(?:ld|st)\.local\b", ptx))
@@ -254,19 +234,9 @@ def run_jobs(jobs, workers: int = 1, progress: bool = True) -> list[Result]:
     from tqdm import tqdm
 
     jobs = list(jobs)
-    bar = tqdm(total=len(jobs), desc="triton aot", disable=not progress, file=sys.stderr)
-    results = []
-    if workers <= 1:
-        for j in jobs:
-            results.append(_run_job(j))
-            bar.update()
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            for r in pool.map(_run_job, jobs):
-                results.append(r)
-                bar.update()
-    bar.close()
-    return results
+    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        results = pool.map(_run_job, jobs) if pool else map(_run_job, jobs)
+        return list(tqdm(results, total=len(jobs), desc="triton aot", disable=not progress, file=sys.stderr))
 
 
 def compile_all(

@@ -6,6 +6,7 @@ Every buffer a launcher allocates beyond its inputs and outputs is listed by
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -60,13 +61,12 @@ def _with_part(table):
     """The ds kernel's table: the tile table plus PART, the granularity of its partial sums
     (the smallest block size of the list, so it divides every BM and BN; buffers sized
     with it fit whichever config the autotuner picks)."""
-    out = {}
-    for arch, by_class in table.items():
-        out[arch] = {}
-        for dc, configs in by_class.items():
-            part = min(min(c.kwargs["BM"], c.kwargs["BN"]) for c in configs)
-            out[arch][dc] = [cfg(c.num_warps, c.num_stages, PART=part, **c.kwargs) for c in configs]
-    return out
+
+    def with_part(configs):
+        part = min(min(c.kwargs["BM"], c.kwargs["BN"]) for c in configs)
+        return [cfg(c.num_warps, c.num_stages, PART=part, **c.kwargs) for c in configs]
+
+    return {arch: {dc: with_part(configs) for dc, configs in by_class.items()} for arch, by_class in table.items()}
 
 
 DS_TILES = _with_part(TILES)
@@ -97,11 +97,8 @@ def _round_up(a: int, b: int) -> int:
 
 def scale_on_load(dtype: torch.dtype) -> bool:
     """Scale fp32/fp64 rows by their row scale (inverse norm; 1 or NaN for dot similarity) as
-    they are loaded into the dot products: the product of two raw rows could overflow
-    (|x| ~ 1e30) or underflow, a normalised one cannot. 16-bit rows keep raw products and
-    scale the logit tile instead (rounding a normalised row to 16 bits would cost
-    accuracy). Dot similarity takes the same path, so it compiles to the same tile
-    kernels as cosine (same registers, no new spills), and multiplying by 1 is exact."""
+    they are loaded, so no product of raw rows over- or underflows; 16-bit rows scale the
+    logit tile instead (why, and why dot takes the same path: docs/triton.md)."""
     return dtype in (torch.float32, torch.float64)
 
 
@@ -128,10 +125,7 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ nvcc, cached per source hash, torch/CUDA version and GPU architecture (docs/csrc
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _cpp
@@ -17,8 +19,6 @@ from .contract import LSEProblem
 
 def _arch_list() -> str:
     """The GPU architectures to build for: ``TORCH_CUDA_ARCH_LIST`` or the visible devices'."""
-    import os
-
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         return os.environ["TORCH_CUDA_ARCH_LIST"]
     caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
@@ -73,11 +73,8 @@ class CudaLSE(_cpp.CppLSE):
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         why = input_reasons(problem, backend=self.name, device_type=self.device_type)
-        if (
-            not why
-            and problem.dtype in (torch.float16, torch.bfloat16)
-            and torch.cuda.get_device_capability(problem.device) < (8, 0)
-        ):
+        sixteen_bit = problem.dtype in (torch.float16, torch.bfloat16)
+        if not why and sixteen_bit and torch.cuda.get_device_capability(problem.device) < (8, 0):
             why.append("the cuda backend's 16-bit tensor-core path needs sm_80 or newer")
         return why
 

@@ -144,15 +144,12 @@ def _sweep(
     if want_grad and d_pos is not None and problem.positives is not None:
         _fold_positives(prep, problem, d_pos, inv_tau, d_a_hat, d_c_hat)
     if want_grad:
-        d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
+        out.d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
         d_c = normalize_backward(prep.c_hat, prep.c_norm, d_c_hat, problem.eps)
         n0 = problem.blocks[0].shape[0]
-        out.d_anchor = d_anchor
-        out.d_blocks = (d_c[:n0], d_c[n0:])
-        out.g_dot_mean_logit = g_dot_ml
+        out.d_blocks, out.g_dot_mean_logit = (d_c[:n0], d_c[n0:]), g_dot_ml
     if head is not None:
-        out.loss_rows = loss_rows
-        out.d_pos = d_pos
+        out.loss_rows, out.d_pos = loss_rows, d_pos
     return out
 
 

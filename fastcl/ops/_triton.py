@@ -91,21 +91,8 @@ class TritonLSE:
             if tuple(d_pos.shape) != (problem.num_anchors, pos.count):
                 raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {(problem.num_anchors, pos.count)}")
             offset = pos.offset
-        d_anchor, d_b0, d_b1 = k.lse_backward(
-            problem.anchor,
-            b0,
-            b1,
-            t0,
-            t1,
-            tau,
-            lse,
-            g,
-            d_pos,
-            offset,
-            problem.cosine,
-            problem.eps,
-            ds_precision() == "fp32",
-        )
+        inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, offset)
+        d_anchor, d_b0, d_b1 = k.lse_backward(*inputs, problem.cosine, problem.eps, ds_precision() == "fp32")
         return d_anchor, (d_b0, d_b1)
 
 

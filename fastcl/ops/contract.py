@@ -106,13 +106,7 @@ class FusedResult:
 
 
 def structured_tags(
-    batch: int,
-    slots: int,
-    mask: Tensor | None,
-    *,
-    device: torch.device,
-    exclude_owner: bool,
-    owner_offset: int = 0,
+    batch: int, slots: int, mask: Tensor | None, *, device: torch.device, exclude_owner: bool, owner_offset: int = 0
 ) -> Tensor:
     """Tags of a ``[batch, slots]`` candidate grid laid out anchor-major (``[batch*slots]``).
 

@@ -135,13 +135,8 @@ class ContrastiveLSE(torch.autograd.Function):
             d_tau = -out.g_dot_mean_logit / tau.to(cd)
             if folded:
                 d_tau = d_tau + _pos_tau_grad(out.d_pos, pos_logits, tau)
-            ctx.save_for_backward(
-                out.d_anchor.to(keep),
-                out.d_blocks[0].to(keep),
-                out.d_blocks[1].to(keep),
-                out.d_pos,
-                d_tau.to(tau.dtype),
-            )
+            d_inputs = (t.to(keep) for t in (out.d_anchor, *out.d_blocks))
+            ctx.save_for_backward(*d_inputs, out.d_pos, d_tau.to(tau.dtype))
             loss_rows = out.loss_rows
         else:
             lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
@@ -168,14 +163,8 @@ class ContrastiveLSE(torch.autograd.Function):
         go = grad_out.to(compute_dtype(ctx.dtype))
         if ctx.mode == "fused":
             d_anchor, d_b0, d_b1, d_pos, d_tau = ctx.saved_tensors
-            return (
-                (d_anchor * go).to(ctx.dtype),
-                (d_b0 * go).to(ctx.dtype),
-                (d_b1 * go).to(ctx.dtype),
-                None if ctx.folded else d_pos * go,
-                d_tau * go,
-                None,
-            )
+            d_inputs = ((g * go).to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))
+            return (*d_inputs, None if ctx.folded else d_pos * go, d_tau * go, None)
 
         anchor, block0, block1, tau, pos_input, *head = ctx.saved_tensors
         problem = spec.problem(anchor, block0, block1)
@@ -194,14 +183,8 @@ class ContrastiveLSE(torch.autograd.Function):
             if ctx.folded:
                 d_tau = d_tau + _pos_tau_grad(d_pos, pos_logits, tau)
             d_tau = d_tau.to(tau.dtype)
-        return (
-            d_anchor.to(ctx.dtype),
-            d_b0.to(ctx.dtype),
-            d_b1.to(ctx.dtype),
-            None if ctx.folded else d_pos,
-            d_tau,
-            None,
-        )
+        d_inputs = (g.to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))
+        return (*d_inputs, None if ctx.folded else d_pos, d_tau, None)
 
 
 def contrastive_loss(

@@ -43,23 +43,17 @@ class HeadInputs:
 
     def rows(self, r0: int, r1: int, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``head_rows`` on rows ``r0:r1``, derivatives already multiplied by the weights."""
-        loss, dlse, dpos = head_rows(
-            lse,
-            self.pos_logits[r0:r1],
-            None if self.pos_mask is None else self.pos_mask[r0:r1],
-            self.kind,
-            None if self.log_extra is None else self.log_extra[r0:r1],
-        )
+
+        def part(t):
+            return None if t is None else t[r0:r1]
+
+        loss, dlse, dpos = head_rows(lse, self.pos_logits[r0:r1], part(self.pos_mask), self.kind, part(self.log_extra))
         w = self.weights[r0:r1]
         return loss, dlse * w, dpos * w[:, None]
 
 
 def head_rows(
-    lse: Tensor,
-    pos_logits: Tensor,
-    pos_mask: Tensor | None,
-    kind: str,
-    log_extra: Tensor | None = None,
+    lse: Tensor, pos_logits: Tensor, pos_mask: Tensor | None, kind: str, log_extra: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-anchor loss and its local derivatives.
 
@@ -76,11 +70,7 @@ def head_rows(
     """
     if kind not in HEADS:
         raise ValueError(f"unknown head {kind!r}; expected one of {HEADS}")
-    num_pos = pos_logits.shape[1]
-    if pos_mask is None:
-        count = torch.full_like(lse, float(num_pos))
-    else:
-        count = pos_mask.sum(1).to(lse.dtype)
+    count = torch.full_like(lse, float(pos_logits.shape[1])) if pos_mask is None else pos_mask.sum(1).to(lse.dtype)
     inv_count = 1.0 / count.clamp_min(1.0)
 
     r = lse if log_extra is None else torch.logaddexp(lse, log_extra)

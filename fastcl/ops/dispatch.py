@@ -52,7 +52,7 @@ def _constant_under_compile(fn):
     """``torch.compiler.assume_constant_result(fn)``: torch.compile calls ``fn`` eagerly and
     takes its answer as a constant. That decorator only sets this attribute, but importing it
     imports torch._dynamo and with it triton, which importing fastcl must not do; the
-    compile test (tests/test_compile.py) fails if torch ever changes the mark."""
+    compile test (tests/ops/test_compile.py) fails if torch ever changes the mark."""
     fn._dynamo_marked_constant = True
     return fn
 

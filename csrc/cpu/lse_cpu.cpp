@@ -77,16 +77,25 @@ struct Plan {
   int64_t threads;
 };
 
-// FASTCL_CPP_TILE: elements of one thread's [R, N] block (default 2^20, 4 MB in float32;
-// the blocking is described in docs/csrc.md, "CPU kernel"). FASTCL_CPP_ROWS forces R
-// (tests use it to cross block edges).
-Plan make_plan(int64_t B, int64_t N) {
+// FASTCL_CPP_TILE: elements of one thread's [R, N] block. FASTCL_CPP_ROWS forces R (tests
+// use it to cross block edges). Default: as many rows as a budget of (B + N) * d elements
+// over all threads allows (at least 2^20 per thread), R clamped to [8, 512].
+//
+// Why that budget: every block streams all of C for A_blk C^T and X C (MKL repacks the
+// [N, d] operand on every call), so the fixed cost per block is O(N d) against O(R N d)
+// of work; short blocks lose. Measured on 2 threads (share of the GEMM floor, same
+// process, interleaved; docs/csrc.md): N = 40960, d = 768: R = 25 (the former fixed 2^20
+// tile) 27-38 %, R = 128 65-81 %, R = 512 ~100 %; N = 81920, d = 128: R = 12: 38 %,
+// R = 64..128: 76 %. A buffer of (B + N) d elements is one more copy of the inputs:
+// within the O((B + N) d) contract, and never B x N.
+Plan make_plan(int64_t B, int64_t N, int64_t d) {
   int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
   int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
   if (std::getenv("FASTCL_CPP_ROWS") == nullptr || rows < 1) {
     // enough rows for an efficient GEMM, few enough for the buffer; then even the
     // blocks out so that the last wave keeps every thread busy
-    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", int64_t(1) << 20) / std::max<int64_t>(N, 1), 8, 512);
+    const int64_t budget = std::max<int64_t>(int64_t(1) << 20, (B + N) * d / threads);
+    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / std::max<int64_t>(N, 1), 8, 512);
     int64_t blocks = std::min(B, ceil_div(ceil_div(B, rows), threads) * threads);
     rows = ceil_div(B, std::max<int64_t>(blocks, 1));
   }
@@ -132,14 +141,8 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
         action[i] = kZero;
         continue;
       }
-      T m = 0;
-      bool finite = true;
-      for (int64_t k = 0; k < d; ++k) {
-        const T v = std::abs(xr[i * d + k]);
-        finite = finite && std::isfinite(v);
-        m = v > m ? v : m;
-      }
-      if (!finite) {
+      const T m = rows::max_abs(xr + i * d, d);  // NaN or inf when the row is not finite
+      if (!std::isfinite(m)) {
         action[i] = kNonFinite;
       } else if (cosine && m > std::ldexp(T(1), kScaleExponent)) {
         std::frexp(m, &expo[i]);
@@ -176,8 +179,7 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
         for (int64_t k = 0; k < d; ++k) row[k] = std::ldexp(row[k], -expo[i]);
         info.unscale[i] = std::ldexp(T(1), -expo[i]);
       }
-      double sq = 0;
-      for (int64_t k = 0; k < d; ++k) sq += double(row[k]) * double(row[k]);
+      const double sq = rows::sum_squares(row, d);
       const T n = T(std::sqrt(sq));
       norm[i] = n;
       // the clamp compares the true norm n * 2^e with eps: a rescaled row (> 2^40) never is
@@ -291,6 +293,9 @@ void unnormalize_rows(T* e, const T* x, const RowInfo<T>& info, int64_t r0, int6
 }
 
 // Phase 1 for anchor rows [r0, r0 + R) in buffer rows s[0 : R]: see the file comment.
+// Every row pass of a row (logits, exp, head, weights, fold) runs back to back while the
+// row (N values, e.g. 160 KB at N = 40960) is still in the core's L2: one trip through
+// memory per row instead of one per pass.
 template <typename T>
 void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64_t r0) {
   const int64_t R = S.size(0), N = p.N;
@@ -302,12 +307,9 @@ void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64
   const T* inv_a = p.inv_a.template data_ptr<T>();
   const T* inv_c = p.inv_c.template data_ptr<T>();
   const T* add = p.col_add.template data_ptr<T>();
-  std::vector<T> sums(R, T(0));
 
-  for (int64_t i = 0; i < R; ++i) {
-    const int64_t gi = r0 + i;
-    T* row = s + i * N;
-    for (int64_t k = p.own_ptr[gi]; k < p.own_ptr[gi + 1]; ++k) row[p.own_col[k]] = rows::neg_inf<T>();
+  // The row's weights X (one row of the block) from its logits, by mode.
+  auto weights = [&](int64_t gi, T* row) {
     const T row_scale = inv_a[gi] * p.inv_tau;
     if (sw.mode == Mode::kBackward) {
       const T lse = sw.lse_in[gi], g = sw.grad_lse[gi];
@@ -316,44 +318,46 @@ void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64
       } else {
         rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N);
       }
-      continue;
+      return;
     }
     const T m = rows::logits_and_max(row, inv_c, add, row_scale, N);
+    T sum_p = 0;
     if (m == rows::neg_inf<T>()) {  // no candidate: lse = -inf, no gradient
       sw.lse[gi] = m;
       sw.mean_logit[gi] = T(0);
       if (sw.mode != Mode::kForward) std::fill(row, row + N, T(0));
-      continue;
+    } else {
+      const auto [sp, spl] = rows::exp_and_sums(row, m, N);
+      sum_p = sp;
+      sw.lse[gi] = m + std::log(sp);
+      sw.mean_logit[gi] = spl / sp;
     }
-    const auto [sp, spl] = rows::exp_and_sums(row, m, N);
-    sums[i] = sp;
-    sw.lse[gi] = m + std::log(sp);
-    sw.mean_logit[gi] = spl / sp;
-  }
-  if (sw.mode == Mode::kForward) return;
-
-  if (sw.mode == Mode::kFused) {
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t gi = r0 + i;
+    if (sw.mode == Mode::kFused) {
       const T g = sw.head->row(gi, sw.lse[gi]);
       sw.g_rows[gi] = g;
-      if (sums[i] > T(0)) rows::scale(s + i * N, g * inv_a[gi] * p.inv_tau / sums[i], inv_c, N);
+      if (sum_p > T(0)) rows::scale(row, g * inv_a[gi] * p.inv_tau / sum_p, inv_c, N);
     }
-  }
-  if (sw.fold_dpos) {
-    // The positive logit l = <a_i, c> * inv_a_i * inv_c / tau is one more entry of the
-    // row's weights X (zero until now when the loss leaves it out of the denominator):
-    // the GEMMs below then accumulate it in the compute dtype with everything else,
-    // before the normalisation backward and any rounding (contract.py, OwnPositives).
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t gi = r0 + i;
+  };
+
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t gi = r0 + i;
+    T* row = s + i * N;
+    for (int64_t k = p.own_ptr[gi]; k < p.own_ptr[gi + 1]; ++k) row[p.own_col[k]] = rows::neg_inf<T>();
+    weights(gi, row);
+    if (sw.fold_dpos) {
+      // The positive logit l = <a_i, c> * inv_a_i * inv_c / tau is one more entry of the
+      // row's weights X (zero until now when the loss leaves it out of the denominator):
+      // the GEMMs below then accumulate it in the compute dtype with everything else,
+      // before the normalisation backward and any rounding (contract.py, OwnPositives).
+      // In fused mode the head has just written this row's d_pos.
       const T row_scale = inv_a[gi] * p.inv_tau;
-      T* row = s + i * N;
       const T* dp = sw.fold_dpos + gi * sw.fold_count;
       const int64_t c0 = sw.fold_offset + gi * sw.fold_count;
       for (int64_t k = 0; k < sw.fold_count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
     }
   }
+  if (sw.mode == Mode::kForward) return;
+
   at::Tensor e_a = sw.d_a.narrow(0, r0, R);
   mm_blocks(e_a, S, p, p.c0, p.c1);
   if (p.cosine) {
@@ -369,7 +373,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
     sw.d_c1.zero_();
   }
   if (p.B == 0) return;
-  const Plan plan = make_plan(p.B, p.N);
+  const Plan plan = make_plan(p.B, p.N, p.d);
   const int64_t R = plan.rows, T_ = plan.threads;
   at::Tensor buf = at::empty({T_ * R, p.N}, p.a.options());
   const int64_t wave_rows = T_ * R;

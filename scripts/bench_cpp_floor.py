@@ -1,0 +1,95 @@
+"""Share of the GEMM floor of the cpp fused kernel on a prefix of anchors at a given N.
+
+Calls ``torch.ops.fastcl.lse_fused`` directly (supcon head, one positive logit per row,
+every candidate shared, no fold) on ``B`` anchors against ``N`` candidates of width ``d``,
+interleaved round by round with the floor (``fastcl.bench.floor``) of the same shape and
+with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_*``, read per call), so a
+loaded machine hits all of them alike. Prints min time and share of the floor.
+
+    python scripts/bench_cpp_floor.py --B 512 --N 40960 --d 768 --env base= --env R128=FASTCL_CPP_ROWS=128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import subprocess
+
+import torch
+
+from fastcl.bench.floor import floor_step, plan_floor
+from fastcl.bench.timing import interleave
+from fastcl.ops import _cpp
+
+
+def fused_step(B: int, N: int, d: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, d, generator=g)
+    c0 = torch.randn(N, d, generator=g)
+    c1 = torch.empty(0, d)
+    t0 = torch.full((N,), -1, dtype=torch.int32)
+    t1 = torch.empty(0, dtype=torch.int32)
+    tau = torch.tensor(0.05)
+    pos = torch.randn(B, 1, generator=g)
+    w = torch.ones(B)
+    out = dict(lse=torch.empty(B), mean_logit=torch.empty(B), loss_rows=torch.empty(B), d_pos=torch.empty(B, 1),
+               d_anchor=torch.empty(B, d), d_block0=torch.empty(N, d), d_block1=torch.empty(0, d),
+               g_dot_mean_logit=torch.empty(()))
+
+    def step():
+        torch.ops.fastcl.lse_fused(a, c0, c1, t0, t1, tau, True, 1e-8, "supcon", pos, None, None, w, 0, False, **out)
+        return out
+
+    return step
+
+
+def with_env(step, env: dict[str, str]):
+    def run():
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            step()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, required=True)
+    ap.add_argument("--N", type=int, required=True)
+    ap.add_argument("--d", type=int, required=True)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--env", action="append", default=[], help="name=VAR=value[,VAR=value] (name= for defaults)")
+    ap.add_argument("--budget", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="time.process_time instead of wall time (meaningful at --threads 1 on a loaded machine)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    assert _cpp.unavailable() is None
+    steps = {"floor": floor_step(plan_floor(args.B, args.N, args.d))}
+    base = fused_step(args.B, args.N, args.d)
+    for spec in args.env or ["cpp="]:
+        name, _, rest = spec.partition("=")
+        env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        steps[name] = with_env(base, env)
+    load0 = os.getloadavg()[0]
+    clock = time.process_time if args.cpu_clock else time.perf_counter
+    res = interleave(steps, min_rounds=args.rounds, budget_s=args.budget, clock=clock)
+    load1 = os.getloadavg()[0]
+    fl = res.minimum("floor")
+    print(f"B={args.B} N={args.N} d={args.d} threads={args.threads} clock={'cpu' if args.cpu_clock else 'wall'} rounds={res.rounds} load {load0:.1f}->{load1:.1f}")
+    for n in res.samples:
+        m = res.minimum(n)
+        print(f"  {n:12s} {m * 1e3:9.1f} ms  spread {res.spread(n) * 100:5.1f}%  share {fl / m * 100:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()

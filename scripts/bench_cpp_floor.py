@@ -63,7 +63,11 @@ def with_env(step, env: dict[str, str]):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, required=True)
-    ap.add_argument("--N", type=int, required=True)
+    ap.add_argument("--N", type=int, help="candidates of the direct op call (default B * (P + Q))")
+    ap.add_argument("--loss", help="time this loss's whole step (fastcl.bench.cases.loss_step) instead of the op")
+    ap.add_argument("--P", type=int, default=5)
+    ap.add_argument("--Q", type=int, default=5)
+    ap.add_argument("--impl", action="append", default=[], help="with --loss: backends to time (default cpp, torch)")
     ap.add_argument("--d", type=int, required=True)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--env", action="append", default=[], help="name=VAR=value[,VAR=value] (name= for defaults)")
@@ -74,9 +78,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     assert _cpp.unavailable() is None
+    if args.N is None:
+        args.N = args.B * (args.P + args.Q)
     steps = {"floor": floor_step(plan_floor(args.B, args.N, args.d))}
+    if args.loss:
+        from fastcl.bench.cases import loss_step
+
+        for impl in args.impl or ["cpp", "torch"]:
+            steps[impl] = loss_step(args.loss, impl, args.B, args.P, args.Q, args.d)
     base = fused_step(args.B, args.N, args.d)
-    for spec in args.env or ["cpp="]:
+    for spec in args.env or ([] if args.loss else ["cpp="]):
         name, _, rest = spec.partition("=")
         env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
         steps[name] = with_env(base, env)

@@ -77,30 +77,28 @@ struct Plan {
   int64_t threads;
 };
 
-// FASTCL_CPP_TILE: elements of one thread's [R, N] block. FASTCL_CPP_ROWS forces R (tests
-// use it to cross block edges). Default: as many rows as a budget of (B + N) * d elements
-// over all threads allows (at least 2^20 per thread), R clamped to [8, 512].
+// How many anchor rows H one block holds (all threads work on the same block, see
+// sweep()). FASTCL_CPP_TILE: elements of the [H, N] block buffer; FASTCL_CPP_ROWS forces
+// H (tests use it to cross block edges). Default: a buffer of (B + N) * d elements (at
+// least 2^20 per thread), H clamped to [8, 1024], then evened out over the blocks.
 //
 // Why that budget: every block streams all of C for A_blk C^T and X C (MKL repacks the
-// [N, d] operand on every call), so the fixed cost per block is O(N d) against O(R N d)
-// of work; short blocks lose. Measured on 2 threads (share of the GEMM floor, same
-// process, interleaved; docs/csrc.md): N = 40960, d = 768: R = 25 (the former fixed 2^20
-// tile) 27-38 %, R = 128 65-81 %, R = 512 ~100 %; N = 81920, d = 128: R = 12: 38 %,
-// R = 64..128: 76 %. A buffer of (B + N) d elements is one more copy of the inputs:
-// within the O((B + N) d) contract, and never B x N.
+// [N, d] operand on every call), so the fixed cost per block is O(N d) against O(H N d)
+// of work; short blocks lose. Measured at 1 thread (CPU time, share of the GEMM floor in
+// the same process, interleaved; docs/csrc.md): N = 40960, d = 768: H = 25 (the former
+// fixed 2^20 tile) 37 %, H = 128 75 %, H = 512 93 %; N = 81920, d = 128: H = 12 35 %,
+// H = 128 90 %, H = 256 81 % (the row passes then leave L2 more often). A buffer of
+// (B + N) d elements is one more copy of the inputs: within the O((B + N) d) contract,
+// and never B x N.
 Plan make_plan(int64_t B, int64_t N, int64_t d) {
-  int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
   int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
   if (std::getenv("FASTCL_CPP_ROWS") == nullptr || rows < 1) {
-    // enough rows for an efficient GEMM, few enough for the buffer; then even the
-    // blocks out so that the last wave keeps every thread busy
-    const int64_t budget = std::max<int64_t>(int64_t(1) << 20, (B + N) * d / threads);
-    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / std::max<int64_t>(N, 1), 8, 512);
-    int64_t blocks = std::min(B, ceil_div(ceil_div(B, rows), threads) * threads);
-    rows = ceil_div(B, std::max<int64_t>(blocks, 1));
+    const int64_t budget = std::max<int64_t>(threads << 20, (B + N) * d);
+    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / std::max<int64_t>(N, 1), 8, 1024);
+    rows = ceil_div(B, ceil_div(B, rows));  // even blocks: no short last one
   }
   rows = std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
-  threads = std::clamp<int64_t>(ceil_div(B, rows), 1, threads);
   return {rows, threads};
 }
 
@@ -292,18 +290,31 @@ void unnormalize_rows(T* e, const T* x, const RowInfo<T>& info, int64_t r0, int6
   }
 }
 
-// Phase 1 for anchor rows [r0, r0 + R) in buffer rows s[0 : R]: see the file comment.
-// Every row pass of a row (logits, exp, head, weights, fold) runs back to back while the
-// row (N values, e.g. 160 KB at N = 40960) is still in the core's L2: one trip through
-// memory per row instead of one per pass.
+// A slice [c, c + n) of candidate block `blk` (0 or 1): the unit GEMMs 1 and 3 split over.
+struct Chunk {
+  int blk;
+  int64_t c, n;
+};
+
+// Candidate chunks of about N / (4 T) rows (at least 64), never across the block edge.
 template <typename T>
-void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64_t r0) {
-  const int64_t R = S.size(0), N = p.N;
-  const at::Tensor a_blk = p.a.narrow(0, r0, R);
-  at::Tensor s0 = S.narrow(1, 0, p.N0), s1 = S.narrow(1, p.N0, p.N1);
-  if (p.N0) at::mm_out(s0, a_blk, p.c0.t());
-  if (p.N1) at::mm_out(s1, a_blk, p.c1.t());
-  T* s = S.data_ptr<T>();
+std::vector<Chunk> candidate_chunks(const Prepared<T>& p, int64_t threads) {
+  std::vector<Chunk> chunks;
+  const int64_t target = std::max<int64_t>(64, ceil_div(p.N, 4 * threads));
+  for (int blk = 0; blk < 2; ++blk) {
+    const int64_t n = blk ? p.N1 : p.N0;
+    for (int64_t c = 0; c < n; c += target) chunks.push_back({blk, c, std::min(target, n - c)});
+  }
+  return chunks;
+}
+
+// Buffer rows [i0, i1) of a block starting at anchor r0: raw dot products in, weights X
+// (or, forward only, probabilities) out. Every row pass of a row (logits, exp, head,
+// weights, fold) runs back to back while the row (N values, 160 KB at N = 40960) is
+// still in the core's L2: one trip through memory per row instead of one per pass.
+template <typename T>
+void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int64_t i0, int64_t i1) {
+  const int64_t N = p.N;
   const T* inv_a = p.inv_a.template data_ptr<T>();
   const T* inv_c = p.inv_c.template data_ptr<T>();
   const T* add = p.col_add.template data_ptr<T>();
@@ -339,7 +350,7 @@ void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64
     }
   };
 
-  for (int64_t i = 0; i < R; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     const int64_t gi = r0 + i;
     T* row = s + i * N;
     for (int64_t k = p.own_ptr[gi]; k < p.own_ptr[gi + 1]; ++k) row[p.own_col[k]] = rows::neg_inf<T>();
@@ -347,24 +358,28 @@ void process_block(const Prepared<T>& p, const Sweep<T>& sw, at::Tensor S, int64
     if (sw.fold_dpos) {
       // The positive logit l = <a_i, c> * inv_a_i * inv_c / tau is one more entry of the
       // row's weights X (zero until now when the loss leaves it out of the denominator):
-      // the GEMMs below then accumulate it in the compute dtype with everything else,
-      // before the normalisation backward and any rounding (contract.py, OwnPositives).
-      // In fused mode the head has just written this row's d_pos.
+      // the GEMMs then accumulate it in the compute dtype with everything else, before
+      // the normalisation backward and any rounding (contract.py, OwnPositives). In fused
+      // mode the head has just written this row's d_pos.
       const T row_scale = inv_a[gi] * p.inv_tau;
       const T* dp = sw.fold_dpos + gi * sw.fold_count;
       const int64_t c0 = sw.fold_offset + gi * sw.fold_count;
       for (int64_t k = 0; k < sw.fold_count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
     }
   }
-  if (sw.mode == Mode::kForward) return;
-
-  at::Tensor e_a = sw.d_a.narrow(0, r0, R);
-  mm_blocks(e_a, S, p, p.c0, p.c1);
-  if (p.cosine) {
-    unnormalize_rows(sw.d_a.template data_ptr<T>(), p.a.template data_ptr<T>(), p.ra, r0, r0 + R, p.d);
-  }
 }
 
+// One block of H anchor rows at a time, every thread working on it (see the file
+// comment). Each GEMM is split along a dimension of C, so that each thread reads (and
+// MKL packs) only its share of the [N, d] candidates per block instead of all of them:
+//   1. S = A_blk C^T        by candidate chunks (columns of S)
+//   2. row passes           by rows of S
+//   3. E_a = X C            by columns of d (E_a rows then unnormalised by rows)
+//   4. E_c += X^T A_blk     by candidate chunks (rows of E_c)
+// Every output element has one writer in a fixed order: bitwise reproducible for a
+// thread count. The per-thread-block layout this replaces (one block of H / T rows per
+// thread, every thread reading all of C) ran at 63 % of the floor on 2 threads at
+// N = 40960, d = 768 against 84 % with the same rows per thread (docs/csrc.md).
 template <typename T>
 void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   const bool grad = sw.mode != Mode::kForward;
@@ -374,48 +389,58 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   }
   if (p.B == 0) return;
   const Plan plan = make_plan(p.B, p.N, p.d);
-  const int64_t R = plan.rows, T_ = plan.threads;
-  at::Tensor buf = at::empty({T_ * R, p.N}, p.a.options());
-  const int64_t wave_rows = T_ * R;
+  const int64_t H = plan.rows, T_ = plan.threads, d = p.d;
+  at::Tensor buf = at::empty({H, p.N}, p.a.options());
+  const std::vector<Chunk> chunks = candidate_chunks(p, T_);
+  const int64_t nchunks = static_cast<int64_t>(chunks.size());
+  // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
+  const int64_t dstep = std::max<int64_t>(64, ceil_div(d, T_));
+  const int64_t dtasks = ceil_div(d, dstep);
+  const at::Tensor& c0 = p.c0;
+  const at::Tensor& c1 = p.c1;
 
-  // candidate chunks of phase 2: (block, first row, rows)
-  std::vector<std::tuple<int, int64_t, int64_t>> chunks;
-  if (grad) {
-    const int64_t target = std::max<int64_t>(64, ceil_div(p.N, 4 * T_));
-    for (int blk = 0; blk < 2; ++blk) {
-      const int64_t n = blk ? p.N1 : p.N0;
-      for (int64_t c = 0; c < n; c += target) chunks.emplace_back(blk, c, std::min(target, n - c));
+  for (int64_t r0 = 0; r0 < p.B; r0 += H) {
+    const int64_t h = std::min(H, p.B - r0);
+    at::Tensor S = buf.narrow(0, 0, h);
+    const at::Tensor a_blk = p.a.narrow(0, r0, h);
+    parallel(0, nchunks, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const Chunk& ch = chunks[j];
+        const at::Tensor& c = ch.blk ? c1 : c0;
+        at::Tensor s_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n);
+        at::mm_out(s_cols, a_blk, c.narrow(0, ch.c, ch.n).t());
+      }
+    });
+    T* s = S.data_ptr<T>();
+    parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, s, r0, i0, i1); });
+    if (!grad) continue;
+    at::Tensor e_a = sw.d_a.narrow(0, r0, h);
+    parallel(0, dtasks, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t k0 = t * dstep, k = std::min(dstep, d - k0);
+        mm_blocks(e_a.narrow(1, k0, k), S, p, c0.narrow(1, k0, k), c1.narrow(1, k0, k));
+      }
+    });
+    parallel(0, nchunks, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const Chunk& ch = chunks[j];
+        at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n);
+        e_c.addmm_(S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t(), a_blk);
+      }
+    });
+    if (p.cosine) {
+      parallel(0, h, 16, [&](int64_t i0, int64_t i1) {
+        unnormalize_rows(sw.d_a.template data_ptr<T>(), p.a.template data_ptr<T>(), p.ra, r0 + i0, r0 + i1, d);
+      });
     }
   }
 
-  for (int64_t w0 = 0; w0 < p.B; w0 += wave_rows) {
-    const int64_t w1 = std::min(p.B, w0 + wave_rows);
-    const int64_t nblocks = ceil_div(w1 - w0, R);
-    parallel(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t r0 = w0 + b * R, r1 = std::min(w1, r0 + R);
-        process_block(p, sw, buf.narrow(0, b * R, r1 - r0), r0);
-      }
-    });
-    if (!grad) continue;
-    // buffer rows 0 .. w1 - w0 are anchors w0 .. w1 in order (only the last block is short)
-    const at::Tensor x_wave = buf.narrow(0, 0, w1 - w0);
-    const at::Tensor a_wave = p.a.narrow(0, w0, w1 - w0);
-    parallel(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const auto [blk, c, n] = chunks[j];
-        at::Tensor e_c = (blk ? sw.d_c1 : sw.d_c0).narrow(0, c, n);
-        e_c.addmm_(x_wave.narrow(1, (blk ? p.N0 : 0) + c, n).t(), a_wave);
-      }
-    });
-  }
-
   if (grad && p.cosine) {
-    parallel(0, p.N0, 64, [&](int64_t c0, int64_t c1) {
-      unnormalize_rows(sw.d_c0.template data_ptr<T>(), p.c0.template data_ptr<T>(), p.rc0, c0, c1, p.d);
+    parallel(0, p.N0, 64, [&](int64_t k0, int64_t k1) {
+      unnormalize_rows(sw.d_c0.template data_ptr<T>(), p.c0.template data_ptr<T>(), p.rc0, k0, k1, p.d);
     });
-    parallel(0, p.N1, 64, [&](int64_t c0, int64_t c1) {
-      unnormalize_rows(sw.d_c1.template data_ptr<T>(), p.c1.template data_ptr<T>(), p.rc1, c0, c1, p.d);
+    parallel(0, p.N1, 64, [&](int64_t k0, int64_t k1) {
+      unnormalize_rows(sw.d_c1.template data_ptr<T>(), p.c1.template data_ptr<T>(), p.rc1, k0, k1, p.d);
     });
   }
 }

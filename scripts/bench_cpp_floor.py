@@ -23,18 +23,18 @@ from fastcl.bench.timing import interleave
 from fastcl.ops import _cpp
 
 
-def fused_step(B: int, N: int, d: int, seed: int = 0):
+def fused_step(B: int, N: int, d: int, n1: int = 0, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(B, d, generator=g)
-    c0 = torch.randn(N, d, generator=g)
-    c1 = torch.empty(0, d)
-    t0 = torch.full((N,), -1, dtype=torch.int32)
-    t1 = torch.empty(0, dtype=torch.int32)
+    c0 = torch.randn(N - n1, d, generator=g)
+    c1 = torch.randn(n1, d, generator=g)
+    t0 = torch.full((N - n1,), -1, dtype=torch.int32)
+    t1 = torch.full((n1,), -1, dtype=torch.int32)
     tau = torch.tensor(0.05)
     pos = torch.randn(B, 1, generator=g)
     w = torch.ones(B)
     out = dict(lse=torch.empty(B), mean_logit=torch.empty(B), loss_rows=torch.empty(B), d_pos=torch.empty(B, 1),
-               d_anchor=torch.empty(B, d), d_block0=torch.empty(N, d), d_block1=torch.empty(0, d),
+               d_anchor=torch.empty(B, d), d_block0=torch.empty(N - n1, d), d_block1=torch.empty(n1, d),
                g_dot_mean_logit=torch.empty(()))
 
     def step():
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--B", type=int, required=True)
     ap.add_argument("--N", type=int, help="candidates of the direct op call (default B * (P + Q))")
     ap.add_argument("--loss", help="time this loss's whole step (fastcl.bench.cases.loss_step) instead of the op")
+    ap.add_argument("--N1", type=int, default=0, help="of the N candidates, how many in the second block")
     ap.add_argument("--P", type=int, default=5)
     ap.add_argument("--Q", type=int, default=5)
     ap.add_argument("--impl", action="append", default=[], help="with --loss: backends to time (default cpp, torch)")
@@ -80,13 +81,14 @@ def main() -> None:
     assert _cpp.unavailable() is None
     if args.N is None:
         args.N = args.B * (args.P + args.Q)
-    steps = {"floor": floor_step(plan_floor(args.B, args.N, args.d))}
+    plan = plan_floor(args.B, args.N, args.d)
+    steps = {"floor": floor_step(plan)}
     if args.loss:
         from fastcl.bench.cases import loss_step
 
         for impl in args.impl or ["cpp", "torch"]:
             steps[impl] = loss_step(args.loss, impl, args.B, args.P, args.Q, args.d)
-    base = fused_step(args.B, args.N, args.d)
+    base = fused_step(args.B, args.N, args.d, args.N1)
     for spec in args.env or ([] if args.loss else ["cpp="]):
         name, _, rest = spec.partition("=")
         env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
@@ -95,10 +97,10 @@ def main() -> None:
     clock = time.process_time if args.cpu_clock else time.perf_counter
     res = interleave(steps, min_rounds=args.rounds, budget_s=args.budget, clock=clock)
     load1 = os.getloadavg()[0]
-    fl = res.minimum("floor")
+    fl = res.minimum("floor") * plan.scale  # a long floor times a prefix of its blocks
     print(f"B={args.B} N={args.N} d={args.d} threads={args.threads} clock={'cpu' if args.cpu_clock else 'wall'} rounds={res.rounds} load {load0:.1f}->{load1:.1f}")
     for n in res.samples:
-        m = res.minimum(n)
+        m = res.minimum(n) * (plan.scale if n == "floor" else 1.0)
         print(f"  {n:12s} {m * 1e3:9.1f} ms  spread {res.spread(n) * 100:5.1f}%  share {fl / m * 100:5.1f}%")
 
 

@@ -383,11 +383,13 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
 template <typename T>
 void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   const bool grad = sw.mode != Mode::kForward;
-  if (grad) {
-    sw.d_c0.zero_();
-    sw.d_c1.zero_();
+  if (p.B == 0) {  // otherwise the first block's X^T A writes E_c (no zeroing pass over [N, d])
+    if (grad) {
+      sw.d_c0.zero_();
+      sw.d_c1.zero_();
+    }
+    return;
   }
-  if (p.B == 0) return;
   const Plan plan = make_plan(p.B, p.N, p.d);
   const int64_t H = plan.rows, T_ = plan.threads, d = p.d;
   at::Tensor buf = at::empty({H, p.N}, p.a.options());
@@ -425,7 +427,12 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       for (int64_t j = j0; j < j1; ++j) {
         const Chunk& ch = chunks[j];
         at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n);
-        e_c.addmm_(S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t(), a_blk);
+        const at::Tensor x_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
+        if (r0 == 0) {
+          at::mm_out(e_c, x_cols, a_blk);
+        } else {
+          e_c.addmm_(x_cols, a_blk);
+        }
       }
     });
     if (p.cosine) {

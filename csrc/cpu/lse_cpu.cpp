@@ -1,26 +1,27 @@
 // CPU kernels of the masked-LSE primitive (schemas and semantics: ../registration.cpp).
 //
-// Strategy. Anchor rows are cut into blocks of R rows. A block's raw dot products with
-// every candidate, [R, N] in the compute dtype, are formed by one GEMM into a per-thread
-// buffer; then each row turns into logits (inverse norms and 1/tau applied on the fly,
-// masked columns set to -inf), its LSE and mean logit, and, when a gradient is wanted,
-// into the weights X_ic = dLoss/d<a_i, c> = g_i softmax_ic / (tau |a_i| |c|), all in
-// place (rows.h). Two more GEMMs give
+// Strategy. Anchor rows are cut into blocks of H rows (make_plan: a buffer of about
+// (B + N) d elements). A block's raw dot products with every candidate, [H, N] in the
+// compute dtype, are formed by GEMM into one buffer; then each row turns into logits
+// (inverse norms and 1/tau applied on the fly, masked columns set to -inf), its LSE and
+// mean logit, and, when a gradient is wanted, into the weights
+// X_ic = dLoss/d<a_i, c> = g_i softmax_ic / (tau |a_i| |c|), all in place (rows.h). Two
+// more GEMMs give
 //     E_a = X C        (d anchor, rows of this block only)
 //     E_c += X^T A     (d candidates, every block contributes)
 // and the normalisation backward is applied to E_a / E_c row by row. That is three
 // GEMM-sized passes for the gradient-in-forward op (like eager autograd) and never a
 // B x N buffer; the normalised inputs are never materialised (only inverse norms).
 //
-// Parallelism and determinism. Blocks are processed in waves of T blocks (T threads):
-// phase 1 runs one block per thread (logits, LSE, head, X, E_a rows); phase 2 splits the
-// candidates into chunks across threads and adds the whole wave's X^T A to each chunk of
-// E_c, visiting the wave's rows in order. Every element of every output is thus written
-// by exactly one thread in a fixed order: results are bitwise reproducible run to run for
-// a given torch.get_num_threads() (a different thread count changes the block sizes and
-// so the rounding). The alternative, per-thread partial E_c buffers reduced at the end,
-// costs T * N * d extra floats (8 GB for T = 64, N = 40960, d = 768): rejected. The waves
-// cost one barrier per T blocks and T * R * N floats of buffers (T * FASTCL_CPP_TILE).
+// Parallelism and determinism. All threads work on the same block (sweep()): the
+// GEMMs are split along a dimension of C (candidate chunks for A C^T and X^T A, columns
+// of d for X C), the row passes by rows. Every element of every output is written by
+// exactly one thread in a fixed order: results are bitwise reproducible run to run for
+// a given torch.get_num_threads() (a different thread count changes the splits and so
+// the rounding). The alternative, per-thread partial E_c buffers reduced at the end,
+// costs T * N * d extra floats (8 GB for T = 64, N = 40960, d = 768): rejected. So was
+// the former layout, one block per thread in waves: each thread then streamed (and MKL
+// repacked) all of C per block, and the buffer (T blocks) grew with the threads.
 //
 // Inputs of any of the four dtypes are read as the compute dtype: float32 and float64
 // inputs directly, bfloat16 and float16 through one float32 copy of anchor and

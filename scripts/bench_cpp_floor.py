@@ -78,7 +78,8 @@ def main() -> None:
                     help="time.process_time instead of wall time (meaningful at --threads 1 on a loaded machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    assert _cpp.unavailable() is None
+    why = _cpp.CppLSE().unavailable()
+    assert why is None, why
     if args.N is None:
         args.N = args.B * (args.P + args.Q)
     plan = plan_floor(args.B, args.N, args.d)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import subprocess
 
 import torch
 
@@ -33,9 +32,16 @@ def fused_step(B: int, N: int, d: int, n1: int = 0, seed: int = 0):
     tau = torch.tensor(0.05)
     pos = torch.randn(B, 1, generator=g)
     w = torch.ones(B)
-    out = dict(lse=torch.empty(B), mean_logit=torch.empty(B), loss_rows=torch.empty(B), d_pos=torch.empty(B, 1),
-               d_anchor=torch.empty(B, d), d_block0=torch.empty(N - n1, d), d_block1=torch.empty(n1, d),
-               g_dot_mean_logit=torch.empty(()))
+    out = dict(
+        lse=torch.empty(B),
+        mean_logit=torch.empty(B),
+        loss_rows=torch.empty(B),
+        d_pos=torch.empty(B, 1),
+        d_anchor=torch.empty(B, d),
+        d_block0=torch.empty(N - n1, d),
+        d_block1=torch.empty(n1, d),
+        g_dot_mean_logit=torch.empty(()),
+    )
 
     def step():
         torch.ops.fastcl.lse_fused(a, c0, c1, t0, t1, tau, True, 1e-8, "supcon", pos, None, None, w, 0, False, **out)
@@ -74,8 +80,11 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], help="name=VAR=value[,VAR=value] (name= for defaults)")
     ap.add_argument("--budget", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--cpu-clock", action="store_true",
-                    help="time.process_time instead of wall time (meaningful at --threads 1 on a loaded machine)")
+    ap.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time.process_time instead of wall time (meaningful at --threads 1 on a loaded machine)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     why = _cpp.CppLSE().unavailable()
@@ -99,7 +108,9 @@ def main() -> None:
     res = interleave(steps, min_rounds=args.rounds, budget_s=args.budget, clock=clock)
     load1 = os.getloadavg()[0]
     fl = res.minimum("floor") * plan.scale  # a long floor times a prefix of its blocks
-    print(f"B={args.B} N={args.N} d={args.d} threads={args.threads} clock={'cpu' if args.cpu_clock else 'wall'} rounds={res.rounds} load {load0:.1f}->{load1:.1f}")
+    print(
+        f"B={args.B} N={args.N} d={args.d} threads={args.threads} clock={'cpu' if args.cpu_clock else 'wall'} rounds={res.rounds} load {load0:.1f}->{load1:.1f}"
+    )
     for n in res.samples:
         m = res.minimum(n) * (plan.scale if n == "floor" else 1.0)
         print(f"  {n:12s} {m * 1e3:9.1f} ms  spread {res.spread(n) * 100:5.1f}%  share {fl / m * 100:5.1f}%")

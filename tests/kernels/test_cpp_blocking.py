@@ -15,7 +15,6 @@ import torch
 
 from fastcl.ops import _cpp
 from fastcl.ops.contract import OwnPositives
-
 from tests.helpers.backends import require
 from tests.kernels.test_cpp import _compare_fused, _head, _problem
 

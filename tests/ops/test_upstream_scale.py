@@ -12,7 +12,6 @@ import torch
 
 from fastcl import reference as R
 from fastcl.losses import supmpn_loss
-
 from tests.helpers.backends import backends_under_test, require
 
 

@@ -163,9 +163,11 @@ class ContrastiveLSE(torch.autograd.Function):
         go = grad_out.to(compute_dtype(ctx.dtype))
         if ctx.mode == "fused":
             d_anchor, d_b0, d_b1, d_pos, d_tau = ctx.saved_tensors
-            if go.device.type == "cpu" and go.numel() == 1 and not go.requires_grad and bool(go == 1):
+            unscaled = go.device.type == "cpu" and go.numel() == 1 and not go.requires_grad
+            if unscaled and not torch.compiler.is_compiling() and bool(go == 1):
                 # loss.backward() without a scale: skip three passes over [B + N, d]
-                # (5 % of a SupMPN step at B = 1024, d = 768; no host sync on a CPU tensor)
+                # (5 % of a SupMPN step at B = 1024, d = 768; no host sync on a CPU tensor;
+                # not under torch.compile, where the value test would break the graph)
                 d_inputs = (g.to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))
                 return (*d_inputs, None if ctx.folded else d_pos, d_tau, None)
             d_inputs = ((g * go).to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fastcl.losses as L
+from tests.helpers.spawn import run_rank
 
 B, D = 3, 8  # anchors per rank (odd on purpose), embedding width
 EMBEDDINGS = ("anchor", "positives", "negatives", "positive", "dropout_view", "augmented_view", "candidates")
@@ -307,17 +307,8 @@ def _errors(seed: int, group, rank: int, world: int) -> dict:
 
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:
     """One rank: errors first (the group must stay usable after them), then every case, then DDP."""
-    from datetime import timedelta
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store_path}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
+    def body() -> dict:
         group = dist.group.WORLD
         results = {"errors": _errors(seed, group, rank, world), "cases": {}}
         for case in CASES:
@@ -325,13 +316,9 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> N
             for backend in BACKENDS:
                 results["cases"][case.name, backend] = run_case(case, x, backend, group)
         results["ddp"] = _ddp(seed, group)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+        return results
+
+    run_rank(rank, world, store_path, out_dir, body, timeout_s=TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ one with fastcl's (both gathered): the all-reduced parameter gradients are saved
 from __future__ import annotations
 
 import os
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tests.helpers.spawn import run_rank
 
 B, D, Q = 5, 7, 1
 TIMEOUT_S = 120
@@ -112,24 +112,15 @@ def _ddp_cached(model, seed: int, rank: int) -> dict:
 
 
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:
-    try:
-        torch.set_num_threads(1)
-        from tests.helpers import st as common
+    from tests.helpers import st as common
 
-        # Built before the group exists: transformers' save_pretrained writes only on rank 0 of a group.
-        model = common.tiny_model(os.path.join(out_dir, f"model{rank}"), dropout=0.0, seed=seed)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store_path}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
-        results = {"embeddings": _embedding_cases(seed, rank), "ddp_cached": _ddp_cached(model, seed, rank)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    models = {}
+
+    def build_model() -> None:
+        # Before the group exists: transformers' save_pretrained writes only on rank 0 of a group.
+        models["m"] = common.tiny_model(os.path.join(out_dir, f"model{rank}"), dropout=0.0, seed=seed)
+
+    def body() -> dict:
+        return {"embeddings": _embedding_cases(seed, rank), "ddp_cached": _ddp_cached(models["m"], seed, rank)}
+
+    run_rank(rank, world, store_path, out_dir, body, timeout_s=TIMEOUT_S, before_group=build_model)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import traceback
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
+
+from tests.helpers.spawn import run_rank
 
 B, V, D = 5, 2, 6
 TIMEOUT_S = 120
@@ -21,17 +19,9 @@ def inputs(seed: int, rank: int):
 
 
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:
-    try:
-        torch.set_num_threads(1)
+    def body() -> dict:
         from fastcl.losses import supcon_loss
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store_path}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
         features, labels = inputs(seed, rank)
         out = {}
         for backend in ("reference", "torch", "cpp"):
@@ -47,10 +37,6 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> N
                 )
                 loss.backward()
                 out[(backend, reduction)] = (loss.detach(), x.grad)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+        return out
+
+    run_rank(rank, world, store_path, out_dir, body, timeout_s=TIMEOUT_S)

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -40,3 +44,35 @@ def spawn_ranks(target, world: int, tmp: str, seed: int, timeout_s: float) -> li
     if codes != [0] * world:
         pytest.fail(f"{world}-process run did not finish in {timeout_s}s or crashed: exit codes {codes}")
     return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run_rank(
+    rank: int,
+    world: int,
+    store_path: str,
+    out_dir: str,
+    body: Callable[[], dict],
+    *,
+    timeout_s: float,
+    before_group: Callable[[], None] | None = None,
+) -> None:
+    """The side of :func:`spawn_ranks` inside one process: a gloo group on the file store,
+    ``body()``'s results saved as ``rank{r}.pt``, or the traceback as ``rank{r}.err``."""
+    try:
+        torch.set_num_threads(1)
+        if before_group is not None:
+            before_group()
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        torch.save(body(), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise

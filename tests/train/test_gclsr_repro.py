@@ -67,3 +67,50 @@ def test_script_rows_are_the_ablations_and_the_script_parses():
 
     assert PAPER["proj_dim"] == 4096  # one group of all features = no grouping
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gclsr_repro.sh")], check=True)
+
+
+def test_init_script_rebuilds_the_seeded_model_and_measures_movement(tmp_path):
+    """scripts/gclsr_init.py: the step-0 model is the seeded constructor's, it reloads as an
+    encoder, and the relative change is |W_best - W_init| / |W_init| per weight matrix."""
+    import torch
+
+    from fastcl.gclsr.model import GCLSRModel
+    from fastcl.gclsr.recipe import CONFIG_FILE, WEIGHTS_FILE, load_pretrained
+
+    vectors = tmp_path / "vectors.txt"
+    vectors.write_text("the 0.1 0.2 0.3 0.4\ncat 0.5 -0.1 0.0 0.2\nsat -0.3 0.1 0.2 0.0\n")
+    config = {
+        "word_vectors": str(vectors),
+        "seed": 7,
+        "dim": 4,
+        "max_words": 8,
+        "region_sizes": [1, 2],
+        "filters": 3,
+        "proj_dim": 8,
+        "pred_hidden": 4,
+        "attention": True,
+    }
+    torch.manual_seed(7)
+    init = GCLSRModel(4, region_sizes=[1, 2], filters=3, proj_dim=8, pred_hidden=4, attention=True)
+    trained = {k: v.clone() for k, v in init.state_dict().items()}
+    w = trained["backbone.convs.0.weight"]
+    trained["backbone.convs.0.weight"] = w * 1.25  # moved by exactly 25 % of its norm
+    best = tmp_path / "run" / "best"
+    best.mkdir(parents=True)
+    torch.save(trained, best / WEIGHTS_FILE)
+    (best / CONFIG_FILE).write_text(json.dumps(config))
+
+    spec = importlib.util.spec_from_file_location("gclsr_init", ROOT / "scripts" / "gclsr_init.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "init"
+    assert mod.main(["--run", str(tmp_path / "run"), "--output", str(out)]) == 0
+
+    saved = torch.load(out / WEIGHTS_FILE)
+    for name, value in init.state_dict().items():
+        assert torch.equal(saved[name], value), name
+    moved = json.loads((out / "relative_change.json").read_text())
+    assert abs(moved["backbone.convs.0.weight"] - 0.25) < 1e-4
+    assert moved["backbone.convs.1.weight"] == 0.0
+    emb = load_pretrained(out).encode(["the cat sat"])
+    assert emb.shape == (1, 6) and torch.isfinite(torch.as_tensor(emb)).all()

@@ -14,6 +14,7 @@ _COMMON = {
     "schedule": "linear",
     "warmup_ratio": 0.0,
     "weight_decay": 0.0,
+    "max_grad_norm": 1.0,  # the released trainer clips at HF TrainingArguments' default 1.0
     "eval_steps": 125,
     "precision": "auto",
 }

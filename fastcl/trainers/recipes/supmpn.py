@@ -19,6 +19,7 @@ _PAPER = {
     "schedule": "linear",
     "warmup_ratio": 0.0,
     "weight_decay": 0.0,
+    "max_grad_norm": 1.0,  # SimCSE's trainer (HF default), which SupMPN's code reuses
     "eval_steps": 125,
     "precision": "auto",
 }  # fp16 on GPUs as SimCSE: bf16/fp16 autocast on CUDA, fp32 on the CPU

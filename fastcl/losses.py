@@ -1,17 +1,10 @@
-"""fastcl's public losses: plain functions and ``nn.Module`` wrappers.
+"""fastcl's public losses: plain functions and ``nn.Module`` wrappers (formulas: docs/losses.md).
 
-Every LSE loss (SupMPN, SupCon, MNRL / SimCSE-sup, InfoNCE / SimCSE-unsup, EdaCSE) is a
-thin composition over one fused primitive (``fastcl.ops.contract``): the masked
-log-sum-exp of the logits of every anchor against the batch's *candidate set* (every valid
-positive and every valid negative of every anchor), plus the cheap ``[B, P]`` logits of
-each anchor's own positives. The fused backends never build the ``[B, N]`` logits.
-
-Shapes: ``anchor [B, d]``, ``positives [B, P, d]``, ``negatives [B, Q, d]`` (Q may be 0),
-``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool with ``False`` marking padding (a padded
-slot is never read, see docs/losses.md). Embeddings are raw (fp16, bf16, fp32 or fp64,
-all one dtype); cosine similarity normalises them inside the op and the gradient flows to
-the raw tensors. The loss comes back in the input dtype; accumulation is float32 (float64
-for float64 inputs).
+Every LSE loss is a thin composition over one fused primitive (docs/design.md) whose fused
+backends never build the ``[B, N]`` logits. Embeddings are raw (fp16, bf16, fp32 or fp64,
+one dtype; cosine similarity normalises inside and the gradient flows to the raw tensors);
+masks are bool with ``False`` marking padding. The loss comes back in the input dtype,
+accumulated in float32 (float64 for float64 inputs).
 
 Common keyword arguments:
     temperature: float or 0-d tensor > 0 (``logit = similarity / temperature``, finite in
@@ -160,29 +153,33 @@ def _fused_loss(
     )
 
 
+def _matrix(name: str, t: Tensor, layout: str = "[B, d]") -> tuple[int, int]:
+    """The shape of ``t``, checked to be a non-empty matrix."""
+    _checks.check_rank(name, t, 2, layout)
+    if 0 in t.shape:
+        raise ValueError(f"{name} must be non-empty, got shape {tuple(t.shape)}")
+    return tuple(t.shape)
+
+
+def _slots(name: str, t: Tensor, slot: str, B: int, d: int) -> int:
+    """The slot count of ``t``, checked to be ``[B, slots, d]``."""
+    _checks.check_rank(name, t, 3, f"[B, {slot}, d]")
+    if t.shape[0] != B or t.shape[2] != d:
+        raise ValueError(f"{name} must have shape [B={B}, {slot}, d={d}], got {tuple(t.shape)}")
+    return t.shape[1]
+
+
 def _lse_loss(kind, anchor, positives, negatives, pos_mask, neg_mask, *, exclude_own, zero_logit_own=False, **opts):
     """The structured layout shared by SupMPN, SupCon, MNRL and InfoNCE (``opts``: :func:`_options`)."""
     _check_options(opts["reduction"], opts["similarity"])
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
-    _checks.check_rank("anchor", anchor, 2, "[B, d]")
-    _checks.check_rank("positives", positives, 3, "[B, P, d]")
-    B, d = anchor.shape
-    if B == 0 or d == 0:
-        raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
-    if positives.shape[0] != B or positives.shape[2] != d:
-        raise ValueError(f"positives must have shape [B={B}, P, d={d}], got {tuple(positives.shape)}")
-    P = positives.shape[1]
+    B, d = _matrix("anchor", anchor)
+    P = _slots("positives", positives, "P", B, d)
     if P == 0:
         raise ValueError("positives has P = 0: every anchor needs at least one positive slot")
-    if negatives is None:
-        Q = 0
-        if neg_mask is not None:
-            raise ValueError("neg_mask given without negatives")
-    else:
-        _checks.check_rank("negatives", negatives, 3, "[B, Q, d]")
-        if negatives.shape[0] != B or negatives.shape[2] != d:
-            raise ValueError(f"negatives must have shape [B={B}, Q, d={d}], got {tuple(negatives.shape)}")
-        Q = negatives.shape[1]
+    if negatives is None and neg_mask is not None:
+        raise ValueError("neg_mask given without negatives")
+    Q = 0 if negatives is None else _slots("negatives", negatives, "Q", B, d)
     _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
     _checks.check_mask("neg_mask", neg_mask, (B, Q), anchor.device)
     tau = _check_positives(anchor, pos_mask, opts["process_group"], opts.pop("temperature"))
@@ -454,13 +451,10 @@ def supcon_pool_loss(
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
-    _checks.check_rank("anchor", anchor, 2, "[B, d]")
+    B, d = _matrix("anchor", anchor)
     _checks.check_rank("candidates", candidates, 2, "[N, d]")
     _checks.check_rank("pos_index", pos_index, 2, "[B, P]")
-    B, d = anchor.shape
     N = candidates.shape[0]
-    if B == 0 or d == 0:
-        raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
     if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
         raise ValueError(
             f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
@@ -532,14 +526,11 @@ def grouped_cosine_loss(
     """
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_embeddings(h=h, z=z)
-    _checks.check_rank("h", h, 2, "[B, D]")
+    B, D = _matrix("h", h, "[B, D]")
     if tuple(z.shape) != tuple(h.shape):
         raise ValueError(f"h and z must have the same shape, got {tuple(h.shape)} and {tuple(z.shape)}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise TypeError(f"group_size must be a positive int, got {group_size!r}")
-    B, D = h.shape
-    if B == 0 or D == 0:
-        raise ValueError(f"h must be non-empty, got shape {tuple(h.shape)}")
     if D % group_size:
         raise ValueError(f"group_size={group_size} does not divide the feature dimension D={D}")
     _checks.check_choice("backend", backend, ("auto", *BACKENDS))

@@ -1,13 +1,8 @@
 """Triton kernels of fastcl, importable as ``fastcl.kernels`` (never as top-level ``kernels``).
 
-Triton decides between compiled and interpreted execution when a kernel module is
-imported: set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels
-on CPU tensors through the interpreter.
-
-Modules: ``_common`` (jit helpers, keyword launches, recording), ``plan`` (tile tables,
-splits, chunks, scratch buffers), ``lse_fwd`` / ``lse_bwd`` (masked cosine-LSE forward / backward),
-``matmul`` (the backward's GEMM with epilogues), ``aot`` (ahead-of-time compile of the recorded launches for sm_80 / sm_90). The launchers are
-``torch.library`` ops in the ``fastcl_triton`` namespace.
+Set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels on CPU tensors
+through the interpreter. Modules and launchers (``torch.library`` ops in the ``fastcl_triton``
+namespace): docs/triton.md.
 """
 
 from ._common import INTERPRET

@@ -1,12 +1,8 @@
 """Ahead-of-time compilation of the recorded kernel launches for sm_80 (A100) and sm_90 (H100).
 
-``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N]`` compiles every
-``(launch, tuning config)`` pair and prints one row per pair: registers, spilled bytes,
-local-memory loads/stores in the PTX, shared memory against the device limit, and whether
-the PTX uses tensor-core MMA. The launch list is recorded from dry runs of the launchers
-(:func:`all_launches`), so it is what they pass by construction; no GPU is needed (run it
-without ``TRITON_INTERPRET=1``). What is compiled fully and what only to TTIR:
-docs/triton.md, "Compile facts".
+``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N]`` prints registers,
+spills, local memory, shared memory and MMA use per ``(launch, config)``; no GPU needed (run it
+without ``TRITON_INTERPRET=1``). What it compiles and the results: docs/triton.md, "Compile facts".
 """
 
 from __future__ import annotations
@@ -67,12 +63,8 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
     return list(out.values())
 
 
-def kernel_of(launch: Launch) -> Kernel:
-    return Kernel.registry[launch.kernel]
-
-
 def configs(launch: Launch, arch: str):
-    return kernel_of(launch).configs(arch, launch.dclass)
+    return Kernel.registry[launch.kernel].configs(arch, launch.dclass)
 
 
 def uses_dot(launch: Launch) -> bool:
@@ -104,7 +96,7 @@ def _ast_source(launch: Launch, cfg):
     import triton
     from triton.compiler import ASTSource
 
-    fn = kernel_of(launch).fn
+    fn = Kernel.registry[launch.kernel].fn
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("fastcl.kernels.aot needs compiled Triton: unset TRITON_INTERPRET")
     types = dict(launch.signature)
@@ -213,46 +205,31 @@ def representatives(launches: list[Launch] | None = None) -> list[Launch]:
     return list(best.values())
 
 
-def jobs(archs=ARCHS, kernel: str | None = None, launches: list[Launch] | None = None):
-    """Every ``(launch, arch, config index)`` to compile."""
-    return [
-        (launch, arch, i)
-        for launch in (launches if launches is not None else all_launches())
-        if not kernel or launch.kernel == kernel
-        for arch in archs
-        for i in range(len(configs(launch, arch)))
-    ]
-
-
 def _run_job(job) -> Result:
     launch, arch, index, frontend_only = job
     return compile_one(launch, arch, configs(launch, arch)[index], frontend_only)
-
-
-def run_jobs(jobs, workers: int = 1, progress: bool = True) -> list[Result]:
-    """Run ``(launch, arch, config index, frontend_only)`` jobs in ``workers`` processes, in order."""
-    from tqdm import tqdm
-
-    jobs = list(jobs)
-    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
-        results = pool.map(_run_job, jobs) if pool else map(_run_job, jobs)
-        return list(tqdm(results, total=len(jobs), desc="triton aot", disable=not progress, file=sys.stderr))
 
 
 def compile_all(
     archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True, every_spec: bool = False
 ) -> list[Result]:
     """Fully compile every config of :func:`representatives` (or of every launch) for each
-    arch, and run every other launch through the frontend; one :class:`Result` each."""
+    arch, and run every other launch's first config through the frontend, in ``workers``
+    processes; one :class:`Result` each, in order."""
+    from tqdm import tqdm
+
     launches = all_launches()
-    reps = set(representatives(launches))
-    todo = []
-    for launch, arch, i in jobs(archs, kernel, launches):
-        if every_spec or launch in reps:
-            todo.append((launch, arch, i, False))
-        elif i == 0:
-            todo.append((launch, arch, i, True))
-    return run_jobs(todo, workers, progress)
+    full = set(launches if every_spec else representatives(launches))
+    todo = [
+        (launch, arch, i, launch not in full)
+        for launch in launches
+        if not kernel or launch.kernel == kernel
+        for arch in archs
+        for i in range(len(configs(launch, arch)) if launch in full else 1)
+    ]
+    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        results = pool.map(_run_job, todo) if pool else map(_run_job, todo)
+        return list(tqdm(results, total=len(todo), desc="triton aot", disable=not progress, file=sys.stderr))
 
 
 def table(results: list[Result]) -> str:
@@ -276,12 +253,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma list of sm80, sm90")
     parser.add_argument("--kernel", default=None, help="only this kernel (e.g. _lse_fwd_kernel)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
-    parser.add_argument(
-        "--every-spec",
-        action="store_true",
-        help="fully compile every specialisation x config (hours on a small CPU), "
-        "not only one representative spec per kernel and dtype class",
-    )
+    every = "fully compile every specialisation, not one per kernel and dtype class (hours on a small CPU)"
+    parser.add_argument("--every-spec", action="store_true", help=every)
     args = parser.parse_args(argv)
     if INTERPRET:
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the kernels AOT compiles")

@@ -4,20 +4,7 @@
               + ACC_IN[m, n]                                          (ACCUMULATE)
               - rad[m] * (sum_p RADW[p, m]) * Z[m, n]                  (RADIAL)
 
-``SPLIT_X``: ``X`` is float32 and ``Y`` 16-bit; ``X`` is fed to the tensor cores as a
-hi + lo pair of 16-bit halves. ``X`` and ``Y`` are any strided views (the backward passes the ``dS`` chunk transposed by
-strides, never copied). The product accumulates in fp32 (fp64 for fp64 inputs) and is
-stored in ``OUT``'s dtype. ``RADIAL`` is the radial part of the normalisation backward
-(``- |x|^-2 * <G, l> * x``, computed as ``(rinv * w) * (rinv * x)`` so that ``|x|^-2``
-never underflows), with its row weights given as partial sums over ``n_parts`` rows of
-``RADW`` so the producer never needs a separate reduction. ``KSCALE`` normalises the
-``Y`` rows on load (see ``plan.fold_norms``); ``MSCALE`` scales output rows.
-
-Padding: ``TAGS`` marks padded rows of ``Y`` (``PAD_K``: read as zero) or of the output
-(``PAD_M``: ``Z`` read as zero, written as exactly zero), so a NaN in a padded slot reaches
-no gradient. Offsets are 64-bit (``N * d >= 2**31`` is addressed correctly).
-
-Deterministic: every output element is owned by one program, no atomics, no split-K.
+Flags, padding and determinism: docs/triton.md, "The backward GEMM".
 """
 
 from __future__ import annotations
@@ -130,13 +117,8 @@ def _mm_kernel(
 
 
 _C = cfg
-# Chosen from compiled candidates (docs/triton.md): the 16-bit rows are for the heaviest
-# variant, SPLIT_X (fp32 dS fed as two 16-bit halves: two operand tiles and two MMAs per
-# step). 128x128 tiles and 64x128x64 spilled on sm_80 (and 128x128, 128x256 on sm_90), so
-# the largest tiles are 128x64; BK=64 x 3 stages or BK=32 x 4 stages hide global latency
-# within 72 KiB of shared memory. GROUP_M=8: programs that run together share Y panels in
-# L2. fp32 (3xTF32) stays at BK=16/32; fp64 at 32-row tiles.
-# (fp32 64x64x32 spilled on sm_80 once the operands are normalised on load: sm_90 only)
+# The spill-free configs of the compiled candidates, sized for the heaviest variant
+# (SPLIT_X); why each size: docs/triton.md, "Tuning tables".
 _MM_32 = [_C(4, 3, BM=64, BN=64, BK=16, GROUP_M=8), _C(8, 3, BM=128, BN=64, BK=16, GROUP_M=8)]
 _MM_64 = [_C(4, 2, BM=32, BN=64, BK=16, GROUP_M=8), _C(4, 2, BM=32, BN=32, BK=16, GROUP_M=8)]
 MM = Kernel(

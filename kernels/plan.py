@@ -1,14 +1,12 @@
 """Planning for the LSE kernels: tile tables, forward splits, backward chunks, scratch buffers.
 
 Every buffer a launcher allocates beyond its inputs and outputs is listed by
-:func:`forward_plan` or :func:`backward_plan` (``docs/triton.md`` explains the sizes).
+:func:`forward_plan` or :func:`backward_plan` (sizes: docs/triton.md, "Extra memory").
 """
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,16 +23,9 @@ REDUCE = {a: {"16": [cfg(4, 1, BR=256)]} for a in ("sm80", "sm90")}
 REDUCE["interp"] = {"16": [cfg(BR=16)]}
 
 # Logit tiles: a GEMM main loop over d with an online-softmax (forward) or gradient
-# (backward) epilogue; sm_80 mma.sync, sm_90 wgmma. Chosen from compiled candidates with
-# `python -m fastcl.kernels.aot` (docs/triton.md has registers and spills per config):
-# * the epilogue keeps about three [BM, BN] fp32 tensors live (logits, mask, p), so a
-#   thread may own at most 32 tile elements (BM * BN <= 1024 * num_warps): 64x64 on 4
-#   warps, 128x64 on 8; 128x128 on 8 warps and every BK=64 config on sm_80 spilled;
-# * BK=32 with 4 stages keeps the operand loads small beside the epilogue (BK=64 spilled
-#   on sm_80); on sm_90 wgmma keeps its accumulator out of the general registers' way
-#   enough that 128x64x64 and 64x128x64 do not spill, and are offered to the tuner;
-# * fp32 (3xTF32: three MMAs and hi/lo splits per product) needs BK=16 to stay spill-free
-#   on sm_80; fp64 (no fp64 tensor-core path worth tuning) gets 32-row tiles.
+# (backward) epilogue. The spill-free configs of the compiled candidates; why each size
+# (three live [BM, BN] fp32 tensors in the epilogue, BK per arch and dtype): docs/triton.md,
+# "Tuning tables".
 TILES = {
     "sm80": {
         "16": [cfg(8, 4, BM=128, BN=64, BK=32), cfg(4, 4, BM=64, BN=64, BK=32)],
@@ -90,9 +81,7 @@ def _round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
-# ---------------------------------------------------------------------------------------
 # numerics chosen per dtype (see lse_bwd.py)
-# ---------------------------------------------------------------------------------------
 
 
 def scale_on_load(dtype: torch.dtype) -> bool:
@@ -113,34 +102,16 @@ def ds_dtype(dtype: torch.dtype, fp32_ds: bool) -> torch.dtype:
     return torch.float32 if fp32_ds and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-# ---------------------------------------------------------------------------------------
 # splits, chunks, buffers
-# ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Buffer:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Named scratch buffers of one launch; ``allocate`` is the launchers' only allocator."""
-
-    buffers: dict[str, Buffer]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers.values())
+class Plan(dict):
+    """Named scratch buffers ``{name: (shape, dtype)}`` of one launch; ``allocate`` is the
+    launchers' only allocator."""
 
     def allocate(self, device: torch.device) -> dict[str, Tensor]:
         # new_output: tests poison scratch too, so a tile a kernel forgets shows up as NaN
-        return {k: new_output(b.shape, dtype=b.dtype, device=device) for k, b in self.buffers.items()}
+        return {k: new_output(shape, dtype=dtype, device=device) for k, (shape, dtype) in self.items()}
 
 
 def col_align(arch: str, dclass: str) -> int:
@@ -180,8 +151,7 @@ def forward_plan(B: int, sizes: tuple[int, int], dtype: torch.dtype, cosine: boo
     acc = acc_dtype(dtype)
     slots = sum(s for s, _ in forward_splits(B, sizes, arch, dtype_class(dtype), sms))
     # row scales (inverse norms, or 1 / NaN for dot similarity) of anchors and candidates
-    bufs = {"parts": Buffer((3, slots, B), acc), "norms": Buffer((2, B + sum(sizes)), acc)}
-    return Plan(bufs)
+    return Plan(parts=((3, slots, B), acc), norms=((2, B + sum(sizes)), acc))
 
 
 # The backward GEMM (matmul.py) addresses its operands with int32 offsets (64-bit offset
@@ -221,11 +191,9 @@ def backward_plan(
     width = chunk_width(B, sizes, d, dtype, arch, fp32_ds)
     part = partial_width(arch, dtype_class(dtype))
     chunks = sum(cdiv(n, width) for n in sizes)
-    bufs = {"ds": Buffer((B, width), ds_dtype(dtype, fp32_ds)), "norms": Buffer((2, B + sum(sizes)), acc)}
+    plan = Plan(ds=((B, width), ds_dtype(dtype, fp32_ds)), norms=((2, B + sum(sizes)), acc))
     if cosine:
-        bufs["row_parts"] = Buffer((cdiv(width, part), B), acc)
-        bufs["col_parts"] = Buffer((cdiv(B, part), width), acc)
-        bufs["row_w"] = Buffer((B,), acc)
+        plan.update(row_parts=((cdiv(width, part), B), acc), col_parts=((cdiv(B, part), width), acc), row_w=((B,), acc))
     if chunks > 1:
-        bufs["d_anchor_acc"] = Buffer((B, d), acc)
-    return Plan(bufs)
+        plan["d_anchor_acc"] = ((B, d), acc)
+    return plan

@@ -1,18 +1,8 @@
 """Lazy, cached ninja builds of fastcl's C++/CUDA sources (``csrc/``, shipped as ``fastcl._csrc``).
 
-Nothing is compiled when fastcl is imported: a backend module calls :func:`build` the
-first time its ``unavailable()`` is asked (the first fused loss on that device, or
-``python -m fastcl.info``). The result, the loaded library or the reason it failed, is
-kept for the life of the process, and the failure reason is what dispatch and
-``fastcl.info`` show.
-
-Build directory: ``$FASTCL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fastcl``, i.e.
-``~/.cache/fastcl``) ``/torch_extensions/<name>-<key>``, where the key hashes the sources,
-the flags, the Python, torch and CUDA versions, the CPU capability and the checkout's path
-(ninja names sources by absolute path): a cache shared by
-machines or checkouts never loads a library built for something else, and a rebuilt
-checkout does not disturb another one. ``FASTCL_NO_BUILD=1`` turns building off (the
-backends then report that reason).
+A backend builds on its first ``unavailable()`` call, never at import; the outcome (the
+loaded library or why it failed) is kept for the process. Cache directory, key and
+``FASTCL_NO_BUILD``: docs/csrc.md, "Build".
 """
 
 from __future__ import annotations
@@ -116,11 +106,7 @@ class Extension:
         build_dir.mkdir(parents=True, exist_ok=True)
         cached = (build_dir / f"{self.name}.so").exists()
         if not cached:
-            print(
-                f"fastcl: compiling the {self.describe} backend (first use only, about a minute) in {build_dir}",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"compiling the {self.describe} backend (first use only, about a minute) in {build_dir}")
         start = time.perf_counter()
         try:
             cpp_extension.load(
@@ -139,16 +125,16 @@ class Extension:
             log.write_text(f"{type(exc).__name__}: {exc}\n")
             first = _first_error_line(str(exc))
             why = f"the {self.describe} backend failed to build: {first} (full log: {log})"
-            print(f"fastcl: {why}; `python -m fastcl.info` lists the backends in use", file=sys.stderr, flush=True)
+            _say(f"{why}; `python -m fastcl.info` lists the backends in use")
             return why
         self.library = str(build_dir / f"{self.name}.so")
         if not cached:
-            print(
-                f"fastcl: {self.describe} backend built in {time.perf_counter() - start:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"{self.describe} backend built in {time.perf_counter() - start:.0f} s")
         return None
+
+
+def _say(message: str) -> None:
+    print(f"fastcl: {message}", file=sys.stderr, flush=True)
 
 
 def _headers(root: Path) -> list[Path]:

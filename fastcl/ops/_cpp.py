@@ -1,12 +1,13 @@
 """The ``"cpp"`` backend: fused C++ CPU kernels of the masked-LSE primitive.
 
-Op schemas in ``csrc/registration.cpp``, kernels in ``csrc/cpu/lse_cpu.cpp`` (design notes
-there and in docs/csrc.md). Built with ninja the first time the backend is asked whether it
-is available (``fastcl.ops._build``); importing this module compiles nothing. Outputs are
-allocated here with ``new_output`` in the compute dtype and the kernels overwrite them.
+Op schemas in ``csrc/registration.cpp``, kernels in ``csrc/cpu/lse_cpu.cpp`` (docs/csrc.md).
+Built with ninja on the first availability check (``fastcl.ops._build``), never at import.
+The kernels overwrite outputs allocated here with ``new_output`` in the compute dtype.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -26,25 +27,22 @@ EXTENSION = Extension(
     ldflags=["-fopenmp"],
     describe=f"C++ CPU ({_capability})",
 )
-_fakes_registered = False
 
 
+@functools.cache
 def _register_fakes() -> None:
     """Shape-only implementations so the ops trace under FakeTensor / torch.compile."""
-    global _fakes_registered
-    if _fakes_registered:
-        return
-    _fakes_registered = True
     for op in ("lse_forward", "lse_backward", "lse_fused"):
         torch.library.register_fake(f"fastcl::{op}")(lambda *args, **kwargs: None)
 
 
-def _ops():
-    return torch.ops.fastcl
-
-
 def _args(problem: LSEProblem, tau: Tensor) -> tuple:
     return (problem.anchor, *problem.blocks, *problem.tags, tau, problem.cosine, float(problem.eps))
+
+
+def _out(problem: LSEProblem, shape) -> Tensor:
+    """An output the kernel overwrites, in the compute dtype on the problem's device."""
+    return new_output(shape, dtype=compute_dtype(problem.dtype), device=problem.device)
 
 
 class CppLSE:
@@ -65,22 +63,17 @@ class CppLSE:
         return input_reasons(problem, backend=self.name, device_type=self.device_type)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        """``(lse [B], mean_logit [B])`` in the compute dtype."""
-        cd, B = compute_dtype(problem.dtype), problem.num_anchors
-        lse = new_output(B, dtype=cd, device=problem.device)
-        mean_logit = new_output(B, dtype=cd, device=problem.device)
-        _ops().lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
+        lse, mean_logit = _out(problem, problem.num_anchors), _out(problem, problem.num_anchors)
+        torch.ops.fastcl.lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
         return lse, mean_logit
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
         cd = compute_dtype(problem.dtype)
-        d_anchor, d0, d1 = (
-            new_output(t.shape, dtype=cd, device=problem.device) for t in (problem.anchor, *problem.blocks)
-        )
+        d_anchor, d0, d1 = (_out(problem, t.shape) for t in (problem.anchor, *problem.blocks))
         fold = d_pos is not None and problem.positives is not None
         offset = problem.positives.offset if fold else 0
-        _ops().lse_backward(
+        torch.ops.fastcl.lse_backward(
             *_args(problem, tau),
             lse.to(cd),
             g.to(cd),
@@ -93,14 +86,12 @@ class CppLSE:
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
-        cd, B, dev = compute_dtype(problem.dtype), problem.num_anchors, problem.device
-        out = FusedResult(new_output(B, dtype=cd, device=dev), new_output(B, dtype=cd, device=dev))
-        out.loss_rows = new_output(B, dtype=cd, device=dev)
-        out.d_pos = new_output(head.pos_logits.shape, dtype=cd, device=dev)
-        out.d_anchor = new_output(problem.anchor.shape, dtype=cd, device=dev)
-        out.d_blocks = tuple(new_output(b.shape, dtype=cd, device=dev) for b in problem.blocks)
-        out.g_dot_mean_logit = new_output((), dtype=cd, device=dev)
-        _ops().lse_fused(
+        cd, B = compute_dtype(problem.dtype), problem.num_anchors
+        out = FusedResult(_out(problem, B), _out(problem, B), _out(problem, problem.anchor.shape))
+        out.d_blocks = tuple(_out(problem, b.shape) for b in problem.blocks)
+        out.g_dot_mean_logit, out.loss_rows = _out(problem, ()), _out(problem, B)
+        out.d_pos = _out(problem, head.pos_logits.shape)
+        torch.ops.fastcl.lse_fused(
             *_args(problem, tau),
             head.kind,
             head.pos_logits.to(cd),

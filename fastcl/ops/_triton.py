@@ -1,9 +1,7 @@
 """The ``"triton"`` backend: fastcl's Triton kernels (``fastcl.kernels``) behind the op contract.
 
-Runs CUDA tensors on sm_80+ GPUs, or CPU tensors when the Triton interpreter is on
-(``TRITON_INTERPRET=1`` before ``fastcl.kernels`` is imported; tests only). Forward keeps
-``lse`` and backward recomputes logit tiles, folding ``d_pos`` into the float32 dS tile;
-there is no gradient-in-forward (``fused``): why, in docs/triton.md.
+CUDA tensors on sm_80+, or CPU tensors under ``TRITON_INTERPRET=1`` (tests only). Recompute
+strategy only, no ``fused``: why, in docs/triton.md.
 """
 
 from __future__ import annotations
@@ -31,14 +29,8 @@ DS_PRECISIONS = ("fp32", "input")
 
 
 def ds_precision() -> str:
-    """How the backward keeps the recomputed softmax gradient dS of 16-bit inputs.
-
-    ``fp32`` (default): float32, fed to tensor cores as two 16-bit halves: fp32-accurate
-    gradients (like the ``torch`` backend), two MMAs per backward product. ``input``:
-    rounded to the input dtype, one MMA (flash-attention's choice): faster, but a
-    gradient that is a small difference of large terms (a confident positive, p ~ 1)
-    carries rounding noise of the terms' size. ``FASTCL_TRITON_DS`` selects.
-    """
+    """``FASTCL_TRITON_DS``: how the backward keeps the recomputed softmax gradient dS of 16-bit
+    inputs, ``fp32`` (default, fp32-accurate, two MMAs) or ``input`` (one MMA; docs/triton.md)."""
     mode = os.environ.get(DS_ENV, "fp32") or "fp32"
     if mode not in DS_PRECISIONS:
         raise ValueError(f"{DS_ENV}={mode!r}; expected one of {DS_PRECISIONS}")

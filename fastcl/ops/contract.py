@@ -1,9 +1,6 @@
-"""The contract of fastcl's one fused primitive: the masked log-sum-exp of contrastive logits.
+"""The contract every backend implements: the masked log-sum-exp of contrastive logits.
 
-Every LSE loss is a head over this primitive and every backend implements exactly this
-contract: the problem (inputs and structural tags), the compute dtype of the outputs and
-the result type of a fused sweep. The full contract, with the tag table and the memory
-rule, is in docs/design.md.
+Problem, tag table, outputs and the memory rule: docs/design.md, "The primitive".
 """
 
 from __future__ import annotations
@@ -69,10 +66,6 @@ class LSEProblem:
         return self.anchor.shape[0]
 
     @property
-    def num_candidates(self) -> int:
-        return self.blocks[0].shape[0] + self.blocks[1].shape[0]
-
-    @property
     def dim(self) -> int:
         return self.anchor.shape[1]
 
@@ -87,13 +80,12 @@ class LSEProblem:
 
 @dataclass
 class FusedResult:
-    """What a gradient-in-forward sweep (``Backend.fused``) returns, all in the compute dtype.
+    """What a gradient-in-forward sweep (``Backend.fused``) returns, in the compute dtype.
 
-    ``lse``/``mean_logit`` ``[B]`` as from ``forward``; ``loss_rows`` ``[B]`` the head's
-    per-row loss; ``d_pos`` ``[B, P]`` its gradient w.r.t. the own-positive logits (already
-    folded into ``d_anchor``/``d_blocks`` when the problem has ``positives``; returned for
-    the temperature gradient); ``g_dot_mean_logit`` = ``sum_i g_i * mean_logit_i``.
-    The torch backend's sweep also fills it partially (forward, recompute-backward).
+    ``loss_rows [B]`` is the head's per-row loss and ``d_pos [B, P]`` its gradient w.r.t. the
+    own-positive logits (already folded into ``d_anchor``/``d_blocks`` when the problem has
+    ``positives``; kept for the temperature gradient); ``g_dot_mean_logit = sum_i g_i *
+    mean_logit_i``. The torch backend's sweep also fills it partially.
     """
 
     lse: Tensor
@@ -106,17 +98,16 @@ class FusedResult:
 
 
 def structured_tags(
-    batch: int, slots: int, mask: Tensor | None, *, device: torch.device, exclude_owner: bool, owner_offset: int = 0
+    batch: int, slots: int, mask: Tensor | None, *, device: torch.device, exclude_owner: bool
 ) -> Tensor:
     """Tags of a ``[batch, slots]`` candidate grid laid out anchor-major (``[batch*slots]``).
 
-    Slot ``(j, k)`` belongs to anchor ``owner_offset + j``. With ``exclude_owner`` the slot is
-    left out of its owner's row (tag = owner), else it is in every row (``TAG_ALL``).
-    ``mask`` (``[batch, slots]`` bool, ``False`` = padding) turns slots into ``TAG_PADDING``.
+    Slot ``(j, k)`` belongs to anchor ``j``. With ``exclude_owner`` the slot is left out of
+    its owner's row (tag = owner), else it is in every row (``TAG_ALL``). ``mask``
+    (``[batch, slots]`` bool, ``False`` = padding) turns slots into ``TAG_PADDING``.
     """
     if exclude_owner:
-        owner = torch.arange(owner_offset, owner_offset + batch, device=device, dtype=torch.int32)
-        tags = owner[:, None].expand(batch, slots)
+        tags = torch.arange(batch, device=device, dtype=torch.int32)[:, None].expand(batch, slots)
     else:
         tags = torch.full((batch, slots), TAG_ALL, device=device, dtype=torch.int32)
     if mask is not None:
@@ -126,18 +117,13 @@ def structured_tags(
 
 def pool_tags(num: int, mask: Tensor | None, *, device: torch.device) -> Tensor:
     """Tags of a shared candidate pool ``[num]``: every valid candidate is in every row."""
-    tags = torch.full((num,), TAG_ALL, device=device, dtype=torch.int32)
-    if mask is not None:
-        tags = torch.where(mask, tags, torch.full_like(tags, TAG_PADDING))
-    return tags
+    grid_mask = None if mask is None else mask[None]
+    return structured_tags(1, num, grid_mask, device=device, exclude_owner=False)
 
 
 def excluded(tags: Tensor, rows: Tensor) -> Tensor:
-    """``[R, N]`` bool: candidate left out of row (padding, or tagged with that row).
-
-    The one definition of the structural mask for PyTorch code; kernels apply the same
-    rule ``tag == TAG_PADDING or tag == row`` on their tiles.
-    """
+    """``[R, N]`` bool: candidate left out of row (padding, or tagged with that row); the one
+    definition of the structural mask for PyTorch code (kernels apply the same rule)."""
     t = tags[None, :]
     return (t == TAG_PADDING) | (t == rows[:, None].to(tags.dtype))
 
@@ -147,11 +133,8 @@ _POISON = False
 
 @contextlib.contextmanager
 def poison_outputs():
-    """Inside this context :func:`new_output` fills outputs with NaN (or -1 for integers).
-
-    Tests run every backend under it: an element a kernel forgets to write stays poisoned
-    and fails the comparison with the reference.
-    """
+    """Inside this context :func:`new_output` fills outputs with NaN (or -1 for integers), so
+    that an element a kernel forgets to write fails the tests' comparison with the reference."""
     global _POISON
     before, _POISON = _POISON, True
     try:

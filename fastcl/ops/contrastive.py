@@ -1,10 +1,6 @@
-"""The autograd Function of the fused LSE losses, and the entry point that picks a backend.
-
-    fastcl.losses.*  ->  contrastive_loss()  ->  ContrastiveLSE  ->  Backend  ->  kernel
-
-``ContrastiveLSE`` turns the primitive (``contract.py``) and the loss head (``head.py``)
-into a reduced loss on any backend (``backend.py``); its strategies (fused or recompute,
-``FASTCL_STRATEGY``) and the double-backward rule are in docs/design.md.
+"""The autograd Function of the fused LSE losses (``ContrastiveLSE``: primitive + head on any
+backend) and ``contrastive_loss``, which picks the backend. Call path, strategies
+(``FASTCL_STRATEGY``) and the double-backward rule: docs/design.md.
 """
 
 from __future__ import annotations

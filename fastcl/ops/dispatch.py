@@ -1,9 +1,5 @@
-"""Which backend runs a problem: the ``backend=`` argument > ``FASTCL_BACKEND`` > automatic.
-
-An explicit request that cannot take the inputs raises :class:`BackendUnavailableError`
-listing every reason; ``"auto"`` takes the first backend of :data:`AUTO_ORDER` with no
-reason, falling back to ``torch``, which takes everything. Nothing here breaks a
-``torch.compile(fullgraph=True)`` trace (docs/design.md, "Dispatch").
+"""Which backend runs a problem: the ``backend=`` argument > ``FASTCL_BACKEND`` > automatic
+(the first of :data:`AUTO_ORDER` with no reason, else ``torch``); docs/design.md, "Dispatch".
 """
 
 from __future__ import annotations
@@ -49,10 +45,9 @@ def get(name: str) -> Backend:
 
 
 def _constant_under_compile(fn):
-    """``torch.compiler.assume_constant_result(fn)``: torch.compile calls ``fn`` eagerly and
-    takes its answer as a constant. That decorator only sets this attribute, but importing it
-    imports torch._dynamo and with it triton, which importing fastcl must not do; the
-    compile test (tests/ops/test_compile.py) fails if torch ever changes the mark."""
+    """``torch.compiler.assume_constant_result(fn)`` (torch.compile calls ``fn`` eagerly and
+    takes its answer as a constant) without importing torch._dynamo, and with it triton;
+    tests/ops/test_compile.py fails if torch ever changes the mark."""
     fn._dynamo_marked_constant = True
     return fn
 

@@ -1,19 +1,6 @@
-"""The loss *head*: per-anchor loss from the primitive's ``lse`` and the positive logits.
-
-All LSE losses share one form, for anchor ``i`` with valid own positives ``k``::
-
-    loss_i = mean_k phi(r_i - l_ik),        r_i = lse_i  (or logaddexp(lse_i, log_extra_i))
-
-    supcon  (SupCon, MNRL, InfoNCE):   phi(x) = x          (lse includes the own positives)
-    supmpn  (SupMPN, eq. 7):           phi(x) = softplus(x) (lse excludes the own positives)
-
-``log_extra`` adds mass to the denominator that has no inputs: SupMPN's released code
-leaves the anchor's *other* own positives in its denominator with logit 0, i.e.
-``P_i - 1`` extra units of ``exp(0)``.
-
-This module is the one definition of that math for PyTorch code: the fused Function uses
-:func:`head_rows` for its loss and local derivatives (differentiated by autograd when a
-second derivative is wanted), and gradient-in-forward backends call it on blocks of rows.
+"""The loss *head*: per-anchor loss ``mean_k phi(lse_i - l_ik)`` from the primitive's ``lse``
+and the own-positive logits; the one definition of that math for PyTorch code (docs/design.md,
+"The loss head").
 """
 
 from __future__ import annotations
@@ -28,11 +15,9 @@ HEADS = ("supcon", "supmpn")
 
 @dataclass(frozen=True)
 class HeadInputs:
-    """What a gradient-in-forward backend needs to form ``dLoss/dlse`` block by block.
-
-    ``pos_logits`` ``[B, P]`` (detached), ``pos_mask`` ``[B, P]`` bool or None,
-    ``log_extra`` ``[B]`` or None, ``weights`` ``[B]``: the reduction's
-    weight of each row (``1/n_valid`` for mean, 1 for sum).
+    """What a gradient-in-forward backend needs to form ``dLoss/dlse`` block by block:
+    ``pos_logits [B, P]`` (detached), ``pos_mask [B, P]`` or None, ``log_extra [B]`` or None
+    and ``weights [B]``, the reduction's weight of each row (``1/n_valid`` for mean, 1 for sum).
     """
 
     kind: str
@@ -55,18 +40,10 @@ class HeadInputs:
 def head_rows(
     lse: Tensor, pos_logits: Tensor, pos_mask: Tensor | None, kind: str, log_extra: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-anchor loss and its local derivatives.
-
-    Args:
-        lse: ``[B]`` float32/64, the primitive's LSE (``-inf`` for an empty row).
-        pos_logits: ``[B, P]`` the anchors' own positive logits.
-        pos_mask: ``[B, P]`` bool (``False`` = padding) or None.
-        kind: ``"supcon"`` or ``"supmpn"``.
-        log_extra: ``[B]`` or None, extra denominator mass (log of a count).
-
-    Returns:
-        ``loss [B]``, ``dloss/dlse [B]``, ``dloss/dpos_logits [B, P]``; all zero for anchors
-        without a valid positive. Differentiable (the reference path uses autograd here).
+    """``loss [B]``, ``dloss/dlse [B]`` and ``dloss/dpos_logits [B, P]`` of head ``kind`` from
+    ``lse [B]`` (``-inf`` for an empty row), the own-positive logits ``[B, P]``, their mask and
+    ``log_extra [B]`` (log of extra denominator mass, or None). All zero for anchors without
+    a valid positive; differentiable (the second-order path uses autograd here).
     """
     if kind not in HEADS:
         raise ValueError(f"unknown head {kind!r}; expected one of {HEADS}")

@@ -1,20 +1,7 @@
-"""Row normalisation with clamped norms, and its backward, shared by the PyTorch paths.
+"""Row normalisation with clamped norms, ``x_hat = x / max(|x|, eps)``, and its backward.
 
-``x_hat = x / max(|x|, eps)`` (``torch.nn.functional.normalize``'s formula). Backward::
-
-    dx = (dx_hat - x_hat * <x_hat, dx_hat>) / |x|     where |x| > eps
-    dx = dx_hat / eps                                 where the norm is clamped
-
-Robustness rules (docs/losses.md, "Non-finite inputs"), the same in every backend:
-
-* ``|x|`` never overflows or underflows: it is ``m * |x / m|`` with ``m = max_k |x_k|``
-  (a plain sum of squares overflows float32 for |x| ~ 1e19 and gave a wrong, finite loss
-  for inputs scaled by 1e30).
-* A row marked padding (``keep`` False) is read as zeros, whatever it holds: its
-  normalised copy and norm are 0, so it adds nothing to any value or gradient.
-* A kept row holding NaN or Inf becomes an all-NaN row (with cosine similarity its norm is
-  NaN; with dot similarity it is poisoned explicitly), so every logit that reads it is NaN
-  and the non-finite value cannot vanish, e.g. as an ``exp(-inf) = 0`` term.
+Shared by the PyTorch paths. The rules for huge, padded and non-finite rows, the same in
+every backend, and the backward formula: docs/losses.md ("Gradients", "Non-finite inputs").
 """
 
 from __future__ import annotations
@@ -31,21 +18,14 @@ def _max_abs(x: Tensor) -> Tensor:
 
 
 def row_norms(x: Tensor) -> Tensor:
-    """``|x|`` over the last dim in the compute dtype, without overflow or underflow.
-
-    NaN for a row holding a NaN or an Inf; 0 for a zero row.
-    """
+    """``|x|`` over the last dim in the compute dtype as ``m * |x / m|``, ``m = max_k |x_k|``:
+    no overflow or underflow. NaN for a row holding a NaN or an Inf; 0 for a zero row."""
     cd = compute_dtype(x.dtype)
     m = _max_abs(x)
     # a zero row keeps m = 0 (norm 0); NaN/Inf rows give NaN: inf / inf and NaN propagate
     unit = torch.where(m > 0, m, torch.ones_like(m))
     scaled = x.to(cd) / unit.unsqueeze(-1)
     return torch.linalg.vector_norm(scaled, dim=-1) * unit
-
-
-def poison_nonfinite(x: Tensor) -> Tensor:
-    """``[rows]`` 0 for a finite row, NaN for a row holding NaN or Inf (compute dtype)."""
-    return _max_abs(x) * 0
 
 
 def normalize_rows(x: Tensor, eps: float, cosine: bool, keep: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -58,7 +38,8 @@ def normalize_rows(x: Tensor, eps: float, cosine: bool, keep: Tensor | None = No
     if keep is not None:
         x = torch.where(keep.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
     if not cosine:
-        return x.to(cd) + poison_nonfinite(x).unsqueeze(-1), None
+        # max |x| * 0 is NaN for a row holding NaN or Inf: that row comes out all NaN
+        return x.to(cd) + (_max_abs(x) * 0).unsqueeze(-1), None
     norm = row_norms(x)
     return x.to(cd) / norm.clamp_min(eps).unsqueeze(-1), norm
 

@@ -1,15 +1,6 @@
-"""Own-positive logits ``l_ik = s(a_i, p_ik) / tau`` as a ``[B, P]`` float32 tensor.
-
-Cheap (``B * P * d``) but done with care: computed in float32 (float64 for float64) in
-blocks of rows so that no float32 copy of ``positives`` outlives a block.
-
-* :func:`own_positive_similarities`: values only; the fused Function uses them, and every
-  backend folds the positives' gradient into its own accumulators (``OwnPositives``).
-* :class:`PositiveLogits`: differentiable, with an explicit backward that recomputes the
-  block; used where positives are shared between anchors (``supcon_pool_loss``).
-  Autograd's version would keep float32 copies of all positives alive until backward,
-  which is more than the fused loss itself needs (under ``create_graph=True`` it is used,
-  so that the gradient is itself differentiable).
+"""Own-positive logits ``l_ik = s(a_i, p_ik) / tau`` ``[B, P]``, in blocks of rows so that no
+float32 copy of ``positives`` outlives a block (values, and a differentiable Function for
+shared positives: docs/design.md, "Own-positive logits").
 """
 
 from __future__ import annotations

@@ -100,11 +100,8 @@ def _check_positives(anchor: Tensor, pos_mask: Tensor | None, process_group, tem
 
 
 def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
-    """``anchor`` with the rows of anchors that have no valid positive read as zeros.
-
-    Such an anchor contributes nothing (docs/losses.md): like a padded slot, whatever it
-    holds (NaN, Inf) must reach no value and no gradient; its gradient is exactly 0.
-    """
+    """``anchor`` with the rows of anchors that have no valid positive read as zeros: like a
+    padded slot, whatever they hold (NaN, Inf) reaches no value and no gradient (docs/losses.md)."""
     if pos_mask is None:
         return anchor
     return torch.where(pos_mask.any(1, keepdim=True), anchor, anchor.new_zeros(()))
@@ -224,21 +221,15 @@ def supmpn_loss(
 ) -> Tensor:
     """SupMPN (Dehghan & Amasyali 2022, eq. 7): several positives and hard negatives per anchor.
 
-    For anchor ``i`` and each valid own positive ``k``::
-
-        term_ik = -l_ik + log( exp(l_ik) + R_i ),   loss_i = mean_k term_ik
-        R_i = sum of exp(l_ic) over every valid candidate of the batch except i's own positives
-
+    ``loss_i = mean_k [-l_ik + log(exp(l_ik) + R_i)]`` over valid own positives ``k``, where
+    ``R_i`` sums ``exp(l_ic)`` over every valid candidate except i's own positives.
     ``own_positives="zero_logit"`` reproduces the authors' released code, which keeps the
     anchor's *other* own positives in ``R_i`` with logit 0 (adding ``P_i - 1``).
 
     Args:
         anchor: ``[B, d]``. positives: ``[B, P, d]``. negatives: ``[B, Q, d]`` or None.
         pos_mask, neg_mask: ``[B, P]`` / ``[B, Q]`` bool, ``False`` = padding.
-        See the module docstring for the other arguments.
-
-    Returns:
-        0-d loss (``[B]`` for ``reduction="none"``) in the input dtype.
+        The other arguments: module docstring. Returns a 0-d loss (``[B]`` for ``"none"``).
 
     Example::
 
@@ -272,17 +263,12 @@ def supcon_loss(
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020, L_out; Liao's SCL).
 
-    Two forms. ``supcon_loss(features, labels=y)`` (SupContrast / pytorch-metric-learning:
-    ``features [N, d]`` or ``[B, V, d]``, positives = same label, optional
-    ``ref_emb``/``ref_labels``) is :func:`fastcl.losses_supcon.supcon_labels_loss`; the
-    structured form below takes explicit positives and negatives.
-
-    ``loss_i = mean_k [ -l_ik + LSE_{c in C} l_ic ]`` over valid own positives ``k``, where
-    ``C`` is every valid candidate of the batch, own positives included. For Liao's recipe
-    use ``similarity="dot", temperature=1.0``; for a shared candidate pool (Liao's in-batch
-    construction) see :func:`supcon_pool_loss`.
-
-    Args / returns: as :func:`supmpn_loss`.
+    Structured form (args as :func:`supmpn_loss`): ``loss_i = mean_k [ -l_ik + LSE_{c in C}
+    l_ic ]`` over valid own positives ``k``, ``C`` every valid candidate, own positives
+    included (Liao: ``similarity="dot", temperature=1.0``; shared pool: :func:`supcon_pool_loss`).
+    Labels form ``supcon_loss(features, labels=y, ref_emb=None, ref_labels=None)``, features
+    ``[N, d]`` or ``[B, V, d]`` and positives = same label (SupContrast / pytorch-metric-learning):
+    :func:`fastcl.losses_supcon.supcon_labels_loss`.
 
     Example::
 
@@ -319,14 +305,10 @@ def mnrl_loss(
 ) -> Tensor:
     """Multiple negatives ranking loss = SimCSE supervised (Gao et al. 2021; SBERT's MNRL).
 
-    ``directions`` (``query_to_doc``, ``query_to_query``, ``doc_to_query``, ``doc_to_doc``),
-    ``partition_mode`` (``joint``, ``per_direction``) and ``hardness_mode`` /
-    ``hardness_strength`` are sentence-transformers 6's options, same semantics
-    (:mod:`fastcl.losses_mnrl`); beyond the default they do not take ``neg_mask`` yet.
-
     ``loss_i = -l_{i,i} + LSE_c l_ic`` over every positive and every valid negative of the
-    batch: cross-entropy of the ``B x B(1+Q)`` logits with the diagonal as target. SimCSE
-    supervised is ``Q = 1`` with the contradiction as hard negative.
+    batch; SimCSE supervised is ``Q = 1`` with the contradiction as hard negative.
+    ``directions``, ``partition_mode``, ``hardness_mode`` and ``hardness_strength`` are
+    sentence-transformers 6's, same semantics (docs/losses.md); they do not take ``neg_mask`` yet.
 
     Args:
         anchor: ``[B, d]``. positive: ``[B, d]``. negatives: ``[B, d]`` (one hard negative
@@ -364,12 +346,8 @@ def infonce_loss(
 ) -> Tensor:
     """InfoNCE / SimCSE unsupervised: row ``i`` of ``anchor x positive`` logits, target ``i``.
 
-    ``loss_i = -l_ii + LSE_j l_ij`` with ``l_ij = s(anchor_i, positive_j) / tau``; the
-    positive is a second (dropout) view of the anchor. ``symmetric=True`` averages this with
-    the column direction (``positive`` as anchors against ``anchor`` as candidates).
-
-    Args:
-        anchor: ``[B, d]``. positive: ``[B, d]``.
+    ``loss_i = -l_ii + LSE_j l_ij``; ``positive`` (``[B, d]`` like ``anchor``) is a second
+    (dropout) view of the anchor. ``symmetric=True`` averages this with the column direction.
 
     Example::
 
@@ -400,11 +378,7 @@ def edacse_loss(
     """EdaCSE (Liu et al. 2023, eq. 2): ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``.
 
     ``a'`` is the dropout view, ``a_aug`` the embedding of the sentence with 1..k random
-    punctuation marks inserted; the second term's candidates are all augmented copies.
-    bert-base: ``k = 3, lam = 0.6``.
-
-    Args:
-        anchor, dropout_view, augmented_view: ``[B, d]`` each.
+    punctuation marks inserted (bert-base: ``k = 3, lam = 0.6``); all three ``[B, d]``.
     """
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
         raise TypeError(f"lam must be a finite float, got {lam!r}")
@@ -435,12 +409,10 @@ def supcon_pool_loss(
     process_group=None,
     similarity: str = "cos",
 ) -> Tensor:
-    """Supervised contrastive loss against a shared candidate pool.
+    """Supervised contrastive loss against a shared candidate pool (Liao's in-batch "allpalln").
 
     ``loss_i = mean_k [ -l_{i, pos_index[i,k]} + LSE_{c valid} l_ic ]``: every anchor sees
-    every valid candidate once (a candidate may be a positive of several anchors). This is
-    Liao's "allpalln" in-batch construction: anchors = premises, candidates = the batch's
-    hypotheses, positives = the entailments of the same premise.
+    every valid candidate once (a candidate may be a positive of several anchors).
 
     Args:
         anchor: ``[B, d]``. candidates: ``[N, d]``.
@@ -489,10 +461,8 @@ def supcon_pool_loss(
 
 class _GroupedCosine(torch.autograd.Function):
     """``[B, G]`` cosines of ``h, z [B, G, g]`` groups in the compute dtype; no gradient to ``z``.
-
-    The backward is the clamped-norm formula of ``ops.normalize`` (exactly 0 where the true
-    gradient is, e.g. ``g = 1``) written in plain ops on the saved inputs, so it is itself
-    differentiable (double backward). Extra memory O(B * D).
+    The backward is ``ops.normalize``'s clamped-norm formula (exactly 0 where the true gradient
+    is, e.g. ``g = 1``) in plain ops on the saved inputs: differentiable, extra memory O(B * D).
     """
 
     @staticmethod
@@ -515,10 +485,9 @@ def grouped_cosine_loss(
     """GCLSR grouped cosine (Wang et al. 2023, eq. 6): ``-mean_{i,g} cos(h_ig, stopgrad(z_ig))``.
 
     ``h`` (predictor output) and ``z`` (projector output), both ``[B, D]``, are split into
-    contiguous groups of ``group_size`` features (``D % group_size == 0``); ``z`` receives
-    no gradient. ``group_size=D`` is plain SimSiam. ``reduction="none"`` returns ``[B]``
-    (each sample's mean over its groups). O(B * D) elementwise work: one PyTorch
-    computation in float32 (float64 for float64) on every ``backend`` (checked by name).
+    contiguous groups of ``group_size`` features (``group_size=D``: SimSiam);
+    ``reduction="none"`` returns ``[B]``. One PyTorch computation in float32 (float64 for
+    float64) on every ``backend`` (checked by name).
 
     Example::
 
@@ -536,12 +505,10 @@ def grouped_cosine_loss(
     _checks.check_choice("backend", backend, ("auto", *BACKENDS))
     with _no_autocast(h):
         groups = (B, D // group_size, group_size)
-        per_sample = -_GroupedCosine.apply(h.reshape(groups), z.detach().reshape(groups)).mean(1)
-        if reduction == "none":
-            out = per_sample
-        else:
-            out = per_sample.sum() if reduction == "sum" else per_sample.mean()
-        return out.to(h.dtype)
+        loss = -_GroupedCosine.apply(h.reshape(groups), z.detach().reshape(groups)).mean(1)  # [B]
+        if reduction != "none":
+            loss = loss.sum() if reduction == "sum" else loss.mean()
+        return loss.to(h.dtype)
 
 
 def gclsr_loss(
@@ -554,11 +521,8 @@ def gclsr_loss(
     reduction: str = "mean",
     backend: str = "auto",
 ) -> Tensor:
-    """GCLSR symmetric loss (eq. 7, SimSiam style): ``0.5 * (L(h1, z2) + L(h2, z1))``.
-
-    ``h*`` are the predictor outputs and ``z*`` the projector outputs of the two views,
-    all ``[B, D]``; ``L`` is :func:`grouped_cosine_loss` (stop-gradient on ``z``).
-    """
+    """GCLSR symmetric loss (eq. 7, SimSiam style): ``0.5 * (L(h1, z2) + L(h2, z1))`` of the two
+    views' predictor (``h*``) and projector (``z*``) outputs, ``L`` = :func:`grouped_cosine_loss`."""
     kw = dict(group_size=group_size, reduction=reduction, backend=backend)
     return 0.5 * (grouped_cosine_loss(h1, z2, **kw) + grouped_cosine_loss(h2, z1, **kw))
 
@@ -569,8 +533,7 @@ def gclsr_loss(
 class _TemperatureLoss(nn.Module):
     """Shared state of the LSE loss modules: a fixed or learnable temperature and options.
 
-    ``temperature``: a float or a 0-d tensor, the same rule as the functions'. A tensor that
-    requires grad is used as given (the caller trains it); otherwise its value is taken.
+    A tensor ``temperature`` that requires grad is used as given (the caller trains it);
     ``learn_temperature=True`` keeps ``log(temperature)`` as a parameter (so it stays > 0).
     """
 

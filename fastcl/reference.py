@@ -1,10 +1,8 @@
 """Readable PyTorch oracles that define what is right (nothing here is fast on purpose).
 
-Two layers, both materialising the full ``[B, N]`` logits: :class:`ReferenceLSE`, the
-``"reference"`` backend of the primitive (explicit, differentiable forward and backward),
-and loss-level oracles straight from docs/losses.md (``supmpn``, ``supcon``, ``mnrl``,
-``infonce``, ``edacse``, ``grouped_cosine``, ``gclsr``) that share no code with the fused
-path beyond ``torch``. Run them in float64 for tests (docs/design.md).
+:class:`ReferenceLSE`, the ``"reference"`` backend, and loss-level oracles straight from
+docs/losses.md that share no code with the fused path; run them in float64 for tests
+(docs/design.md, "The reference").
 """
 
 from __future__ import annotations
@@ -13,12 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .ops.backend import Backend
 from .ops.contract import EPS, TAG_PADDING, LSEProblem, compute_dtype, excluded
 from .ops.normalize import normalize_backward, normalize_rows
 
-# ---------------------------------------------------------------------------------------
-# The "reference" backend of the primitive
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------- the "reference" backend
 
 
 def _rows(x: Tensor, cosine: bool, eps: float) -> Tensor:
@@ -49,7 +46,7 @@ def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
     return torch.where(nonempty, lse, torch.full_like(lse, float("-inf")))
 
 
-class ReferenceLSE:
+class ReferenceLSE(Backend):
     """Masked LSE on the full logits matrix (``backend="reference"``).
 
     Forward and backward are plain out-of-place torch ops, so the backward is itself
@@ -59,12 +56,6 @@ class ReferenceLSE:
     name = "reference"
     double_backward = True
     fused = None
-
-    def unavailable(self) -> str | None:
-        return None
-
-    def unsupported(self, problem: LSEProblem) -> list[str]:
-        return []
 
     @staticmethod
     def _logits(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -115,9 +106,7 @@ class ReferenceLSE:
 BACKEND = ReferenceLSE()
 
 
-# ---------------------------------------------------------------------------------------
-# Loss-level oracles, straight from docs/losses.md
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------- loss-level oracles
 
 
 def _reduce(terms: Tensor, pos_mask: Tensor, reduction: str) -> Tensor:
@@ -157,8 +146,7 @@ def _own_positive_logits(logits: Tensor, B: int, P: int) -> Tensor:
 
 
 def _logits(anchor: Tensor, cands: Tensor, temperature, similarity: str) -> Tensor:
-    sim = _similarity(anchor, cands, similarity == "cos", EPS)
-    return sim / temperature
+    return _similarity(anchor, cands, similarity == "cos", EPS) / temperature
 
 
 def supmpn(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -29,15 +30,6 @@ CAPABILITY = {"sm80": 80, "sm90": 90}
 MMA_PATTERNS = {"sm80": ("mma.sync",), "sm90": ("wgmma.mma_async", "mma.sync")}
 
 
-def _tiny_problem(dtype: torch.dtype, sizes: tuple[int, int], extra: int, B: int, P: int):
-    gen = torch.Generator().manual_seed(0)
-    anchor = torch.randn(B, 8, generator=gen).to(dtype)
-    blocks = [torch.randn(n, 8, generator=gen).to(dtype) for n in sizes]
-    tags = [torch.full((n,), TAG_ALL, dtype=torch.int32) for n in sizes]
-    tags[0][extra : extra + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
-    return anchor, blocks, tags
-
-
 def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64)) -> list[Launch]:
     """Every distinct launch the LSE launchers make (dry runs on CPU tensors, interpreter plan:
     32-column chunks, so a 70-row block gives first, middle and last chunks, with and
@@ -47,17 +39,19 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
 
     out: dict[str, Launch] = {}
     with recording(dry=True, arch="interp") as launches:
-        for dt in dtypes:
-            for sizes, B, P in (((70, 5), 5, 2), ((8, 0), 2, 0)):
-                anchor, (c0, c1), (t0, t1) = _tiny_problem(dt, sizes, 3, B, P)
-                tau = torch.tensor(0.1)
-                for cosine in (True, False):
-                    lse, _ = _lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
-                    d_pos = torch.zeros(B, P) if P else None
-                    for fp32_ds in (True, False):
-                        _lse_backward(
-                            anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), d_pos, 3, cosine, 1e-8, fp32_ds
-                        )
+        for dt, (sizes, B, P) in itertools.product(dtypes, (((70, 5), 5, 2), ((8, 0), 2, 0))):
+            gen = torch.Generator().manual_seed(0)
+            anchor, c0, c1 = (torch.randn(n, 8, generator=gen).to(dt) for n in (B, *sizes))
+            t0, t1 = (torch.full((n,), TAG_ALL, dtype=torch.int32) for n in sizes)
+            t0[3 : 3 + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)  # own positives from row 3
+            tau = torch.tensor(0.1)
+            for cosine in (True, False):
+                lse, _ = _lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
+                d_pos = torch.zeros(B, P) if P else None
+                for fp32_ds in (True, False):
+                    _lse_backward(
+                        anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), d_pos, 3, cosine, 1e-8, fp32_ds
+                    )
     for launch in launches:
         out.setdefault(launch.key, launch)
     return list(out.values())
@@ -101,14 +95,10 @@ def _ast_source(launch: Launch, cfg):
         raise RuntimeError("fastcl.kernels.aot needs compiled Triton: unset TRITON_INTERPRET")
     types = dict(launch.signature)
     constexprs = {**dict(launch.constexprs), **cfg.kwargs}
-    signature = {}
     for name in fn.arg_names:
-        if name in types:
-            signature[name] = types[name]
-        elif name in constexprs:
-            signature[name] = "constexpr"
-        else:
+        if name not in types and name not in constexprs:
             raise KeyError(f"{launch.kernel}: argument {name} is in neither the launch nor the config")
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     attrs = {
         (i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if types.get(name, "").startswith("*")
     }

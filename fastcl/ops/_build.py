@@ -36,12 +36,9 @@ def cache_root() -> Path:
 
 
 def cpu_capability_flags() -> tuple[str, list[str]]:
-    """``(capability, flags)`` for the vectorised code of the CPU kernels.
-
-    ATen's ``at::vec`` picks its instruction set at compile time, so the build targets the
-    capability torch itself uses on this machine (AVX2 on AVX2 and AVX-512 CPUs, plain
-    C++ elsewhere); the capability is part of the cache key.
-    """
+    """``(capability, flags)`` for the vectorised CPU kernels: ATen's ``at::vec`` picks its
+    instruction set at compile time, so target the one torch uses here (AVX2 on AVX2 and
+    AVX-512 CPUs, plain C++ elsewhere)."""
     try:
         cap = torch.backends.cpu.get_cpu_capability()
     except Exception:  # very old torch: stay portable
@@ -70,7 +67,8 @@ class Extension:
     def key(self) -> str:
         h = hashlib.sha256()
         root = csrc_dir()
-        for src in sorted(self.sources) + sorted(str(p.relative_to(root)) for p in _headers(root)):
+        headers = (str(p.relative_to(root)) for ext in ("*.h", "*.cuh") for p in root.rglob(ext))
+        for src in sorted(self.sources) + sorted(headers):
             h.update(src.encode())
             h.update((root / src).read_bytes())
         for part in (self.cflags, self.cuda_cflags, self.ldflags):
@@ -135,10 +133,6 @@ class Extension:
 
 def _say(message: str) -> None:
     print(f"fastcl: {message}", file=sys.stderr, flush=True)
-
-
-def _headers(root: Path) -> list[Path]:
-    return sorted(p for ext in ("*.h", "*.cuh") for p in root.rglob(ext))
 
 
 def _first_error_line(text: str) -> str:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._build import Extension, cpu_capability_flags
-from .backend import input_reasons
+from .backend import Backend, input_reasons
 from .contract import FusedResult, LSEProblem, compute_dtype, new_output
 from .head import HeadInputs
 
@@ -45,12 +45,11 @@ def _out(problem: LSEProblem, shape) -> Tensor:
     return new_output(shape, dtype=compute_dtype(problem.dtype), device=problem.device)
 
 
-class CppLSE:
-    """The ``"cpp"`` backend of the masked-LSE primitive (``fastcl.ops.backend.Backend``)."""
+class CppLSE(Backend):
+    """The ``"cpp"`` backend of the masked-LSE primitive."""
 
     name = "cpp"
     device_type = "cpu"
-    double_backward = False
 
     def unavailable(self) -> str | None:
         """Why the C++ library cannot run here (builds it on the first call), or None."""

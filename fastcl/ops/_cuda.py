@@ -1,8 +1,6 @@
-"""The ``"cuda"`` backend: the masked-LSE primitive in CUDA, independent of Triton.
-
-``csrc/cuda/`` adds CUDA kernels to the ops of the ``cpp`` backend's library (built first),
-so :class:`CudaLSE` is :class:`~fastcl.ops._cpp.CppLSE` on CUDA tensors. Built lazily with
-nvcc, cached per source hash, torch/CUDA version and GPU architecture (docs/csrc.md).
+"""The ``"cuda"`` backend, independent of Triton: ``csrc/cuda/`` adds CUDA kernels to the ops of
+the ``cpp`` backend's library, so :class:`CudaLSE` is :class:`~fastcl.ops._cpp.CppLSE` on CUDA
+tensors; built lazily with nvcc (docs/csrc.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Chunked PyTorch backend (``"torch"``): the primitive's exact contract without a B x N buffer.
 
-Anchor rows are processed in blocks whose ``[R, N]`` logits exist only while the block is
-processed (``R * N <= TILE_ELEMENTS``), so extra memory is O((B + N) * d + TILE_ELEMENTS).
-Forward, recompute-backward and gradient-in-forward (``fused``) are one loop,
-:func:`_sweep` (strategies: docs/design.md).
+Blocks of anchor rows whose ``[R, N]`` logits exist only while the block is processed
+(``R * N <= TILE_ELEMENTS``): extra memory O((B + N) * d + TILE_ELEMENTS). Forward,
+recompute-backward and gradient-in-forward are one loop, :func:`_sweep`.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .backend import Backend
 from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
 from .head import HeadInputs
 from .normalize import normalize_backward, normalize_rows
@@ -80,12 +80,9 @@ def _sweep(
     head: HeadInputs | None = None,
     d_pos: Tensor | None = None,
 ) -> FusedResult:
-    """One pass over blocks of anchor rows.
-
-    With neither ``row_grad`` nor ``head``: forward only. With ``row_grad`` (``[B]``,
-    ``dLoss/dlse``) and optionally ``d_pos`` (``[B, P]``, folded when
-    ``problem.positives`` is set): recompute-backward. With ``head``: gradient in forward.
-    """
+    """One pass over blocks of anchor rows: forward only; recompute-backward with ``row_grad``
+    (``[B]``, ``dLoss/dlse``) and ``d_pos`` (``[B, P]``, folded when ``problem.positives`` is
+    set); gradient in forward with ``head``."""
     prep = _prepare(problem)
     B, N = prep.a_hat.shape[0], prep.c_hat.shape[0]
     cd = prep.a_hat.dtype
@@ -153,17 +150,10 @@ def _sweep(
     return out
 
 
-class TorchLSE:
-    """The ``"torch"`` backend of the masked-LSE primitive (``fastcl.ops.backend.Backend``)."""
+class TorchLSE(Backend):
+    """The ``"torch"`` backend of the masked-LSE primitive."""
 
     name = "torch"
-    double_backward = False
-
-    def unavailable(self) -> str | None:
-        return None
-
-    def unsupported(self, problem: LSEProblem) -> list[str]:
-        return []
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         out = _sweep(problem, tau)

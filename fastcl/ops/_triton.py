@@ -11,7 +11,7 @@ import os
 import torch
 from torch import Tensor
 
-from .backend import input_reasons
+from .backend import Backend, input_reasons
 from .contract import LSEProblem
 
 
@@ -37,11 +37,10 @@ def ds_precision() -> str:
     return mode
 
 
-class TritonLSE:
-    """The ``"triton"`` backend (``fastcl.ops.backend.Backend``) on ``kernels/lse_fwd.py`` and ``kernels/lse_bwd.py``."""
+class TritonLSE(Backend):
+    """The ``"triton"`` backend on ``kernels/lse_fwd.py`` and ``kernels/lse_bwd.py``."""
 
     name = "triton"
-    double_backward = False
     fused = None
 
     def unavailable(self) -> str | None:

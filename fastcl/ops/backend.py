@@ -1,9 +1,5 @@
-"""The one interface every backend of the masked-LSE primitive implements (docs/design.md).
-
-A backend is an object with the attributes and methods of :class:`Backend`; dispatch
-(``fastcl.ops.dispatch``) picks one and ``fastcl.ops.contrastive.ContrastiveLSE`` calls
-it. :func:`input_reasons` is the one definition of the input checks the compiled
-backends share.
+"""The one interface every backend of the masked-LSE primitive implements (docs/design.md),
+and :func:`input_reasons`, the input checks the compiled backends share.
 """
 
 from __future__ import annotations
@@ -19,18 +15,23 @@ from .head import HeadInputs
 
 
 class Backend(Protocol):
+    """The interface; its defaults are those of a backend that runs wherever torch does and
+    takes every problem."""
+
     name: str
     # True: ``backward`` is made of differentiable torch ops, so a second backward
     # (create_graph=True) is exact. False: differentiating its gradients raises.
-    double_backward: bool
+    double_backward: bool = False
     # Gradient in forward for mean/sum reductions (three GEMM passes), or None.
     fused: Callable[[LSEProblem, Tensor, HeadInputs], FusedResult] | None
 
     def unavailable(self) -> str | None:
         """Why the backend cannot run in this process at all (not installed, build failed), or None."""
+        return None
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
         """Every reason it cannot run these inputs (metadata only: no host sync)."""
+        return []
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         """``(lse [B], mean_logit [B])`` in the compute dtype."""

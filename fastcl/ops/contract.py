@@ -80,13 +80,10 @@ class LSEProblem:
 
 @dataclass
 class FusedResult:
-    """What a gradient-in-forward sweep (``Backend.fused``) returns, in the compute dtype.
-
-    ``loss_rows [B]`` is the head's per-row loss and ``d_pos [B, P]`` its gradient w.r.t. the
+    """What a gradient-in-forward sweep (``Backend.fused``) returns, in the compute dtype:
+    ``loss_rows [B]``, the head's per-row loss, and ``d_pos [B, P]``, its gradient w.r.t. the
     own-positive logits (already folded into ``d_anchor``/``d_blocks`` when the problem has
-    ``positives``; kept for the temperature gradient); ``g_dot_mean_logit = sum_i g_i *
-    mean_logit_i``. The torch backend's sweep also fills it partially.
-    """
+    ``positives``), besides the primitive's outputs; ``g_dot_mean_logit = sum_i g_i * mean_logit_i``."""
 
     lse: Tensor
     mean_logit: Tensor

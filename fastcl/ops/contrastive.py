@@ -17,8 +17,6 @@ from .contract import LSEProblem, OwnPositives, compute_dtype
 from .head import HeadInputs, head_rows
 from .positive_logits import own_positive_similarities
 
-STRATEGY_ENV, STRATEGIES = _checks.STRATEGY_ENV, _checks.STRATEGIES
-
 
 @dataclass(frozen=True)
 class LossSpec:
@@ -44,12 +42,10 @@ def _strategy(impl: Backend, reduction: str) -> str:
     can_fuse = impl.fused is not None and reduction != "none"
     if wanted == "fused" and not can_fuse:
         raise ValueError(
-            f"{STRATEGY_ENV}=fused needs reduction 'mean' or 'sum' and a backend with a fused "
+            f"{_checks.STRATEGY_ENV}=fused needs reduction 'mean' or 'sum' and a backend with a fused "
             f"path; got reduction={reduction!r}, backend={impl.name!r}"
         )
-    if wanted == "recompute":
-        return "recompute"
-    return "fused" if can_fuse else "recompute"
+    return "fused" if can_fuse and wanted != "recompute" else "recompute"
 
 
 def _grad_store_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,20 +95,14 @@ class _FirstOrderOnly(torch.autograd.Function):
 def _first_order_only(name: str, grads: tuple) -> tuple:
     """``grads`` attached to a node that raises on a second backward, so that it is never
     silently ``None`` or wrong (the detached inputs are what makes the node part of the graph)."""
-    present = [i for i, g in enumerate(grads) if g is not None]
-    wrapped = _FirstOrderOnly.apply(name, *(grads[i].detach().requires_grad_() for i in present))
-    out = list(grads)
-    for i, g in zip(present, wrapped):
-        out[i] = g
-    return tuple(out)
+    wrapped = iter(_FirstOrderOnly.apply(name, *(g.detach().requires_grad_() for g in grads if g is not None)))
+    return tuple(None if g is None else next(wrapped) for g in grads)
 
 
 class ContrastiveLSE(torch.autograd.Function):
-    """Reduced LSE loss: ``sum_i w_i * mean_k phi(lse_i - l_ik)`` (or per-row for ``none``).
-
-    Inputs: ``anchor``, the two candidate blocks, ``pos_logits`` (the shared positives'
-    differentiable logits, or None when own positives are folded from block 0) and ``tau``.
-    """
+    """Reduced LSE loss ``sum_i w_i * mean_k phi(lse_i - l_ik)`` (per row for ``none``) of
+    ``anchor``, the two candidate blocks, ``pos_logits`` (the shared positives' differentiable
+    logits, or None when own positives are folded from block 0) and ``tau``."""
 
     @staticmethod
     def forward(ctx, anchor, block0, block1, pos_logits, tau, spec: LossSpec):
@@ -207,12 +197,9 @@ def contrastive_loss(
     log_extra: Tensor | None = None,
     backend: str | None = "auto",
 ) -> Tensor:
-    """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``).
-
-    Own positives come either as a layout in block 0 (``positives``: every backend folds
-    their gradient) or as precomputed differentiable ``pos_logits`` ``[B, P]`` (shared
-    positives, ``supcon_pool_loss``).
-    """
+    """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``). Own
+    positives are a layout in block 0 (``positives``: every backend folds their gradient) or
+    precomputed differentiable ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``)."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
     impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives), backend=backend)

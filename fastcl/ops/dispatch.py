@@ -54,11 +54,8 @@ def _constant_under_compile(fn):
 
 @_constant_under_compile
 def unavailable(name: str) -> str | None:
-    """Why backend ``name`` cannot run in this process (None: it can).
-
-    The check may build a C++ library on its first call; under torch.compile it runs once,
-    eagerly, and its answer is a constant of the trace. A check that raises is a reason.
-    """
+    """Why backend ``name`` cannot run in this process (None: it can); a check that raises is a
+    reason. It may build a C++ library; under torch.compile it runs once, eagerly."""
     if name not in NAMES:
         return f"unknown backend {name!r}; choose from {sorted(NAMES)} or 'auto'"
     try:

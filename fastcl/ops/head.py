@@ -75,12 +75,9 @@ def head_rows(
 def reduction_weights(
     has_pos: Tensor, reduction: str, dtype: torch.dtype = torch.float32, denominator: Tensor | None = None
 ) -> Tensor:
-    """``[B]`` weight of each anchor's loss in the reduced loss.
-
-    ``mean`` divides by the number of anchors with a valid positive (or by ``denominator``,
-    which the distributed layer sets to the global count); ``sum`` and ``none`` weigh 1.
-    Anchors without a positive weigh 0. No host sync.
-    """
+    """``[B]`` weight of each anchor's loss in the reduced loss (no host sync): 0 without a
+    positive; ``mean`` divides by the number of anchors with one (or by ``denominator``, the
+    distributed layer's global count); ``sum`` and ``none`` weigh 1."""
     w = has_pos.to(dtype)
     if reduction == "mean":
         n = w.sum() if denominator is None else denominator

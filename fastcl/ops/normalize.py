@@ -29,11 +29,9 @@ def row_norms(x: Tensor) -> Tensor:
 
 
 def normalize_rows(x: Tensor, eps: float, cosine: bool, keep: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """Compute-dtype copy of ``x`` normalised per row (or just upcast when not ``cosine``).
-
-    ``keep`` (``[rows]`` bool, optional): rows where it is False are read as zeros.
-    Returns ``(x_hat, norm)``; ``norm`` (unclamped) is None for dot-product similarity.
-    """
+    """``(x_hat, norm)``: a compute-dtype copy of ``x`` normalised per row (just upcast, and
+    ``norm`` None, when not ``cosine``; ``norm`` is unclamped); rows where ``keep`` is False
+    are read as zeros."""
     cd = compute_dtype(x.dtype)
     if keep is not None:
         x = torch.where(keep.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))

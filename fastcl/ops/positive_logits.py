@@ -25,11 +25,8 @@ def _keep(pos_mask: Tensor | None, sl: slice) -> Tensor | None:
 def own_positive_similarities(
     anchor: Tensor, positives: Tensor, cosine: bool, eps: float, pos_mask: Tensor | None = None
 ) -> Tensor:
-    """``[B, P]`` similarities ``s(a_i, p_ik)`` in the compute dtype (no autograd).
-
-    Padded positives (``pos_mask`` False) are read as zeros: their similarity is 0 and no
-    NaN/Inf they hold reaches a value or, through ``PositiveLogits``, a gradient.
-    """
+    """``[B, P]`` similarities ``s(a_i, p_ik)`` in the compute dtype (no autograd). Padded
+    positives are read as zeros: no NaN/Inf they hold reaches a value or a gradient."""
     B, P, d = positives.shape
     sim = new_output((B, P), dtype=compute_dtype(anchor.dtype), device=anchor.device)
     step = _rows_per_block(P, d, B)

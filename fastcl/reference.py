@@ -19,12 +19,9 @@ from .ops.normalize import normalize_backward, normalize_rows
 
 
 def _rows(x: Tensor, cosine: bool, eps: float) -> Tensor:
-    """``x / max(|x|, eps)`` (cosine) or ``x`` (dot), per row along the last dim.
-
-    ``|x|`` is ``m * |x / m|`` with ``m = max |x_k|`` (a constant for autograd): it neither
-    overflows (inputs ~1e30 in float32) nor underflows. A row holding NaN or Inf comes out
-    all NaN, for dot similarity too, so that no logit reading it can be finite.
-    """
+    """``x / max(|x|, eps)`` (cosine) or ``x`` (dot) per row, ``|x|`` as ``m * |x / m|`` with
+    ``m = max |x_k|`` (constant for autograd: no overflow or underflow). A row holding NaN or
+    Inf comes out all NaN, for dot similarity too, so that no logit reading it is finite."""
     m = x.detach().abs().amax(dim=-1, keepdim=True)
     unit = torch.where(m > 0, m, torch.ones_like(m))  # NaN and Inf rows stay non-finite below
     if not cosine:

@@ -82,8 +82,6 @@ def _round_up(a: int, b: int) -> int:
 
 
 # numerics chosen per dtype (see lse_bwd.py)
-
-
 def scale_on_load(dtype: torch.dtype) -> bool:
     """Scale fp32/fp64 rows by their row scale (inverse norm; 1 or NaN for dot similarity) as
     they are loaded, so no product of raw rows over- or underflows; 16-bit rows scale the
@@ -103,8 +101,6 @@ def ds_dtype(dtype: torch.dtype, fp32_ds: bool) -> torch.dtype:
 
 
 # splits, chunks, buffers
-
-
 class Plan(dict):
     """Named scratch buffers ``{name: (shape, dtype)}`` of one launch; ``allocate`` is the
     launchers' only allocator."""

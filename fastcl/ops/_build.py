@@ -136,8 +136,6 @@ def _say(message: str) -> None:
 
 
 def _first_error_line(text: str) -> str:
-    for line in text.splitlines():
-        if "error" in line.lower() and line.strip() and not line.startswith("Error building"):
-            return line.strip()[:300]
     lines = [line for line in text.splitlines() if line.strip()]
-    return lines[0][:300] if lines else "unknown error"
+    errors = [line.strip() for line in lines if "error" in line.lower() and not line.startswith("Error building")]
+    return (errors or lines or ["unknown error"])[0][:300]

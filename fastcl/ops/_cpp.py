@@ -1,8 +1,6 @@
-"""The ``"cpp"`` backend: fused C++ CPU kernels of the masked-LSE primitive.
-
-Op schemas in ``csrc/registration.cpp``, kernels in ``csrc/cpu/lse_cpu.cpp`` (docs/csrc.md).
-Built with ninja on the first availability check (``fastcl.ops._build``), never at import.
-The kernels overwrite outputs allocated here with ``new_output`` in the compute dtype.
+"""The ``"cpp"`` backend: fused C++ CPU kernels (``csrc/``, docs/csrc.md), built with ninja on
+the first availability check (``fastcl.ops._build``), never at import; they overwrite outputs
+allocated here with ``new_output`` in the compute dtype.
 """
 
 from __future__ import annotations

@@ -23,17 +23,6 @@ def _arch_list() -> str:
     return ";".join(f"{a}.{b}" for a, b in caps)
 
 
-def _extension() -> Extension:
-    return Extension(
-        name="fastcl_cuda",
-        sources=["cuda/lse_cuda.cpp", "cuda/lse_rows.cu", "cuda/lse_forward_tc.cu"],
-        cflags=["-O3"],
-        cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
-        describe="CUDA",
-        key_extra=_arch_list(),
-    )
-
-
 EXTENSION: Extension | None = None  # made on first use: the key needs the device list
 
 
@@ -66,7 +55,14 @@ class CudaLSE(_cpp.CppLSE):
         if why:
             return f"the CUDA backend registers its kernels on the C++ library's ops, which is unavailable: {why}"
         if EXTENSION is None:
-            EXTENSION = _extension()
+            EXTENSION = Extension(
+                name="fastcl_cuda",
+                sources=["cuda/lse_cuda.cpp", "cuda/lse_rows.cu", "cuda/lse_forward_tc.cu"],
+                cflags=["-O3"],
+                cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+                describe="CUDA",
+                key_extra=_arch_list(),
+            )
         return EXTENSION.error()
 
     def unsupported(self, problem: LSEProblem) -> list[str]:

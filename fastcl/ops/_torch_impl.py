@@ -24,10 +24,6 @@ from .normalize import normalize_backward, normalize_rows
 TILE_ELEMENTS = int(os.environ.get("FASTCL_TORCH_TILE", 1 << 22))
 
 
-def rows_per_block(num_candidates: int, num_anchors: int) -> int:
-    return max(1, min(num_anchors, TILE_ELEMENTS // max(num_candidates, 1)))
-
-
 @dataclass
 class _Prepared:
     a_hat: Tensor  # [B, d] compute dtype
@@ -99,7 +95,7 @@ def _sweep(
         loss_rows = new_output(B, dtype=cd, device=problem.device)
         d_pos = new_output(head.pos_logits.shape, dtype=cd, device=problem.device)
 
-    step = rows_per_block(N, B)
+    step = max(1, min(B, TILE_ELEMENTS // max(N, 1)))  # anchor rows per block
     for r0 in range(0, B, step):
         r1 = min(B, r0 + step)
         a_blk = prep.a_hat[r0:r1] * inv_tau  # 1/tau on the [R, d] side, not on [R, N]

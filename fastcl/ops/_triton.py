@@ -67,23 +67,18 @@ class TritonLSE(Backend):
         return why + _kernels().size_reasons(*problem.anchor.shape)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        k = _kernels()
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
-        return k.lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
+        return _kernels().lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """``d_pos [B, P]``: own-positive logit gradient, folded when ``problem.positives`` is set."""
-        k = _kernels()
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
-        if pos is None or d_pos is None:
-            d_pos, offset = None, 0
-        else:
-            if tuple(d_pos.shape) != (problem.num_anchors, pos.count):
-                raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {(problem.num_anchors, pos.count)}")
-            offset = pos.offset
-        inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, offset)
-        d_anchor, d_b0, d_b1 = k.lse_backward(*inputs, problem.cosine, problem.eps, ds_precision() == "fp32")
+        d_pos = None if pos is None else d_pos
+        if d_pos is not None and tuple(d_pos.shape) != (problem.num_anchors, pos.count):
+            raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {(problem.num_anchors, pos.count)}")
+        inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, 0 if d_pos is None else pos.offset)
+        d_anchor, d_b0, d_b1 = _kernels().lse_backward(*inputs, problem.cosine, problem.eps, ds_precision() == "fp32")
         return d_anchor, (d_b0, d_b1)
 
 

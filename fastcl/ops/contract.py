@@ -97,12 +97,9 @@ class FusedResult:
 def structured_tags(
     batch: int, slots: int, mask: Tensor | None, *, device: torch.device, exclude_owner: bool
 ) -> Tensor:
-    """Tags of a ``[batch, slots]`` candidate grid laid out anchor-major (``[batch*slots]``).
-
-    Slot ``(j, k)`` belongs to anchor ``j``. With ``exclude_owner`` the slot is left out of
-    its owner's row (tag = owner), else it is in every row (``TAG_ALL``). ``mask``
-    (``[batch, slots]`` bool, ``False`` = padding) turns slots into ``TAG_PADDING``.
-    """
+    """Tags of a ``[batch, slots]`` candidate grid laid out anchor-major: slot ``(j, k)`` is left
+    out of its owner ``j``'s row with ``exclude_owner`` (tag ``j``), else in every row
+    (``TAG_ALL``); ``mask`` (``False`` = padding) turns slots into ``TAG_PADDING``."""
     if exclude_owner:
         tags = torch.arange(batch, device=device, dtype=torch.int32)[:, None].expand(batch, slots)
     else:

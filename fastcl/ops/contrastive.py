@@ -55,9 +55,10 @@ def _grad_store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
-def _pos_tau_grad(d_pos: Tensor, pos_logits: Tensor, tau: Tensor) -> Tensor:
-    """Temperature gradient through the folded own-positive logits: ``l = s / tau``."""
-    return -(d_pos * pos_logits).sum() / tau.to(d_pos.dtype)
+def _tau_grad(g_dot_mean_logit: Tensor, d_pos: Tensor, pos_logits: Tensor, tau: Tensor, folded: bool) -> Tensor:
+    """Temperature gradient (``l = s / tau``) of the LSE part and, when folded, of the own positives."""
+    d_tau = -g_dot_mean_logit / tau.to(g_dot_mean_logit.dtype)
+    return d_tau - (d_pos * pos_logits).sum() / tau.to(d_pos.dtype) if folded else d_tau
 
 
 def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
@@ -118,9 +119,7 @@ class ContrastiveLSE(torch.autograd.Function):
             head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.weights)
             out = spec.impl.fused(problem, tau, head)
             keep = _grad_store_dtype(anchor.dtype)
-            d_tau = -out.g_dot_mean_logit / tau.to(cd)
-            if folded:
-                d_tau = d_tau + _pos_tau_grad(out.d_pos, pos_logits, tau)
+            d_tau = _tau_grad(out.g_dot_mean_logit, out.d_pos, pos_logits, tau, folded)
             d_inputs = (t.to(keep) for t in (out.d_anchor, *out.d_blocks))
             ctx.save_for_backward(*d_inputs, out.d_pos, d_tau.to(tau.dtype))
             loss_rows = out.loss_rows
@@ -172,10 +171,7 @@ class ContrastiveLSE(torch.autograd.Function):
         d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, lse, g, d_pos if ctx.folded else None)
         d_tau = None
         if ctx.needs_input_grad[4]:
-            d_tau = -(g * mean_logit).sum() / tau.to(g.dtype)
-            if ctx.folded:
-                d_tau = d_tau + _pos_tau_grad(d_pos, pos_logits, tau)
-            d_tau = d_tau.to(tau.dtype)
+            d_tau = _tau_grad((g * mean_logit).sum(), d_pos, pos_logits, tau, ctx.folded).to(tau.dtype)
         d_inputs = (g.to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))
         return (*d_inputs, None if ctx.folded else d_pos, d_tau, None)
 

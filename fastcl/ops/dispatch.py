@@ -12,11 +12,7 @@ from .contract import LSEProblem
 NAMES = ("reference", "torch", "cpp", "triton", "cuda")
 
 # Preference per device type when the caller says "auto".
-AUTO_ORDER = {
-    "cuda": ("triton", "cuda", "torch"),
-    "cpu": ("cpp", "torch"),
-}
-FALLBACK = "torch"
+AUTO_ORDER = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "torch")}
 
 ENV_VAR = "FASTCL_BACKEND"
 
@@ -72,16 +68,9 @@ def reasons(name: str, problem: LSEProblem | None = None) -> list[str]:
     return [] if problem is None else list(get(name).unsupported(problem))
 
 
-def requested_backend(argument: str | None) -> str:
-    """The backend the caller asked for: the argument unless it is 'auto', then the env var."""
-    if argument not in (None, "auto"):
-        return argument
-    return os.environ.get(ENV_VAR, "auto") or "auto"
-
-
 def choose(problem: LSEProblem, backend: str | None = "auto") -> Backend:
     """The backend that runs ``problem`` (see the module docstring)."""
-    name = requested_backend(backend)
+    name = backend if backend not in (None, "auto") else os.environ.get(ENV_VAR, "auto") or "auto"
     if name != "auto":
         why = reasons(name, problem)
         if why:
@@ -91,7 +80,7 @@ def choose(problem: LSEProblem, backend: str | None = "auto") -> Backend:
     for candidate in AUTO_ORDER.get(problem.device.type, ()):
         if not reasons(candidate, problem):
             return get(candidate)
-    return get(FALLBACK)
+    return get("torch")  # takes everything
 
 
 def describe() -> dict[str, str]:

@@ -17,8 +17,7 @@ HEADS = ("supcon", "supmpn")
 class HeadInputs:
     """What a gradient-in-forward backend needs to form ``dLoss/dlse`` block by block:
     ``pos_logits [B, P]`` (detached), ``pos_mask [B, P]`` or None, ``log_extra [B]`` or None
-    and ``weights [B]``, the reduction's weight of each row (``1/n_valid`` for mean, 1 for sum).
-    """
+    and ``weights [B]``, the reduction's weight of each row (``1/n_valid`` for mean, 1 for sum)."""
 
     kind: str
     pos_logits: Tensor

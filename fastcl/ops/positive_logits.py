@@ -79,8 +79,7 @@ class PositiveLogits(torch.autograd.Function):
 
 def _differentiable_grads(ctx, anchor: Tensor, positives: Tensor, tau: Tensor, d_logits: Tensor) -> list:
     """The same gradients by autograd through the plain formula (materialises ``[B, P, d]``)."""
-    inputs = (anchor, positives, tau)
-    wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:3]) if need]
+    wanted = [x for x, need in zip((anchor, positives, tau), ctx.needs_input_grad[:3]) if need]
     a_hat, _ = normalize_rows(anchor, ctx.eps, ctx.cosine)
     p_hat, _ = normalize_rows(positives, ctx.eps, ctx.cosine, ctx.pos_mask)
     logits = torch.linalg.vecdot(p_hat, a_hat[:, None, :]) / tau.to(a_hat.dtype)

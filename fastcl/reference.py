@@ -1,8 +1,6 @@
-"""Readable PyTorch oracles that define what is right (nothing here is fast on purpose).
-
-:class:`ReferenceLSE`, the ``"reference"`` backend, and loss-level oracles straight from
-docs/losses.md that share no code with the fused path; run them in float64 for tests
-(docs/design.md, "The reference").
+"""Readable PyTorch oracles that define what is right (nothing here is fast on purpose): the
+``"reference"`` backend and loss-level oracles straight from docs/losses.md that share no code
+with the fused path; float64 for tests (docs/design.md, "The reference").
 """
 
 from __future__ import annotations
@@ -44,11 +42,8 @@ def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
 
 
 class ReferenceLSE(Backend):
-    """Masked LSE on the full logits matrix (``backend="reference"``).
-
-    Forward and backward are plain out-of-place torch ops, so the backward is itself
-    differentiable: the one backend with exact double backward (``create_graph=True``).
-    """
+    """Masked LSE on the full logits matrix (``backend="reference"``) in plain out-of-place torch
+    ops, so its backward is differentiable: the one exact double backward (``create_graph=True``)."""
 
     name = "reference"
     double_backward = True

@@ -23,9 +23,8 @@ REDUCE = {a: {"16": [cfg(4, 1, BR=256)]} for a in ("sm80", "sm90")}
 REDUCE["interp"] = {"16": [cfg(BR=16)]}
 
 # Logit tiles: a GEMM main loop over d with an online-softmax (forward) or gradient
-# (backward) epilogue. The spill-free configs of the compiled candidates; why each size
-# (three live [BM, BN] fp32 tensors in the epilogue, BK per arch and dtype): docs/triton.md,
-# "Tuning tables".
+# (backward) epilogue; the spill-free configs of the compiled candidates, why each size:
+# docs/triton.md, "Tuning tables".
 TILES = {
     "sm80": {
         "16": [cfg(8, 4, BM=128, BN=64, BK=32), cfg(4, 4, BM=64, BN=64, BK=32)],

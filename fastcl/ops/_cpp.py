@@ -68,17 +68,10 @@ class CppLSE(Backend):
         """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
         cd = compute_dtype(problem.dtype)
         d_anchor, d0, d1 = (_out(problem, t.shape) for t in (problem.anchor, *problem.blocks))
-        fold = d_pos is not None and problem.positives is not None
-        offset = problem.positives.offset if fold else 0
+        d_pos = None if problem.positives is None or d_pos is None else d_pos.to(cd)
+        offset = 0 if d_pos is None else problem.positives.offset
         torch.ops.fastcl.lse_backward(
-            *_args(problem, tau),
-            lse.to(cd),
-            g.to(cd),
-            d_pos.to(cd) if fold else None,
-            offset,
-            d_anchor=d_anchor,
-            d_block0=d0,
-            d_block1=d1,
+            *_args(problem, tau), lse.to(cd), g.to(cd), d_pos, offset, d_anchor=d_anchor, d_block0=d0, d_block1=d1
         )
         return d_anchor, (d0, d1)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .backend import dims_reason
 from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
 from .head import HeadInputs
 from .normalize import normalize_backward, normalize_rows
@@ -163,7 +164,7 @@ class TorchLSE:
         return None
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
-        return []
+        return [] if problem.dims is None else [dims_reason(self.name)]
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         out = _sweep(problem, tau)

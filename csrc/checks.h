@@ -7,6 +7,8 @@
 #include <optional>
 #include <string_view>
 
+#include "cpu/head.h"
+
 namespace fastcl {
 
 inline const char* device_name(c10::DeviceType dev) { return dev == c10::DeviceType::CPU ? "CPU" : "CUDA"; }
@@ -62,6 +64,23 @@ inline void check_out(const at::Tensor& t, const char* name, at::IntArrayRef sha
 
 using OptTensor = std::optional<at::Tensor>;
 
+// The loss head's inputs in the compute dtype cd, alive while the kernels read them.
+struct HeadTensors {
+  at::Tensor pos, mask, extra, weights;
+  HeadTensors(const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra,
+              const at::Tensor& w, at::ScalarType cd)
+      : pos(pos_logits.to(cd).contiguous()),
+        mask(pos_mask ? pos_mask->contiguous() : at::Tensor()),
+        extra(log_extra ? log_extra->to(cd).contiguous() : at::Tensor()),
+        weights(w.to(cd).contiguous()) {}
+  template <typename T>
+  cpu::Head<T> head(std::string_view kind, const at::Tensor& loss_rows, const at::Tensor& d_pos) const {
+    return {kind == "supmpn", pos.size(1), pos.data_ptr<T>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
+            extra.defined() ? extra.data_ptr<T>() : nullptr, weights.data_ptr<T>(), loss_rows.data_ptr<T>(),
+            d_pos.data_ptr<T>()};
+  }
+};
+
 // The whole argument check of each op (inputs, then the outputs it overwrites), one
 // definition for the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) kernels.
 inline void check_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -104,7 +123,7 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
                            const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
                            const at::Tensor& d_block0, const at::Tensor& d_block1,
                            const at::Tensor& g_dot_mean_logit, c10::DeviceType dev) {
-  check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
+  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, dev);
   TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
@@ -116,8 +135,6 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
   }
   if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
   TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
-  check_out(lse, "lse", {B}, cd, dev);
-  check_out(mean_logit, "mean_logit", {B}, cd, dev);
   check_out(loss_rows, "loss_rows", {B}, cd, dev);
   check_out(d_pos, "d_pos", {B, P}, cd, dev);
   check_out(d_anchor, "d_anchor", {B, d}, cd, dev);

@@ -1,32 +1,6 @@
-// CPU kernels of the masked-LSE primitive (schemas and semantics: ../registration.cpp).
-//
-// Strategy. Anchor rows are cut into blocks of H rows (make_plan: a buffer of about
-// (B + N) d elements). A block's raw dot products with every candidate, [H, N] in the
-// compute dtype, are formed by GEMM into one buffer; then each row turns into logits
-// (inverse norms and 1/tau applied on the fly, masked columns set to -inf), its LSE and
-// mean logit, and, when a gradient is wanted, into the weights
-// X_ic = dLoss/d<a_i, c> = g_i softmax_ic / (tau |a_i| |c|), all in place (rows.h). Two
-// more GEMMs give
-//     E_a = X C        (d anchor, rows of this block only)
-//     E_c += X^T A     (d candidates, every block contributes)
-// and the normalisation backward is applied to E_a / E_c row by row. That is three
-// GEMM-sized passes for the gradient-in-forward op (like eager autograd) and never a
-// B x N buffer; the normalised inputs are never materialised (only inverse norms).
-//
-// Parallelism and determinism. All threads work on the same block (sweep()): the
-// GEMMs are split along a dimension of C (candidate chunks for A C^T and X^T A, columns
-// of d for X C), the row passes by rows. Every element of every output is written by
-// exactly one thread in a fixed order: results are bitwise reproducible run to run for
-// a given torch.get_num_threads() (a different thread count changes the splits and so
-// the rounding). The alternative, per-thread partial E_c buffers reduced at the end,
-// costs T * N * d extra floats (8 GB for T = 64, N = 40960, d = 768): rejected. So was
-// the former layout, one block per thread in waves: each thread then streamed (and MKL
-// repacked) all of C per block, and the buffer (T blocks) grew with the threads.
-//
-// Inputs of any of the four dtypes are read as the compute dtype: float32 and float64
-// inputs directly, bfloat16 and float16 through one float32 copy of anchor and
-// candidates (O((B + N) d), within the contract), so every GEMM is a float32 (float64)
-// BLAS call with float32 (float64) accumulation.
+// CPU kernels of the masked-LSE primitive (schemas: ../registration.cpp). The design (row
+// blocks, the three GEMMs, the parallel split and why results are bitwise reproducible for a
+// thread count) and the measurements behind its constants: docs/csrc.md, "CPU kernel".
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,7 +9,6 @@
 #include <cstdlib>
 #include <limits>
 #include <string_view>
-#include <tuple>
 #include <vector>
 
 #include "../checks.h"
@@ -45,13 +18,7 @@
 namespace fastcl::cpu {
 namespace {
 
-using fastcl::check_backward;
-using fastcl::check_forward;
-using fastcl::check_fused;
-using fastcl::compute_dtype;
-
 constexpr c10::DeviceType kDev = c10::DeviceType::CPU;
-
 enum class Mode { kForward, kBackward, kFused };
 
 int64_t env_int(const char* name, int64_t fallback) {
@@ -72,35 +39,18 @@ void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
   });
 }
 
-// How the rows are cut: `rows` per block, `threads` blocks per wave.
-struct Plan {
-  int64_t rows;
-  int64_t threads;
-};
-
-// How many anchor rows H one block holds (all threads work on the same block, see
-// sweep()). FASTCL_CPP_TILE: elements of the [H, N] block buffer; FASTCL_CPP_ROWS forces
-// H (tests use it to cross block edges). Default: a buffer of (B + N) * d elements (at
-// least 2^20 per thread), H clamped to [8, 1024], then evened out over the blocks.
-//
-// Why that budget: every block streams all of C for A_blk C^T and X C (MKL repacks the
-// [N, d] operand on every call), so the fixed cost per block is O(N d) against O(H N d)
-// of work; short blocks lose. Measured at 1 thread (CPU time, share of the GEMM floor in
-// the same process, interleaved; docs/csrc.md): N = 40960, d = 768: H = 25 (the former
-// fixed 2^20 tile) 37 %, H = 128 75 %, H = 512 93 %; N = 81920, d = 128: H = 12 35 %,
-// H = 128 90 %, H = 256 81 % (the row passes then leave L2 more often). A buffer of
-// (B + N) d elements is one more copy of the inputs: within the O((B + N) d) contract,
-// and never B x N.
-Plan make_plan(int64_t B, int64_t N, int64_t d) {
-  const int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+// Anchor rows H per block (all threads share a block): a [H, N] buffer of about (B + N) d
+// elements, at least 2^20 per thread, H in [8, 1024], evened out over the blocks. Each
+// block streams all of C, so short blocks lose (docs/csrc.md). FASTCL_CPP_TILE sets the
+// element budget, FASTCL_CPP_ROWS forces H (tests use it to cross block edges).
+int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads) {
   int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
-  if (std::getenv("FASTCL_CPP_ROWS") == nullptr || rows < 1) {
+  if (rows == 0) {
     const int64_t budget = std::max<int64_t>(threads << 20, (B + N) * d);
     rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / std::max<int64_t>(N, 1), 8, 1024);
     rows = ceil_div(B, ceil_div(B, rows));  // even blocks: no short last one
   }
-  rows = std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
-  return {rows, threads};
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
 }
 
 // What prepare() learned about each row of one input matrix (see scan_rows).
@@ -113,18 +63,11 @@ struct RowInfo {
   std::vector<uint8_t> unclamped;  // |x| > eps (the normalisation backward applies)
 };
 
-// Robustness rules, the same as fastcl/ops/normalize.py (docs/losses.md, "Non-finite
-// inputs"):
-//  * a padded row (tag -2) is read as zeros whatever it holds: it is zeroed in the
-//    compute-dtype copy, so NaN/Inf there reach no value and no gradient;
-//  * a row holding NaN or Inf gets inv = NaN: every logit reading it is NaN, so the
-//    non-finite value can never vanish (e.g. as exp(-inf) = 0);
-//  * norms are right at any scale: the kernels form raw dot products <a, c> by GEMM,
-//    which overflow float32 for |x| ~ 1e19, so (cosine only) a row whose largest entry
-//    exceeds 2^40 is stored as x * 2^-e (a power of two: exact), with
-//    inv = 1/|x * 2^-e| and its gradient scaled back by 2^-e. Tiny rows need nothing:
-//    below 2^-40 their norm is clamped at eps anyway. Sums of squares accumulate in double.
-// `x` is the compute-dtype copy (it may alias `input`; it is cloned before any change).
+// The robustness rules of fastcl/ops/normalize.py (docs/csrc.md, "Non-finite and extreme
+// rows"): a padded row (tag -2) is zeroed; a non-finite row gets inv = NaN; with cosine, a
+// row whose largest entry exceeds 2^40 is stored as x * 2^-e (exact) so that the GEMMs'
+// raw dot products cannot overflow. `x` is the compute-dtype copy (it may alias `input`;
+// it is cloned before any change).
 constexpr int kScaleExponent = 40;
 
 template <typename T>
@@ -178,8 +121,7 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
         for (int64_t k = 0; k < d; ++k) row[k] = std::ldexp(row[k], -expo[i]);
         info.unscale[i] = std::ldexp(T(1), -expo[i]);
       }
-      const double sq = rows::sum_squares(row, d);
-      const T n = T(std::sqrt(sq));
+      const T n = T(std::sqrt(rows::sum_squares(row, d)));
       norm[i] = n;
       // the clamp compares the true norm n * 2^e with eps: a rescaled row (> 2^40) never is
       info.unclamped[i] = action[i] == kScale || n > eps;
@@ -200,7 +142,7 @@ struct Prepared {
   RowInfo<T> ra, rc0, rc1;   // per-row norms and factors of a, c0, c1
   at::Tensor inv_a, inv_c;   // [B], [N] the rows' factors (RowInfo::inv), c0 then c1
   at::Tensor col_add;        // [N] 0, or -inf for a padded candidate
-  std::vector<int64_t> own_ptr, own_col;  // CSR: the columns row i leaves out by tag
+  std::vector<std::vector<int64_t>> own_cols;  // [B] the columns row i leaves out by tag
 };
 
 template <typename T>
@@ -208,14 +150,8 @@ Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at
                     const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
                     double eps) {
   const auto st = c10::CppTypeToScalarType<T>::value;
-  Prepared<T> p;
-  p.B = anchor.size(0);
-  p.d = anchor.size(1);
-  p.N0 = block0.size(0);
-  p.N1 = block1.size(0);
-  p.N = p.N0 + p.N1;
-  p.cosine = cosine;
-  p.eps = eps;
+  const int64_t N0 = block0.size(0), N1 = block1.size(0);
+  Prepared<T> p{anchor.size(0), N0, N1, N0 + N1, anchor.size(1), cosine, eps};
   const double t = tau.item<double>();
   TORCH_CHECK(t > 0 && std::isfinite(t), "fastcl: tau must be finite and > 0, got ", t);
   p.inv_tau = T(1) / T(t);
@@ -229,20 +165,13 @@ Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at
   p.rc1 = scan_rows<T>(p.c1, block1, tg + p.N0, cosine, eps);
   p.inv_a = p.ra.inv;
   p.inv_c = at::cat({p.rc0.inv, p.rc1.inv});
-  auto opts = p.a.options();
-  p.col_add = at::zeros({p.N}, opts);
+  p.col_add = at::zeros({p.N}, p.a.options());
   T* add = p.col_add.template data_ptr<T>();
-  p.own_ptr.assign(p.B + 1, 0);
+  p.own_cols.resize(p.B);
   for (int64_t c = 0; c < p.N; ++c) {
     TORCH_CHECK(tg[c] >= -2, "fastcl: tags must be -2 (padding), -1 (all rows) or a row index >= 0; got ", tg[c]);
     if (tg[c] == -2) add[c] = rows::neg_inf<T>();
-    if (tg[c] >= 0 && tg[c] < p.B) ++p.own_ptr[tg[c] + 1];
-  }
-  for (int64_t i = 0; i < p.B; ++i) p.own_ptr[i + 1] += p.own_ptr[i];
-  p.own_col.resize(p.own_ptr[p.B]);
-  std::vector<int64_t> fill(p.own_ptr.begin(), p.own_ptr.end() - 1);
-  for (int64_t c = 0; c < p.N; ++c) {
-    if (tg[c] >= 0 && tg[c] < p.B) p.own_col[fill[tg[c]]++] = c;
+    if (tg[c] >= 0 && tg[c] < p.B) p.own_cols[tg[c]].push_back(c);
   }
   return p;
 }
@@ -251,18 +180,14 @@ Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at
 template <typename T>
 struct Sweep {
   Mode mode;
+  at::Tensor d_a, d_c0, d_c1;     // [B, d], [N0, d], [N1, d] out (backward, fused)
+  Fold<T> fold;                   // own positives to fold (backward with d_pos, fused)
   T* lse = nullptr;               // [B] out (forward, fused)
   T* mean_logit = nullptr;        // [B] out (forward, fused)
   const T* lse_in = nullptr;      // [B] (backward)
   const T* grad_lse = nullptr;    // [B] (backward)
   const Head<T>* head = nullptr;  // fused
   T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
-  // Own positives to fold (backward with d_pos, fused with fold_positives): anchor i's
-  // positive k is column fold_offset + i * fold_count + k of block 0, its logit gradient
-  // fold_dpos[i * fold_count + k] (the head's d_pos output in fused mode).
-  const T* fold_dpos = nullptr;
-  int64_t fold_offset = 0, fold_count = 0;
-  at::Tensor d_a, d_c0, d_c1;     // [B, d], [N0, d], [N1, d] out (backward, fused)
 };
 
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
@@ -277,32 +202,35 @@ void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const 
   if (p.N == 0) out.zero_();
 }
 
-// Normalisation backward of gradient rows [r0, r1) of e against the rows of x as stored
-// (RowInfo); a rescaled row's gradient is then scaled back by 2^-e (see scan_rows).
+// Normalisation backward (in parallel) of gradient rows [r0, r1) of e against the rows of
+// x as stored (RowInfo); a rescaled row's gradient is then scaled back by 2^-e (scan_rows).
 // (A clamped norm's gradient is e itself: d_hat / eps with d_hat = e * eps.)
 template <typename T>
-void unnormalize_rows(T* e, const T* x, const RowInfo<T>& info, int64_t r0, int64_t r1, int64_t d) {
+void unnormalize_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const RowInfo<T>& info, int64_t r0,
+                      int64_t r1, int64_t grain) {
+  T* e = e_rows.data_ptr<T>();
+  const T* x = x_rows.data_ptr<T>();
   const T* norm = info.norm.template data_ptr<T>();
-  for (int64_t i = r0; i < r1; ++i) {
-    if (info.unclamped[i]) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
-    if (info.unscale[i] != T(1)) {
-      for (int64_t k = 0; k < d; ++k) e[i * d + k] *= info.unscale[i];
+  const int64_t d = x_rows.size(1);
+  parallel(r0, r1, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (info.unclamped[i]) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
+      if (info.unscale[i] != T(1)) {
+        for (int64_t k = 0; k < d; ++k) e[i * d + k] *= info.unscale[i];
+      }
     }
-  }
+  });
 }
 
-// A slice [c, c + n) of candidate block `blk` (0 or 1): the unit GEMMs 1 and 3 split over.
+// A slice [c, c + n) of candidate block `blk` (0 or 1): what steps 1 and 4 of sweep() split.
 struct Chunk {
   int blk;
   int64_t c, n;
 };
 
-// The candidates each thread takes in GEMMs 1 and 3: an equal share of the N columns,
-// [t N / T, (t + 1) N / T), cut at the edge between the two candidate blocks (so one or
-// two GEMM calls per thread). Equal shares balance the threads whatever N0 and N1 are;
-// one call per block part is the fewest (smaller chunks cost 2-8 % at 1 thread: at
-// N = 1024, d = 128, 4 chunks of 256 ran at 88 % of the floor, 1 chunk at 92 %).
-// FASTCL_CPP_CHUNK (for measurements and tests) cuts every call to at most that many.
+// The candidates each thread takes in steps 1 and 4 of sweep(): an equal share
+// [t N / T, (t + 1) N / T) of the N columns, cut at the edge between the two blocks (one or
+// two GEMM calls; smaller chunks lose, docs/csrc.md). FASTCL_CPP_CHUNK caps every call.
 template <typename T>
 std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t threads) {
   const int64_t most = env_int("FASTCL_CPP_CHUNK", std::numeric_limits<int64_t>::max());
@@ -363,45 +291,33 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t gi = r0 + i;
     T* row = s + i * N;
-    for (int64_t k = p.own_ptr[gi]; k < p.own_ptr[gi + 1]; ++k) row[p.own_col[k]] = rows::neg_inf<T>();
+    for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
     weights(gi, row);
-    if (sw.fold_dpos) {
-      // The positive logit l = <a_i, c> * inv_a_i * inv_c / tau is one more entry of the
-      // row's weights X (zero until now when the loss leaves it out of the denominator):
-      // the GEMMs then accumulate it in the compute dtype with everything else, before
-      // the normalisation backward and any rounding (contract.py, OwnPositives). In fused
-      // mode the head has just written this row's d_pos.
+    if (sw.fold.dpos) {
+      // d_pos * dl/d<a_i, c> is one more entry of X, summed by the GEMMs in the compute
+      // dtype before any rounding (contract.py, OwnPositives); fused: the head just wrote it
       const T row_scale = inv_a[gi] * p.inv_tau;
-      const T* dp = sw.fold_dpos + gi * sw.fold_count;
-      const int64_t c0 = sw.fold_offset + gi * sw.fold_count;
-      for (int64_t k = 0; k < sw.fold_count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
+      const T* dp = sw.fold.dpos + gi * sw.fold.count;
+      const int64_t c0 = sw.fold.offset + gi * sw.fold.count;
+      for (int64_t k = 0; k < sw.fold.count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
     }
   }
 }
 
-// One block of H anchor rows at a time, every thread working on it (see the file
-// comment). Each GEMM is split along a dimension of C, so that each thread reads (and
-// MKL packs) only its share of the [N, d] candidates per block instead of all of them:
-//   1. S = A_blk C^T        by candidates (columns of S), an equal share per thread
-//   2. row passes           by rows of S
-//   3. E_a = X C            by columns of d (E_a rows then unnormalised by rows)
-//   4. E_c += X^T A_blk     by the same candidate shares (rows of E_c)
-// Every output element has one writer in a fixed order: bitwise reproducible for a
-// thread count. The per-thread-block layout this replaces (one block of H / T rows per
-// thread, every thread reading all of C) ran at 63 % of the floor on 2 threads at
-// N = 40960, d = 768 against 84 % with the same rows per thread (docs/csrc.md).
+// One block of H anchor rows at a time, every thread working on it, each GEMM split along
+// a dimension of C so that a thread reads (and MKL packs) only its share per block:
+//   1. S = A_blk C^T by candidate shares   2. row passes by rows
+//   3. E_a = X C by columns of d           4. E_c += X^T A_blk by the candidate shares
+// Every output element has one writer in a fixed order (docs/csrc.md).
 template <typename T>
 void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   const bool grad = sw.mode != Mode::kForward;
   if (p.B == 0) {  // otherwise the first block's X^T A writes E_c (no zeroing pass over [N, d])
-    if (grad) {
-      sw.d_c0.zero_();
-      sw.d_c1.zero_();
-    }
+    if (grad) sw.d_c0.zero_(), sw.d_c1.zero_();
     return;
   }
-  const Plan plan = make_plan(p.B, p.N, p.d);
-  const int64_t H = plan.rows, T_ = plan.threads, d = p.d;
+  const int64_t T_ = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t H = block_height(p.B, p.N, p.d, T_), d = p.d;
   at::Tensor buf = at::empty({H, p.N}, p.a.options());
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
   // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
@@ -442,20 +358,12 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
         }
       }
     });
-    if (p.cosine) {
-      parallel(0, h, 16, [&](int64_t i0, int64_t i1) {
-        unnormalize_rows(sw.d_a.template data_ptr<T>(), p.a.template data_ptr<T>(), p.ra, r0 + i0, r0 + i1, d);
-      });
-    }
+    if (p.cosine) unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16);
   }
 
   if (grad && p.cosine) {
-    parallel(0, p.N0, 64, [&](int64_t k0, int64_t k1) {
-      unnormalize_rows(sw.d_c0.template data_ptr<T>(), p.c0.template data_ptr<T>(), p.rc0, k0, k1, p.d);
-    });
-    parallel(0, p.N1, 64, [&](int64_t k0, int64_t k1) {
-      unnormalize_rows(sw.d_c1.template data_ptr<T>(), p.c1.template data_ptr<T>(), p.rc1, k0, k1, p.d);
-    });
+    unnormalize_rows(sw.d_c0, p.c0, p.rc0, 0, p.N0, 64);
+    unnormalize_rows(sw.d_c1, p.c1, p.rc1, 0, p.N1, 64);
   }
 }
 
@@ -483,7 +391,6 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
                   const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
                   int64_t pos_offset, const at::Tensor& d_anchor,
                   const at::Tensor& d_block0, const at::Tensor& d_block1) {
-  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
                                    d_anchor, d_block0, d_block1, kDev);
@@ -493,17 +400,10 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
     const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
     const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
     const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
-    Sweep<T> sw{Mode::kBackward};
-    if (d_pos) {
-      sw.fold_dpos = dpos_c.data_ptr<T>();
-      sw.fold_offset = pos_offset;
-      sw.fold_count = P;
-    }
+    Sweep<T> sw{Mode::kBackward, d_anchor, d_block0, d_block1};
+    if (d_pos) sw.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
     sw.lse_in = lse_c.data_ptr<T>();
     sw.grad_lse = g_c.data_ptr<T>();
-    sw.d_a = d_anchor;
-    sw.d_c0 = d_block0;
-    sw.d_c1 = d_block1;
     sweep(p, sw);
   });
 }
@@ -516,7 +416,6 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
                const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
                const at::Tensor& g_dot_mean_logit) {
-  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
                                 weights, pos_offset, fold_positives, lse, mean_logit, loss_rows, d_pos, d_anchor,
@@ -526,37 +425,18 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
-    const at::Tensor pos_c = pos_logits.to(cd).contiguous(), w_c = weights.to(cd).contiguous();
-    const at::Tensor mask_c = pos_mask ? pos_mask->contiguous() : at::Tensor();
-    const at::Tensor extra_c = log_extra ? log_extra->to(cd).contiguous() : at::Tensor();
+    const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
+    const Head<T> h = ht.head<T>(head, loss_rows, d_pos);
     at::Tensor g_rows = at::empty({B}, p.a.options());
-    const Head<T> h{head == "supmpn",
-                    P,
-                    pos_c.data_ptr<T>(),
-                    mask_c.defined() ? mask_c.data_ptr<bool>() : nullptr,
-                    extra_c.defined() ? extra_c.data_ptr<T>() : nullptr,
-                    w_c.data_ptr<T>(),
-                    loss_rows.data_ptr<T>(),
-                    d_pos.data_ptr<T>()};
-    Sweep<T> sw{Mode::kFused};
+    Sweep<T> sw{Mode::kFused, d_anchor, d_block0, d_block1};
+    if (fold_positives) sw.fold = {d_pos.data_ptr<T>(), pos_offset, P};
     sw.lse = lse.data_ptr<T>();
     sw.mean_logit = mean_logit.data_ptr<T>();
     sw.head = &h;
     sw.g_rows = g_rows.data_ptr<T>();
-    if (fold_positives) {
-      sw.fold_dpos = d_pos.data_ptr<T>();
-      sw.fold_offset = pos_offset;
-      sw.fold_count = P;
-    }
-    sw.d_a = d_anchor;
-    sw.d_c0 = d_block0;
-    sw.d_c1 = d_block1;
     sweep(p, sw);
-    // temperature gradient, summed in row order (deterministic)
-    const T* g = sw.g_rows;
-    const T* ml = sw.mean_logit;
-    T acc = 0;
-    for (int64_t i = 0; i < B; ++i) acc += g[i] * ml[i];
+    T acc = 0;  // the temperature gradient, summed in row order (deterministic)
+    for (int64_t i = 0; i < B; ++i) acc += sw.g_rows[i] * sw.mean_logit[i];
     g_dot_mean_logit.fill_(acc);
   });
 }

@@ -30,8 +30,7 @@ struct RowArgs {
   const T* grad_lse = nullptr;   // [B] (backward)
   fastcl::cpu::Head<T> head{};   // fused: the loss head (device pointers)
   T* g_rows = nullptr;           // [B] out (fused): w_i dloss_i/dlse_i
-  const T* fold_dpos = nullptr;  // [B, fold_count] own-positive logit gradients, or null
-  int64_t fold_offset = 0, fold_count = 0;
+  fastcl::cpu::Fold<T> fold{};   // own positives to fold (dpos null: none)
 };
 
 template <typename T>

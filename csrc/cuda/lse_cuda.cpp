@@ -1,20 +1,7 @@
-// CUDA implementations of the fastcl ops (schemas: ../registration.cpp), the torch glue
-// around the kernels of lse_rows.cu and lse_forward_tc.cu.
-//
-// Strategy: the CPU backend's, on the GPU. Anchor rows are cut into blocks of R rows
-// (R * N <= FASTCL_CUDA_TILE elements, default 2^24 = 64 MB in float32): one cuBLAS GEMM
-// forms the block's raw dot products, rows_kernel turns them into LSE / mean logit and,
-// for a gradient, into the weights X in place (own positives folded in), and two more
-// GEMMs add X C to d anchor and X^T A to d candidates; the normalisation backward runs
-// once at the end. Three GEMM-sized passes for the gradient-in-forward op, never a B x N
-// buffer, float32 (float64) accumulation throughout.
-//
-// Inputs are read as the compute dtype: float32/float64 directly; float16/bfloat16 through
-// one float32 copy of anchor and candidates (O((B + N) d)), except for the forward-only op,
-// which runs the tensor-core kernel on the 16-bit inputs themselves.
-//
-// No host synchronisation: tau stays on the device (the kernels read 1/tau there); the
-// tag values are checked by the Python layer (fastcl.ops.contract.structured_tags).
+// CUDA implementations of the fastcl ops (schemas: ../registration.cpp): the torch glue
+// around lse_rows.cu and lse_forward_tc.cu, the CPU backend's strategy on the GPU with
+// cuBLAS GEMMs (docs/csrc.md, "CUDA kernels"). No host synchronisation: tau stays on the
+// device; the tag values are checked by the Python layer (contract.structured_tags).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -57,11 +44,8 @@ struct Prepared {
   at::Tensor inv_tau;          // 0-d, compute dtype, on the device
 };
 
-// The robustness rules of fastcl/ops/normalize.py and csrc/cpu/lse_cpu.cpp (scan_rows),
-// with tensor ops (no host sync): a padded row (tag -2) is read as zeros; a row holding
-// NaN/Inf gets inv = NaN so every logit reading it is NaN; with cosine similarity a row
-// whose largest entry exceeds 2^40 is stored as x * 2^-e (exact), so that neither its
-// norm nor the GEMMs' raw dot products overflow; its gradient is scaled back by 2^-e.
+// The robustness rules of scan_rows (docs/csrc.md, "Non-finite and extreme rows") with
+// tensor ops (no host sync).
 // Returns (rows as stored, inv, norm or undefined, unscale or undefined).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> robust_rows(at::Tensor x, const at::Tensor& tags,
                                                                       bool cosine, double eps, at::ScalarType st) {
@@ -88,16 +72,13 @@ Prepared prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::T
   p.N0 = block0.size(0);
   p.N = p.N0 + block1.size(0);
   p.tags = at::cat({tags0, tags1}).contiguous();
-  auto [a_in, inv_a, norm_a, unscale_a] = robust_rows(anchor.contiguous(), at::Tensor(), cosine, eps, st);
-  auto [c_in, inv_c, norm_c, unscale_c] = robust_rows(at::cat({block0, block1}).contiguous(), p.tags, cosine, eps, st);
-  p.a = (copy_inputs ? a_in.to(st) : a_in).contiguous();
-  p.c = (copy_inputs ? c_in.to(st) : c_in).contiguous();
-  p.inv_a = inv_a.contiguous();
-  p.inv_c = inv_c.contiguous();
-  p.norm_a = norm_a;
-  p.norm_c = norm_c;
-  p.unscale_a = unscale_a;
-  p.unscale_c = unscale_c;
+  std::tie(p.a, p.inv_a, p.norm_a, p.unscale_a) = robust_rows(anchor.contiguous(), at::Tensor(), cosine, eps, st);
+  std::tie(p.c, p.inv_c, p.norm_c, p.unscale_c) =
+      robust_rows(at::cat({block0, block1}).contiguous(), p.tags, cosine, eps, st);
+  p.a = (copy_inputs ? p.a.to(st) : p.a).contiguous();
+  p.c = (copy_inputs ? p.c.to(st) : p.c).contiguous();
+  p.inv_a = p.inv_a.contiguous();
+  p.inv_c = p.inv_c.contiguous();
   p.inv_tau = tau.reshape({}).to(st).reciprocal();
   return p;
 }
@@ -140,17 +121,16 @@ void sweep(const Prepared& p, RowArgs<T> args, const at::Tensor& d_a, const at::
     else e_a.zero_();
     if (p.N) d_c.addmm_(s.t(), a_blk);
   }
-  if (grad && cosine) {
-    check_launch(launch_normalize_backward<T>(d_a.data_ptr<T>(), p.a.data_ptr<T>(), p.norm_a.data_ptr<T>(), p.B, p.d,
+  if (!grad || !cosine) return;
+  // a row stored as x * 2^-e (scale): its gradient w.r.t. x is 2^-e times the stored row's
+  auto unnormalize = [&](const at::Tensor& e, const at::Tensor& x, const at::Tensor& norm, const at::Tensor& scale) {
+    check_launch(launch_normalize_backward<T>(e.data_ptr<T>(), x.data_ptr<T>(), norm.data_ptr<T>(), x.size(0), p.d,
                                               eps, stream),
                  "normalize_backward");
-    check_launch(launch_normalize_backward<T>(d_c.data_ptr<T>(), p.c.data_ptr<T>(), p.norm_c.data_ptr<T>(), p.N, p.d,
-                                              eps, stream),
-                 "normalize_backward");
-    // rows stored as x * 2^-e: their gradient w.r.t. x is 2^-e times the stored rows' one
-    d_a.mul_(p.unscale_a);
-    d_c.mul_(p.unscale_c);
-  }
+    e.mul_(scale);
+  };
+  unnormalize(d_a, p.a, p.norm_a, p.unscale_a);
+  unnormalize(d_c, p.c, p.norm_c, p.unscale_c);
 }
 
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -199,11 +179,7 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
     RowArgs<T> args = row_args<T>(p, kBackward);
     args.lse_in = lse_c.data_ptr<T>();
     args.grad_lse = g_c.data_ptr<T>();
-    if (d_pos) {
-      args.fold_dpos = dpos_c.data_ptr<T>();
-      args.fold_offset = pos_offset;
-      args.fold_count = P;
-    }
+    if (d_pos) args.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
     at::Tensor d_c = at::empty({p.N, d}, p.a.options());
     sweep<T>(p, args, d_anchor, d_c, cosine, eps);
     d_block0.copy_(d_c.narrow(0, 0, N0));
@@ -228,27 +204,14 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
-    const at::Tensor pos_c = pos_logits.to(cd).contiguous(), w_c = weights.to(cd).contiguous();
-    const at::Tensor mask_c = pos_mask ? pos_mask->contiguous() : at::Tensor();
-    const at::Tensor extra_c = log_extra ? log_extra->to(cd).contiguous() : at::Tensor();
+    const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
     at::Tensor g_rows = at::empty({B}, p.a.options());
     RowArgs<T> args = row_args<T>(p, kFused);
     args.lse = lse.data_ptr<T>();
     args.mean_logit = mean_logit.data_ptr<T>();
     args.g_rows = g_rows.data_ptr<T>();
-    args.head = fastcl::cpu::Head<T>{head == "supmpn",
-                                     P,
-                                     pos_c.data_ptr<T>(),
-                                     mask_c.defined() ? mask_c.data_ptr<bool>() : nullptr,
-                                     extra_c.defined() ? extra_c.data_ptr<T>() : nullptr,
-                                     w_c.data_ptr<T>(),
-                                     loss_rows.data_ptr<T>(),
-                                     d_pos.data_ptr<T>()};
-    if (fold_positives) {
-      args.fold_dpos = d_pos.data_ptr<T>();
-      args.fold_offset = pos_offset;
-      args.fold_count = P;
-    }
+    args.head = ht.head<T>(head, loss_rows, d_pos);
+    if (fold_positives) args.fold = {d_pos.data_ptr<T>(), pos_offset, P};
     at::Tensor d_c = at::empty({p.N, d}, p.a.options());
     sweep<T>(p, args, d_anchor, d_c, cosine, eps);
     d_block0.copy_(d_c.narrow(0, 0, N0));

@@ -1,7 +1,7 @@
 """The ``"cpp"`` backend: fused C++ CPU kernels of the masked-LSE primitive.
 
-Op schemas in ``csrc/registration.cpp``, kernels in ``csrc/cpu/lse_cpu.cpp`` (design notes
-there and in docs/csrc.md). Built with ninja the first time the backend is asked whether it
+Op schemas in ``csrc/registration.cpp``, kernels in ``csrc/cpu/lse_cpu.cpp``; the op
+conventions and design notes are in docs/csrc.md. Built with ninja the first time the backend is asked whether it
 is available (``fastcl.ops._build``); importing this module compiles nothing. Outputs are
 allocated here with ``new_output`` in the compute dtype and the kernels overwrite them.
 """

@@ -1,15 +1,24 @@
-// Argument checks shared by the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) ops:
-// every op validates shapes, dtypes and devices before any compute.
+// Host code shared by the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) ops: argument
+// checks (every op validates shapes, dtypes and devices before any compute), the compute
+// dtype, the head's inputs and the FASTCL_* size options.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <string_view>
 
 #include "cpu/head.h"
 
 namespace fastcl {
+
+// A positive integer from the environment (FASTCL_CPP_ROWS, ...), or fallback when unset.
+inline int64_t env_int(const char* name, int64_t fallback) {
+  const char* s = std::getenv(name);
+  return (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : fallback;
+}
 
 inline const char* device_name(c10::DeviceType dev) { return dev == c10::DeviceType::CPU ? "CPU" : "CUDA"; }
 

@@ -21,11 +21,6 @@ namespace {
 constexpr c10::DeviceType kDev = c10::DeviceType::CPU;
 enum class Mode { kForward, kBackward, kFused };
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* s = std::getenv(name);
-  return (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : fallback;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // at::parallel_for whose workers, like the calling thread, dispatch the kernel's own ATen
@@ -96,11 +91,8 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
   if (modify && x.data_ptr() == input.data_ptr()) x = x.clone();
   T* xw = x.template data_ptr<T>();
 
-  RowInfo<T> info;
-  info.norm = at::zeros({rows}, x.options());
-  info.inv = at::ones({rows}, x.options());
-  info.unscale.assign(rows, T(1));
-  info.unclamped.assign(rows, 0);
+  RowInfo<T> info{at::zeros({rows}, x.options()), at::ones({rows}, x.options()), std::vector<T>(rows, T(1)),
+                   std::vector<uint8_t>(rows, 0)};
   T* norm = info.norm.template data_ptr<T>();
   T* inv = info.inv.template data_ptr<T>();
   parallel(0, rows, 64, [&](int64_t r0, int64_t r1) {
@@ -246,20 +238,16 @@ std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t t
   return shares;
 }
 
-// Buffer rows [i0, i1) of a block starting at anchor r0: raw dot products in, weights X
-// (or, forward only, probabilities) out. Every row pass of a row (logits, exp, head,
-// weights, fold) runs back to back while the row (N values, 160 KB at N = 40960) is
-// still in the core's L2: one trip through memory per row instead of one per pass.
+// Buffer rows [i0, i1) of a block starting at anchor r0: raw dot products in, weights X (or,
+// forward only, probabilities) out; all passes of a row back to back, while it is in L2.
 template <typename T>
 void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int64_t i0, int64_t i1) {
   const int64_t N = p.N;
   const T* inv_a = p.inv_a.template data_ptr<T>();
   const T* inv_c = p.inv_c.template data_ptr<T>();
   const T* add = p.col_add.template data_ptr<T>();
-
   // The row's weights X (one row of the block) from its logits, by mode.
-  auto weights = [&](int64_t gi, T* row) {
-    const T row_scale = inv_a[gi] * p.inv_tau;
+  auto weights = [&](int64_t gi, T* row, T row_scale) {
     if (sw.mode == Mode::kBackward) {
       const T lse = sw.lse_in[gi], g = sw.grad_lse[gi];
       if (lse == rows::neg_inf<T>() || g == T(0)) {
@@ -291,12 +279,12 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t gi = r0 + i;
     T* row = s + i * N;
+    const T row_scale = inv_a[gi] * p.inv_tau;
     for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
-    weights(gi, row);
+    weights(gi, row, row_scale);
     if (sw.fold.dpos) {
       // d_pos * dl/d<a_i, c> is one more entry of X, summed by the GEMMs in the compute
       // dtype before any rounding (contract.py, OwnPositives); fused: the head just wrote it
-      const T row_scale = inv_a[gi] * p.inv_tau;
       const T* dp = sw.fold.dpos + gi * sw.fold.count;
       const int64_t c0 = sw.fold.offset + gi * sw.fold.count;
       for (int64_t k = 0; k < sw.fold.count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
@@ -323,8 +311,6 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
   const int64_t dstep = std::max<int64_t>(64, ceil_div(d, T_));
   const int64_t dtasks = ceil_div(d, dstep);
-  const at::Tensor& c0 = p.c0;
-  const at::Tensor& c1 = p.c1;
 
   for (int64_t r0 = 0; r0 < p.B; r0 += H) {
     const int64_t h = std::min(H, p.B - r0);
@@ -332,30 +318,26 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
     const at::Tensor a_blk = p.a.narrow(0, r0, h);
     parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
-        const at::Tensor& c = ch.blk ? c1 : c0;
+        const at::Tensor& c = ch.blk ? p.c1 : p.c0;
         at::Tensor s_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n);
         at::mm_out(s_cols, a_blk, c.narrow(0, ch.c, ch.n).t());
       }
     });
-    T* s = S.data_ptr<T>();
-    parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, s, r0, i0, i1); });
+    parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, S.data_ptr<T>(), r0, i0, i1); });
     if (!grad) continue;
     at::Tensor e_a = sw.d_a.narrow(0, r0, h);
     parallel(0, dtasks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t k0 = t * dstep, k = std::min(dstep, d - k0);
-        mm_blocks(e_a.narrow(1, k0, k), S, p, c0.narrow(1, k0, k), c1.narrow(1, k0, k));
+        mm_blocks(e_a.narrow(1, k0, k), S, p, p.c0.narrow(1, k0, k), p.c1.narrow(1, k0, k));
       }
     });
     parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
         at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n);
         const at::Tensor x_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
-        if (r0 == 0) {
-          at::mm_out(e_c, x_cols, a_blk);
-        } else {
-          e_c.addmm_(x_cols, a_blk);
-        }
+        if (r0 == 0) at::mm_out(e_c, x_cols, a_blk);  // the first block writes E_c: no zeroing pass
+        else e_c.addmm_(x_cols, a_blk);
       }
     });
     if (p.cosine) unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16);
@@ -389,8 +371,8 @@ void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::T
 void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                   const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                   const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
-                  int64_t pos_offset, const at::Tensor& d_anchor,
-                  const at::Tensor& d_block0, const at::Tensor& d_block1) {
+                  int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+                  const at::Tensor& d_block1) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
                                    d_anchor, d_block0, d_block1, kDev);
@@ -412,10 +394,9 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
                const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
-               bool fold_positives, const at::Tensor& lse,
-               const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
-               const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
-               const at::Tensor& g_dot_mean_logit) {
+               bool fold_positives, const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
+               const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+               const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
                                 weights, pos_offset, fold_positives, lse, mean_logit, loss_rows, d_pos, d_anchor,

@@ -1,6 +1,5 @@
-// Host-side interface of the CUDA kernels (lse_rows.cu, lse_forward_tc.cu), included by
-// the torch glue (lse_cuda.cpp). Nothing here includes torch: the .cu files compile with a
-// bare nvcc, which is how tests/test_cuda_compile.py checks them on machines without a GPU.
+// Host-side interface of the CUDA kernels (lse_rows.cu, lse_forward_tc.cu) for the torch glue
+// (lse_cuda.cpp). No torch here: the .cu files compile with a bare nvcc (test_cuda_compile.py).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -28,8 +28,7 @@ void check_launch(cudaError_t err, const char* what) {
 }
 
 int64_t rows_per_block(int64_t B, int64_t N) {
-  const char* s = std::getenv("FASTCL_CUDA_TILE");
-  const int64_t tile = (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : (int64_t(1) << 24);
+  const int64_t tile = env_int("FASTCL_CUDA_TILE", int64_t(1) << 24);  // elements of the [R, N] buffer
   return std::clamp<int64_t>(tile / std::max<int64_t>(N, 1), 1, std::max<int64_t>(B, 1));
 }
 
@@ -44,9 +43,8 @@ struct Prepared {
   at::Tensor inv_tau;          // 0-d, compute dtype, on the device
 };
 
-// The robustness rules of scan_rows (docs/csrc.md, "Non-finite and extreme rows") with
-// tensor ops (no host sync).
-// Returns (rows as stored, inv, norm or undefined, unscale or undefined).
+// The robustness rules of scan_rows (docs/csrc.md, "Non-finite and extreme rows") with tensor
+// ops (no host sync). Returns (rows as stored, inv, norm or undefined, unscale or undefined).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> robust_rows(at::Tensor x, const at::Tensor& tags,
                                                                       bool cosine, double eps, at::ScalarType st) {
   if (tags.defined()) x = at::where(tags.eq(-2).unsqueeze(1), at::zeros({}, x.options()), x);
@@ -66,11 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> robust_rows(at::Tenso
 Prepared prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                  at::ScalarType st, bool copy_inputs = true) {
-  Prepared p;
-  p.B = anchor.size(0);
-  p.d = anchor.size(1);
-  p.N0 = block0.size(0);
-  p.N = p.N0 + block1.size(0);
+  Prepared p{anchor.size(0), block0.size(0), block0.size(0) + block1.size(0), anchor.size(1)};
   p.tags = at::cat({tags0, tags1}).contiguous();
   std::tie(p.a, p.inv_a, p.norm_a, p.unscale_a) = robust_rows(anchor.contiguous(), at::Tensor(), cosine, eps, st);
   std::tie(p.c, p.inv_c, p.norm_c, p.unscale_c) =
@@ -85,14 +79,9 @@ Prepared prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::T
 
 template <typename T>
 RowArgs<T> row_args(const Prepared& p, int mode) {
-  RowArgs<T> r;
-  r.mode = mode;
-  r.N = p.N;
-  r.inv_a = p.inv_a.data_ptr<T>();
-  r.inv_c = p.inv_c.data_ptr<T>();
-  r.tags = p.tags.data_ptr<int32_t>();
-  r.inv_tau = p.inv_tau.data_ptr<T>();
-  return r;
+  // r0, R and s are set per block by sweep()
+  return {mode, 0, 0, p.N, nullptr, p.inv_a.data_ptr<T>(), p.inv_c.data_ptr<T>(), p.tags.data_ptr<int32_t>(),
+          p.inv_tau.data_ptr<T>()};
 }
 
 // The block loop; d_a / d_c (undefined for forward) receive the gradients against the raw

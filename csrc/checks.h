@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "cpu/head.h"
 
@@ -94,31 +95,36 @@ struct HeadTensors {
 // definition for the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) kernels.
 inline void check_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                           const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
-                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev) {
+                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev,
+                          int64_t K = 0) {
   check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0);
-  check_out(lse, "lse", {B}, cd, dev);
-  check_out(mean_logit, "mean_logit", {B}, cd, dev);
+  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};  // [K, B]: matryoshka
+  check_out(lse, "lse", rows, cd, dev);
+  check_out(mean_logit, "mean_logit", rows, cd, dev);
 }
 
-// Returns P, the number of own positives per anchor folded from d_pos (0 without d_pos).
+// Returns P, the number of own positives per anchor folded from d_pos (0 without d_pos). K > 0:
+// matryoshka, lse and grad_lse [K, B], d_pos [K, B, P].
 inline int64_t check_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                               const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
                               const at::Tensor& lse, const at::Tensor& grad_lse, const OptTensor& d_pos,
                               int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-                              const at::Tensor& d_block1, c10::DeviceType dev) {
+                              const at::Tensor& d_block1, c10::DeviceType dev, int64_t K = 0) {
   check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
-  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == B && grad_lse.dim() == 1 && grad_lse.size(0) == B,
-              "fastcl: lse and grad_lse must be [B]");
+  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};
+  TORCH_CHECK(lse.sizes() == rows && grad_lse.sizes() == rows, "fastcl: lse and grad_lse must be ",
+              K ? "[K, B]" : "[B]");
   check_out(d_anchor, "d_anchor", {B, d}, cd, dev);
   check_out(d_block0, "d_block0", {block0.size(0), d}, cd, dev);
   check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
   if (!d_pos) return 0;
-  TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
-  const int64_t P = d_pos->size(1);
+  TORCH_CHECK(d_pos->dim() == int64_t(rows.size()) + 1 && d_pos->sizes().slice(0, rows.size()) == rows,
+              "fastcl: d_pos must be ", K ? "[K, B, P]" : "[B, P]");
+  const int64_t P = d_pos->size(-1);
   check_positives(pos_offset, P, B, block0.size(0));
   return P;
 }

@@ -27,4 +27,16 @@ TORCH_LIBRARY(fastcl, m) {
       "Tensor? log_extra, Tensor weights, int pos_offset, bool fold_positives, *, Tensor(a!) lse, Tensor(b!) mean_logit, "
       "Tensor(c!) loss_rows, Tensor(d!) d_pos, Tensor(e!) d_anchor, Tensor(f!) d_block0, "
       "Tensor(g!) d_block1, Tensor(h!) g_dot_mean_logit) -> ()");
+
+  // Matryoshka (LSEProblem.dims): the K plain problems on the first dims[k] coordinates, dims
+  // increasing in 1..d (the glue sorts them), in one sweep over d (docs/csrc.md). lse and
+  // mean_logit [K, B]; the backward takes lse, grad_lse [K, B] and d_pos [K, B, P] and writes the
+  // sum of the K gradients, zero beyond each prefix.
+  m.def(
+      "lse_prefix_forward(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
+      "Tensor tau, bool cosine, float eps, int[] dims, *, Tensor(a!) lse, Tensor(b!) mean_logit) -> ()");
+  m.def(
+      "lse_prefix_backward(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
+      "Tensor tau, bool cosine, float eps, int[] dims, Tensor lse, Tensor grad_lse, Tensor? d_pos, "
+      "int pos_offset, *, Tensor(a!) d_anchor, Tensor(b!) d_block0, Tensor(c!) d_block1) -> ()");
 }

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <string_view>
@@ -37,40 +38,47 @@ void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // Anchor rows H per block (all threads share a block): a [H, N] buffer of about (B + N) d
 // elements, at least 2^20 per thread, H in [8, 1024], evened out over the blocks. Each
 // block streams all of C, so short blocks lose (docs/csrc.md). FASTCL_CPP_TILE sets the
-// element budget, FASTCL_CPP_ROWS forces H (tests use it to cross block edges).
-int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads) {
+// element budget, FASTCL_CPP_ROWS forces H (tests use it to cross block edges). A sweep that keeps
+// several [H, N] tiles (Matryoshka prefixes) shares the budget among them.
+int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t tiles) {
   int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
   if (rows == 0) {
     const int64_t budget = std::max<int64_t>(threads << 20, (B + N) * d);
-    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / std::max<int64_t>(N, 1), 8, 1024);
+    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / (std::max<int64_t>(N, 1) * tiles), 8, 1024);
     rows = ceil_div(B, ceil_div(B, rows));  // even blocks: no short last one
   }
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
 }
 
-// What prepare() learned about each row of one input matrix (see scan_rows).
+// What prepare() learned about each row of one input matrix (see scan_rows), per prefix k of
+// the row (Matryoshka; a plain problem has one prefix, the whole row): entry [k, row].
 template <typename T>
 struct RowInfo {
-  at::Tensor norm;                 // [rows] norm of the row as stored (cosine only)
-  at::Tensor inv;                  // [rows] the factor its raw dot products take: 1/max(|x|, eps)
+  at::Tensor norm;                 // [K, rows] norm of the prefix as stored (cosine only)
+  at::Tensor inv;                  // [K, rows] the factor its raw dot products take: 1/max(|x|, eps)
                                    // (times 2^e for a rescaled row); 1 for dot; NaN if non-finite
-  std::vector<T> unscale;          // 2^-e for a row stored as x * 2^-e, else 1
-  std::vector<uint8_t> unclamped;  // |x| > eps (the normalisation backward applies)
+  std::vector<T> unscale;          // [rows] 2^-e for a row stored as x * 2^-e, else 1
+  std::vector<uint8_t> unclamped;  // [K * rows] |x| > eps (the normalisation backward applies)
 };
 
 // The robustness rules of fastcl/ops/normalize.py (docs/csrc.md, "Non-finite and extreme
-// rows"): a padded row (tag -2) is zeroed; a non-finite row gets inv = NaN; with cosine, a
-// row whose largest entry exceeds 2^40 is stored as x * 2^-e (exact) so that the GEMMs'
-// raw dot products cannot overflow. `x` is the compute-dtype copy (it may alias `input`;
-// it is cloned before any change).
+// rows"), per prefix [0, ends[k]) of each row: a padded row (tag -2) is zeroed; a prefix holding
+// NaN/Inf gets inv = NaN; with cosine, a row whose largest entry in its finite prefixes exceeds
+// 2^40 is stored as x * 2^-e (exact) so that the GEMMs' raw dot products cannot overflow. `x`
+// is the compute-dtype copy (it may alias `input`; it is cloned before any change).
 constexpr int kScaleExponent = 40;
+// A prefix of a rescaled row stored below this norm (2^60 below the row's largest entry) would
+// lose bits to underflow in the GEMMs: refused (Matryoshka only; a whole row is never so small).
+constexpr int kTinyPrefixExponent = -60;
 
 template <typename T>
-RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags, bool cosine, double eps) {
+RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags, bool cosine, double eps,
+                     const std::vector<int64_t>& ends) {
   enum Action : int8_t { kKeep, kZero, kNonFinite, kScale };
-  const int64_t rows = x.size(0), d = x.size(1);
+  const int64_t rows = x.size(0), d = x.size(1), K = int64_t(ends.size());
   std::vector<int8_t> action(rows, kKeep);
   std::vector<int> expo(rows, 0);
+  std::vector<int64_t> finite(rows, K);  // prefixes [0, finite) hold no NaN/Inf
   const T* xr = x.template data_ptr<T>();
   parallel(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
@@ -78,8 +86,16 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
         action[i] = kZero;
         continue;
       }
-      const T m = rows::max_abs(xr + i * d, d);  // NaN or inf when the row is not finite
-      if (!std::isfinite(m)) {
+      T m = 0;  // largest |entry| of the finite prefixes
+      int64_t k = 0;
+      for (; k < K; ++k) {
+        const int64_t lo = k ? ends[k - 1] : 0;
+        const T mk = rows::max_abs(xr + i * d + lo, ends[k] - lo);  // NaN or inf when not finite
+        if (!std::isfinite(mk)) break;
+        m = std::max(m, mk);
+      }
+      finite[i] = k;
+      if (k == 0) {
         action[i] = kNonFinite;
       } else if (cosine && m > std::ldexp(T(1), kScaleExponent)) {
         std::frexp(m, &expo[i]);
@@ -91,35 +107,46 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
   if (modify && x.data_ptr() == input.data_ptr()) x = x.clone();
   T* xw = x.template data_ptr<T>();
 
-  RowInfo<T> info{at::zeros({rows}, x.options()), at::ones({rows}, x.options()), std::vector<T>(rows, T(1)),
-                   std::vector<uint8_t>(rows, 0)};
+  RowInfo<T> info{at::zeros({K, rows}, x.options()), at::ones({K, rows}, x.options()), std::vector<T>(rows, T(1)),
+                   std::vector<uint8_t>(K * rows, 0)};
   T* norm = info.norm.template data_ptr<T>();
   T* inv = info.inv.template data_ptr<T>();
+  std::atomic<bool> tiny{false};
   parallel(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       T* row = xw + i * d;
       if (action[i] == kZero) {
         std::fill(row, row + d, T(0));
-        inv[i] = cosine ? T(1 / eps) : T(1);
+        for (int64_t k = 0; k < K; ++k) inv[k * rows + i] = cosine ? T(1 / eps) : T(1);
         continue;
       }
-      if (action[i] == kNonFinite) {
-        norm[i] = inv[i] = std::numeric_limits<T>::quiet_NaN();
-        info.unclamped[i] = 1;
-        continue;
-      }
-      if (!cosine) continue;
-      if (action[i] == kScale) {
+      if (cosine && action[i] == kScale) {
         for (int64_t k = 0; k < d; ++k) row[k] = std::ldexp(row[k], -expo[i]);
         info.unscale[i] = std::ldexp(T(1), -expo[i]);
       }
-      const T n = T(std::sqrt(rows::sum_squares(row, d)));
-      norm[i] = n;
-      // the clamp compares the true norm n * 2^e with eps: a rescaled row (> 2^40) never is
-      info.unclamped[i] = action[i] == kScale || n > eps;
-      inv[i] = T(1) / (info.unclamped[i] ? n : T(eps));
+      double ss = 0;  // sum of squares of the prefix so far
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t j = k * rows + i, lo = k ? ends[k - 1] : 0;
+        if (k >= finite[i]) {
+          norm[j] = inv[j] = std::numeric_limits<T>::quiet_NaN();
+          info.unclamped[j] = 1;
+          continue;
+        }
+        if (!cosine) continue;
+        ss += rows::sum_squares(row + lo, ends[k] - lo);
+        const T n = T(std::sqrt(ss));
+        norm[j] = n;
+        // the clamp compares the true norm n * 2^e with eps: a rescaled prefix (refused below
+        // 2^-60) never is
+        info.unclamped[j] = action[i] == kScale || n > eps;
+        inv[j] = T(1) / (info.unclamped[j] ? n : T(eps));
+        if (action[i] == kScale && !(n >= std::ldexp(T(1), kTinyPrefixExponent) && std::ldexp(double(n), expo[i]) > eps))
+          tiny = true;
+      }
     }
   });
+  TORCH_CHECK(!tiny, "fastcl: a matryoshka prefix more than 2^60 below its row's largest entry (> 2^40), or "
+              "within eps of zero, is not supported by the cpp backend (backend=\"reference\" computes it)");
   return info;
 }
 
@@ -130,9 +157,10 @@ struct Prepared {
   bool cosine = true;
   double eps = 0;
   T inv_tau = 1;
+  std::vector<int64_t> ends;  // prefix lengths, increasing: {d} for a plain problem
   at::Tensor a, c0, c1;      // [B, d], [N0, d], [N1, d] in T, contiguous (see scan_rows)
   RowInfo<T> ra, rc0, rc1;   // per-row norms and factors of a, c0, c1
-  at::Tensor inv_a, inv_c;   // [B], [N] the rows' factors (RowInfo::inv), c0 then c1
+  at::Tensor inv_a, inv_c;   // [K, B], [K, N] the rows' factors (RowInfo::inv), c0 then c1
   at::Tensor col_add;        // [N] 0, or -inf for a padded candidate
   std::vector<std::vector<int64_t>> own_cols;  // [B] the columns row i leaves out by tag
 };
@@ -140,23 +168,24 @@ struct Prepared {
 template <typename T>
 Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                     const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
-                    double eps) {
+                    double eps, std::vector<int64_t> ends) {
   const auto st = c10::CppTypeToScalarType<T>::value;
   const int64_t N0 = block0.size(0), N1 = block1.size(0);
   Prepared<T> p{anchor.size(0), N0, N1, N0 + N1, anchor.size(1), cosine, eps};
   const double t = tau.item<double>();
   TORCH_CHECK(t > 0 && std::isfinite(t), "fastcl: tau must be finite and > 0, got ", t);
   p.inv_tau = T(1) / T(t);
+  p.ends = std::move(ends);
   const at::Tensor tags = at::cat({tags0, tags1}).contiguous();
   const int32_t* tg = tags.data_ptr<int32_t>();
   p.a = anchor.to(st).contiguous();
   p.c0 = block0.to(st).contiguous();
   p.c1 = block1.to(st).contiguous();
-  p.ra = scan_rows<T>(p.a, anchor, nullptr, cosine, eps);
-  p.rc0 = scan_rows<T>(p.c0, block0, tg, cosine, eps);
-  p.rc1 = scan_rows<T>(p.c1, block1, tg + p.N0, cosine, eps);
+  p.ra = scan_rows<T>(p.a, anchor, nullptr, cosine, eps, p.ends);
+  p.rc0 = scan_rows<T>(p.c0, block0, tg, cosine, eps, p.ends);
+  p.rc1 = scan_rows<T>(p.c1, block1, tg + p.N0, cosine, eps, p.ends);
   p.inv_a = p.ra.inv;
-  p.inv_c = at::cat({p.rc0.inv, p.rc1.inv});
+  p.inv_c = at::cat({p.rc0.inv, p.rc1.inv}, 1);
   p.col_add = at::zeros({p.N}, p.a.options());
   T* add = p.col_add.template data_ptr<T>();
   p.own_cols.resize(p.B);
@@ -180,6 +209,7 @@ struct Sweep {
   const T* grad_lse = nullptr;    // [B] (backward)
   const Head<T>* head = nullptr;  // fused
   T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
+  T* row_rad = nullptr;           // [K, B] (Matryoshka cosine backward): the rows' radial sums
 };
 
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
@@ -192,6 +222,30 @@ void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const 
     else at::mm_out(out, x.narrow(1, p.N0, p.N1), m1);
   }
   if (p.N == 0) out.zero_();
+}
+
+// The per-prefix normalisation backward of Matryoshka gradient rows [r0, r1) of e, the sum over
+// prefixes k of E_k (zero beyond ends[k]): prefix k's backward is E_k - x <x, E_k> / |x|^2 on
+// [0, ends[k]), and <x, E_k> is the radial sum rad[k * rad_stride + i] = sum_c X_k s_k (formed
+// with the weights, block_rows), so coordinate j of slice s gets x_j times the sum over k >= s.
+template <typename T>
+void unnormalize_prefix_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const RowInfo<T>& info,
+                             const T* rad, int64_t rad_stride, const std::vector<int64_t>& ends, int64_t r0,
+                             int64_t r1, int64_t grain) {
+  T* e = e_rows.data_ptr<T>();
+  const T* x = x_rows.data_ptr<T>();
+  const T* norm = info.norm.template data_ptr<T>();
+  const int64_t rows = x_rows.size(0), d = x_rows.size(1);
+  parallel(r0, r1, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      T coef = 0;
+      for (int64_t k = int64_t(ends.size()) - 1; k >= 0; --k) {
+        const int64_t j = k * rows + i;
+        if (info.unclamped[j]) coef += rad[k * rad_stride + i] / (norm[j] * norm[j]);
+        for (int64_t c = k ? ends[k - 1] : 0; c < ends[k]; ++c) e[i * d + c] = (e[i * d + c] - x[i * d + c] * coef) * info.unscale[i];
+      }
+    }
+  });
 }
 
 // Normalisation backward (in parallel) of gradient rows [r0, r1) of e against the rows of
@@ -238,57 +292,69 @@ std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t t
   return shares;
 }
 
-// Buffer rows [i0, i1) of a block starting at anchor r0: raw dot products in, weights X (or,
-// forward only, probabilities) out; all passes of a row back to back, while it is in L2.
+// Buffer rows [i0, i1) of a block starting at anchor r0, prefix k (0 for a plain problem): raw
+// dot products in, weights X (or, forward only, probabilities) out; all passes of a row back to
+// back, while it is in L2. With col_rad (Matryoshka cosine backward) the radial sums too.
 template <typename T>
-void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int64_t i0, int64_t i1) {
-  const int64_t N = p.N;
-  const T* inv_a = p.inv_a.template data_ptr<T>();
-  const T* inv_c = p.inv_c.template data_ptr<T>();
+void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int64_t i0, int64_t i1, int64_t k,
+                T* col_rad) {
+  const int64_t N = p.N, kb = k * p.B;
+  const T* inv_a = p.inv_a.template data_ptr<T>() + kb;
+  const T* inv_c = p.inv_c.template data_ptr<T>() + k * N;
   const T* add = p.col_add.template data_ptr<T>();
-  // The row's weights X (one row of the block) from its logits, by mode.
-  auto weights = [&](int64_t gi, T* row, T row_scale) {
+  // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
+  auto weights = [&](int64_t gi, T* row, T row_scale) -> T {
     if (sw.mode == Mode::kBackward) {
-      const T lse = sw.lse_in[gi], g = sw.grad_lse[gi];
+      const T lse = sw.lse_in[kb + gi], g = sw.grad_lse[kb + gi];
       if (lse == rows::neg_inf<T>() || g == T(0)) {
         std::fill(row, row + N, T(0));
-      } else {
-        rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N);
+        return T(0);
       }
-      return;
+      return rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
     }
+    T* lse = sw.lse + kb;
+    T* mean_logit = sw.mean_logit + kb;
     const T m = rows::logits_and_max(row, inv_c, add, row_scale, N);
     T sum_p = 0;
     if (m == rows::neg_inf<T>()) {  // no candidate: lse = -inf, no gradient
-      sw.lse[gi] = m;
-      sw.mean_logit[gi] = T(0);
+      lse[gi] = m;
+      mean_logit[gi] = T(0);
       if (sw.mode != Mode::kForward) std::fill(row, row + N, T(0));
     } else {
       const auto [sp, spl] = rows::exp_and_sums(row, m, N);
       sum_p = sp;
-      sw.lse[gi] = m + std::log(sp);
-      sw.mean_logit[gi] = spl / sp;
+      lse[gi] = m + std::log(sp);
+      mean_logit[gi] = spl / sp;
     }
     if (sw.mode == Mode::kFused) {
-      const T g = sw.head->row(gi, sw.lse[gi]);
+      const T g = sw.head->row(gi, lse[gi]);
       sw.g_rows[gi] = g;
       if (sum_p > T(0)) rows::scale(row, g * inv_a[gi] * p.inv_tau / sum_p, inv_c, N);
     }
+    return T(0);
   };
 
+  const int64_t P = sw.fold.count;
+  std::vector<T> pos_raw(col_rad ? P : 0);  // the own positives' raw dot products (radial sums)
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t gi = r0 + i;
     T* row = s + i * N;
     const T row_scale = inv_a[gi] * p.inv_tau;
+    const int64_t c0 = sw.fold.offset + gi * P;
+    if (sw.fold.dpos && col_rad) std::copy(row + c0, row + c0 + P, pos_raw.begin());
     for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
-    weights(gi, row, row_scale);
+    T rad = weights(gi, row, row_scale);
     if (sw.fold.dpos) {
       // d_pos * dl/d<a_i, c> is one more entry of X, summed by the GEMMs in the compute
       // dtype before any rounding (contract.py, OwnPositives); fused: the head just wrote it
-      const T* dp = sw.fold.dpos + gi * sw.fold.count;
-      const int64_t c0 = sw.fold.offset + gi * sw.fold.count;
-      for (int64_t k = 0; k < sw.fold.count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
+      const T* dp = sw.fold.dpos + (kb + gi) * P;
+      for (int64_t j = 0; j < P; ++j) {
+        const T w = dp[j] * row_scale * inv_c[c0 + j];
+        row[c0 + j] += w;
+        if (col_rad) rad += w * pos_raw[j], col_rad[c0 + j] += w * pos_raw[j];
+      }
     }
+    if (sw.row_rad) sw.row_rad[kb + gi] = rad;
   }
 }
 
@@ -296,54 +362,97 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
 // a dimension of C so that a thread reads (and MKL packs) only its share per block:
 //   1. S = A_blk C^T by candidate shares   2. row passes by rows
 //   3. E_a = X C by columns of d           4. E_c += X^T A_blk by the candidate shares
-// Every output element has one writer in a fixed order (docs/csrc.md).
+// Every output element has one writer in a fixed order (docs/csrc.md). Matryoshka prefixes
+// (docs/csrc.md): step 1 runs per d-slice [ends[k-1], ends[k]), S_k = S_{k-1} + A_k C_k^T, each
+// S_k then through step 2 with prefix k's norms; the backward keeps all K weight tiles X_k and
+// runs steps 3 and 4 per slice on Y_k = X_k + ... + X_{K-1} (every prefix covering the slice).
 template <typename T>
 void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   const bool grad = sw.mode != Mode::kForward;
+  const int64_t K = int64_t(p.ends.size()), d = p.d, top = p.ends.back();
+  if (grad && top < d) {  // coordinates beyond every prefix get no gradient
+    for (const at::Tensor* t : {&sw.d_a, &sw.d_c0, &sw.d_c1}) t->narrow(1, top, d - top).zero_();
+  }
   if (p.B == 0) {  // otherwise the first block's X^T A writes E_c (no zeroing pass over [N, d])
     if (grad) sw.d_c0.zero_(), sw.d_c1.zero_();
     return;
   }
   const int64_t T_ = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
-  const int64_t H = block_height(p.B, p.N, p.d, T_), d = p.d;
-  at::Tensor buf = at::empty({H, p.N}, p.a.options());
+  // the backward keeps every prefix's weights until they are summed per slice; the forward
+  // needs S_{k-1} until S_k is formed
+  const int64_t tiles = sw.mode == Mode::kBackward ? K : std::min<int64_t>(K, 2);
+  const int64_t H = block_height(p.B, p.N, d, T_, tiles);
+  at::Tensor buf = at::empty({tiles, H, p.N}, p.a.options());
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
-  // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
-  const int64_t dstep = std::max<int64_t>(64, ceil_div(d, T_));
-  const int64_t dtasks = ceil_div(d, dstep);
+  // radial sums of the candidates, one [K, N] partial per row task (summed in task order)
+  at::Tensor col_rad = sw.row_rad ? at::zeros({T_, K, p.N}, p.a.options()) : at::Tensor();
+  auto slice = [&](int64_t k) { return std::make_pair(k ? p.ends[k - 1] : 0, p.ends[k] - (k ? p.ends[k - 1] : 0)); };
 
   for (int64_t r0 = 0; r0 < p.B; r0 += H) {
     const int64_t h = std::min(H, p.B - r0);
-    at::Tensor S = buf.narrow(0, 0, h);
+    auto tile = [&](int64_t k) { return buf[k % tiles].narrow(0, 0, h); };
     const at::Tensor a_blk = p.a.narrow(0, r0, h);
-    parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
-        const at::Tensor& c = ch.blk ? p.c1 : p.c0;
-        at::Tensor s_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n);
-        at::mm_out(s_cols, a_blk, c.narrow(0, ch.c, ch.n).t());
+    auto raw_dots = [&](int64_t k) {  // S_k = S_{k-1} + A_blk,k C_k^T (step 1, slice k)
+      const auto [lo, w] = slice(k);
+      at::Tensor S = tile(k), prev = k ? tile(k - 1) : at::Tensor();
+      parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
+          const at::Tensor c_k = (ch.blk ? p.c1 : p.c0).narrow(0, ch.c, ch.n).narrow(1, lo, w).t();
+          const int64_t col = (ch.blk ? p.N0 : 0) + ch.c;
+          at::Tensor s_cols = S.narrow(1, col, ch.n);
+          if (k == 0) at::mm_out(s_cols, a_blk.narrow(1, lo, w), c_k);
+          else at::addmm_out(s_cols, prev.narrow(1, col, ch.n), a_blk.narrow(1, lo, w), c_k);
+        }
+      });
+    };
+    raw_dots(0);
+    for (int64_t k = 0; k < K; ++k) {
+      if (k + 1 < K) raw_dots(k + 1);
+      T* s = tile(k).template data_ptr<T>();
+      if (col_rad.defined()) {  // fixed row tasks: each owns one partial of the candidates' radial sums
+        parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t) {
+            block_rows(p, sw, s, r0, h * t / T_, h * (t + 1) / T_, k, col_rad[t][k].template data_ptr<T>());
+          }
+        });
+      } else {
+        parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, s, r0, i0, i1, k, (T*)nullptr); });
       }
-    });
-    parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, S.data_ptr<T>(), r0, i0, i1); });
+    }
     if (!grad) continue;
-    at::Tensor e_a = sw.d_a.narrow(0, r0, h);
-    parallel(0, dtasks, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t k0 = t * dstep, k = std::min(dstep, d - k0);
-        mm_blocks(e_a.narrow(1, k0, k), S, p, p.c0.narrow(1, k0, k), p.c1.narrow(1, k0, k));
-      }
-    });
-    parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
-        at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n);
-        const at::Tensor x_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
-        if (r0 == 0) at::mm_out(e_c, x_cols, a_blk);  // the first block writes E_c: no zeroing pass
-        else e_c.addmm_(x_cols, a_blk);
-      }
-    });
-    if (p.cosine) unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16);
+    for (int64_t k = K - 1; k >= 0; --k) {
+      const at::Tensor X = tile(k);  // Y_k: the weights of every prefix that covers slice k
+      if (k + 1 < K) X.add_(tile(k + 1));
+      const auto [lo, w] = slice(k);
+      // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
+      const int64_t dstep = std::max<int64_t>(64, ceil_div(w, T_));
+      at::Tensor e_a = sw.d_a.narrow(0, r0, h);
+      parallel(0, ceil_div(w, dstep), 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t k0 = lo + t * dstep, n = std::min(dstep, lo + w - k0);
+          mm_blocks(e_a.narrow(1, k0, n), X, p, p.c0.narrow(1, k0, n), p.c1.narrow(1, k0, n));
+        }
+      });
+      parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
+          at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
+          const at::Tensor x_cols = X.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
+          if (r0 == 0) at::mm_out(e_c, x_cols, a_blk.narrow(1, lo, w));  // the first block writes E_c
+          else e_c.addmm_(x_cols, a_blk.narrow(1, lo, w));
+        }
+      });
+    }
+    if (p.cosine && sw.row_rad) unnormalize_prefix_rows(sw.d_a, p.a, p.ra, sw.row_rad, p.B, p.ends, r0, r0 + h, 16);
+    else if (p.cosine) unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16);
   }
 
-  if (grad && p.cosine) {
+  if (grad && p.cosine && sw.row_rad) {
+    at::Tensor rad = col_rad[0];
+    for (int64_t t = 1; t < T_; ++t) rad.add_(col_rad[t]);  // in task order: deterministic
+    const T* r = rad.template data_ptr<T>();
+    unnormalize_prefix_rows(sw.d_c0, p.c0, p.rc0, r, p.N, p.ends, 0, p.N0, 64);
+    unnormalize_prefix_rows(sw.d_c1, p.c1, p.rc1, r + p.N0, p.N, p.ends, 0, p.N1, 64);
+  } else if (grad && p.cosine) {
     unnormalize_rows(sw.d_c0, p.c0, p.rc0, 0, p.N0, 64);
     unnormalize_rows(sw.d_c1, p.c1, p.rc1, 0, p.N1, 64);
   }
@@ -351,21 +460,82 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
 
 // ------------------------------------------------------------------ ops
 
+// Matryoshka prefix lengths, checked increasing in 1..d (the glue sorts them).
+std::vector<int64_t> prefix_ends(const at::Tensor& anchor, at::IntArrayRef dims) {
+  for (size_t k = 0; k < dims.size(); ++k) {
+    TORCH_CHECK(dims[k] >= 1 && dims[k] <= anchor.size(-1) && (k == 0 || dims[k] > dims[k - 1]),
+                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", dims);
+  }
+  TORCH_CHECK(!dims.empty(), "fastcl: matryoshka dims must not be empty");
+  return dims.vec();
+}
+
+// lse_forward and lse_prefix_forward (ends: {d} for the plain op).
+void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+             const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+             const std::vector<int64_t>& ends, const at::Tensor& lse, const at::Tensor& mean_logit) {
+  const auto cd = compute_dtype(anchor);
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
+    Sweep<T> sw{Mode::kForward};
+    sw.lse = lse.data_ptr<T>();
+    sw.mean_logit = mean_logit.data_ptr<T>();
+    sweep(p, sw);
+  });
+}
+
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                  const at::Tensor& lse, const at::Tensor& mean_logit) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev);
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(1)}, lse, mean_logit);
+}
+
+void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                        const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
+                        double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev, int64_t(dims.size()));
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, prefix_ends(anchor, dims), lse, mean_logit);
+}
+
+// lse_backward and lse_prefix_backward (ends: {d} for the plain op, whose lse, grad_lse, d_pos
+// have no leading [K]).
+void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+              const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+              const std::vector<int64_t>& ends, bool prefixes, const at::Tensor& lse, const at::Tensor& grad_lse,
+              const std::optional<at::Tensor>& d_pos, int64_t pos_offset, int64_t P, const at::Tensor& d_anchor,
+              const at::Tensor& d_block0, const at::Tensor& d_block1) {
   const auto cd = compute_dtype(anchor);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
-    Sweep<T> sw{Mode::kForward};
-    sw.lse = lse.data_ptr<T>();
-    sw.mean_logit = mean_logit.data_ptr<T>();
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
+    const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
+    const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
+    // Matryoshka cosine: the per-prefix normalisation backward needs the rows' radial sums
+    const at::Tensor row_rad = prefixes && cosine ? at::empty({int64_t(ends.size()), p.B}, p.a.options()) : at::Tensor();
+    Sweep<T> sw{Mode::kBackward, d_anchor, d_block0, d_block1};
+    if (d_pos) sw.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
+    sw.lse_in = lse_c.data_ptr<T>();
+    sw.grad_lse = g_c.data_ptr<T>();
+    if (row_rad.defined()) sw.row_rad = row_rad.template data_ptr<T>();
     sweep(p, sw);
   });
+}
+
+void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
+                         double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& grad_lse,
+                         const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
+                         const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
+                                   d_anchor, d_block0, d_block1, kDev, int64_t(dims.size()));
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, prefix_ends(anchor, dims), true, lse, grad_lse,
+           d_pos, pos_offset, P, d_anchor, d_block0, d_block1);
 }
 
 void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -376,18 +546,8 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
                                    d_anchor, d_block0, d_block1, kDev);
-  const auto cd = compute_dtype(anchor);
-  dispatch_compute(cd, [&](auto zero) {
-    using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
-    const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
-    const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
-    Sweep<T> sw{Mode::kBackward, d_anchor, d_block0, d_block1};
-    if (d_pos) sw.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
-    sw.lse_in = lse_c.data_ptr<T>();
-    sw.grad_lse = g_c.data_ptr<T>();
-    sweep(p, sw);
-  });
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(1)}, false, lse, grad_lse, d_pos,
+           pos_offset, P, d_anchor, d_block0, d_block1);
 }
 
 void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -405,7 +565,7 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   const int64_t B = anchor.size(0);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(1)});
     const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
     const Head<T> h = ht.head<T>(head, loss_rows, d_pos);
     at::Tensor g_rows = at::empty({B}, p.a.options());
@@ -428,6 +588,8 @@ TORCH_LIBRARY_IMPL(fastcl, CPU, m) {
   m.impl("lse_forward", &lse_forward);
   m.impl("lse_backward", &lse_backward);
   m.impl("lse_fused", &lse_fused);
+  m.impl("lse_prefix_forward", &lse_prefix_forward);
+  m.impl("lse_prefix_backward", &lse_prefix_backward);
 }
 
 }  // namespace fastcl::cpu

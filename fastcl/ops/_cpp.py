@@ -35,7 +35,7 @@ def _register_fakes() -> None:
     if _fakes_registered:
         return
     _fakes_registered = True
-    for op in ("lse_forward", "lse_backward", "lse_fused"):
+    for op in ("lse_forward", "lse_backward", "lse_fused", "lse_prefix_forward", "lse_prefix_backward"):
         torch.library.register_fake(f"fastcl::{op}")(lambda *args, **kwargs: None)
 
 
@@ -45,6 +45,12 @@ def _ops():
 
 def _args(problem: LSEProblem, tau: Tensor) -> tuple:
     return (problem.anchor, *problem.blocks, *problem.tags, tau, problem.cosine, float(problem.eps))
+
+
+def _prefix_order(problem: LSEProblem) -> list[int]:
+    """The prefixes by increasing length (the prefix ops take them so): ``order[j]`` is the
+    caller's index of the ``j``-th shortest."""
+    return sorted(range(problem.num_prefixes), key=lambda k: problem.dims[k])
 
 
 class CppLSE:
@@ -62,15 +68,22 @@ class CppLSE:
         return why
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
-        return input_reasons(problem, backend=self.name, device_type=self.device_type)
+        return input_reasons(problem, backend=self.name, device_type=self.device_type, takes_dims=True)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        """``(lse [B], mean_logit [B])`` in the compute dtype."""
+        """``(lse [B], mean_logit [B])`` in the compute dtype; ``[K, B]`` with ``problem.dims``."""
         cd, B = compute_dtype(problem.dtype), problem.num_anchors
-        lse = new_output(B, dtype=cd, device=problem.device)
-        mean_logit = new_output(B, dtype=cd, device=problem.device)
-        _ops().lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
-        return lse, mean_logit
+        shape = B if problem.dims is None else (problem.num_prefixes, B)
+        lse = new_output(shape, dtype=cd, device=problem.device)
+        mean_logit = new_output(shape, dtype=cd, device=problem.device)
+        if problem.dims is None:
+            _ops().lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
+            return lse, mean_logit
+        order = _prefix_order(problem)  # one sweep over d takes the prefixes shortest first
+        dims = [problem.dims[k] for k in order]
+        _ops().lse_prefix_forward(*_args(problem, tau), dims, lse=lse, mean_logit=mean_logit)
+        back = sorted(range(len(order)), key=order.__getitem__)  # row k: the caller's prefix k
+        return (lse, mean_logit) if back == list(range(len(order))) else (lse[back], mean_logit[back])
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
@@ -80,19 +93,18 @@ class CppLSE:
         )
         fold = d_pos is not None and problem.positives is not None
         offset = problem.positives.offset if fold else 0
-        _ops().lse_backward(
-            *_args(problem, tau),
-            lse.to(cd),
-            g.to(cd),
-            d_pos.to(cd) if fold else None,
-            offset,
-            d_anchor=d_anchor,
-            d_block0=d0,
-            d_block1=d1,
-        )
+        op, dims = _ops().lse_backward, ()
+        if problem.dims is not None:  # the prefixes shortest first, as lse_prefix_backward takes them
+            order = _prefix_order(problem)
+            lse, g, d_pos = lse[order], g[order], d_pos[order] if fold else None
+            op, dims = _ops().lse_prefix_backward, ([problem.dims[k] for k in order],)
+        out = dict(d_anchor=d_anchor, d_block0=d0, d_block1=d1)
+        op(*_args(problem, tau), *dims, lse.to(cd), g.to(cd), d_pos.to(cd) if fold else None, offset, **out)
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
+        if problem.dims is not None:  # the contract has no fused Matryoshka step
+            raise ValueError(f"fastcl: the {self.name} backend's fused step does not take matryoshka dims")
         cd, B, dev = compute_dtype(problem.dtype), problem.num_anchors, problem.device
         out = FusedResult(new_output(B, dtype=cd, device=dev), new_output(B, dtype=cd, device=dev))
         out.loss_rows = new_output(B, dtype=cd, device=dev)

@@ -462,11 +462,11 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
 
 // Matryoshka prefix lengths, checked increasing in 1..d (the glue sorts them).
 std::vector<int64_t> prefix_ends(const at::Tensor& anchor, at::IntArrayRef dims) {
+  TORCH_CHECK(!dims.empty() && anchor.dim() == 2, "fastcl: matryoshka dims must not be empty (anchor: [B, d])");
   for (size_t k = 0; k < dims.size(); ++k) {
-    TORCH_CHECK(dims[k] >= 1 && dims[k] <= anchor.size(-1) && (k == 0 || dims[k] > dims[k - 1]),
+    TORCH_CHECK(dims[k] >= 1 && dims[k] <= anchor.size(1) && (k == 0 || dims[k] > dims[k - 1]),
                 "fastcl: matryoshka dims must be increasing integers in 1..d, got ", dims);
   }
-  TORCH_CHECK(!dims.empty(), "fastcl: matryoshka dims must not be empty");
   return dims.vec();
 }
 
@@ -498,8 +498,9 @@ void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, cons
                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
                         double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
   check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev, int64_t(dims.size()));
-  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, prefix_ends(anchor, dims), lse, mean_logit);
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends, lse, mean_logit);
 }
 
 // lse_backward and lse_prefix_backward (ends: {d} for the plain op, whose lse, grad_lse, d_pos
@@ -532,9 +533,10 @@ void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, con
                          const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
                          const at::Tensor& d_block0, const at::Tensor& d_block1) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
   const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
                                    d_anchor, d_block0, d_block1, kDev, int64_t(dims.size()));
-  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, prefix_ends(anchor, dims), true, lse, grad_lse,
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends, true, lse, grad_lse,
            d_pos, pos_offset, P, d_anchor, d_block0, d_block1);
 }
 

@@ -140,8 +140,8 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
         // 2^-60) never is
         info.unclamped[j] = action[i] == kScale || n > eps;
         inv[j] = T(1) / (info.unclamped[j] ? n : T(eps));
-        if (action[i] == kScale && !(n >= std::ldexp(T(1), kTinyPrefixExponent) && std::ldexp(double(n), expo[i]) > eps))
-          tiny = true;
+        const bool kept = n >= std::ldexp(T(1), kTinyPrefixExponent) && std::ldexp(double(n), expo[i]) > eps;
+        if (action[i] == kScale && !kept) tiny = true;
       }
     }
   });
@@ -239,10 +239,12 @@ void unnormalize_prefix_rows(const at::Tensor& e_rows, const at::Tensor& x_rows,
   parallel(r0, r1, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       T coef = 0;
+      T* ei = e + i * d;
+      const T* xi = x + i * d;
       for (int64_t k = int64_t(ends.size()) - 1; k >= 0; --k) {
         const int64_t j = k * rows + i;
         if (info.unclamped[j]) coef += rad[k * rad_stride + i] / (norm[j] * norm[j]);
-        for (int64_t c = k ? ends[k - 1] : 0; c < ends[k]; ++c) e[i * d + c] = (e[i * d + c] - x[i * d + c] * coef) * info.unscale[i];
+        for (int64_t c = k ? ends[k - 1] : 0; c < ends[k]; ++c) ei[c] = (ei[c] - xi[c] * coef) * info.unscale[i];
       }
     }
   });
@@ -460,22 +462,27 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
 
 // ------------------------------------------------------------------ ops
 
-// Matryoshka prefix lengths, checked increasing in 1..d (the glue sorts them).
-std::vector<int64_t> prefix_ends(const at::Tensor& anchor, at::IntArrayRef dims) {
-  TORCH_CHECK(!dims.empty() && anchor.dim() == 2, "fastcl: matryoshka dims must not be empty (anchor: [B, d])");
-  for (size_t k = 0; k < dims.size(); ++k) {
-    TORCH_CHECK(dims[k] >= 1 && dims[k] <= anchor.size(1) && (k == 0 || dims[k] > dims[k - 1]),
-                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", dims);
+// The prefix lengths: dims (Matryoshka), checked increasing in 1..d (the glue sorts them), or
+// {d} for a plain op (no dims; a malformed anchor is refused by the op's check that follows).
+std::vector<int64_t> prefix_ends(const at::Tensor& anchor, const at::IntArrayRef* dims) {
+  if (!dims) return {anchor.dim() == 2 ? anchor.size(1) : 0};
+  TORCH_CHECK(!dims->empty() && anchor.dim() == 2, "fastcl: matryoshka dims must not be empty (anchor: [B, d])");
+  for (size_t k = 0; k < dims->size(); ++k) {
+    TORCH_CHECK((*dims)[k] >= 1 && (*dims)[k] <= anchor.size(1) && (k == 0 || (*dims)[k] > (*dims)[k - 1]),
+                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", *dims);
   }
-  return dims.vec();
+  return dims->vec();
 }
 
-// lse_forward and lse_prefix_forward (ends: {d} for the plain op).
+// lse_forward, and lse_prefix_forward with dims (lse, mean_logit [K, B]).
 void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
              const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-             const std::vector<int64_t>& ends, const at::Tensor& lse, const at::Tensor& mean_logit) {
-  const auto cd = compute_dtype(anchor);
-  dispatch_compute(cd, [&](auto zero) {
+             const at::IntArrayRef* dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
+  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
+  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev, dims ? dims->size() : 0);
+  dispatch_compute(compute_dtype(anchor), [&](auto zero) {
     using T = decltype(zero);
     const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
     Sweep<T> sw{Mode::kForward};
@@ -488,28 +495,25 @@ void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tenso
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                  const at::Tensor& lse, const at::Tensor& mean_logit) {
-  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev);
-  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(1)}, lse, mean_logit);
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, mean_logit);
 }
 
 void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
                         double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
-  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev, int64_t(dims.size()));
-  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends, lse, mean_logit);
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, mean_logit);
 }
 
-// lse_backward and lse_prefix_backward (ends: {d} for the plain op, whose lse, grad_lse, d_pos
-// have no leading [K]).
+// lse_backward, and lse_prefix_backward with dims (lse, grad_lse [K, B], d_pos [K, B, P]).
 void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
               const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-              const std::vector<int64_t>& ends, bool prefixes, const at::Tensor& lse, const at::Tensor& grad_lse,
-              const std::optional<at::Tensor>& d_pos, int64_t pos_offset, int64_t P, const at::Tensor& d_anchor,
+              const at::IntArrayRef* dims, const at::Tensor& lse, const at::Tensor& grad_lse,
+              const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
               const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
+  const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
+                                   d_anchor, d_block0, d_block1, kDev, dims ? dims->size() : 0);
   const auto cd = compute_dtype(anchor);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
@@ -517,7 +521,7 @@ void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tens
     const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
     const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
     // Matryoshka cosine: the per-prefix normalisation backward needs the rows' radial sums
-    const at::Tensor row_rad = prefixes && cosine ? at::empty({int64_t(ends.size()), p.B}, p.a.options()) : at::Tensor();
+    const at::Tensor row_rad = dims && cosine ? at::empty({int64_t(ends.size()), p.B}, p.a.options()) : at::Tensor();
     Sweep<T> sw{Mode::kBackward, d_anchor, d_block0, d_block1};
     if (d_pos) sw.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
     sw.lse_in = lse_c.data_ptr<T>();
@@ -527,29 +531,22 @@ void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tens
   });
 }
 
-void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
-                         double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& grad_lse,
-                         const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
-                         const at::Tensor& d_block0, const at::Tensor& d_block1) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
-  const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
-                                   d_anchor, d_block0, d_block1, kDev, int64_t(dims.size()));
-  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends, true, lse, grad_lse,
-           d_pos, pos_offset, P, d_anchor, d_block0, d_block1);
-}
-
 void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                   const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                   const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
                   int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
                   const at::Tensor& d_block1) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
-                                   d_anchor, d_block0, d_block1, kDev);
-  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(1)}, false, lse, grad_lse, d_pos,
-           pos_offset, P, d_anchor, d_block0, d_block1);
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, grad_lse, d_pos, pos_offset,
+           d_anchor, d_block0, d_block1);
+}
+
+void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
+                         double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& grad_lse,
+                         const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
+                         const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, grad_lse, d_pos, pos_offset,
+           d_anchor, d_block0, d_block1);
 }
 
 void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -567,7 +564,7 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   const int64_t B = anchor.size(0);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(1)});
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(-1)});
     const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
     const Head<T> h = ht.head<T>(head, loss_rows, d_pos);
     at::Tensor g_rows = at::empty({B}, p.a.options());

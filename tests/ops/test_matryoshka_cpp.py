@@ -87,6 +87,15 @@ def test_empty_rows_and_all_padding(cosine, all_padded):
     assert empty.all() if all_padded else (empty[:, 4].all() and empty.sum() == 3)
 
 
+@pytest.mark.parametrize("B, N0, N1", [(0, 5, 3), (4, 0, 0), (1, 1, 0), (5, 0, 4)])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_degenerate_shapes(B, N0, N1, cosine):
+    """No anchors, no candidates, single rows; a prefix of one coordinate."""
+    a, b0, b1 = (torch.randn(n, 6, generator=_gen(5), dtype=torch.float64) for n in (B, N0, N1))
+    tags = (torch.full((N0,), -1, dtype=torch.int32), torch.full((N1,), -1, dtype=torch.int32))
+    _check(LSEProblem(a, (b0, b1), tags, cosine, dims=(4, 1, 6)), 1e-9)
+
+
 def _nan_outputs(prob):
     """The fused outputs, the oracle's values and the summed gradients of the K plain problems
     run one by one on the plain cpp ops (the non-finite rules of the plain path)."""

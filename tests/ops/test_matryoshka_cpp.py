@@ -223,3 +223,34 @@ def test_bad_prefix_arguments_raise():
             torch.ops.fastcl.lse_prefix_forward(*args, dims, **out)
     with pytest.raises(RuntimeError, match=r"\[2, 3\]"):
         torch.ops.fastcl.lse_prefix_forward(*args, [3], **out)
+
+
+def prefix_step(B: int, N: int, d: int, dims: list[int]):
+    """A cpp Matryoshka forward + backward at float32 (for the fresh-process memory probe)."""
+    from fastcl.ops import _cpp
+
+    assert _cpp.BACKEND.unavailable() is None
+    prob = prefix_problem(B, N, 0, d, tuple(dims), dtype=torch.float32, own=1, generator=_gen(15))
+    tau = torch.tensor(TAU)
+    g, d_pos = torch.rand(len(dims), B), -torch.rand(len(dims), B, 1)
+
+    def run():
+        lse, _ = _cpp.BACKEND.forward(prob, tau)
+        _cpp.BACKEND.backward(prob, tau, lse, g, d_pos)
+
+    return run
+
+
+def test_memory_has_no_bxn_buffer_and_does_not_grow_with_k():
+    """Extra peak RSS of a fresh process: far below one [B, N] float32 buffer, about the same
+    for one prefix and five (the tiles share one element budget)."""
+    from fastcl.bench.memory import cpu_extra_peak_bytes
+
+    B, N, d = 2048, 14336, 32  # N = 16384 with the own positives
+    bxn = B * (N + B) * 4
+    extra = {
+        K: cpu_extra_peak_bytes(f"{__name__}:prefix_step", dict(B=B, N=N, d=d, dims=[32, 16, 8, 4, 2][:K]))
+        for K in (1, 5)
+    }
+    assert extra[5] < bxn / 4, f"extra peak {extra[5] / 2**20:.0f} MiB against a B x N buffer of {bxn / 2**20:.0f}"
+    assert extra[5] < 1.5 * extra[1] + 4 * 2**20, f"K = 5: {extra[5] / 2**20:.1f} MiB, K = 1: {extra[1] / 2**20:.1f}"

@@ -6,6 +6,7 @@ on CPU tensors through the interpreter.
 
 Modules: ``_common`` (jit helpers, keyword launches, recording), ``plan`` (tile tables,
 splits, chunks, scratch buffers), ``lse_fwd`` / ``lse_bwd`` (masked cosine-LSE forward / backward),
+``lse_prefixes`` (Matryoshka dims: every prefix from one pass over ``d``),
 ``matmul`` (the backward's GEMM with epilogues), ``aot`` (ahead-of-time compile of the recorded launches for sm_80 / sm_90). The launchers are
 ``torch.library`` ops in the ``fastcl_triton`` namespace.
 """
@@ -13,6 +14,15 @@ splits, chunks, scratch buffers), ``lse_fwd`` / ``lse_bwd`` (masked cosine-LSE f
 from ._common import INTERPRET
 from .lse_bwd import lse_backward
 from .lse_fwd import lse_forward
+from .lse_prefixes import lse_backward_prefixes, lse_forward_prefixes, prefix_reasons
 from .plan import size_reasons
 
-__all__ = ["INTERPRET", "lse_forward", "lse_backward", "size_reasons"]
+__all__ = [
+    "INTERPRET",
+    "lse_forward",
+    "lse_backward",
+    "lse_forward_prefixes",
+    "lse_backward_prefixes",
+    "prefix_reasons",
+    "size_reasons",
+]

@@ -68,7 +68,8 @@ class TritonLSE:
     def unsupported(self, problem: LSEProblem) -> list[str]:
         # compiled Triton runs on CUDA only; the interpreter (tests) runs CPU tensors
         device_type = "cpu" if _kernels().INTERPRET else "cuda"
-        why = input_reasons(problem, backend=self.name, device_type=device_type)
+        why = input_reasons(problem, backend=self.name, device_type=device_type, takes_dims=True)
+        why += _kernels().prefix_reasons(problem.dims)
         if not why and problem.device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(problem.device)
             if major < 8:
@@ -78,6 +79,10 @@ class TritonLSE:
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         k = _kernels()
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
+        if problem.dims is not None:  # [K, B]: every prefix from one pass over d
+            return k.lse_forward_prefixes(
+                problem.anchor, b0, b1, t0, t1, tau, list(problem.dims), problem.cosine, problem.eps
+            )
         return k.lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
@@ -88,10 +93,15 @@ class TritonLSE:
         if pos is None or d_pos is None:
             d_pos, offset = None, 0
         else:
-            if tuple(d_pos.shape) != (problem.num_anchors, pos.count):
-                raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {(problem.num_anchors, pos.count)}")
+            want = (problem.num_anchors, pos.count)
+            want = want if problem.dims is None else (problem.num_prefixes, *want)
+            if tuple(d_pos.shape) != want:
+                raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {want}")
             offset = pos.offset
         inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, offset)
+        if problem.dims is not None:
+            d_anchor, d_b0, d_b1 = k.lse_backward_prefixes(*inputs, list(problem.dims), problem.cosine, problem.eps)
+            return d_anchor, (d_b0, d_b1)
         d_anchor, d_b0, d_b1 = k.lse_backward(*inputs, problem.cosine, problem.eps, ds_precision() == "fp32")
         return d_anchor, (d_b0, d_b1)
 

@@ -69,6 +69,7 @@ from .matmul import MM
 
 # the forward keeps its K online-LSE states in one [MAX_PREFIXES, BM] register tile
 MAX_PREFIXES = 8
+KP = tl.constexpr(MAX_PREFIXES)
 
 
 @triton.jit
@@ -170,7 +171,6 @@ def _prefix_fwd_kernel(
     split_base,
     n_slots,
     PRECISION: tl.constexpr,
-    KP: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -420,7 +420,6 @@ def _lse_forward_prefixes(
             split_base=base,
             n_slots=n_slots,
             PRECISION=dot_precision(dt),
-            KP=MAX_PREFIXES,
         )
         base += n_split
     sorted_lse = new_output((K, B), dtype=acc, device=dev)

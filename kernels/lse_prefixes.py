@@ -52,6 +52,7 @@ from ._common import (
     Kernel,
     acc_dtype,
     arch_of,
+    cfg,
     dot_precision,
     dtype_class,
     dummy,
@@ -269,10 +270,9 @@ def _prefix_ds_kernel(
     col_ok = cols < NC
     inv_tau = 1.0 / tl.load(TAU)
     tags = load_tags(TAGS, cols, col_ok)
-    keep = structural_mask(rows, B, tags, col_ok)
     a_rows = A + rows.to(tl.int64)[:, None] * d
     c_rows = C + cols.to(tl.int64)[:, None] * d
-    tile = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
+    ds_rows = rows.to(tl.int64) * stride_ds  # [BM]: the [BM, BN] offsets are formed per use
     tile_ok = row_ok[:, None] & col_ok[None, :]
     acc = tl.zeros([BM, BN], dtype=ACC)
     lo = 0
@@ -283,6 +283,7 @@ def _prefix_ds_kernel(
         logits, ia, ic = _prefix_logits(acc, k, rows, cols, row_ok, col_ok, IA, IC, stride_p, inv_tau)
         lse = tl.load(LSE + k * B + rows, mask=row_ok, other=0.0)
         g = tl.load(G + k * B + rows, mask=row_ok, other=0.0)
+        keep = structural_mask(rows, B, tags, col_ok)
         grad = tl.where(keep, tl.exp(logits - lse[:, None]) * g[:, None], 0.0)
         if FOLD_POS:  # as lse_bwd: own positive p of row r is column pos_offset + r * P + p
             row_start = rows.to(tl.int64)[:, None] * pos_count
@@ -310,17 +311,50 @@ def _prefix_ds_kernel(
             )
         # the prefixes' norms differ, so they are folded into dS (the GEMMs take raw rows)
         ds = grad * (ia * inv_tau)[:, None] * ic[None, :]
-        tl.store(DS + k * stride_dsk + tile, ds, mask=tile_ok)
+        tl.store((DS + k * stride_dsk + ds_rows)[:, None] + cols[None, :], ds, mask=tile_ok)
     total = tl.zeros([BM, BN], dtype=ACC)
     for j in range(0, n_prefixes):
-        ptr = DS + (n_prefixes - 1 - j) * stride_dsk + tile
+        ptr = (DS + (n_prefixes - 1 - j) * stride_dsk + ds_rows)[:, None] + cols[None, :]
         total += tl.load(ptr, mask=tile_ok, other=0.0)
         tl.store(ptr, total, mask=tile_ok)
 
 
-NORMS = Kernel(_prefix_norms_kernel, plan.ROWWISE, dtype_arg="X")
-FWD = Kernel(_prefix_fwd_kernel, plan.TILES, dtype_arg="A")
-DS = Kernel(_prefix_ds_kernel, plan.DS_TILES, dtype_arg="A")
+# Config tables of their own (the plain kernels' are unchanged), chosen from compiled
+# candidates as in plan.py (registers and spills: docs/triton.md). The ds kernel keeps its
+# dot accumulator live through each prefix's epilogue (one [BM, BN] tile more than the
+# plain kernel): 16-bit tiles of 64x64 need 8 warps, and fp32 64x64 spills on sm_90.
+_ROWWISE = {a: {"16": [cfg(4, 1, BR=32, BD=64)]} for a in ("sm80", "sm90")}
+_ROWWISE["interp"] = plan.ROWWISE["interp"]
+_FWD_TILES = {
+    "sm80": plan.TILES["sm80"],
+    "sm90": {
+        "16": [cfg(8, 4, BM=128, BN=64, BK=32), cfg(4, 4, BM=64, BN=64, BK=32)],
+        "32": plan.TILES["sm90"]["32"],
+        "64": [cfg(4, 2, BM=32, BN=32, BK=16)],
+    },
+    "interp": plan.TILES["interp"],
+}
+_DS_TILES = {
+    "sm80": {
+        "16": [cfg(8, 4, BM=64, BN=64, BK=32, PART=32), cfg(4, 3, BM=32, BN=64, BK=32, PART=32)],
+        "32": [cfg(8, 3, BM=64, BN=64, BK=16, PART=32), cfg(4, 3, BM=32, BN=64, BK=16, PART=32)],
+        "64": [cfg(4, 2, BM=32, BN=32, BK=16, PART=32), cfg(8, 2, BM=32, BN=64, BK=16, PART=32)],
+    },
+    "sm90": {
+        "16": [cfg(8, 4, BM=64, BN=64, BK=32, PART=64)],
+        "32": [cfg(4, 3, BM=32, BN=64, BK=16, PART=32)],
+        "64": [cfg(4, 2, BM=32, BN=32, BK=16, PART=32), cfg(8, 2, BM=32, BN=64, BK=16, PART=32)],
+    },
+    "interp": plan.DS_TILES["interp"],
+}
+NORMS = Kernel(_prefix_norms_kernel, _ROWWISE, dtype_arg="X")
+FWD = Kernel(_prefix_fwd_kernel, _FWD_TILES, dtype_arg="A")
+DS = Kernel(_prefix_ds_kernel, _DS_TILES, dtype_arg="A")
+
+
+def _partial_width(arch: str, dclass: str) -> int:
+    """PART of the ds table (one value per table: it divides every BM and BN there)."""
+    return DS.configs(arch, dclass)[0].kwargs["PART"]
 
 
 def prefix_reasons(dims) -> list[str]:
@@ -476,7 +510,7 @@ def _lse_backward_prefixes(
         for t in (d_anchor, *d_blocks):
             t.zero_()
         return (d_anchor, *d_blocks)
-    part = plan.partial_width(arch, dtype_class(dt))
+    part = _partial_width(arch, dtype_class(dt))
     bufs = {
         "ds": plan.Buffer((K, B, width), plan.ds_dtype(dt, True)),
         "norms": plan.Buffer((2, K, B + sum(sizes)), acc),

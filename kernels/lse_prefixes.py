@@ -214,7 +214,7 @@ def _prefix_fwd_kernel(
             u = tl.where(sel, uk[None, :], u)
     slot = split_base + pid_s
     KB = n_prefixes * B
-    out = prefix * B + rows[None, :]
+    out = prefix.to(tl.int64) * B + rows[None, :]
     ok = (prefix < n_prefixes) & row_ok[None, :]
     tl.store(PARTS + slot * KB + out, m, mask=ok)
     tl.store(PARTS + (n_slots + slot) * KB + out, l, mask=ok)

@@ -29,9 +29,12 @@ their suffix sums over ``k`` ([K, rows] sized), handed to the GEMM's RADIAL epil
 row scale of one.
 
 Numerics (differences from the plain path): the tiles are scaled after the product, never
-on load (one load scale cannot serve prefixes with different norms), so fp32 rows whose raw
-dot products overflow (norms beyond about 1e19) give inf/NaN instead of the plain path's
-scale-free logits, and ``rinv_k^2`` underflows for such rows. 16-bit inputs keep dS in
+on load (one load scale cannot serve prefixes with different norms), and the GEMMs take
+``ia_k * ic_k`` folded into dS and ``rinv_k^2`` in the radial weights. Cosine rows are
+therefore scale-free only while those stay in range: a row holding an entry of magnitude
+``2^50`` (about 1e15; ``2^400`` for fp64) or more is refused numerically, as a non-finite
+row is (its prefixes' row scales are NaN, so every row that sees it gets a NaN loss)
+instead of overflowing into a silently dropped ``-inf`` logit. 16-bit inputs keep dS in
 float32 (the ``input`` dS mode does not apply: the suffix sums would add rounded terms).
 Extra memory: O((B + N) * K) norms and row statistics and one dS chunk of ``K * B * width``
 elements whose width shrinks with K (bytes as the plain chunk); no B x N buffer.
@@ -102,6 +105,7 @@ def _prefix_norms_kernel(
     x_rows = X + rows.to(tl.int64)[:, None] * d
     LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
     HI: tl.constexpr = 3.273390607896142e150 if ACC == tl.float64 else 1.2676506002282294e30  # 2^500, 2^100
+    BIG: tl.constexpr = 2.5822498780869086e120 if ACC == tl.float64 else 1125899906842624.0  # 2^400, 2^50
     scale = tl.full([BR], LO, dtype=ACC)
     ssq = tl.zeros([BR], dtype=ACC)
     n_bad = tl.zeros([BR], dtype=tl.int32)
@@ -123,7 +127,10 @@ def _prefix_norms_kernel(
         out = k * stride_p + rows
         if NORMS:
             norm = scale * sqrt_rn(ssq)
-            bad = (norm != norm) | (norm == float("inf"))
+            # a row with an entry >= BIG is refused numerically (NaN, as a non-finite row):
+            # the tiles here multiply raw rows, whose products could overflow, and fold
+            # ia * ic, which could underflow (module docstring, "Numerics")
+            bad = (norm != norm) | (norm == float("inf")) | (scale >= BIG)
             inv = tl.where(bad, float("nan"), 1.0 / tl.maximum(norm, eps))
             tl.store(INV + out, inv, mask=ok)
             tl.store(RINV + out, tl.where(norm > eps, inv, tl.where(bad, inv, 0.0)), mask=ok)

@@ -214,3 +214,29 @@ def test_custom_ops_pass_opcheck():
     )
     bwd = (*args, lse, torch.ones(3, 5), torch.ones(3, 5, 2), 0, dims, True, 1e-8)
     torch.library.opcheck(torch.ops.fastcl_triton.lse_backward_prefixes.default, bwd, test_utils=checks)
+
+
+def test_cosine_is_scale_free_and_huge_rows_are_refused_as_nan():
+    """fp32 cosine rows scaled by 1e12 give the same logits and scaled gradients; a row with
+    an entry >= 2^50 makes every row that sees it NaN (never a finite or dropped logit)."""
+    p = prefix_problem(6, 10, 4, 24, (24, 9, 16), dtype=torch.float32, generator=torch.Generator().manual_seed(10))
+    tau, g = torch.tensor(0.1), torch.rand(3, 6, generator=torch.Generator().manual_seed(11))
+
+    def run(scale, row=None):
+        c1 = p.blocks[1] * scale
+        if row is not None:
+            c1[row, 5] = 2.0**51
+        q = LSEProblem(p.anchor * scale, (p.blocks[0] * scale, c1), p.tags, dims=p.dims)
+        with poison_outputs():
+            lse, mean = TRITON.forward(q, tau)
+            d_a, _ = TRITON.backward(q, tau, lse, g)
+        return lse, mean, d_a
+
+    lse, mean, d_a = run(1.0)
+    lse_s, mean_s, d_a_s = run(1e12)
+    torch.testing.assert_close(lse_s, lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean_s, mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_a_s * 1e12, d_a, rtol=1e-4, atol=1e-6)
+    valid = int(torch.nonzero(p.tags[1] == TAG_ALL)[0])  # a candidate every row keeps
+    lse_h, _, _ = run(1.0, valid)
+    assert torch.isnan(lse_h).all()

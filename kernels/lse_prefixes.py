@@ -68,7 +68,7 @@ from ._common import (
     structural_mask,
 )
 from .lse_bwd import SUM_PARTS
-from .lse_fwd import COMBINE, _check_layout, _pow2_floor
+from .lse_fwd import COMBINE, _check_layout, _ssq_step, _store_inverse_norms
 from .matmul import MM
 
 # the forward keeps its K online-LSE states in one [MAX_PREFIXES, BM] register tile
@@ -116,11 +116,7 @@ def _prefix_norms_kernel(
             ks = k0 + tl.arange(0, BD)
             x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < hi)[None, :], other=0.0).to(ACC)
             if NORMS:
-                new = tl.minimum(tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1))), HI)
-                ratio = scale / new
-                xs = x * (1.0 / new)[:, None]
-                ssq = ssq * ratio * ratio + tl.sum(xs * xs, 1)
-                scale = new
+                scale, ssq = _ssq_step(scale, ssq, x, HI)
             else:
                 n_bad += tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), 1)
         lo = hi
@@ -131,9 +127,7 @@ def _prefix_norms_kernel(
             # the tiles here multiply raw rows, whose products could overflow, and fold
             # ia * ic, which could underflow (module docstring, "Numerics")
             bad = (norm != norm) | (norm == float("inf")) | (scale >= BIG)
-            inv = tl.where(bad, float("nan"), 1.0 / tl.maximum(norm, eps))
-            tl.store(INV + out, inv, mask=ok)
-            tl.store(RINV + out, tl.where(norm > eps, inv, tl.where(bad, inv, 0.0)), mask=ok)
+            _store_inverse_norms(INV + out, RINV + out, ok, norm, bad, eps)
         else:
             inv = tl.where(n_bad > 0, float("nan"), tl.full([BR], 1.0, dtype=ACC))
             tl.store(INV + out, inv, mask=ok)

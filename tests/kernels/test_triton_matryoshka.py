@@ -240,3 +240,18 @@ def test_cosine_is_scale_free_and_huge_rows_are_refused_as_nan():
     valid = int(torch.nonzero(p.tags[1] == TAG_ALL)[0])  # a candidate every row keeps
     lse_h, _, _ = run(1.0, valid)
     assert torch.isnan(lse_h).all()
+
+
+def test_empty_problems():
+    """No anchor, or no candidate: [K, 0] outputs, or -inf rows and all-zero gradients."""
+    gen = torch.Generator().manual_seed(14)
+    tau = torch.tensor(0.1)
+    for B, n0, n1 in [(0, 4, 3), (3, 0, 0)]:
+        a, c0, c1 = (torch.randn(n, 10, generator=gen) for n in (B, n0, n1))
+        tags = (torch.full((n0,), TAG_ALL, dtype=torch.int32), torch.full((n1,), TAG_ALL, dtype=torch.int32))
+        prob = LSEProblem(a, (c0, c1), tags, dims=(10, 4))
+        with poison_outputs():
+            lse, mean = TRITON.forward(prob, tau)
+            d_a, (d_0, d_1) = TRITON.backward(prob, tau, lse, torch.ones(2, B))
+        assert lse.shape == (2, B) and (lse == float("-inf")).all() and (mean == 0).all()
+        assert all((x == 0).all() for x in (d_a, d_0, d_1))

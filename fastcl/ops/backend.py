@@ -64,4 +64,4 @@ def input_reasons(problem: LSEProblem, *, backend: str, device_type: str, takes_
 
 
 def dims_reason(backend: str) -> str:
-    return f"the {backend} backend does not take matryoshka dims (backends that do: reference, cpp)"
+    return f"the {backend} backend does not take matryoshka dims (backends that do: reference, torch, cpp, triton)"

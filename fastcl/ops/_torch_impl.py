@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .backend import dims_reason
+from . import _torch_prefix
 from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
 from .head import HeadInputs
 from .normalize import normalize_backward, normalize_rows
@@ -164,13 +164,17 @@ class TorchLSE:
         return None
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
-        return [] if problem.dims is None else [dims_reason(self.name)]
+        return []
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        if problem.dims is not None:
+            return _torch_prefix.forward(problem, tau)
         out = _sweep(problem, tau)
         return out.lse, out.mean_logit
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        if problem.dims is not None:
+            return _torch_prefix.backward(problem, tau, lse, g, d_pos)
         out = _sweep(problem, tau, row_grad=g, d_pos=d_pos)
         return out.d_anchor, out.d_blocks
 

@@ -26,6 +26,11 @@ Common keyword arguments:
         anchor's denominator, and DDP's gradient averaging gives exactly the global-batch
         loss's gradient; all ranks pass the same shapes. See ``fastcl.distributed``.
     similarity: ``"cos"`` (default) or ``"dot"`` (raw dot products, Liao's released code).
+    matryoshka_dims: None, or distinct ints in ``1..d`` (e.g. ``(768, 512, 256, 128, 64)``):
+        the loss is ``sum_k w_k * loss(embeddings[..., :dims[k]])``, sentence-transformers'
+        ``MatryoshkaLoss`` (each prefix normalised by its own norm with ``"cos"``), in one
+        fused pass over ``d`` (:mod:`fastcl.matryoshka`). The shape of the result is unchanged.
+    matryoshka_weights: None (all 1) or one finite float ``w_k`` per dim.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _checks, distributed
+from . import matryoshka as _matryoshka
 from .losses_mnrl import check_options as _check_mnrl_options
 from .losses_mnrl import is_default as _mnrl_is_default
 from .losses_mnrl import mnrl_directions_loss
@@ -79,7 +85,7 @@ def _no_autocast(t: Tensor):
     return nullcontext()
 
 
-def _options(temperature, reduction, backend, process_group, similarity) -> dict:
+def _options(temperature, reduction, backend, process_group, similarity, dims=None, weights=None) -> dict:
     """The keyword arguments every LSE loss passes on unchanged."""
     return dict(
         temperature=temperature,
@@ -87,6 +93,8 @@ def _options(temperature, reduction, backend, process_group, similarity) -> dict
         backend=backend,
         process_group=process_group,
         similarity=similarity,
+        matryoshka_dims=dims,
+        matryoshka_weights=weights,
     )
 
 
@@ -118,7 +126,19 @@ def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
 
 
 def _fused_loss(
-    kind, anchor, blocks, tags, tau, *, sizes, pos_mask, own_count=None, pos_logits=None, log_extra=None, **opts
+    kind,
+    anchor,
+    blocks,
+    tags,
+    tau,
+    *,
+    sizes,
+    pos_mask,
+    own_count=None,
+    pos_logits=None,
+    log_extra=None,
+    matryoshka=None,
+    **opts,
 ):
     """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``) and
     run the fused loss. Own positives are either ``own_count`` rows per anchor in block 0
@@ -157,6 +177,8 @@ def _fused_loss(
         eps=EPS,
         log_extra=log_extra,
         backend=opts["backend"],
+        dims=None if matryoshka is None else matryoshka[0],
+        dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
     )
 
 
@@ -169,6 +191,7 @@ def _lse_loss(kind, anchor, positives, negatives, pos_mask, neg_mask, *, exclude
     B, d = anchor.shape
     if B == 0 or d == 0:
         raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
+    matryoshka = _matryoshka.check(opts.pop("matryoshka_dims"), opts.pop("matryoshka_weights"), d)
     if positives.shape[0] != B or positives.shape[2] != d:
         raise ValueError(f"positives must have shape [B={B}, P, d={d}], got {tuple(positives.shape)}")
     P = positives.shape[1]
@@ -202,9 +225,8 @@ def _lse_loss(kind, anchor, positives, negatives, pos_mask, neg_mask, *, exclude
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
         blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
         sizes = {"B": B, "P": P, "Q": Q, "d": d}
-        return _fused_loss(
-            kind, anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, own_count=P, log_extra=log_extra, **opts
-        )
+        own = dict(own_count=P, log_extra=log_extra, matryoshka=matryoshka)
+        return _fused_loss(kind, anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, **own, **opts)
 
 
 # --------------------------------------------------------------------------- functions
@@ -223,6 +245,8 @@ def supmpn_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
     own_positives: str = "exclude",
 ) -> Tensor:
     """SupMPN (Dehghan & Amasyali 2022, eq. 7): several positives and hard negatives per anchor.
@@ -249,7 +273,7 @@ def supmpn_loss(
         >>> supmpn_loss(a, p, n, temperature=0.05)
     """
     _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     zero_logit = own_positives == "zero_logit"
     return _lse_loss(
         "supmpn", anchor, positives, negatives, pos_mask, neg_mask, exclude_own=True, zero_logit_own=zero_logit, **opts
@@ -269,6 +293,8 @@ def supcon_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
     labels: Tensor | None = None,
     ref_emb: Tensor | None = None,
     ref_labels: Tensor | None = None,
@@ -291,7 +317,7 @@ def supcon_loss(
 
         >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
     """
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
@@ -315,6 +341,8 @@ def mnrl_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
     directions=("query_to_doc",),
     partition_mode: str = "joint",
     hardness_mode: str | None = None,
@@ -339,7 +367,7 @@ def mnrl_loss(
 
         >>> mnrl_loss(torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32))
     """
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
     if not _mnrl_is_default(directions, partition_mode, hardness_mode, hardness_strength):
         if neg_mask is not None:
@@ -364,6 +392,8 @@ def infonce_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """InfoNCE / SimCSE unsupervised: row ``i`` of ``anchor x positive`` logits, target ``i``.
 
@@ -380,7 +410,7 @@ def infonce_loss(
     """
     _checks.check_embeddings(anchor=anchor, positive=positive)
     _checks.check_rank("positive", positive, 2, "[B, d]")
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     rows = mnrl_loss(anchor, positive, **opts)
     if not symmetric:
         return rows
@@ -399,6 +429,8 @@ def edacse_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """EdaCSE (Liu et al. 2023, eq. 2): ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``.
 
@@ -420,7 +452,7 @@ def edacse_loss(
             f"anchor, dropout_view and augmented_view must all have shape [B, d]; got {tuple(anchor.shape)}, "
             f"{tuple(dropout_view.shape)}, {tuple(augmented_view.shape)}"
         )
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     return infonce_loss(anchor, dropout_view, **opts) + lam * infonce_loss(anchor, augmented_view, **opts)
 
 
@@ -437,6 +469,8 @@ def supcon_pool_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """Supervised contrastive loss against a shared candidate pool.
 
@@ -452,6 +486,12 @@ def supcon_pool_loss(
     """
     _check_options(reduction, similarity)
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
+    opts = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+    if matryoshka_dims is not None:  # positives shared between anchors: one call per prefix
+        checked = _matryoshka.check(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
+        kw = dict(pos_mask=pos_mask, cand_mask=cand_mask, temperature=temperature, **opts)
+        return _matryoshka.per_prefix(supcon_pool_loss, checked, (anchor, candidates), pos_index, **kw)
+    _matryoshka.check(None, matryoshka_weights)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
@@ -486,7 +526,6 @@ def supcon_pool_loss(
         pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
         empty, empty_tags = empty_block(anchor)
         blocks, tags = (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags)
-        opts = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
         sizes = {"B": B, "N": N, "d": d}
         return _fused_loss(
             "supcon", anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, pos_logits=pos_logits, **opts
@@ -592,6 +631,8 @@ class _TemperatureLoss(nn.Module):
         backend="auto",
         process_group=None,
         similarity="cos",
+        matryoshka_dims=None,
+        matryoshka_weights=None,
     ):
         super().__init__()
         # the losses' rule (fastcl._checks.check_temperature) in float32, the loose end:
@@ -608,6 +649,8 @@ class _TemperatureLoss(nn.Module):
             self._fixed_temperature = temperature
         self.learn_temperature = learn_temperature
         self.options = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+        if _matryoshka.check(matryoshka_dims, matryoshka_weights) is not None:  # d is checked per call
+            self.options.update(matryoshka_dims=tuple(matryoshka_dims), matryoshka_weights=matryoshka_weights)
 
     @property
     def temperature(self) -> float | Tensor:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _checks, distributed
+from . import matryoshka as _matryoshka
 from .ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.positive_logits import positive_logits
@@ -259,6 +260,8 @@ def mnrl_directions_loss(
     backend: str = "auto",
     similarity: str = "cos",
     process_group=None,
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """MNRL with sentence-transformers 6's options (see the module docstring for the math).
 
@@ -275,7 +278,16 @@ def mnrl_directions_loss(
             loss (``fastcl.distributed``): ``mean`` returns the mean over this rank's rows
             (then ``mean_r L_r`` is the global loss), ``sum`` ``W *`` the rank's sum. All
             ranks must pass the same shapes.
+        matryoshka_dims, matryoshka_weights: the weighted sum over prefixes of the embeddings
+            (:mod:`fastcl.matryoshka`; one call per prefix here).
     """
+    if matryoshka_dims is not None:
+        checked = _matryoshka.check(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
+        kw = dict(directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode)
+        kw.update(hardness_strength=hardness_strength, temperature=temperature, reduction=reduction)
+        kw.update(backend=backend, similarity=similarity, process_group=process_group)
+        return _matryoshka.per_prefix(mnrl_directions_loss, checked, (anchor, positive, negatives), **kw)
+    _matryoshka.check(None, matryoshka_weights)
     directions = check_options(directions, partition_mode, hardness_mode, hardness_strength)
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)

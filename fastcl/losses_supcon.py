@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, distributed
+from . import matryoshka as _matryoshka
 from .ops.contract import EPS, TAG_ALL, compute_dtype, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.head import reduction_weights
@@ -86,6 +87,8 @@ def supcon_labels_loss(
     backend: str = "auto",
     similarity: str = "cos",
     process_group=None,
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020, L_out) with positives from labels.
 
@@ -108,6 +111,8 @@ def supcon_labels_loss(
             stay this rank's. Scaled as every fastcl loss (``fastcl.distributed``):
             ``mean_r L_r`` is the loss of the concatenated global batch and DDP's averaging
             gives its gradient. All ranks pass the same shapes; not with ``ref_emb``.
+        matryoshka_dims, matryoshka_weights: the weighted sum over prefixes of ``features``
+            and ``ref_emb`` (:mod:`fastcl.matryoshka`; one call per prefix here).
 
     Memory: O((N + M) * d) beyond the inputs on the fused backends; no ``N x N`` mask or logits.
 
@@ -119,6 +124,12 @@ def supcon_labels_loss(
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
     _checks.check_embeddings(features=features, ref_emb=ref_emb)
+    if matryoshka_dims is not None:
+        checked = _matryoshka.check(matryoshka_dims, matryoshka_weights, features.shape[-1])
+        kw = dict(ref_labels=ref_labels, temperature=temperature, reduction=reduction, backend=backend)
+        kw.update(similarity=similarity, process_group=process_group)
+        return _matryoshka.per_prefix(_labels_prefix, checked, (features, ref_emb), labels, **kw)
+    _matryoshka.check(None, matryoshka_weights)
     if features.dim() not in (2, 3):
         raise ValueError(f"features must have shape [N, d] or [B, V, d], got {tuple(features.shape)}")
     if features.numel() == 0:
@@ -217,3 +228,7 @@ def supcon_labels_loss(
             eps=EPS,
             backend=backend,
         )
+
+
+def _labels_prefix(features, ref_emb, labels, **kw):
+    return supcon_labels_loss(features, labels, ref_emb=ref_emb, **kw)

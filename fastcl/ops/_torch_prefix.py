@@ -74,8 +74,8 @@ def _prefix_tiles(a: _Scaled, c: _Scaled, bounds: list[int], r0: int, r1: int, i
     """Yield ``(j, logits_j [R, N])`` for the sorted prefixes, one slice GEMM each."""
     acc, lo = None, 0
     for j, hi in enumerate(bounds):
-        part = a.u[r0:r1, lo:hi] @ c.u[:, lo:hi].T
-        acc = part if acc is None else acc.add_(part)
+        a_j, c_j = a.u[r0:r1, lo:hi], c.u[:, lo:hi].T
+        acc = a_j @ c_j if acc is None else acc.addmm_(a_j, c_j)  # prefix sums, in place
         alpha = a.coef[j, r0:r1] * inv_tau
         yield j, acc * alpha[:, None] * c.coef[j][None, :]
         lo = hi
@@ -109,14 +109,14 @@ def forward(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
     inv_tau = tau.to(a.u.dtype).reciprocal()
     lse = new_output((K, B), dtype=a.u.dtype, device=problem.device)
     mean = new_output((K, B), dtype=a.u.dtype, device=problem.device)
-    step = _rows_per_tile(problem, 4)
+    step = _rows_per_tile(problem, 4)  # live: acc, logits, softmax, mask
     for r0 in range(0, B, step):
         r1 = min(B, r0 + step)
         drop = excluded(tags, torch.arange(r0, r1, device=problem.device))
         for j, logits in _prefix_tiles(a, c, bounds, r0, r1, inv_tau):
             blk_lse, p = _softmax(logits, drop)
             lse[order[j], r0:r1] = blk_lse
-            mean[order[j], r0:r1] = torch.linalg.vecdot(p, logits)
+            mean[order[j], r0:r1] = torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)
     return lse, mean
 
 
@@ -151,27 +151,27 @@ def backward(problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Te
     d_ua, d_uc = torch.zeros_like(a.u), torch.zeros_like(c.u)
     rad_a = torch.zeros(K, B, dtype=cd, device=dev)
     rad_c = torch.zeros(K, N, dtype=cd, device=dev)
-    step = _rows_per_tile(problem, K + 2)
+    step = _rows_per_tile(problem, K + 4)  # live: K weight tiles, acc, logits, softmax, mask
+    w_all = torch.empty((K, step, N), dtype=cd, device=dev)
     for r0 in range(0, B, step):
         r1 = min(B, r0 + step)
         rows = torch.arange(r0, r1, device=dev)
         drop = excluded(tags, rows)
-        w = torch.empty((K, r1 - r0, N), dtype=cd, device=dev)
+        w = w_all[:, : r1 - r0]
         for j, logits in _prefix_tiles(a, c, bounds, r0, r1, inv_tau):
             _, p = _softmax(logits, drop, lse[j, r0:r1])
             p.mul_(g[j, r0:r1, None])  # dLoss/dlogits_j
             if pos is not None:  # own positive k of anchor i is column offset + i * count + k
                 cols = pos.offset + rows[:, None] * pos.count + torch.arange(pos.count, device=dev)
                 p.scatter_add_(1, cols, d_pos[j, r0:r1])
-            if problem.cosine:
-                pl = p * logits
+            if problem.cosine:  # <x_hat, d x_hat> per anchor and per candidate (w[j] as scratch)
+                pl = torch.mul(p, logits, out=w[j])
                 rad_a[j, r0:r1] = pl.sum(1)
                 rad_c[j] += pl.sum(0)
-            w[j] = p.mul_(a.coef[j, r0:r1, None] * inv_tau).mul_(c.coef[j][None, :])
+            torch.mul(p, (a.coef[j, r0:r1] * inv_tau)[:, None], out=w[j]).mul_(c.coef[j][None, :])
+        for j in reversed(range(K - 1)):  # suffix sums: slice j takes every prefix i >= j
+            w[j] += w[j + 1]
         lo = 0
-        for j in reversed(range(K)):  # suffix sums: slice j takes every prefix i >= j
-            if j + 1 < K:
-                w[j] += w[j + 1]
         for j, hi in enumerate(bounds):
             d_ua[r0:r1, lo:hi] += w[j] @ c.u[:, lo:hi]
             d_uc[:, lo:hi] += w[j].T @ a.u[r0:r1, lo:hi]

@@ -57,6 +57,7 @@ def test_half_inputs_compute_in_float32(dtype):
     torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_no_bxn_buffer_whatever_the_number_of_prefixes():
     """B = N = 8192: one float32 logits copy is 256 MiB, K = 2 prefixes' would be 512 MiB; the
     fused forward + backward (fresh process, tests/ops/test_memory.py's meter) stays far below."""

@@ -487,11 +487,6 @@ def supcon_pool_loss(
     _check_options(reduction, similarity)
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
     opts = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
-    if matryoshka_dims is not None:  # positives shared between anchors: one call per prefix
-        checked = _matryoshka.check(matryoshka_dims, matryoshka_weights, anchor.shape[-1])
-        kw = dict(pos_mask=pos_mask, cand_mask=cand_mask, temperature=temperature, **opts)
-        return _matryoshka.per_prefix(supcon_pool_loss, checked, (anchor, candidates), pos_index, **kw)
-    _matryoshka.check(None, matryoshka_weights)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     _checks.check_rank("anchor", anchor, 2, "[B, d]")
@@ -501,6 +496,7 @@ def supcon_pool_loss(
     N = candidates.shape[0]
     if B == 0 or d == 0:
         raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
+    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, d)
     if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
         raise ValueError(
             f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
@@ -523,13 +519,18 @@ def supcon_pool_loss(
     cosine = similarity == "cos"
     with _no_autocast(anchor):
         anchor = _without_unused_anchors(anchor, pos_mask)
-        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
+        pos = candidates[pos_index]
+        prefixes = (d,) if matryoshka is None else matryoshka[0]  # [K, B, P] logits with dims
+        pos_logits = [
+            positive_logits(anchor[:, :m], pos[..., :m], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
+            for m in prefixes
+        ]
+        pos_logits = pos_logits[0] if matryoshka is None else torch.stack(pos_logits)
         empty, empty_tags = empty_block(anchor)
         blocks, tags = (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags)
         sizes = {"B": B, "N": N, "d": d}
-        return _fused_loss(
-            "supcon", anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, pos_logits=pos_logits, **opts
-        )
+        shared = dict(pos_logits=pos_logits, matryoshka=matryoshka)
+        return _fused_loss("supcon", anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, **shared, **opts)
 
 
 class _GroupedCosine(torch.autograd.Function):

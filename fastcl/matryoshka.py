@@ -3,10 +3,10 @@
 ``loss = sum_k w_k * loss(embeddings[..., :m_k])``: each prefix is truncated and then the
 loss runs as usual (cosine similarity normalises each prefix by its own norm), exactly
 sentence-transformers' ``MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights)``
-(weights default to 1). The structured losses run all prefixes in one fused call
-(``LSEProblem.dims``: one pass over ``d``); the forms whose positive logits are computed
-outside the primitive (MNRL's directions/hardness options, SupCon's labels form,
-``supcon_pool_loss``) sum K calls on the truncated embeddings, :func:`per_prefix`.
+(weights default to 1). Every LSE loss runs all prefixes in one fused call
+(``LSEProblem.dims``: one pass over ``d``) except MNRL with ``directions``/hardness options,
+whose pieces combine per row before the prefixes are summed: it sums K calls on the
+truncated embeddings, :func:`per_prefix`.
 
 Differences from sentence-transformers: a repeated dim, a dim above ``d`` or below 1 raise
 ``ValueError`` (ST would compute a repeated prefix twice and clip a large one to ``d``).

@@ -141,8 +141,8 @@ class ContrastiveLSE(torch.autograd.Function):
         problem = spec.problem(anchor, block0, block1)
         cd = compute_dtype(anchor.dtype)
         folded, pos_input = pos_logits is None, pos_logits
-        if spec.dims is not None and not folded:
-            raise ValueError("matryoshka dims need own positives in block 0 (no precomputed pos_logits)")
+        if spec.dims is not None and not folded and (pos_input.dim() != 3 or pos_input.shape[0] != len(spec.dims)):
+            raise ValueError(f"with matryoshka dims pos_logits is [K={len(spec.dims)}, B, P]: one per prefix")
         pos_logits = (_own_logits(spec, problem, tau) if folded else pos_input).detach().to(cd)
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
@@ -237,8 +237,8 @@ def contrastive_loss(
 
     Own positives come either as a layout in block 0 (``positives``: every backend folds
     their gradient) or as precomputed differentiable ``pos_logits`` ``[B, P]`` (shared
-    positives, ``supcon_pool_loss``). ``dims`` (with ``dim_weights [K]``, own positives in
-    block 0 only): the weighted sum of the loss on each prefix of the embeddings (Matryoshka).
+    positives, ``supcon_pool_loss``). ``dims`` (with ``dim_weights [K]``; ``pos_logits``
+    then ``[K, B, P]``, prefix by prefix): the weighted sum of the loss on each prefix.
     """
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())

@@ -195,6 +195,20 @@ CASES += [
         ),
         masked=False,
     ),
+    Case(
+        "supcon-pool-matryoshka",
+        _pool(),
+        lambda x, **kw: L.supcon_pool_loss(
+            x["anchor"],
+            x["candidates"],
+            x["pos_index"],
+            pos_mask=x["pos_mask"],
+            cand_mask=x["cand_mask"],
+            **MATRYOSHKA,
+            **kw,
+        ),
+        merge=_concat_pool,
+    ),
 ]
 CASE_NAMES = [c.name for c in CASES]
 

@@ -4,9 +4,8 @@
 loss runs as usual (cosine similarity normalises each prefix by its own norm), exactly
 sentence-transformers' ``MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights)``
 (weights default to 1). Every LSE loss runs all prefixes in one fused call
-(``LSEProblem.dims``: one pass over ``d``) except MNRL with ``directions``/hardness options,
-whose pieces combine per row before the prefixes are summed: it sums K calls on the
-truncated embeddings, :func:`per_prefix`.
+(``LSEProblem.dims``: one pass over ``d``); MNRL with ``directions``/hardness options gets
+``[K, B]`` rows from each of its primitive calls and combines them prefix by prefix.
 
 Differences from sentence-transformers: a repeated dim, a dim above ``d`` or below 1 raise
 ``ValueError`` (ST would compute a repeated prefix twice and clip a large one to ``d``).
@@ -61,12 +60,3 @@ def weight_tensor(checked, like: Tensor) -> Tensor | None:
         return None
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     return torch.tensor(checked[1], dtype=dtype, device=like.device)
-
-
-def per_prefix(loss_fn, checked, tensors: tuple, *args, **kw) -> Tensor:
-    """``sum_k w_k * loss_fn(*tensors truncated to m_k, *args, **kw)`` (None entries stay None)."""
-    total = None
-    for m, w in zip(*checked):
-        loss = w * loss_fn(*(None if t is None else t[..., :m] for t in tensors), *args, **kw)
-        total = loss if total is None else total + loss
-    return total

@@ -39,7 +39,7 @@ class LossSpec:
     weights: Tensor  # [B] reduction weights
     reduction: str
     dims: tuple[int, ...] | None = None  # Matryoshka prefixes: loss = sum_k dim_weights[k] * loss_k
-    dim_weights: Tensor | None = None  # [K] compute dtype
+    dim_weights: Tensor | None = None  # [K] compute dtype; None (reduction "none"): rows [K, B]
 
     def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor) -> LSEProblem:
         return LSEProblem(anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims)
@@ -96,6 +96,8 @@ def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
     rows, dlse, dpos = head_rows(
         lse.reshape(K * B), pos_logits.reshape(K * B, P), tile(spec.pos_mask), spec.kind, tile(spec.log_extra)
     )
+    if spec.dim_weights is None:  # the caller combines the prefixes' rows itself
+        return lse, mean_logit, rows.view(K, B), dlse.view(K, B), dpos.view(K, B, P)
     w = spec.dim_weights.to(rows.dtype)
     loss_rows = (rows.view(K, B) * w[:, None]).sum(0)
     return lse, mean_logit, loss_rows, dlse.view(K, B) * w[:, None], dpos.view(K, B, P) * w[:, None, None]
@@ -200,7 +202,7 @@ class ContrastiveLSE(torch.autograd.Function):
             lse, mean_logit, _, dlse, dpos = _head(spec, problem, tau, pos_logits)
         else:
             lse, mean_logit, dlse, dpos, pos_logits = head
-        row_w = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B]
+        row_w = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B] (or [K, B])
         g = dlse * row_w  # [B], or [K, B] with dims
         d_pos = dpos * row_w[..., None]
         d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, lse, g, d_pos if ctx.folded else None)
@@ -238,7 +240,8 @@ def contrastive_loss(
     Own positives come either as a layout in block 0 (``positives``: every backend folds
     their gradient) or as precomputed differentiable ``pos_logits`` ``[B, P]`` (shared
     positives, ``supcon_pool_loss``). ``dims`` (with ``dim_weights [K]``; ``pos_logits``
-    then ``[K, B, P]``, prefix by prefix): the weighted sum of the loss on each prefix.
+    then ``[K, B, P]``, prefix by prefix): the weighted sum of the loss on each prefix; with
+    ``reduction="none"`` and no ``dim_weights``, the prefixes' rows ``[K, B]``.
     """
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())

@@ -59,6 +59,22 @@ def test_equals_st_matryoshka_around_mnrl(model, similarity, negatives, n_dims_p
     _assert_same(_step(model, ours, features), want)
 
 
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=4.0),
+     dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", hardness_mode="all_negatives", hardness_strength=2.0)],
+)  # fmt: skip
+def test_equals_st_matryoshka_around_mnrl_with_st6_options(model, options):
+    features = _features(model, 1)
+    st_loss = st_losses.MultipleNegativesRankingLoss(model, **options)
+    want = _step(model, st_losses.MatryoshkaLoss(model, st_loss, list(DIMS), WEIGHTS), features)
+    ours = fst.MultipleNegativesRankingLoss(model, matryoshka_dims=DIMS, matryoshka_weights=WEIGHTS, **options)
+    _assert_same(_step(model, ours, features), want)
+
+
 @pytest.mark.parametrize("similarity", [cos_sim, dot_score])
 def test_cached_equals_st_matryoshka_around_cached_mnrl(model, similarity):
     features = _features(model, 1)

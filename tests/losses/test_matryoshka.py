@@ -11,6 +11,7 @@ import fastcl.losses as L
 from fastcl.losses_mnrl import mnrl_directions_loss
 
 DIMS, WEIGHTS = (12, 5, 8), (1.0, 0.5, 2.0)
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 B, P, Q, D = 6, 2, 3, 12
 
 
@@ -39,6 +40,9 @@ CASES = {
     "supcon_labels": lambda x, **kw: L.supcon_loss(x["p"], labels=torch.tensor([0, 1, 0, 2, 1, 3]), **kw),
     "mnrl": lambda x, **kw: L.mnrl_loss(x["a"], x["p1"], x["n"], **kw),
     "mnrl_directions": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", hardness_mode="all_negatives", hardness_strength=2.0, **kw),
+    "mnrl_gte_in_batch": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=3.0, **kw),
+    "mnrl_gte_hard_negatives": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=GTE, hardness_mode="hard_negatives", hardness_strength=3.0, **kw),
+    "mnrl_q2q": lambda x, **kw: L.mnrl_loss(x["a"], x["p1"], directions=("query_to_doc", "query_to_query"), **kw),
     "infonce_symmetric": lambda x, **kw: L.infonce_loss(x["a"], x["p1"], symmetric=True, **kw),
     "edacse": lambda x, **kw: L.edacse_loss(x["a"], x["p1"], x["v"], **kw),
     "supcon_pool": lambda x, **kw: L.supcon_pool_loss(x["a"], x["p"].flatten(0, 1), torch.arange(B * P).view(B, P), **kw),

@@ -13,12 +13,13 @@ positives): slice ``j`` gets ``W_j = sum_{i >= j} P_i * alpha_i * beta_i`` (a su
 of K tiles), ``dU_a[:, slice_j] += W_j @ u_c[:, slice_j]`` and ``dU_c += W_j.T @ u_a``: the
 GEMM work of one full-d loss. The norms' (radial) part is ``-x_hat_j <x_hat_j, d x_hat_j>
 / |x|_j`` whose scalar is ``sum_c P_j * logits_j`` (a row sum for anchors, a column sum
-accumulated over tiles for candidates), applied per slice the same way. Tiles only: K + 2
-``[R, N]`` tiles with ``R`` chosen so that they fit the plain path's tile budget.
+accumulated over tiles for candidates), applied per slice the same way. Tiles only: K + 4
+``[R, N]`` tiles with ``R`` chosen so that they fit the plain path's tile budget (memory
+does not grow with K).
 
 Non-finite rows: a NaN/Inf within ``[0, m_K)`` of a read row makes that row NaN in every
 prefix (the plain path per prefix would keep the prefixes before it finite; the summed loss
-and gradients are NaN either way); values beyond ``m_K`` are never read.
+is NaN either way); values beyond ``m_K`` are never read.
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def backward(problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Te
             w[j] += w[j + 1]
         lo = 0
         for j, hi in enumerate(bounds):
-            d_ua[r0:r1, lo:hi] += w[j] @ c.u[:, lo:hi]
-            d_uc[:, lo:hi] += w[j].T @ a.u[r0:r1, lo:hi]
+            d_ua[r0:r1, lo:hi].addmm_(w[j], c.u[:, lo:hi])
+            d_uc[:, lo:hi].addmm_(w[j].T, a.u[r0:r1, lo:hi])
             lo = hi
     ra = _radial(a, rad_a) if problem.cosine else None
     rc = _radial(c, rad_c) if problem.cosine else None

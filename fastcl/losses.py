@@ -126,25 +126,13 @@ def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
 
 
 def _fused_loss(
-    kind,
-    anchor,
-    blocks,
-    tags,
-    tau,
-    *,
-    sizes,
-    pos_mask,
-    own_count=None,
-    pos_logits=None,
-    log_extra=None,
-    matryoshka=None,
-    **opts,
+    kind, anchor, blocks, tags, tau, *, sizes, pos_mask, own_count=None, pos_logits=None, log_extra=None, **opts
 ):
     """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``) and
     run the fused loss. Own positives are either ``own_count`` rows per anchor in block 0
     (from where this rank's candidates start) or the given ``pos_logits``; ``opts``:
-    reduction, backend, process_group, similarity."""
-    reduction, process_group = opts["reduction"], opts["process_group"]
+    reduction, backend, process_group, similarity, optionally matryoshka (checked dims, weights)."""
+    reduction, process_group, matryoshka = opts["reduction"], opts["process_group"], opts.get("matryoshka")
     dev, cd = anchor.device, compute_dtype(anchor.dtype)
     has_pos = torch.ones(anchor.shape[0], dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
     if process_group is None:

@@ -1,6 +1,6 @@
 """``matryoshka_dims`` / ``matryoshka_weights`` on every LSE loss: float64 values and gradients
 equal the weighted sum of the plain loss on each truncated prefix (sentence-transformers'
-``MatryoshkaLoss`` definition), on the reference and torch backends."""
+``MatryoshkaLoss`` definition), on the reference backend and every backend under test."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 import fastcl.losses as L
 from fastcl.losses_mnrl import mnrl_directions_loss
+from tests.helpers.backends import backends_under_test, require
 
 DIMS, WEIGHTS = (12, 5, 8), (1.0, 0.5, 2.0)
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -59,11 +60,12 @@ def _grads(loss, x):
     return {k: torch.zeros_like(x[k]) if g is None else g for k, g in zip(keys, grads)}
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["reference", *backends_under_test()])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("similarity", ["cos", "dot"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_equals_the_weighted_sum_of_truncated_losses(case, backend, reduction, similarity):
+    require(backend)
     fn, x = CASES[case], _inputs()
     kw = dict(temperature=x["tau"], reduction=reduction, similarity=similarity)
     got = fn(x, backend=backend, matryoshka_dims=DIMS, matryoshka_weights=WEIGHTS, **kw)

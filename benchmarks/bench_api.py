@@ -18,7 +18,7 @@ Before timing, each implementation's value is checked against the peer's (float3
 inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summary),
 fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
 (``fastcl.bench.memory``). Time: pytest-benchmark, 3 rounds after a warm-up, on
-``FASTCL_BENCH_THREADS`` (1) intra-op threads.
+``FASTCL_BENCH_THREADS`` intra-op threads (default: all cores, as in ``bench_losses.py``).
 
     pytest benchmarks/bench_api.py --benchmark-only
     FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_api.py --benchmark-only   # skip the memory probes
@@ -35,7 +35,7 @@ from fastcl.bench import api_cases
 from fastcl.bench.memory import cpu_extra_peak_bytes
 from fastcl.ops import dispatch
 
-THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "1"))
+THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "0")) or torch.get_num_threads()
 MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
 
 # (N features, d, labels): two views per sample
@@ -46,7 +46,7 @@ MNRL_GRID = [(1024, 1, 384, None), (4096, 0, 64, None), (1024, 1, 384, "in_batch
 MNRL_IMPLS = ["st-mnrl", "torch", "cpp"]
 # (B, Q, d); dims api_cases.MATRYOSHKA_DIMS
 MATRYOSHKA_GRID = [(1024, 1, 768), (2048, 1, 768)]
-MATRYOSHKA_IMPLS = ["st-matryoshka-cmnrl", "auto", "torch"]
+MATRYOSHKA_IMPLS = ["st-matryoshka-cmnrl", "torch", "cpp", "cpp-per-prefix"]
 PEERS = ("pml-supcon", "st-mnrl", "st-matryoshka-cmnrl")
 
 
@@ -56,8 +56,9 @@ def _name(impl: str) -> str:
 
 
 def _available(impl: str) -> None:
-    if impl in dispatch.NAMES:
-        status = dispatch.describe()[impl]
+    backend = impl.removesuffix("-per-prefix")
+    if backend in dispatch.NAMES:
+        status = dispatch.describe()[backend]
         if status != "available":
             pytest.skip(f"backend {impl!r}: {status}")
     elif impl == "pml-supcon":

@@ -136,7 +136,9 @@ class _EmbeddingSize(torch.nn.Sequential):
 
 
 def matryoshka_fn(impl: str, columns, dims=MATRYOSHKA_DIMS, temperature: float = 0.05, mini_batch_size: int = 32):
-    """``() -> loss`` for ``impl``: a fastcl backend (or ``"auto"``) or ``"st-matryoshka-cmnrl"``.
+    """``() -> loss`` for ``impl``: a fastcl backend (or ``"auto"``), ``"<backend>-per-prefix"``
+    (K separate fastcl losses on the truncated embeddings: what the fused pass saves) or
+    ``"st-matryoshka-cmnrl"``.
 
     The peer's step runs its own backward (sentence-transformers' cached protocol): with
     grad enabled the columns' ``.grad`` is filled and the value comes back detached.
@@ -154,6 +156,13 @@ def matryoshka_fn(impl: str, columns, dims=MATRYOSHKA_DIMS, temperature: float =
     from fastcl.losses import mnrl_loss
 
     negatives = torch.stack(columns[2:], dim=1) if len(columns) > 2 else None
+    if impl.endswith("-per-prefix"):
+        backend = impl.removesuffix("-per-prefix")
+        return lambda: sum(
+            mnrl_loss(columns[0][:, :m], columns[1][:, :m], None if negatives is None else negatives[..., :m],
+                      temperature=temperature, backend=backend)
+            for m in dims
+        )  # fmt: skip
     return lambda: mnrl_loss(
         columns[0], columns[1], negatives, temperature=temperature, backend=impl, matryoshka_dims=tuple(dims)
     )

@@ -59,6 +59,7 @@ struct RowInfo {
                                    // (times 2^e for a rescaled row); 1 for dot; NaN if non-finite
   std::vector<T> unscale;          // [rows] 2^-e for a row stored as x * 2^-e, else 1
   std::vector<uint8_t> unclamped;  // [K * rows] |x| > eps (the normalisation backward applies)
+  bool nonfinite = false;          // some (unpadded) row has a prefix holding NaN/Inf
 };
 
 // The robustness rules of fastcl/ops/normalize.py (docs/csrc.md, "Non-finite and extreme
@@ -109,6 +110,7 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
 
   RowInfo<T> info{at::zeros({K, rows}, x.options()), at::ones({K, rows}, x.options()), std::vector<T>(rows, T(1)),
                    std::vector<uint8_t>(K * rows, 0)};
+  info.nonfinite = std::any_of(finite.begin(), finite.end(), [K](int64_t k) { return k < K; });
   T* norm = info.norm.template data_ptr<T>();
   T* inv = info.inv.template data_ptr<T>();
   std::atomic<bool> tiny{false};
@@ -360,6 +362,31 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
   }
 }
 
+// Whether a padded candidate's gradient row may hold NaN instead of 0: its weights are exactly
+// 0, but the GEMMs give 0 * NaN = NaN when an anchor row or a row's factor (lse, g, a folded
+// d_pos) is not finite. O(K B P) reads after the sweep: the finite case touches no [N, d] data.
+template <typename T>
+bool padded_may_be_nan(const Prepared<T>& p, const Sweep<T>& sw) {
+  const bool fused = sw.mode == Mode::kFused;
+  const int64_t n = fused ? p.B : int64_t(p.ends.size()) * p.B;
+  const T *lse = fused ? sw.lse : sw.lse_in, *g = fused ? sw.g_rows : sw.grad_lse, *dp = sw.fold.dpos;
+  auto bad = [](T x) { return !std::isfinite(x); };
+  auto bad_lse = [](T x) { return std::isnan(x) || x == std::numeric_limits<T>::infinity(); };  // -inf: no weights
+  return p.ra.nonfinite || std::any_of(g, g + n, bad) || std::any_of(lse, lse + n, bad_lse) ||
+         (dp && std::any_of(dp, dp + n * sw.fold.count, bad));
+}
+
+// Padded candidates get exactly zero gradient (the contract), rows of d_c0 / d_c1 (contiguous).
+template <typename T>
+void zero_padded_rows(const Prepared<T>& p, const Sweep<T>& sw) {
+  const T* add = p.col_add.template data_ptr<T>();
+  for (int64_t c = 0; c < p.N; ++c) {
+    if (add[c] != rows::neg_inf<T>()) continue;
+    T* row = c < p.N0 ? sw.d_c0.template data_ptr<T>() + c * p.d : sw.d_c1.template data_ptr<T>() + (c - p.N0) * p.d;
+    std::fill(row, row + p.d, T(0));
+  }
+}
+
 // One block of H anchor rows at a time, every thread working on it, each GEMM split along
 // a dimension of C so that a thread reads (and MKL packs) only its share per block:
 //   1. S = A_blk C^T by candidate shares   2. row passes by rows
@@ -458,6 +485,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
     unnormalize_rows(sw.d_c0, p.c0, p.rc0, 0, p.N0, 64);
     unnormalize_rows(sw.d_c1, p.c1, p.rc1, 0, p.N1, 64);
   }
+  if (grad && padded_may_be_nan(p, sw)) zero_padded_rows(p, sw);
 }
 
 // ------------------------------------------------------------------ ops

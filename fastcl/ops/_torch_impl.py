@@ -147,6 +147,8 @@ def _sweep(
     if want_grad:
         out.d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
         d_c = normalize_backward(prep.c_hat, prep.c_norm, d_c_hat, problem.eps)
+        if (keep := _keep(prep.tags)) is not None:  # padding: exactly 0, not 0 * NaN from a NaN anchor row
+            d_c.masked_fill_(~keep[:, None], 0)
         n0 = problem.blocks[0].shape[0]
         out.d_blocks, out.g_dot_mean_logit = (d_c[:n0], d_c[n0:]), g_dot_ml
     if head is not None:

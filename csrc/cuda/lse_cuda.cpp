@@ -122,6 +122,15 @@ void sweep(const Prepared& p, RowArgs<T> args, const at::Tensor& d_a, const at::
   unnormalize(d_c, p.c, p.norm_c, p.unscale_c);
 }
 
+// d_c into the two blocks' outputs, padded rows exactly 0 (the contract): their weights are 0,
+// but a NaN/Inf anchor row or row factor makes them 0 * NaN = NaN in the GEMMs. One pass, as
+// the copy it replaces; testing first whether it is needed would cost a host sync.
+void store_candidate_grads(const Prepared& p, const at::Tensor& d_c, at::Tensor d_block0, at::Tensor d_block1) {
+  const at::Tensor keep = p.tags.ne(-2).unsqueeze(1), zero = at::zeros({}, d_c.options());
+  at::where_out(d_block0, keep.narrow(0, 0, p.N0), d_c.narrow(0, 0, p.N0), zero);
+  at::where_out(d_block1, keep.narrow(0, p.N0, p.N - p.N0), d_c.narrow(0, p.N0, p.N - p.N0), zero);
+}
+
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                  const at::Tensor& lse, const at::Tensor& mean_logit) {
@@ -159,7 +168,7 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
                                    d_anchor, d_block0, d_block1, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
-  const int64_t d = anchor.size(1), N0 = block0.size(0);
+  const int64_t d = anchor.size(1);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
@@ -171,8 +180,7 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
     if (d_pos) args.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
     at::Tensor d_c = at::empty({p.N, d}, p.a.options());
     sweep<T>(p, args, d_anchor, d_c, cosine, eps);
-    d_block0.copy_(d_c.narrow(0, 0, N0));
-    d_block1.copy_(d_c.narrow(0, N0, p.N - N0));
+    store_candidate_grads(p, d_c, d_block0, d_block1);
   });
 }
 
@@ -189,7 +197,7 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                                 d_block0, d_block1, g_dot_mean_logit, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0), d = anchor.size(1), N0 = block0.size(0);
+  const int64_t B = anchor.size(0), d = anchor.size(1);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
@@ -203,8 +211,7 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
     if (fold_positives) args.fold = {d_pos.data_ptr<T>(), pos_offset, P};
     at::Tensor d_c = at::empty({p.N, d}, p.a.options());
     sweep<T>(p, args, d_anchor, d_c, cosine, eps);
-    d_block0.copy_(d_c.narrow(0, 0, N0));
-    d_block1.copy_(d_c.narrow(0, N0, p.N - N0));
+    store_candidate_grads(p, d_c, d_block0, d_block1);
     g_dot_mean_logit.copy_(at::dot(g_rows, mean_logit));  // on the device, no sync
   });
 }

@@ -362,18 +362,27 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
   }
 }
 
-// Whether a padded candidate's gradient row may hold NaN instead of 0: its weights are exactly
-// 0, but the GEMMs give 0 * NaN = NaN when an anchor row or a row's factor (lse, g, a folded
-// d_pos) is not finite. O(K B P) reads after the sweep: the finite case touches no [N, d] data.
+// Whether a padded candidate's gradient row may be other than 0: its weights are exactly 0, but
+// the GEMMs give 0 * NaN = NaN when an anchor row or a row's factor (lse, g, a folded d_pos) is
+// not finite, and a folded d_pos lands on its column whatever the tag. O(K B P) reads after the
+// sweep: the finite case (a head gives padded positives d_pos = 0) touches no [N, d] data.
 template <typename T>
-bool padded_may_be_nan(const Prepared<T>& p, const Sweep<T>& sw) {
+bool padded_rows_may_be_nonzero(const Prepared<T>& p, const Sweep<T>& sw) {
   const bool fused = sw.mode == Mode::kFused;
-  const int64_t n = fused ? p.B : int64_t(p.ends.size()) * p.B;
+  const int64_t n = fused ? p.B : int64_t(p.ends.size()) * p.B, P = sw.fold.count;
   const T *lse = fused ? sw.lse : sw.lse_in, *g = fused ? sw.g_rows : sw.grad_lse, *dp = sw.fold.dpos;
-  auto bad = [](T x) { return !std::isfinite(x); };
+  const T* add = p.col_add.template data_ptr<T>();
   auto bad_lse = [](T x) { return std::isnan(x) || x == std::numeric_limits<T>::infinity(); };  // -inf: no weights
-  return p.ra.nonfinite || std::any_of(g, g + n, bad) || std::any_of(lse, lse + n, bad_lse) ||
-         (dp && std::any_of(dp, dp + n * sw.fold.count, bad));
+  if (p.ra.nonfinite || std::any_of(g, g + n, [](T x) { return !std::isfinite(x); }) ||
+      std::any_of(lse, lse + n, bad_lse)) {
+    return true;
+  }
+  for (int64_t j = 0; dp && j < n * P; ++j) {  // entry (k, i, s) of d_pos: column offset + i P + s
+    if (!std::isfinite(dp[j]) || (dp[j] != T(0) && add[sw.fold.offset + j % (p.B * P)] == rows::neg_inf<T>())) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // Padded candidates get exactly zero gradient (the contract), rows of d_c0 / d_c1 (contiguous).
@@ -485,7 +494,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
     unnormalize_rows(sw.d_c0, p.c0, p.rc0, 0, p.N0, 64);
     unnormalize_rows(sw.d_c1, p.c1, p.rc1, 0, p.N1, 64);
   }
-  if (grad && padded_may_be_nan(p, sw)) zero_padded_rows(p, sw);
+  if (grad && padded_rows_may_be_nonzero(p, sw)) zero_padded_rows(p, sw);
 }
 
 // ------------------------------------------------------------------ ops

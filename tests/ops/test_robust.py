@@ -183,11 +183,12 @@ def test_nonfinite_anchor_leaves_padded_slots_zero(monkeypatch, backend, loss, b
     ids=["plain", "matryoshka-every-prefix", "matryoshka-long-prefix"],
 )
 @pytest.mark.parametrize("cosine", [True, False])
-@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("bad", [*BAD, "finite"])
 def test_nonfinite_anchor_primitive_backward(backend, bad, cosine, dims, col):
     """The primitive's backward (own positives folded), plain and Matryoshka: padded candidate
-    rows (a padded own positive among them) exactly 0 next to a NaN/Inf anchor row, every other
-    entry NaN where the float64 reference has NaN and close to it elsewhere."""
+    rows (a padded own positive with a nonzero d_pos among them) exactly 0, next to a NaN/Inf
+    anchor row too, every other entry NaN where the float64 reference has NaN and close to it
+    elsewhere."""
     gen = torch.Generator().manual_seed(11)
     dev = device_under_test()
     B, P, d = 4, 2, 8
@@ -196,7 +197,8 @@ def test_nonfinite_anchor_primitive_backward(backend, bad, cosine, dims, col):
         return torch.randn(*s, generator=gen, dtype=torch.float64).to(dev)
 
     a, b0, b1 = r(B, d), r(B * P + 3, d), r(2, d)  # block 0: the own positives, then 3 shared
-    a[1, col] = BAD[bad]
+    if bad != "finite":
+        a[1, col] = BAD[bad]
     own = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
     own[3] = TAG_PADDING  # anchor 1's second own positive
     t0 = torch.cat([own, torch.tensor([TAG_ALL, TAG_PADDING, TAG_ALL], dtype=torch.int32)]).to(dev)
@@ -210,8 +212,9 @@ def test_nonfinite_anchor_primitive_backward(backend, bad, cosine, dims, col):
     tau = torch.tensor(0.1, dtype=torch.float64, device=dev)
     g = r(*lead, B).abs() + 0.5  # nonzero: a zero row gradient is skipped by some backends
     d_pos = r(*lead, B, P)
-    d_pos[..., 1, 0] = float("nan")  # what a head gives the NaN row's valid positive
-    d_pos[..., 1, 1] = 0  # and its padded one
+    if bad != "finite":
+        d_pos[..., 1, 0] = float("nan")  # what a head gives the NaN row's valid positive
+    d_pos[..., 1, 1] = 0.7  # its padded one: folded, it must still give that row nothing
 
     ref = dispatch.get("reference")
     want_lse = ref.forward(problem, tau)[0]

@@ -17,9 +17,10 @@ accumulated over tiles for candidates), applied per slice the same way. Tiles on
 ``[R, N]`` tiles with ``R`` chosen so that they fit the plain path's tile budget (memory
 does not grow with K).
 
-Non-finite rows: a NaN/Inf within ``[0, m_K)`` of a read row makes that row NaN in every
-prefix (the plain path per prefix would keep the prefixes before it finite; the summed loss
-is NaN either way); values beyond ``m_K`` are never read.
+Non-finite rows: a NaN/Inf at coordinate ``c`` of a read row makes that row's factor NaN in
+exactly the prefixes longer than ``c`` (as the plain problem on each prefix); the shorter
+prefixes' raw dots are prefix sums that never read it, and the scale ``s`` is taken over the
+finite entries. Values beyond ``m_K`` are never read.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import torch
 from torch import Tensor
 
 from .contract import TAG_PADDING, LSEProblem, compute_dtype, excluded, new_output
-from .normalize import poison_nonfinite
 
 
 @dataclass
@@ -47,14 +47,17 @@ def _scaled(x: Tensor, keep: Tensor | None, bounds: list[int], cosine: bool, eps
     if keep is not None:  # padding is read as zeros, whatever it holds
         x = torch.where(keep.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
     ones = torch.ones(x.shape[0], dtype=cd, device=x.device)
+    finite = torch.isfinite(x)
+    first_bad = torch.where(finite.all(-1), x.shape[1], (~finite).to(torch.int8).argmax(-1))
+    bounds_t = torch.tensor(bounds, device=x.device)[:, None]
+    poison = torch.where(first_bad[None, :] < bounds_t, torch.nan, 0.0).to(cd)  # [K, rows]
     if not cosine:
-        u = x.to(cd) + poison_nonfinite(x).unsqueeze(-1)
-        return _Scaled(u, ones, ones.expand(len(bounds), -1), None)
-    s = x.abs().amax(dim=-1).to(cd)
-    s = torch.where(s > 0, s, ones)  # a zero row keeps s = 1; NaN/Inf rows get NaN norms below
+        return _Scaled(x.to(cd), ones, ones + poison, None)
+    s = torch.where(finite, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax(dim=-1).to(cd)
+    s = torch.where(s > 0, s, ones)  # a zero (or all non-finite) row keeps s = 1
     u = x.to(cd) / s.unsqueeze(-1)
     norms = torch.stack([torch.linalg.vector_norm(u[:, :m], dim=-1) for m in bounds]) * s
-    return _Scaled(u, s, s / norms.clamp_min(eps), norms > eps)
+    return _Scaled(u, s, s / norms.clamp_min(eps) + poison, norms > eps)
 
 
 def _prepare(problem: LSEProblem, bounds: list[int]) -> tuple[_Scaled, _Scaled, Tensor]:
@@ -181,5 +184,6 @@ def backward(problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Te
     rc = _radial(c, rad_c) if problem.cosine else None
     d_a = _to_raw(a, d_ua, ra, bounds, problem.dim)
     d_c = _to_raw(c, d_uc, rc, bounds, problem.dim)
+    d_c.masked_fill_((tags == TAG_PADDING)[:, None], 0)  # exactly 0, not 0 * NaN from a NaN anchor row
     n0 = problem.blocks[0].shape[0]
     return d_a, (d_c[:n0], d_c[n0:])

@@ -47,6 +47,20 @@ def test_nan_in_a_read_row_is_nan():
     assert torch.isnan(lse).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_nonfinite_reaches_only_the_longer_prefixes(bad, cosine):
+    """As the plain problem on each prefix: a candidate's NaN/Inf at coordinate 4 leaves prefix 3 exact."""
+    prob = prefix_problem(5, 4, 3, 10, (6, 3), cosine=cosine, generator=torch.Generator().manual_seed(7))
+    prob.blocks[0][1, 4] = bad
+    prob.tags[0][1] = -1
+    tau = torch.tensor(0.2, dtype=torch.float64)
+    lse, _ = TORCH.forward(prob, tau)
+    want, _ = dispatch.get("reference").forward(prob, tau)
+    assert torch.isnan(lse[0]).all() and torch.isnan(want[0]).all()
+    torch.testing.assert_close(lse[1], want[1], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_compute_in_float32(dtype):
     prob = prefix_problem(8, 6, 3, 16, (16, 8), dtype=dtype, own=1, generator=torch.Generator().manual_seed(7))

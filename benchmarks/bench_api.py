@@ -8,13 +8,17 @@
   partition; with and without ``in_batch_negatives`` hardness) against
   sentence-transformers 6's ``MultipleNegativesRankingLoss`` with the same options (its
   ``B x 3B`` query rows and ``B x 3B`` document rows, concatenated).
+* Matryoshka MNRL: ``fastcl.losses.mnrl_loss`` with ``matryoshka_dims=(768, 512, 256,
+  128, 64)`` (all prefixes in one fused pass over ``d``) against sentence-transformers'
+  ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` (``mini_batch_size=32``) on the
+  same embeddings: K chunked losses and K backward passes into the embeddings.
 
 The loss stage only: forward + backward to the embeddings (``fastcl.bench.api_cases``).
 Before timing, each implementation's value is checked against the peer's (float32, same
 inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summary),
 fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
 (``fastcl.bench.memory``). Time: pytest-benchmark, 3 rounds after a warm-up, on
-``FASTCL_BENCH_THREADS`` (1) intra-op threads.
+``FASTCL_BENCH_THREADS`` intra-op threads (default: all cores, as in ``bench_losses.py``).
 
     pytest benchmarks/bench_api.py --benchmark-only
     FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_api.py --benchmark-only   # skip the memory probes
@@ -31,7 +35,7 @@ from fastcl.bench import api_cases
 from fastcl.bench.memory import cpu_extra_peak_bytes
 from fastcl.ops import dispatch
 
-THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "1"))
+THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "0")) or torch.get_num_threads()
 MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
 
 # (N features, d, labels): two views per sample
@@ -40,21 +44,26 @@ SUPCON_IMPLS = ["pml-supcon", "torch", "cpp"]
 # (B, Q, d, hardness_mode)
 MNRL_GRID = [(1024, 1, 384, None), (4096, 0, 64, None), (1024, 1, 384, "in_batch_negatives")]
 MNRL_IMPLS = ["st-mnrl", "torch", "cpp"]
+# (B, Q, d); dims api_cases.MATRYOSHKA_DIMS
+MATRYOSHKA_GRID = [(1024, 1, 768), (2048, 1, 768)]
+MATRYOSHKA_IMPLS = ["st-matryoshka-cmnrl", "torch", "cpp", "cpp-per-prefix"]
+PEERS = ("pml-supcon", "st-mnrl", "st-matryoshka-cmnrl")
 
 
 def _name(impl: str) -> str:
     # the peer is the baseline of the end-of-run summary, which takes ratios against "eager"
-    return "eager" if impl in ("pml-supcon", "st-mnrl") else f"fastcl-{impl}"
+    return "eager" if impl in PEERS else f"fastcl-{impl}"
 
 
 def _available(impl: str) -> None:
-    if impl in dispatch.NAMES:
-        status = dispatch.describe()[impl]
+    backend = impl.removesuffix("-per-prefix")
+    if backend in dispatch.NAMES:
+        status = dispatch.describe()[backend]
         if status != "available":
             pytest.skip(f"backend {impl!r}: {status}")
     elif impl == "pml-supcon":
         pytest.importorskip("pytorch_metric_learning")
-    elif impl == "st-mnrl":
+    elif impl in ("st-mnrl", "st-matryoshka-cmnrl"):
         pytest.importorskip("sentence_transformers")
 
 
@@ -104,6 +113,27 @@ def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, B, Q, d, hardness, impl
     bench_record(
         benchmark,
         workload=f"MNRL GTE joint B={B} Q={Q} d={d} hardness={hardness} fp32 (eager = ST 6 MNRL)",
+        impl=_name(impl),
+        peak_mib=peak,
+        threads=THREADS,
+    )
+
+
+@pytest.mark.parametrize("impl", MATRYOSHKA_IMPLS)
+@pytest.mark.parametrize("B, Q, d", MATRYOSHKA_GRID, ids=lambda v: str(v))
+def test_matryoshka_mnrl_fwd_bwd(benchmark, bench_record, B, Q, d, impl):
+    _available(impl)
+    columns = api_cases.mnrl_directions_inputs(B, d, Q)
+    with torch.no_grad():
+        got = api_cases.matryoshka_fn(impl, columns)()
+        want = api_cases.matryoshka_fn("st-matryoshka-cmnrl", columns)()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    case = dict(backend=impl, B=B, d=d, Q=Q)
+    peak = _run(benchmark, api_cases.matryoshka_step(**case), "fastcl.bench.api_cases:matryoshka_step", case)
+    dims = ",".join(map(str, api_cases.MATRYOSHKA_DIMS))
+    bench_record(
+        benchmark,
+        workload=f"Matryoshka MNRL B={B} Q={Q} d={d} dims=({dims}) fp32 (eager = ST MatryoshkaLoss(CachedMNRL))",
         impl=_name(impl),
         peak_mib=peak,
         threads=THREADS,

@@ -1,13 +1,25 @@
-// Argument checks shared by the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) ops:
-// every op validates shapes, dtypes and devices before any compute.
+// Host code shared by the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) ops: argument
+// checks (every op validates shapes, dtypes and devices before any compute), the compute
+// dtype, the head's inputs and the FASTCL_* size options.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <string_view>
+#include <vector>
+
+#include "cpu/head.h"
 
 namespace fastcl {
+
+// A positive integer from the environment (FASTCL_CPP_ROWS, ...), or fallback when unset.
+inline int64_t env_int(const char* name, int64_t fallback) {
+  const char* s = std::getenv(name);
+  return (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : fallback;
+}
 
 inline const char* device_name(c10::DeviceType dev) { return dev == c10::DeviceType::CPU ? "CPU" : "CUDA"; }
 
@@ -62,35 +74,57 @@ inline void check_out(const at::Tensor& t, const char* name, at::IntArrayRef sha
 
 using OptTensor = std::optional<at::Tensor>;
 
+// The loss head's inputs in the compute dtype cd, alive while the kernels read them.
+struct HeadTensors {
+  at::Tensor pos, mask, extra, weights;
+  HeadTensors(const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra,
+              const at::Tensor& w, at::ScalarType cd)
+      : pos(pos_logits.to(cd).contiguous()),
+        mask(pos_mask ? pos_mask->contiguous() : at::Tensor()),
+        extra(log_extra ? log_extra->to(cd).contiguous() : at::Tensor()),
+        weights(w.to(cd).contiguous()) {}
+  template <typename T>
+  cpu::Head<T> head(std::string_view kind, const at::Tensor& loss_rows, const at::Tensor& d_pos) const {
+    return {kind == "supmpn", pos.size(1), pos.data_ptr<T>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
+            extra.defined() ? extra.data_ptr<T>() : nullptr, weights.data_ptr<T>(), loss_rows.data_ptr<T>(),
+            d_pos.data_ptr<T>()};
+  }
+};
+
 // The whole argument check of each op (inputs, then the outputs it overwrites), one
 // definition for the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) kernels.
 inline void check_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                           const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
-                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev) {
+                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev,
+                          int64_t K = 0) {
   check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0);
-  check_out(lse, "lse", {B}, cd, dev);
-  check_out(mean_logit, "mean_logit", {B}, cd, dev);
+  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};  // [K, B]: matryoshka
+  check_out(lse, "lse", rows, cd, dev);
+  check_out(mean_logit, "mean_logit", rows, cd, dev);
 }
 
-// Returns P, the number of own positives per anchor folded from d_pos (0 without d_pos).
+// Returns P, the number of own positives per anchor folded from d_pos (0 without d_pos). K > 0:
+// matryoshka, lse and grad_lse [K, B], d_pos [K, B, P].
 inline int64_t check_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                               const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
                               const at::Tensor& lse, const at::Tensor& grad_lse, const OptTensor& d_pos,
                               int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-                              const at::Tensor& d_block1, c10::DeviceType dev) {
+                              const at::Tensor& d_block1, c10::DeviceType dev, int64_t K = 0) {
   check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
-  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == B && grad_lse.dim() == 1 && grad_lse.size(0) == B,
-              "fastcl: lse and grad_lse must be [B]");
+  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};
+  TORCH_CHECK(lse.sizes() == rows && grad_lse.sizes() == rows, "fastcl: lse and grad_lse must be ",
+              K ? "[K, B]" : "[B]");
   check_out(d_anchor, "d_anchor", {B, d}, cd, dev);
   check_out(d_block0, "d_block0", {block0.size(0), d}, cd, dev);
   check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
   if (!d_pos) return 0;
-  TORCH_CHECK(d_pos->dim() == 2 && d_pos->size(0) == B, "fastcl: d_pos must be [B, P]");
-  const int64_t P = d_pos->size(1);
+  TORCH_CHECK(d_pos->dim() == int64_t(rows.size()) + 1 && d_pos->sizes().slice(0, rows.size()) == rows,
+              "fastcl: d_pos must be ", K ? "[K, B, P]" : "[B, P]");
+  const int64_t P = d_pos->size(-1);
   check_positives(pos_offset, P, B, block0.size(0));
   return P;
 }
@@ -104,7 +138,7 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
                            const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
                            const at::Tensor& d_block0, const at::Tensor& d_block1,
                            const at::Tensor& g_dot_mean_logit, c10::DeviceType dev) {
-  check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
+  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, dev);
   TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
@@ -116,8 +150,6 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
   }
   if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
   TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
-  check_out(lse, "lse", {B}, cd, dev);
-  check_out(mean_logit, "mean_logit", {B}, cd, dev);
   check_out(loss_rows, "loss_rows", {B}, cd, dev);
   check_out(d_pos, "d_pos", {B, P}, cd, dev);
   check_out(d_anchor, "d_anchor", {B, d}, cd, dev);

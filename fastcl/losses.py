@@ -19,6 +19,11 @@ Common keyword arguments:
         anchor's denominator, and DDP's gradient averaging gives exactly the global-batch
         loss's gradient; all ranks pass the same shapes. See ``fastcl.distributed``.
     similarity: ``"cos"`` (default) or ``"dot"`` (raw dot products, Liao's released code).
+    matryoshka_dims: None, or distinct ints in ``1..d`` (e.g. ``(768, 512, 256, 128, 64)``):
+        the loss is ``sum_k w_k * loss(embeddings[..., :dims[k]])``, sentence-transformers'
+        ``MatryoshkaLoss`` (each prefix normalised by its own norm with ``"cos"``), in one
+        fused pass over ``d`` (:mod:`fastcl.matryoshka`). The shape of the result is unchanged.
+    matryoshka_weights: None (all 1) or one finite float ``w_k`` per dim.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _checks, distributed
+from . import matryoshka as _matryoshka
 from .losses_mnrl import check_options as _check_mnrl_options
 from .losses_mnrl import is_default as _mnrl_is_default
 from .losses_mnrl import mnrl_directions_loss
@@ -72,7 +78,7 @@ def _no_autocast(t: Tensor):
     return nullcontext()
 
 
-def _options(temperature, reduction, backend, process_group, similarity) -> dict:
+def _options(temperature, reduction, backend, process_group, similarity, dims=None, weights=None) -> dict:
     """The keyword arguments every LSE loss passes on unchanged."""
     return dict(
         temperature=temperature,
@@ -80,6 +86,8 @@ def _options(temperature, reduction, backend, process_group, similarity) -> dict
         backend=backend,
         process_group=process_group,
         similarity=similarity,
+        matryoshka_dims=dims,
+        matryoshka_weights=weights,
     )
 
 
@@ -112,8 +120,9 @@ def _fused_loss(
 ):
     """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``) and run
     the fused loss. Own positives are ``own_count`` rows per anchor in block 0 (from where this
-    rank's candidates start) or the given ``pos_logits``; ``opts``: :func:`_options` less the temperature."""
-    reduction, process_group = opts["reduction"], opts["process_group"]
+    rank's candidates start) or the given ``pos_logits``; ``opts``: :func:`_options` less the
+    temperature, optionally ``matryoshka`` (checked dims, weights)."""
+    reduction, process_group, matryoshka = opts["reduction"], opts["process_group"], opts.get("matryoshka")
     dev, cd = anchor.device, compute_dtype(anchor.dtype)
     has_pos = torch.ones(anchor.shape[0], dtype=torch.bool, device=dev) if pos_mask is None else pos_mask.any(1)
     if process_group is None:
@@ -146,6 +155,8 @@ def _fused_loss(
         eps=EPS,
         log_extra=log_extra,
         backend=opts["backend"],
+        dims=None if matryoshka is None else matryoshka[0],
+        dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
     )
 
 
@@ -170,6 +181,7 @@ def _lse_loss(kind, anchor, positives, negatives, pos_mask, neg_mask, *, exclude
     _check_options(opts["reduction"], opts["similarity"])
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     B, d = _matrix("anchor", anchor)
+    matryoshka = _matryoshka.check(opts.pop("matryoshka_dims"), opts.pop("matryoshka_weights"), d)
     P = _slots("positives", positives, "P", B, d)
     if P == 0:
         raise ValueError("positives has P = 0: every anchor needs at least one positive slot")
@@ -195,9 +207,8 @@ def _lse_loss(kind, anchor, positives, negatives, pos_mask, neg_mask, *, exclude
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
         blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
         sizes = {"B": B, "P": P, "Q": Q, "d": d}
-        return _fused_loss(
-            kind, anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, own_count=P, log_extra=log_extra, **opts
-        )
+        own = dict(own_count=P, log_extra=log_extra, matryoshka=matryoshka)
+        return _fused_loss(kind, anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, **own, **opts)
 
 
 # --------------------------------------------------------------------------- functions
@@ -216,6 +227,8 @@ def supmpn_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
     own_positives: str = "exclude",
 ) -> Tensor:
     """SupMPN (Dehghan & Amasyali 2022, eq. 7): several positives and hard negatives per anchor.
@@ -236,7 +249,7 @@ def supmpn_loss(
         >>> supmpn_loss(a, p, n, temperature=0.05)
     """
     _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     zero_logit = own_positives == "zero_logit"
     return _lse_loss(
         "supmpn", anchor, positives, negatives, pos_mask, neg_mask, exclude_own=True, zero_logit_own=zero_logit, **opts
@@ -256,6 +269,8 @@ def supcon_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
     labels: Tensor | None = None,
     ref_emb: Tensor | None = None,
     ref_labels: Tensor | None = None,
@@ -273,7 +288,7 @@ def supcon_loss(
 
         >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
     """
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
@@ -297,6 +312,8 @@ def mnrl_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
     directions=("query_to_doc",),
     partition_mode: str = "joint",
     hardness_mode: str | None = None,
@@ -317,7 +334,7 @@ def mnrl_loss(
 
         >>> mnrl_loss(torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32))
     """
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     directions = _check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
     if not _mnrl_is_default(directions, partition_mode, hardness_mode, hardness_strength):
         if neg_mask is not None:
@@ -342,6 +359,8 @@ def infonce_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """InfoNCE / SimCSE unsupervised: row ``i`` of ``anchor x positive`` logits, target ``i``.
 
@@ -354,7 +373,7 @@ def infonce_loss(
     """
     _checks.check_embeddings(anchor=anchor, positive=positive)
     _checks.check_rank("positive", positive, 2, "[B, d]")
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     rows = mnrl_loss(anchor, positive, **opts)
     if not symmetric:
         return rows
@@ -373,6 +392,8 @@ def edacse_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """EdaCSE (Liu et al. 2023, eq. 2): ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``.
 
@@ -390,7 +411,7 @@ def edacse_loss(
             f"anchor, dropout_view and augmented_view must all have shape [B, d]; got {tuple(anchor.shape)}, "
             f"{tuple(dropout_view.shape)}, {tuple(augmented_view.shape)}"
         )
-    opts = _options(temperature, reduction, backend, process_group, similarity)
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     return infonce_loss(anchor, dropout_view, **opts) + lam * infonce_loss(anchor, augmented_view, **opts)
 
 
@@ -407,6 +428,8 @@ def supcon_pool_loss(
     backend: str = "auto",
     process_group=None,
     similarity: str = "cos",
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """Supervised contrastive loss against a shared candidate pool (Liao's in-batch "allpalln").
 
@@ -420,12 +443,14 @@ def supcon_pool_loss(
     """
     _check_options(reduction, similarity)
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
+    opts = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     B, d = _matrix("anchor", anchor)
     _checks.check_rank("candidates", candidates, 2, "[N, d]")
     _checks.check_rank("pos_index", pos_index, 2, "[B, P]")
     N = candidates.shape[0]
+    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, d)
     if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
         raise ValueError(
             f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
@@ -448,14 +473,18 @@ def supcon_pool_loss(
     cosine = similarity == "cos"
     with _no_autocast(anchor):
         anchor = _without_unused_anchors(anchor, pos_mask)
-        pos_logits = positive_logits(anchor, candidates[pos_index], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
+        pos = candidates[pos_index]
+        prefixes = (d,) if matryoshka is None else matryoshka[0]  # [K, B, P] logits with dims
+        pos_logits = [
+            positive_logits(anchor[:, :m], pos[..., :m], tau, cosine=cosine, eps=EPS, pos_mask=pos_mask)
+            for m in prefixes
+        ]
+        pos_logits = pos_logits[0] if matryoshka is None else torch.stack(pos_logits)
         empty, empty_tags = empty_block(anchor)
         blocks, tags = (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags)
-        opts = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
         sizes = {"B": B, "N": N, "d": d}
-        return _fused_loss(
-            "supcon", anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, pos_logits=pos_logits, **opts
-        )
+        shared = dict(pos_logits=pos_logits, matryoshka=matryoshka)
+        return _fused_loss("supcon", anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, **shared, **opts)
 
 
 class _GroupedCosine(torch.autograd.Function):
@@ -545,6 +574,8 @@ class _TemperatureLoss(nn.Module):
         backend="auto",
         process_group=None,
         similarity="cos",
+        matryoshka_dims=None,
+        matryoshka_weights=None,
     ):
         super().__init__()
         # the losses' rule (fastcl._checks.check_temperature) in float32, the loose end:
@@ -561,6 +592,8 @@ class _TemperatureLoss(nn.Module):
             self._fixed_temperature = temperature
         self.learn_temperature = learn_temperature
         self.options = dict(reduction=reduction, backend=backend, process_group=process_group, similarity=similarity)
+        if _matryoshka.check(matryoshka_dims, matryoshka_weights) is not None:  # d is checked per call
+            self.options.update(matryoshka_dims=tuple(matryoshka_dims), matryoshka_weights=matryoshka_weights)
 
     @property
     def temperature(self) -> float | Tensor:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _checks, distributed
+from . import matryoshka as _matryoshka
 from .ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.positive_logits import positive_logits
@@ -124,8 +125,11 @@ class _Batch:
     to this rank's anchors: candidate ``g`` of query/document ``offset + i`` is tagged ``i``.
     """
 
-    def __init__(self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str, group=None):
+    def __init__(
+        self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str, group=None, dims=None
+    ):
         self.q, self.d, self.tau, self.cosine, self.backend = q, d, tau, cosine, backend
+        self.dims = dims  # Matryoshka: every row is [K, B], one per prefix
         B, dim = q.shape
         dev = q.device
         self.B = B
@@ -149,14 +153,22 @@ class _Batch:
         self.all_n = torch.full((world * B * self.Q,), TAG_ALL, dtype=torch.int32, device=dev)
         self._pos = None
 
+    def pair_logits(self, x: Tensor, ys: Tensor) -> Tensor:
+        """``[B, P]`` differentiable logits ``l(x_i, ys_ip)`` (``[K, B, P]`` with dims)."""
+        if self.dims is None:
+            return positive_logits(x, ys, self.tau, cosine=self.cosine, eps=EPS)
+        return torch.stack(
+            [positive_logits(x[:, :m], ys[..., :m], self.tau, cosine=self.cosine, eps=EPS) for m in self.dims]
+        )
+
     def pos(self) -> Tensor:
-        """``[B]`` differentiable positive logits ``l(q_i, d_i)`` (float32/64)."""
+        """``[B]`` (``[K, B]``) differentiable positive logits ``l(q_i, d_i)`` (float32/64)."""
         if self._pos is None:
-            self._pos = positive_logits(self.q, self.d[:, None, :], self.tau, cosine=self.cosine, eps=EPS)[:, 0]
+            self._pos = self.pair_logits(self.q, self.d[:, None, :])[..., 0]
         return self._pos
 
     def rows(self, anchor, block0, tags0, block1=None, tags1=None, *, fold=False, tau=None) -> Tensor:
-        """``[B]``: per row, ``LSE over the tagged candidates - l(q_i, d_i)``.
+        """``[B]`` (``[K, B]`` with dims): per row, ``LSE over the tagged candidates - l(q_i, d_i)``.
 
         ``fold``: the positive is row ``offset + i`` of ``block0`` (``cd`` for query rows,
         ``cq`` for document rows) and the backend folds its gradient; else it comes from
@@ -173,13 +185,14 @@ class _Batch:
             tau,
             kind="supcon",
             positives=OwnPositives(self.offset, 1) if fold else None,
-            pos_logits=None if fold else self.pos()[:, None],
+            pos_logits=None if fold else self.pos()[..., None],
             pos_mask=None,
             weights=torch.ones(self.B, dtype=cd, device=anchor.device),
             reduction="none",
             cosine=self.cosine,
             eps=EPS,
             backend=self.backend,
+            dims=self.dims,  # no dim_weights: the prefixes' rows, combined per prefix below
         ).to(cd)
 
 
@@ -207,9 +220,9 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
     pieces = []
     if hardness_mode == "hard_negatives":
         # hardened: the query's own negatives, a [B, Q] gather (only row i holds them)
-        own = positive_logits(q, bt.negs, tau, cosine=bt.cosine, eps=EPS)  # [B, Q]
+        own = bt.pair_logits(q, bt.negs)  # [B, Q]
         hard = own + alpha * (own * tau.to(own.dtype)).detach()
-        pieces.append(torch.logsumexp(hard - bt.pos()[:, None], dim=1))
+        pieces.append(torch.logsumexp(hard - bt.pos()[..., None], dim=-1))
         # unhardened: every other document and the queries
         b1, t1 = _cat((bt.cn, bt.own_n), q2q)
         pieces.append(bt.rows(q, bt.cd, bt.all_b, b1, t1, fold=True))
@@ -227,8 +240,8 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
         # in_batch_negatives (a [B, Q] gather), the queries for query_to_query
         pieces.append(torch.zeros_like(s_pos))
         if hardness_mode == "in_batch_negatives" and bt.Q:
-            own = positive_logits(q, bt.negs, tau, cosine=bt.cosine, eps=EPS)
-            pieces.append(torch.logsumexp(own - bt.pos()[:, None], dim=1))
+            own = bt.pair_logits(q, bt.negs)
+            pieces.append(torch.logsumexp(own - bt.pos()[..., None], dim=-1))
         if with_q2q:
             pieces.append(bt.rows(q, bt.cq, bt.own_b))
     return torch.logsumexp(torch.stack(pieces), dim=0)
@@ -259,6 +272,8 @@ def mnrl_directions_loss(
     backend: str = "auto",
     similarity: str = "cos",
     process_group=None,
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """MNRL with sentence-transformers 6's options (see the module docstring for the math).
 
@@ -275,6 +290,9 @@ def mnrl_directions_loss(
             loss (``fastcl.distributed``): ``mean`` returns the mean over this rank's rows
             (then ``mean_r L_r`` is the global loss), ``sum`` ``W *`` the rank's sum. All
             ranks must pass the same shapes.
+        matryoshka_dims, matryoshka_weights: the weighted sum over prefixes of the embeddings
+            (:mod:`fastcl.matryoshka`): every primitive call takes all prefixes at once and
+            the pieces combine prefix by prefix (``[K, B]`` rows).
     """
     directions = check_options(directions, partition_mode, hardness_mode, hardness_strength)
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
@@ -287,6 +305,7 @@ def mnrl_directions_loss(
         raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
     if tuple(positive.shape) != (B, dim):
         raise ValueError(f"positive must have shape [B={B}, d={dim}], got {tuple(positive.shape)}")
+    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, dim)
     if negatives is not None:
         if negatives.dim() == 2:
             negatives = negatives.unsqueeze(1)
@@ -310,6 +329,7 @@ def mnrl_directions_loss(
             similarity == "cos",
             backend,
             group=process_group,
+            dims=None if matryoshka is None else matryoshka[0],
         )
         if partition_mode == "joint":
             rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
@@ -319,6 +339,8 @@ def mnrl_directions_loss(
             rows = _query_rows(bt, False, hardness_mode, alpha)
             if "doc_to_query" in dirs:
                 rows = 0.5 * (rows + _doc_rows(bt, True, False))
+        if matryoshka is not None:  # [K, B] -> sum_k w_k * rows_k
+            rows = (_matryoshka.weight_tensor(matryoshka, rows)[:, None] * rows).sum(0)
         if reduction == "none":
             out = rows
         else:  # with a group: mean_r L_r and DDP's averaging give the global loss's gradient

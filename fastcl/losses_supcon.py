@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks, distributed
+from . import matryoshka as _matryoshka
 from .ops.contract import EPS, TAG_ALL, compute_dtype, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.head import reduction_weights
@@ -86,6 +87,8 @@ def supcon_labels_loss(
     backend: str = "auto",
     similarity: str = "cos",
     process_group=None,
+    matryoshka_dims: tuple[int, ...] | None = None,
+    matryoshka_weights: tuple[float, ...] | None = None,
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020, L_out) with positives from labels.
 
@@ -108,6 +111,8 @@ def supcon_labels_loss(
             stay this rank's. Scaled as every fastcl loss (``fastcl.distributed``):
             ``mean_r L_r`` is the loss of the concatenated global batch and DDP's averaging
             gives its gradient. All ranks pass the same shapes; not with ``ref_emb``.
+        matryoshka_dims, matryoshka_weights: the weighted sum over prefixes of ``features``
+            and ``ref_emb`` (:mod:`fastcl.matryoshka`), all prefixes in one fused call.
 
     Memory: O((N + M) * d) beyond the inputs on the fused backends; no ``N x N`` mask or logits.
 
@@ -127,6 +132,7 @@ def supcon_labels_loss(
     if features.dim() == 3:
         features, labels = _flatten_views(features, labels)
     N, d = features.shape
+    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, d)
     if (ref_emb is None) != (ref_labels is None):
         raise ValueError("give ref_emb and ref_labels together (or neither)")
     self_set = ref_emb is None
@@ -181,19 +187,26 @@ def supcon_labels_loss(
         w = has_pos.to(cd)
         weights = w * (world / valid_global.to(cd)) if reduction == "mean" else w * world
 
-    with _no_autocast(features):
-        # mean positive logit, O((N + M) d): anchors . (label sum of candidates - self)
-        a_hat = F.normalize(features.to(cd), dim=1, eps=EPS) if cosine else features.to(cd)
+    def mean_pos(m: int) -> Tensor:
+        """``[N]`` mean positive logit on the first ``m`` coordinates, O((N + M) m):
+        anchors . (label sum of candidates - self)."""
+        a_hat = F.normalize(features[:, :m].to(cd), dim=1, eps=EPS) if cosine else features[:, :m].to(cd)
         if self_set and world == 1:
             c_hat = a_hat
         else:
-            c_hat = F.normalize(cands.to(cd), dim=1, eps=EPS) if cosine else cands.to(cd)
-        label_sum = torch.zeros(num_labels, d, dtype=cd, device=dev).index_add(0, cand_id, c_hat)
+            c_hat = F.normalize(cands[:, :m].to(cd), dim=1, eps=EPS) if cosine else cands[:, :m].to(cd)
+        label_sum = torch.zeros(num_labels, m, dtype=cd, device=dev).index_add(0, cand_id, c_hat)
         pos_sum = label_sum[anchor_id]
         if self_set:
             pos_sum = pos_sum - c_hat[offset : offset + N]
-        mean_pos = torch.linalg.vecdot(a_hat, pos_sum) / (num_pos.clamp_min(1).to(cd) * tau.to(cd))
-        mean_pos = torch.where(has_pos, mean_pos, torch.zeros_like(mean_pos))
+        mean = torch.linalg.vecdot(a_hat, pos_sum) / (num_pos.clamp_min(1).to(cd) * tau.to(cd))
+        return torch.where(has_pos, mean, torch.zeros_like(mean))
+
+    with _no_autocast(features):
+        # one positive column per anchor; [K, N, 1] with matryoshka dims, one per prefix
+        pos_logits = (
+            mean_pos(d)[:, None] if matryoshka is None else torch.stack([mean_pos(m) for m in matryoshka[0]])[..., None]
+        )
 
         # denominator: the fused masked LSE, each anchor left out of its own row
         if self_set:  # candidate offset + i is anchor i: left out of row i (other ranks' rows: TAG_ALL)
@@ -209,11 +222,13 @@ def supcon_labels_loss(
             tau,
             kind="supcon",
             positives=None,
-            pos_logits=mean_pos[:, None],
+            pos_logits=pos_logits,
             pos_mask=has_pos[:, None],
             weights=weights,
             reduction=reduction,
             cosine=cosine,
             eps=EPS,
             backend=backend,
+            dims=None if matryoshka is None else matryoshka[0],
+            dim_weights=_matryoshka.weight_tensor(matryoshka, features),
         )

@@ -68,12 +68,17 @@ class ReferenceLSE(Backend):
         return torch.where(keep, shifted.exp(), 0.0)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        if problem.dims is not None:  # Matryoshka: the definition, one plain problem per prefix
+            outs = [self.forward(problem.prefix(k), tau) for k in range(problem.num_prefixes)]
+            return torch.stack([lse for lse, _ in outs]), torch.stack([ml for _, ml in outs])
         _, _, logits, keep = self._logits(problem, tau)
         lse = _safe_logsumexp(logits, keep)
         p = self._softmax(logits, keep, lse)
         return lse, (p * torch.where(keep, logits, 0.0)).sum(1)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        if problem.dims is not None:
+            return self._prefix_backward(problem, tau, lse, g, d_pos)
         a, c, logits, keep = self._logits(problem, tau)
         d_logits = g[:, None].to(logits.dtype) * self._softmax(logits, keep, lse)
         if d_pos is not None and problem.positives is not None:  # fold the own positives' gradient
@@ -93,6 +98,16 @@ class ReferenceLSE(Backend):
         d_c = torch.where(padded, torch.zeros((), dtype=d_c.dtype, device=d_c.device), d_c)  # exactly zero
         n0 = problem.blocks[0].shape[0]
         return d_a, (d_c[:n0], d_c[n0:])
+
+    def _prefix_backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None):
+        """Sum of the prefixes' plain gradients, each zero-padded to the full ``d``."""
+        total = None
+        for k, m in enumerate(problem.prefixes):
+            dp = None if d_pos is None else d_pos[k]
+            d_a, d_b = self.backward(problem.prefix(k), tau, lse[k], g[k], dp)
+            grads = [F.pad(t, (0, problem.dim - m)) for t in (d_a, *d_b)]  # out of place: differentiable
+            total = grads if total is None else [t + u for t, u in zip(total, grads)]
+        return total[0], (total[1], total[2])
 
 
 BACKEND = ReferenceLSE()

@@ -8,6 +8,15 @@ namespace): docs/triton.md.
 from ._common import INTERPRET
 from .lse_bwd import lse_backward
 from .lse_fwd import lse_forward
+from .lse_prefixes import lse_backward_prefixes, lse_forward_prefixes, prefix_reasons
 from .plan import size_reasons
 
-__all__ = ["INTERPRET", "lse_forward", "lse_backward", "size_reasons"]
+__all__ = [
+    "INTERPRET",
+    "lse_forward",
+    "lse_backward",
+    "lse_forward_prefixes",
+    "lse_backward_prefixes",
+    "prefix_reasons",
+    "size_reasons",
+]

@@ -36,6 +36,7 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
     without own positives, and an 8-row block a first-and-last one)."""
     from .lse_bwd import _lse_backward
     from .lse_fwd import _lse_forward
+    from .lse_prefixes import _lse_backward_prefixes, _lse_forward_prefixes
 
     out: dict[str, Launch] = {}
     with recording(dry=True, arch="interp") as launches:
@@ -52,6 +53,12 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
                     _lse_backward(
                         anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), d_pos, 3, cosine, 1e-8, fp32_ds
                     )
+                # Matryoshka (lse_prefixes): the same chunks, three unsorted prefixes
+                dims = [5, 8, 3]
+                _lse_forward_prefixes(anchor, c0, c1, t0, t1, tau, dims, cosine, 1e-8)
+                d_pos = torch.zeros(3, B, P) if P else None
+                ones = torch.ones(3, B)
+                _lse_backward_prefixes(anchor, c0, c1, t0, t1, tau, 0 * ones, ones, d_pos, 3, dims, cosine, 1e-8)
     for launch in launches:
         out.setdefault(launch.key, launch)
     return list(out.values())
@@ -63,7 +70,8 @@ def configs(launch: Launch, arch: str):
 
 def uses_dot(launch: Launch) -> bool:
     """Kernels whose main loop is ``tl.dot`` (must compile to MMA), fp64 excepted (no fp64 MMA path)."""
-    return launch.kernel in ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel") and launch.dclass != "64"
+    tiles = ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel", "_prefix_fwd_kernel", "_prefix_ds_kernel")
+    return launch.kernel in tiles and launch.dclass != "64"
 
 
 @dataclass(frozen=True)

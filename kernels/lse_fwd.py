@@ -59,6 +59,24 @@ def _pow2_floor(x):
 
 
 @triton.jit
+def _ssq_step(scale, ssq, x, HI: tl.constexpr):
+    """Add a ``[BR, BD]`` chunk to the sum of squares ``ssq`` kept in units of ``scale^2``
+    (``scale``: a power of two near the running max ``|x|``, at most ``HI``)."""
+    new = tl.minimum(tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1))), HI)
+    ratio = scale / new
+    xs = x * (1.0 / new)[:, None]
+    return new, ssq * ratio * ratio + tl.sum(xs * xs, 1)
+
+
+@triton.jit
+def _store_inverse_norms(INV, RINV, ok, norm, bad, eps):
+    """``inv = 1 / max(norm, eps)`` and ``rinv`` (``inv``, 0 where clamped); NaN where ``bad``."""
+    inv = tl.where(bad, float("nan"), 1.0 / tl.maximum(norm, eps))
+    tl.store(INV, inv, mask=ok)
+    tl.store(RINV, tl.where(norm > eps, inv, tl.where(bad, inv, 0.0)), mask=ok)
+
+
+@triton.jit
 def _row_norms_kernel(
     X, TAGS, INV, RINV, n_rows, d, eps, HAS_TAGS: tl.constexpr, NORMS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
 ):
@@ -80,17 +98,11 @@ def _row_norms_kernel(
         for k0 in range(0, d, BD):
             ks = k0 + tl.arange(0, BD)
             x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < d)[None, :], other=0.0).to(ACC)
-            new = tl.minimum(tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1))), HI)
-            ratio = scale / new
-            xs = x * (1.0 / new)[:, None]
-            ssq = ssq * ratio * ratio + tl.sum(xs * xs, 1)
-            scale = new
+            scale, ssq = _ssq_step(scale, ssq, x, HI)
         norm = scale * sqrt_rn(ssq)
         # only a NaN or Inf entry makes the norm NaN or Inf (tl.max may skip a NaN): keep NaN
         bad = (norm != norm) | (norm == float("inf"))
-        inv = tl.where(bad, float("nan"), 1.0 / tl.maximum(norm, eps))
-        tl.store(INV + rows, inv, mask=ok)
-        tl.store(RINV + rows, tl.where(norm > eps, inv, tl.where(bad, inv, 0.0)), mask=ok)
+        _store_inverse_norms(INV + rows, RINV + rows, ok, norm, bad, eps)
     else:
         # dot similarity: a row scale of 1 for a finite row, NaN for a row holding NaN or Inf
         # (|x| < inf is false exactly there); the tile kernels multiply rows by it, so every

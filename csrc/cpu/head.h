@@ -1,16 +1,6 @@
-// The loss head of fastcl/ops/head.py for one anchor row, in C++ (used by lse_fused on
-// CPU and, compiled by nvcc as host-device code, by the CUDA row kernel).
-//
-// head.py is the definition; this is a line-by-line transcription of head_rows() and
-// HeadInputs.rows() for one row, and tests/test_cpp.py checks the two agree:
-//
-//   r      = lse                       (or logaddexp(lse, log_extra) when given)
-//   x_k    = r - pos_k                 over valid own positives k
-//   supcon:  phi = x,           dphi = 1
-//   supmpn:  phi = softplus(x), dphi = sigmoid(x)
-//   loss   = sum_k phi / max(count, 1)                       (unweighted)
-//   dlse   = sum_k dphi / max(count, 1) * exp(lse - r) * w   (0 when r = -inf)
-//   dpos_k = -dphi_k / max(count, 1) * w
+// The loss head of fastcl/ops/head.py for one anchor row (head_rows() and HeadInputs.rows(),
+// transcribed line by line; formulas in docs/csrc.md), used by lse_fused on CPU and, compiled
+// by nvcc as host-device code, by the CUDA row kernel.
 #pragma once
 
 #include <math.h>  // the float and double overloads of exp/log1p in the global namespace
@@ -24,6 +14,14 @@
 #endif
 
 namespace fastcl::cpu {
+
+// Own positives folded into the weights X: anchor i's positive k is column
+// offset + i * count + k of block 0, its logit gradient dpos[i * count + k].
+template <typename T>
+struct Fold {
+  const T* dpos = nullptr;
+  int64_t offset = 0, count = 0;
+};
 
 template <typename T>
 struct Head {

@@ -1,41 +1,15 @@
-// CPU kernels of the masked-LSE primitive (schemas and semantics: ../registration.cpp).
-//
-// Strategy. Anchor rows are cut into blocks of H rows (make_plan: a buffer of about
-// (B + N) d elements). A block's raw dot products with every candidate, [H, N] in the
-// compute dtype, are formed by GEMM into one buffer; then each row turns into logits
-// (inverse norms and 1/tau applied on the fly, masked columns set to -inf), its LSE and
-// mean logit, and, when a gradient is wanted, into the weights
-// X_ic = dLoss/d<a_i, c> = g_i softmax_ic / (tau |a_i| |c|), all in place (rows.h). Two
-// more GEMMs give
-//     E_a = X C        (d anchor, rows of this block only)
-//     E_c += X^T A     (d candidates, every block contributes)
-// and the normalisation backward is applied to E_a / E_c row by row. That is three
-// GEMM-sized passes for the gradient-in-forward op (like eager autograd) and never a
-// B x N buffer; the normalised inputs are never materialised (only inverse norms).
-//
-// Parallelism and determinism. All threads work on the same block (sweep()): the
-// GEMMs are split along a dimension of C (candidate chunks for A C^T and X^T A, columns
-// of d for X C), the row passes by rows. Every element of every output is written by
-// exactly one thread in a fixed order: results are bitwise reproducible run to run for
-// a given torch.get_num_threads() (a different thread count changes the splits and so
-// the rounding). The alternative, per-thread partial E_c buffers reduced at the end,
-// costs T * N * d extra floats (8 GB for T = 64, N = 40960, d = 768): rejected. So was
-// the former layout, one block per thread in waves: each thread then streamed (and MKL
-// repacked) all of C per block, and the buffer (T blocks) grew with the threads.
-//
-// Inputs of any of the four dtypes are read as the compute dtype: float32 and float64
-// inputs directly, bfloat16 and float16 through one float32 copy of anchor and
-// candidates (O((B + N) d), within the contract), so every GEMM is a float32 (float64)
-// BLAS call with float32 (float64) accumulation.
+// CPU kernels of the masked-LSE primitive (schemas: ../registration.cpp). The design (row
+// blocks, the three GEMMs, the parallel split and why results are bitwise reproducible for a
+// thread count) and the measurements behind its constants: docs/csrc.md, "CPU kernel".
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <string_view>
-#include <tuple>
 #include <vector>
 
 #include "../checks.h"
@@ -45,19 +19,8 @@
 namespace fastcl::cpu {
 namespace {
 
-using fastcl::check_backward;
-using fastcl::check_forward;
-using fastcl::check_fused;
-using fastcl::compute_dtype;
-
 constexpr c10::DeviceType kDev = c10::DeviceType::CPU;
-
 enum class Mode { kForward, kBackward, kFused };
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* s = std::getenv(name);
-  return (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : fallback;
-}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -72,67 +35,51 @@ void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
   });
 }
 
-// How the rows are cut: `rows` per block, `threads` blocks per wave.
-struct Plan {
-  int64_t rows;
-  int64_t threads;
-};
-
-// How many anchor rows H one block holds (all threads work on the same block, see
-// sweep()). FASTCL_CPP_TILE: elements of the [H, N] block buffer; FASTCL_CPP_ROWS forces
-// H (tests use it to cross block edges). Default: a buffer of (B + N) * d elements (at
-// least 2^20 per thread), H clamped to [8, 1024], then evened out over the blocks.
-//
-// Why that budget: every block streams all of C for A_blk C^T and X C (MKL repacks the
-// [N, d] operand on every call), so the fixed cost per block is O(N d) against O(H N d)
-// of work; short blocks lose. Measured at 1 thread (CPU time, share of the GEMM floor in
-// the same process, interleaved; docs/csrc.md): N = 40960, d = 768: H = 25 (the former
-// fixed 2^20 tile) 37 %, H = 128 75 %, H = 512 93 %; N = 81920, d = 128: H = 12 35 %,
-// H = 128 90 %, H = 256 81 % (the row passes then leave L2 more often). A buffer of
-// (B + N) d elements is one more copy of the inputs: within the O((B + N) d) contract,
-// and never B x N.
-Plan make_plan(int64_t B, int64_t N, int64_t d) {
-  const int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+// Anchor rows H per block (all threads share a block): a [H, N] buffer of about (B + N) d
+// elements, at least 2^20 per thread, H in [8, 1024], evened out over the blocks. Each
+// block streams all of C, so short blocks lose (docs/csrc.md). FASTCL_CPP_TILE sets the
+// element budget, FASTCL_CPP_ROWS forces H (tests use it to cross block edges). A sweep that keeps
+// several [H, N] tiles (Matryoshka prefixes) shares the budget among them.
+int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t tiles) {
   int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
-  if (std::getenv("FASTCL_CPP_ROWS") == nullptr || rows < 1) {
+  if (rows == 0) {
     const int64_t budget = std::max<int64_t>(threads << 20, (B + N) * d);
-    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / std::max<int64_t>(N, 1), 8, 1024);
+    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / (std::max<int64_t>(N, 1) * tiles), 8, 1024);
     rows = ceil_div(B, ceil_div(B, rows));  // even blocks: no short last one
   }
-  rows = std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
-  return {rows, threads};
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
 }
 
-// What prepare() learned about each row of one input matrix (see scan_rows).
+// What prepare() learned about each row of one input matrix (see scan_rows), per prefix k of
+// the row (Matryoshka; a plain problem has one prefix, the whole row): entry [k, row].
 template <typename T>
 struct RowInfo {
-  at::Tensor norm;                 // [rows] norm of the row as stored (cosine only)
-  at::Tensor inv;                  // [rows] the factor its raw dot products take: 1/max(|x|, eps)
+  at::Tensor norm;                 // [K, rows] norm of the prefix as stored (cosine only)
+  at::Tensor inv;                  // [K, rows] the factor its raw dot products take: 1/max(|x|, eps)
                                    // (times 2^e for a rescaled row); 1 for dot; NaN if non-finite
-  std::vector<T> unscale;          // 2^-e for a row stored as x * 2^-e, else 1
-  std::vector<uint8_t> unclamped;  // |x| > eps (the normalisation backward applies)
+  std::vector<T> unscale;          // [rows] 2^-e for a row stored as x * 2^-e, else 1
+  std::vector<uint8_t> unclamped;  // [K * rows] |x| > eps (the normalisation backward applies)
+  bool nonfinite = false;          // some (unpadded) row has a prefix holding NaN/Inf
 };
 
-// Robustness rules, the same as fastcl/ops/normalize.py (docs/losses.md, "Non-finite
-// inputs"):
-//  * a padded row (tag -2) is read as zeros whatever it holds: it is zeroed in the
-//    compute-dtype copy, so NaN/Inf there reach no value and no gradient;
-//  * a row holding NaN or Inf gets inv = NaN: every logit reading it is NaN, so the
-//    non-finite value can never vanish (e.g. as exp(-inf) = 0);
-//  * norms are right at any scale: the kernels form raw dot products <a, c> by GEMM,
-//    which overflow float32 for |x| ~ 1e19, so (cosine only) a row whose largest entry
-//    exceeds 2^40 is stored as x * 2^-e (a power of two: exact), with
-//    inv = 1/|x * 2^-e| and its gradient scaled back by 2^-e. Tiny rows need nothing:
-//    below 2^-40 their norm is clamped at eps anyway. Sums of squares accumulate in double.
-// `x` is the compute-dtype copy (it may alias `input`; it is cloned before any change).
+// The robustness rules of fastcl/ops/normalize.py (docs/csrc.md, "Non-finite and extreme
+// rows"), per prefix [0, ends[k]) of each row: a padded row (tag -2) is zeroed; a prefix holding
+// NaN/Inf gets inv = NaN; with cosine, a row whose largest entry in its finite prefixes exceeds
+// 2^40 is stored as x * 2^-e (exact) so that the GEMMs' raw dot products cannot overflow. `x`
+// is the compute-dtype copy (it may alias `input`; it is cloned before any change).
 constexpr int kScaleExponent = 40;
+// A prefix of a rescaled row stored below this norm (2^60 below the row's largest entry) would
+// lose bits to underflow in the GEMMs: refused (Matryoshka only; a whole row is never so small).
+constexpr int kTinyPrefixExponent = -60;
 
 template <typename T>
-RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags, bool cosine, double eps) {
+RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags, bool cosine, double eps,
+                     const std::vector<int64_t>& ends) {
   enum Action : int8_t { kKeep, kZero, kNonFinite, kScale };
-  const int64_t rows = x.size(0), d = x.size(1);
+  const int64_t rows = x.size(0), d = x.size(1), K = int64_t(ends.size());
   std::vector<int8_t> action(rows, kKeep);
   std::vector<int> expo(rows, 0);
+  std::vector<int64_t> finite(rows, K);  // prefixes [0, finite) hold no NaN/Inf
   const T* xr = x.template data_ptr<T>();
   parallel(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
@@ -140,8 +87,16 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
         action[i] = kZero;
         continue;
       }
-      const T m = rows::max_abs(xr + i * d, d);  // NaN or inf when the row is not finite
-      if (!std::isfinite(m)) {
+      T m = 0;  // largest |entry| of the finite prefixes
+      int64_t k = 0;
+      for (; k < K; ++k) {
+        const int64_t lo = k ? ends[k - 1] : 0;
+        const T mk = rows::max_abs(xr + i * d + lo, ends[k] - lo);  // NaN or inf when not finite
+        if (!std::isfinite(mk)) break;
+        m = std::max(m, mk);
+      }
+      finite[i] = k;
+      if (k == 0) {
         action[i] = kNonFinite;
       } else if (cosine && m > std::ldexp(T(1), kScaleExponent)) {
         std::frexp(m, &expo[i]);
@@ -153,39 +108,47 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
   if (modify && x.data_ptr() == input.data_ptr()) x = x.clone();
   T* xw = x.template data_ptr<T>();
 
-  RowInfo<T> info;
-  info.norm = at::zeros({rows}, x.options());
-  info.inv = at::ones({rows}, x.options());
-  info.unscale.assign(rows, T(1));
-  info.unclamped.assign(rows, 0);
+  RowInfo<T> info{at::zeros({K, rows}, x.options()), at::ones({K, rows}, x.options()), std::vector<T>(rows, T(1)),
+                   std::vector<uint8_t>(K * rows, 0)};
+  info.nonfinite = std::any_of(finite.begin(), finite.end(), [K](int64_t k) { return k < K; });
   T* norm = info.norm.template data_ptr<T>();
   T* inv = info.inv.template data_ptr<T>();
+  std::atomic<bool> tiny{false};
   parallel(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       T* row = xw + i * d;
       if (action[i] == kZero) {
         std::fill(row, row + d, T(0));
-        inv[i] = cosine ? T(1 / eps) : T(1);
+        for (int64_t k = 0; k < K; ++k) inv[k * rows + i] = cosine ? T(1 / eps) : T(1);
         continue;
       }
-      if (action[i] == kNonFinite) {
-        norm[i] = inv[i] = std::numeric_limits<T>::quiet_NaN();
-        info.unclamped[i] = 1;
-        continue;
-      }
-      if (!cosine) continue;
-      if (action[i] == kScale) {
+      if (cosine && action[i] == kScale) {
         for (int64_t k = 0; k < d; ++k) row[k] = std::ldexp(row[k], -expo[i]);
         info.unscale[i] = std::ldexp(T(1), -expo[i]);
       }
-      const double sq = rows::sum_squares(row, d);
-      const T n = T(std::sqrt(sq));
-      norm[i] = n;
-      // the clamp compares the true norm n * 2^e with eps: a rescaled row (> 2^40) never is
-      info.unclamped[i] = action[i] == kScale || n > eps;
-      inv[i] = T(1) / (info.unclamped[i] ? n : T(eps));
+      double ss = 0;  // sum of squares of the prefix so far
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t j = k * rows + i, lo = k ? ends[k - 1] : 0;
+        if (k >= finite[i]) {
+          norm[j] = inv[j] = std::numeric_limits<T>::quiet_NaN();
+          info.unclamped[j] = 1;
+          continue;
+        }
+        if (!cosine) continue;
+        ss += rows::sum_squares(row + lo, ends[k] - lo);
+        const T n = T(std::sqrt(ss));
+        norm[j] = n;
+        // the clamp compares the true norm n * 2^e with eps: a rescaled prefix (refused below
+        // 2^-60) never is
+        info.unclamped[j] = action[i] == kScale || n > eps;
+        inv[j] = T(1) / (info.unclamped[j] ? n : T(eps));
+        const bool kept = n >= std::ldexp(T(1), kTinyPrefixExponent) && std::ldexp(double(n), expo[i]) > eps;
+        if (action[i] == kScale && !kept) tiny = true;
+      }
     }
   });
+  TORCH_CHECK(!tiny, "fastcl: a matryoshka prefix more than 2^60 below its row's largest entry (> 2^40), or "
+              "within eps of zero, is not supported by the cpp backend (backend=\"reference\" computes it)");
   return info;
 }
 
@@ -196,53 +159,42 @@ struct Prepared {
   bool cosine = true;
   double eps = 0;
   T inv_tau = 1;
+  std::vector<int64_t> ends;  // prefix lengths, increasing: {d} for a plain problem
   at::Tensor a, c0, c1;      // [B, d], [N0, d], [N1, d] in T, contiguous (see scan_rows)
   RowInfo<T> ra, rc0, rc1;   // per-row norms and factors of a, c0, c1
-  at::Tensor inv_a, inv_c;   // [B], [N] the rows' factors (RowInfo::inv), c0 then c1
+  at::Tensor inv_a, inv_c;   // [K, B], [K, N] the rows' factors (RowInfo::inv), c0 then c1
   at::Tensor col_add;        // [N] 0, or -inf for a padded candidate
-  std::vector<int64_t> own_ptr, own_col;  // CSR: the columns row i leaves out by tag
+  std::vector<std::vector<int64_t>> own_cols;  // [B] the columns row i leaves out by tag
 };
 
 template <typename T>
 Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                     const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
-                    double eps) {
+                    double eps, std::vector<int64_t> ends) {
   const auto st = c10::CppTypeToScalarType<T>::value;
-  Prepared<T> p;
-  p.B = anchor.size(0);
-  p.d = anchor.size(1);
-  p.N0 = block0.size(0);
-  p.N1 = block1.size(0);
-  p.N = p.N0 + p.N1;
-  p.cosine = cosine;
-  p.eps = eps;
+  const int64_t N0 = block0.size(0), N1 = block1.size(0);
+  Prepared<T> p{anchor.size(0), N0, N1, N0 + N1, anchor.size(1), cosine, eps};
   const double t = tau.item<double>();
   TORCH_CHECK(t > 0 && std::isfinite(t), "fastcl: tau must be finite and > 0, got ", t);
   p.inv_tau = T(1) / T(t);
+  p.ends = std::move(ends);
   const at::Tensor tags = at::cat({tags0, tags1}).contiguous();
   const int32_t* tg = tags.data_ptr<int32_t>();
   p.a = anchor.to(st).contiguous();
   p.c0 = block0.to(st).contiguous();
   p.c1 = block1.to(st).contiguous();
-  p.ra = scan_rows<T>(p.a, anchor, nullptr, cosine, eps);
-  p.rc0 = scan_rows<T>(p.c0, block0, tg, cosine, eps);
-  p.rc1 = scan_rows<T>(p.c1, block1, tg + p.N0, cosine, eps);
+  p.ra = scan_rows<T>(p.a, anchor, nullptr, cosine, eps, p.ends);
+  p.rc0 = scan_rows<T>(p.c0, block0, tg, cosine, eps, p.ends);
+  p.rc1 = scan_rows<T>(p.c1, block1, tg + p.N0, cosine, eps, p.ends);
   p.inv_a = p.ra.inv;
-  p.inv_c = at::cat({p.rc0.inv, p.rc1.inv});
-  auto opts = p.a.options();
-  p.col_add = at::zeros({p.N}, opts);
+  p.inv_c = at::cat({p.rc0.inv, p.rc1.inv}, 1);
+  p.col_add = at::zeros({p.N}, p.a.options());
   T* add = p.col_add.template data_ptr<T>();
-  p.own_ptr.assign(p.B + 1, 0);
+  p.own_cols.resize(p.B);
   for (int64_t c = 0; c < p.N; ++c) {
     TORCH_CHECK(tg[c] >= -2, "fastcl: tags must be -2 (padding), -1 (all rows) or a row index >= 0; got ", tg[c]);
     if (tg[c] == -2) add[c] = rows::neg_inf<T>();
-    if (tg[c] >= 0 && tg[c] < p.B) ++p.own_ptr[tg[c] + 1];
-  }
-  for (int64_t i = 0; i < p.B; ++i) p.own_ptr[i + 1] += p.own_ptr[i];
-  p.own_col.resize(p.own_ptr[p.B]);
-  std::vector<int64_t> fill(p.own_ptr.begin(), p.own_ptr.end() - 1);
-  for (int64_t c = 0; c < p.N; ++c) {
-    if (tg[c] >= 0 && tg[c] < p.B) p.own_col[fill[tg[c]]++] = c;
+    if (tg[c] >= 0 && tg[c] < p.B) p.own_cols[tg[c]].push_back(c);
   }
   return p;
 }
@@ -251,18 +203,15 @@ Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at
 template <typename T>
 struct Sweep {
   Mode mode;
+  at::Tensor d_a, d_c0, d_c1;     // [B, d], [N0, d], [N1, d] out (backward, fused)
+  Fold<T> fold;                   // own positives to fold (backward with d_pos, fused)
   T* lse = nullptr;               // [B] out (forward, fused)
   T* mean_logit = nullptr;        // [B] out (forward, fused)
   const T* lse_in = nullptr;      // [B] (backward)
   const T* grad_lse = nullptr;    // [B] (backward)
   const Head<T>* head = nullptr;  // fused
   T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
-  // Own positives to fold (backward with d_pos, fused with fold_positives): anchor i's
-  // positive k is column fold_offset + i * fold_count + k of block 0, its logit gradient
-  // fold_dpos[i * fold_count + k] (the head's d_pos output in fused mode).
-  const T* fold_dpos = nullptr;
-  int64_t fold_offset = 0, fold_count = 0;
-  at::Tensor d_a, d_c0, d_c1;     // [B, d], [N0, d], [N1, d] out (backward, fused)
+  T* row_rad = nullptr;           // [K, B] (Matryoshka cosine backward): the rows' radial sums
 };
 
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
@@ -277,32 +226,61 @@ void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const 
   if (p.N == 0) out.zero_();
 }
 
-// Normalisation backward of gradient rows [r0, r1) of e against the rows of x as stored
-// (RowInfo); a rescaled row's gradient is then scaled back by 2^-e (see scan_rows).
-// (A clamped norm's gradient is e itself: d_hat / eps with d_hat = e * eps.)
+// The per-prefix normalisation backward of Matryoshka gradient rows [r0, r1) of e, the sum over
+// prefixes k of E_k (zero beyond ends[k]): prefix k's backward is E_k - x <x, E_k> / |x|^2 on
+// [0, ends[k]), and <x, E_k> is the radial sum rad[k * rad_stride + i] = sum_c X_k s_k (formed
+// with the weights, block_rows), so coordinate j of slice s gets x_j times the sum over k >= s.
 template <typename T>
-void unnormalize_rows(T* e, const T* x, const RowInfo<T>& info, int64_t r0, int64_t r1, int64_t d) {
+void unnormalize_prefix_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const RowInfo<T>& info,
+                             const T* rad, int64_t rad_stride, const std::vector<int64_t>& ends, int64_t r0,
+                             int64_t r1, int64_t grain) {
+  T* e = e_rows.data_ptr<T>();
+  const T* x = x_rows.data_ptr<T>();
   const T* norm = info.norm.template data_ptr<T>();
-  for (int64_t i = r0; i < r1; ++i) {
-    if (info.unclamped[i]) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
-    if (info.unscale[i] != T(1)) {
-      for (int64_t k = 0; k < d; ++k) e[i * d + k] *= info.unscale[i];
+  const int64_t rows = x_rows.size(0), d = x_rows.size(1);
+  parallel(r0, r1, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      T coef = 0;
+      T* ei = e + i * d;
+      const T* xi = x + i * d;
+      for (int64_t k = int64_t(ends.size()) - 1; k >= 0; --k) {
+        const int64_t j = k * rows + i;
+        if (info.unclamped[j]) coef += rad[k * rad_stride + i] / (norm[j] * norm[j]);
+        for (int64_t c = k ? ends[k - 1] : 0; c < ends[k]; ++c) ei[c] = (ei[c] - xi[c] * coef) * info.unscale[i];
+      }
     }
-  }
+  });
 }
 
-// A slice [c, c + n) of candidate block `blk` (0 or 1): the unit GEMMs 1 and 3 split over.
+// Normalisation backward (in parallel) of gradient rows [r0, r1) of e against the rows of
+// x as stored (RowInfo); a rescaled row's gradient is then scaled back by 2^-e (scan_rows).
+// (A clamped norm's gradient is e itself: d_hat / eps with d_hat = e * eps.)
+template <typename T>
+void unnormalize_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const RowInfo<T>& info, int64_t r0,
+                      int64_t r1, int64_t grain) {
+  T* e = e_rows.data_ptr<T>();
+  const T* x = x_rows.data_ptr<T>();
+  const T* norm = info.norm.template data_ptr<T>();
+  const int64_t d = x_rows.size(1);
+  parallel(r0, r1, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (info.unclamped[i]) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
+      if (info.unscale[i] != T(1)) {
+        for (int64_t k = 0; k < d; ++k) e[i * d + k] *= info.unscale[i];
+      }
+    }
+  });
+}
+
+// A slice [c, c + n) of candidate block `blk` (0 or 1): what steps 1 and 4 of sweep() split.
 struct Chunk {
   int blk;
   int64_t c, n;
 };
 
-// The candidates each thread takes in GEMMs 1 and 3: an equal share of the N columns,
-// [t N / T, (t + 1) N / T), cut at the edge between the two candidate blocks (so one or
-// two GEMM calls per thread). Equal shares balance the threads whatever N0 and N1 are;
-// one call per block part is the fewest (smaller chunks cost 2-8 % at 1 thread: at
-// N = 1024, d = 128, 4 chunks of 256 ran at 88 % of the floor, 1 chunk at 92 %).
-// FASTCL_CPP_CHUNK (for measurements and tests) cuts every call to at most that many.
+// The candidates each thread takes in steps 1 and 4 of sweep(): an equal share
+// [t N / T, (t + 1) N / T) of the N columns, cut at the edge between the two blocks (one or
+// two GEMM calls; smaller chunks lose, docs/csrc.md). FASTCL_CPP_CHUNK caps every call.
 template <typename T>
 std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t threads) {
   const int64_t most = env_int("FASTCL_CPP_CHUNK", std::numeric_limits<int64_t>::max());
@@ -318,159 +296,232 @@ std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t t
   return shares;
 }
 
-// Buffer rows [i0, i1) of a block starting at anchor r0: raw dot products in, weights X
-// (or, forward only, probabilities) out. Every row pass of a row (logits, exp, head,
-// weights, fold) runs back to back while the row (N values, 160 KB at N = 40960) is
-// still in the core's L2: one trip through memory per row instead of one per pass.
+// Buffer rows [i0, i1) of a block starting at anchor r0, prefix k (0 for a plain problem): raw
+// dot products in, weights X (or, forward only, probabilities) out; all passes of a row back to
+// back, while it is in L2. With col_rad (Matryoshka cosine backward) the radial sums too.
 template <typename T>
-void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int64_t i0, int64_t i1) {
-  const int64_t N = p.N;
-  const T* inv_a = p.inv_a.template data_ptr<T>();
-  const T* inv_c = p.inv_c.template data_ptr<T>();
+void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int64_t i0, int64_t i1, int64_t k,
+                T* col_rad) {
+  const int64_t N = p.N, kb = k * p.B;
+  const T* inv_a = p.inv_a.template data_ptr<T>() + kb;
+  const T* inv_c = p.inv_c.template data_ptr<T>() + k * N;
   const T* add = p.col_add.template data_ptr<T>();
-
-  // The row's weights X (one row of the block) from its logits, by mode.
-  auto weights = [&](int64_t gi, T* row) {
-    const T row_scale = inv_a[gi] * p.inv_tau;
+  // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
+  auto weights = [&](int64_t gi, T* row, T row_scale) -> T {
     if (sw.mode == Mode::kBackward) {
-      const T lse = sw.lse_in[gi], g = sw.grad_lse[gi];
+      const T lse = sw.lse_in[kb + gi], g = sw.grad_lse[kb + gi];
       if (lse == rows::neg_inf<T>() || g == T(0)) {
         std::fill(row, row + N, T(0));
-      } else {
-        rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N);
+        return T(0);
       }
-      return;
+      return rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
     }
+    T* lse = sw.lse + kb;
+    T* mean_logit = sw.mean_logit + kb;
     const T m = rows::logits_and_max(row, inv_c, add, row_scale, N);
     T sum_p = 0;
     if (m == rows::neg_inf<T>()) {  // no candidate: lse = -inf, no gradient
-      sw.lse[gi] = m;
-      sw.mean_logit[gi] = T(0);
+      lse[gi] = m;
+      mean_logit[gi] = T(0);
       if (sw.mode != Mode::kForward) std::fill(row, row + N, T(0));
     } else {
       const auto [sp, spl] = rows::exp_and_sums(row, m, N);
       sum_p = sp;
-      sw.lse[gi] = m + std::log(sp);
-      sw.mean_logit[gi] = spl / sp;
+      lse[gi] = m + std::log(sp);
+      mean_logit[gi] = spl / sp;
     }
     if (sw.mode == Mode::kFused) {
-      const T g = sw.head->row(gi, sw.lse[gi]);
+      const T g = sw.head->row(gi, lse[gi]);
       sw.g_rows[gi] = g;
       if (sum_p > T(0)) rows::scale(row, g * inv_a[gi] * p.inv_tau / sum_p, inv_c, N);
     }
+    return T(0);
   };
 
+  const int64_t P = sw.fold.count;
+  std::vector<T> pos_raw(col_rad ? P : 0);  // the own positives' raw dot products (radial sums)
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t gi = r0 + i;
     T* row = s + i * N;
-    for (int64_t k = p.own_ptr[gi]; k < p.own_ptr[gi + 1]; ++k) row[p.own_col[k]] = rows::neg_inf<T>();
-    weights(gi, row);
-    if (sw.fold_dpos) {
-      // The positive logit l = <a_i, c> * inv_a_i * inv_c / tau is one more entry of the
-      // row's weights X (zero until now when the loss leaves it out of the denominator):
-      // the GEMMs then accumulate it in the compute dtype with everything else, before
-      // the normalisation backward and any rounding (contract.py, OwnPositives). In fused
-      // mode the head has just written this row's d_pos.
-      const T row_scale = inv_a[gi] * p.inv_tau;
-      const T* dp = sw.fold_dpos + gi * sw.fold_count;
-      const int64_t c0 = sw.fold_offset + gi * sw.fold_count;
-      for (int64_t k = 0; k < sw.fold_count; ++k) row[c0 + k] += dp[k] * row_scale * inv_c[c0 + k];
+    const T row_scale = inv_a[gi] * p.inv_tau;
+    const int64_t c0 = sw.fold.offset + gi * P;
+    if (sw.fold.dpos && col_rad) std::copy(row + c0, row + c0 + P, pos_raw.begin());
+    for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
+    T rad = weights(gi, row, row_scale);
+    if (sw.fold.dpos) {
+      // d_pos * dl/d<a_i, c> is one more entry of X, summed by the GEMMs in the compute
+      // dtype before any rounding (contract.py, OwnPositives); fused: the head just wrote it
+      const T* dp = sw.fold.dpos + (kb + gi) * P;
+      for (int64_t j = 0; j < P; ++j) {
+        const T w = dp[j] * row_scale * inv_c[c0 + j];
+        row[c0 + j] += w;
+        if (col_rad) rad += w * pos_raw[j], col_rad[c0 + j] += w * pos_raw[j];
+      }
     }
+    if (sw.row_rad) sw.row_rad[kb + gi] = rad;
   }
 }
 
-// One block of H anchor rows at a time, every thread working on it (see the file
-// comment). Each GEMM is split along a dimension of C, so that each thread reads (and
-// MKL packs) only its share of the [N, d] candidates per block instead of all of them:
-//   1. S = A_blk C^T        by candidates (columns of S), an equal share per thread
-//   2. row passes           by rows of S
-//   3. E_a = X C            by columns of d (E_a rows then unnormalised by rows)
-//   4. E_c += X^T A_blk     by the same candidate shares (rows of E_c)
-// Every output element has one writer in a fixed order: bitwise reproducible for a
-// thread count. The per-thread-block layout this replaces (one block of H / T rows per
-// thread, every thread reading all of C) ran at 63 % of the floor on 2 threads at
-// N = 40960, d = 768 against 84 % with the same rows per thread (docs/csrc.md).
+// Whether a padded candidate's gradient row may be other than 0: its weights are exactly 0, but
+// the GEMMs give 0 * NaN = NaN when an anchor row or a row's factor (lse, g, a folded d_pos) is
+// not finite, and a folded d_pos lands on its column whatever the tag. O(K B P) reads after the
+// sweep: the finite case (a head gives padded positives d_pos = 0) touches no [N, d] data.
+template <typename T>
+bool padded_rows_may_be_nonzero(const Prepared<T>& p, const Sweep<T>& sw) {
+  const bool fused = sw.mode == Mode::kFused;
+  const int64_t n = fused ? p.B : int64_t(p.ends.size()) * p.B, P = sw.fold.count;
+  const T *lse = fused ? sw.lse : sw.lse_in, *g = fused ? sw.g_rows : sw.grad_lse, *dp = sw.fold.dpos;
+  const T* add = p.col_add.template data_ptr<T>();
+  auto bad_lse = [](T x) { return std::isnan(x) || x == std::numeric_limits<T>::infinity(); };  // -inf: no weights
+  if (p.ra.nonfinite || std::any_of(g, g + n, [](T x) { return !std::isfinite(x); }) ||
+      std::any_of(lse, lse + n, bad_lse)) {
+    return true;
+  }
+  for (int64_t j = 0; dp && j < n * P; ++j) {  // entry (k, i, s) of d_pos: column offset + i P + s
+    if (!std::isfinite(dp[j]) || (dp[j] != T(0) && add[sw.fold.offset + j % (p.B * P)] == rows::neg_inf<T>())) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Padded candidates get exactly zero gradient (the contract), rows of d_c0 / d_c1 (contiguous).
+template <typename T>
+void zero_padded_rows(const Prepared<T>& p, const Sweep<T>& sw) {
+  const T* add = p.col_add.template data_ptr<T>();
+  for (int64_t c = 0; c < p.N; ++c) {
+    if (add[c] != rows::neg_inf<T>()) continue;
+    T* row = c < p.N0 ? sw.d_c0.template data_ptr<T>() + c * p.d : sw.d_c1.template data_ptr<T>() + (c - p.N0) * p.d;
+    std::fill(row, row + p.d, T(0));
+  }
+}
+
+// One block of H anchor rows at a time, every thread working on it, each GEMM split along
+// a dimension of C so that a thread reads (and MKL packs) only its share per block:
+//   1. S = A_blk C^T by candidate shares   2. row passes by rows
+//   3. E_a = X C by columns of d           4. E_c += X^T A_blk by the candidate shares
+// Every output element has one writer in a fixed order (docs/csrc.md). Matryoshka prefixes
+// (docs/csrc.md): step 1 runs per d-slice [ends[k-1], ends[k]), S_k = S_{k-1} + A_k C_k^T, each
+// S_k then through step 2 with prefix k's norms; the backward keeps all K weight tiles X_k and
+// runs steps 3 and 4 per slice on Y_k = X_k + ... + X_{K-1} (every prefix covering the slice).
 template <typename T>
 void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   const bool grad = sw.mode != Mode::kForward;
+  const int64_t K = int64_t(p.ends.size()), d = p.d, top = p.ends.back();
+  if (grad && top < d) {  // coordinates beyond every prefix get no gradient
+    for (const at::Tensor* t : {&sw.d_a, &sw.d_c0, &sw.d_c1}) t->narrow(1, top, d - top).zero_();
+  }
   if (p.B == 0) {  // otherwise the first block's X^T A writes E_c (no zeroing pass over [N, d])
-    if (grad) {
-      sw.d_c0.zero_();
-      sw.d_c1.zero_();
-    }
+    if (grad) sw.d_c0.zero_(), sw.d_c1.zero_();
     return;
   }
-  const Plan plan = make_plan(p.B, p.N, p.d);
-  const int64_t H = plan.rows, T_ = plan.threads, d = p.d;
-  at::Tensor buf = at::empty({H, p.N}, p.a.options());
+  const int64_t T_ = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  // the backward keeps every prefix's weights until they are summed per slice; the forward
+  // needs S_{k-1} until S_k is formed
+  const int64_t tiles = sw.mode == Mode::kBackward ? K : std::min<int64_t>(K, 2);
+  const int64_t H = block_height(p.B, p.N, d, T_, tiles);
+  at::Tensor buf = at::empty({tiles, H, p.N}, p.a.options());
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
-  // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
-  const int64_t dstep = std::max<int64_t>(64, ceil_div(d, T_));
-  const int64_t dtasks = ceil_div(d, dstep);
-  const at::Tensor& c0 = p.c0;
-  const at::Tensor& c1 = p.c1;
+  // radial sums of the candidates, one [K, N] partial per row task (summed in task order)
+  at::Tensor col_rad = sw.row_rad ? at::zeros({T_, K, p.N}, p.a.options()) : at::Tensor();
+  auto slice = [&](int64_t k) { return std::make_pair(k ? p.ends[k - 1] : 0, p.ends[k] - (k ? p.ends[k - 1] : 0)); };
 
   for (int64_t r0 = 0; r0 < p.B; r0 += H) {
     const int64_t h = std::min(H, p.B - r0);
-    at::Tensor S = buf.narrow(0, 0, h);
+    auto tile = [&](int64_t k) { return buf[k % tiles].narrow(0, 0, h); };
     const at::Tensor a_blk = p.a.narrow(0, r0, h);
-    parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
-        const at::Tensor& c = ch.blk ? c1 : c0;
-        at::Tensor s_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n);
-        at::mm_out(s_cols, a_blk, c.narrow(0, ch.c, ch.n).t());
-      }
-    });
-    T* s = S.data_ptr<T>();
-    parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, s, r0, i0, i1); });
-    if (!grad) continue;
-    at::Tensor e_a = sw.d_a.narrow(0, r0, h);
-    parallel(0, dtasks, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t k0 = t * dstep, k = std::min(dstep, d - k0);
-        mm_blocks(e_a.narrow(1, k0, k), S, p, c0.narrow(1, k0, k), c1.narrow(1, k0, k));
-      }
-    });
-    parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
-        at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n);
-        const at::Tensor x_cols = S.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
-        if (r0 == 0) {
-          at::mm_out(e_c, x_cols, a_blk);
-        } else {
-          e_c.addmm_(x_cols, a_blk);
+    auto raw_dots = [&](int64_t k) {  // S_k = S_{k-1} + A_blk,k C_k^T (step 1, slice k)
+      const auto [lo, w] = slice(k);
+      at::Tensor S = tile(k), prev = k ? tile(k - 1) : at::Tensor();
+      parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
+          const at::Tensor c_k = (ch.blk ? p.c1 : p.c0).narrow(0, ch.c, ch.n).narrow(1, lo, w).t();
+          const int64_t col = (ch.blk ? p.N0 : 0) + ch.c;
+          at::Tensor s_cols = S.narrow(1, col, ch.n);
+          if (k == 0) at::mm_out(s_cols, a_blk.narrow(1, lo, w), c_k);
+          else at::addmm_out(s_cols, prev.narrow(1, col, ch.n), a_blk.narrow(1, lo, w), c_k);
         }
+      });
+    };
+    raw_dots(0);
+    for (int64_t k = 0; k < K; ++k) {
+      if (k + 1 < K) raw_dots(k + 1);
+      T* s = tile(k).template data_ptr<T>();
+      if (col_rad.defined()) {  // fixed row tasks: each owns one partial of the candidates' radial sums
+        parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t) {
+            block_rows(p, sw, s, r0, h * t / T_, h * (t + 1) / T_, k, col_rad[t][k].template data_ptr<T>());
+          }
+        });
+      } else {
+        parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, s, r0, i0, i1, k, (T*)nullptr); });
       }
-    });
-    if (p.cosine) {
-      parallel(0, h, 16, [&](int64_t i0, int64_t i1) {
-        unnormalize_rows(sw.d_a.template data_ptr<T>(), p.a.template data_ptr<T>(), p.ra, r0 + i0, r0 + i1, d);
+    }
+    if (!grad) continue;
+    for (int64_t k = K - 1; k >= 0; --k) {
+      const at::Tensor X = tile(k);  // Y_k: the weights of every prefix that covers slice k
+      if (k + 1 < K) X.add_(tile(k + 1));
+      const auto [lo, w] = slice(k);
+      // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
+      const int64_t dstep = std::max<int64_t>(64, ceil_div(w, T_));
+      at::Tensor e_a = sw.d_a.narrow(0, r0, h);
+      parallel(0, ceil_div(w, dstep), 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t k0 = lo + t * dstep, n = std::min(dstep, lo + w - k0);
+          mm_blocks(e_a.narrow(1, k0, n), X, p, p.c0.narrow(1, k0, n), p.c1.narrow(1, k0, n));
+        }
+      });
+      parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
+          at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
+          const at::Tensor x_cols = X.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
+          if (r0 == 0) at::mm_out(e_c, x_cols, a_blk.narrow(1, lo, w));  // the first block writes E_c
+          else e_c.addmm_(x_cols, a_blk.narrow(1, lo, w));
+        }
       });
     }
+    if (p.cosine && sw.row_rad) unnormalize_prefix_rows(sw.d_a, p.a, p.ra, sw.row_rad, p.B, p.ends, r0, r0 + h, 16);
+    else if (p.cosine) unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16);
   }
 
-  if (grad && p.cosine) {
-    parallel(0, p.N0, 64, [&](int64_t k0, int64_t k1) {
-      unnormalize_rows(sw.d_c0.template data_ptr<T>(), p.c0.template data_ptr<T>(), p.rc0, k0, k1, p.d);
-    });
-    parallel(0, p.N1, 64, [&](int64_t k0, int64_t k1) {
-      unnormalize_rows(sw.d_c1.template data_ptr<T>(), p.c1.template data_ptr<T>(), p.rc1, k0, k1, p.d);
-    });
+  if (grad && p.cosine && sw.row_rad) {
+    at::Tensor rad = col_rad[0];
+    for (int64_t t = 1; t < T_; ++t) rad.add_(col_rad[t]);  // in task order: deterministic
+    const T* r = rad.template data_ptr<T>();
+    unnormalize_prefix_rows(sw.d_c0, p.c0, p.rc0, r, p.N, p.ends, 0, p.N0, 64);
+    unnormalize_prefix_rows(sw.d_c1, p.c1, p.rc1, r + p.N0, p.N, p.ends, 0, p.N1, 64);
+  } else if (grad && p.cosine) {
+    unnormalize_rows(sw.d_c0, p.c0, p.rc0, 0, p.N0, 64);
+    unnormalize_rows(sw.d_c1, p.c1, p.rc1, 0, p.N1, 64);
   }
+  if (grad && padded_rows_may_be_nonzero(p, sw)) zero_padded_rows(p, sw);
 }
 
 // ------------------------------------------------------------------ ops
 
-void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                 const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-                 const at::Tensor& lse, const at::Tensor& mean_logit) {
+// The prefix lengths: dims (Matryoshka), checked increasing in 1..d (the glue sorts them), or
+// {d} for a plain op (no dims; a malformed anchor is refused by the op's check that follows).
+std::vector<int64_t> prefix_ends(const at::Tensor& anchor, const at::IntArrayRef* dims) {
+  if (!dims) return {anchor.dim() == 2 ? anchor.size(1) : 0};
+  TORCH_CHECK(!dims->empty() && anchor.dim() == 2, "fastcl: matryoshka dims must not be empty (anchor: [B, d])");
+  for (size_t k = 0; k < dims->size(); ++k) {
+    TORCH_CHECK((*dims)[k] >= 1 && (*dims)[k] <= anchor.size(1) && (k == 0 || (*dims)[k] > (*dims)[k - 1]),
+                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", *dims);
+  }
+  return dims->vec();
+}
+
+// lse_forward, and lse_prefix_forward with dims (lse, mean_logit [K, B]).
+void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+             const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+             const at::IntArrayRef* dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev);
-  const auto cd = compute_dtype(anchor);
-  dispatch_compute(cd, [&](auto zero) {
+  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
+  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev, dims ? dims->size() : 0);
+  dispatch_compute(compute_dtype(anchor), [&](auto zero) {
     using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
     Sweep<T> sw{Mode::kForward};
     sw.lse = lse.data_ptr<T>();
     sw.mean_logit = mean_logit.data_ptr<T>();
@@ -478,45 +529,70 @@ void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::T
   });
 }
 
-void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-                  const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
-                  int64_t pos_offset, const at::Tensor& d_anchor,
-                  const at::Tensor& d_block0, const at::Tensor& d_block1) {
-  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
+void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                 const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                 const at::Tensor& lse, const at::Tensor& mean_logit) {
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, mean_logit);
+}
+
+void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                        const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
+                        double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, mean_logit);
+}
+
+// lse_backward, and lse_prefix_backward with dims (lse, grad_lse [K, B], d_pos [K, B, P]).
+void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+              const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+              const at::IntArrayRef* dims, const at::Tensor& lse, const at::Tensor& grad_lse,
+              const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
+              const at::Tensor& d_block0, const at::Tensor& d_block1) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
   const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
-                                   d_anchor, d_block0, d_block1, kDev);
+                                   d_anchor, d_block0, d_block1, kDev, dims ? dims->size() : 0);
   const auto cd = compute_dtype(anchor);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
     const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
     const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
-    Sweep<T> sw{Mode::kBackward};
-    if (d_pos) {
-      sw.fold_dpos = dpos_c.data_ptr<T>();
-      sw.fold_offset = pos_offset;
-      sw.fold_count = P;
-    }
+    // Matryoshka cosine: the per-prefix normalisation backward needs the rows' radial sums
+    const at::Tensor row_rad = dims && cosine ? at::empty({int64_t(ends.size()), p.B}, p.a.options()) : at::Tensor();
+    Sweep<T> sw{Mode::kBackward, d_anchor, d_block0, d_block1};
+    if (d_pos) sw.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
     sw.lse_in = lse_c.data_ptr<T>();
     sw.grad_lse = g_c.data_ptr<T>();
-    sw.d_a = d_anchor;
-    sw.d_c0 = d_block0;
-    sw.d_c1 = d_block1;
+    if (row_rad.defined()) sw.row_rad = row_rad.template data_ptr<T>();
     sweep(p, sw);
   });
+}
+
+void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                  const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
+                  int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+                  const at::Tensor& d_block1) {
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, grad_lse, d_pos, pos_offset,
+           d_anchor, d_block0, d_block1);
+}
+
+void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
+                         double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& grad_lse,
+                         const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
+                         const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, grad_lse, d_pos, pos_offset,
+           d_anchor, d_block0, d_block1);
 }
 
 void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
                const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
-               bool fold_positives, const at::Tensor& lse,
-               const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
-               const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
-               const at::Tensor& g_dot_mean_logit) {
-  // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
+               bool fold_positives, const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
+               const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+               const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
                                 weights, pos_offset, fold_positives, lse, mean_logit, loss_rows, d_pos, d_anchor,
@@ -525,38 +601,19 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   const int64_t B = anchor.size(0);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps);
-    const at::Tensor pos_c = pos_logits.to(cd).contiguous(), w_c = weights.to(cd).contiguous();
-    const at::Tensor mask_c = pos_mask ? pos_mask->contiguous() : at::Tensor();
-    const at::Tensor extra_c = log_extra ? log_extra->to(cd).contiguous() : at::Tensor();
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(-1)});
+    const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
+    const Head<T> h = ht.head<T>(head, loss_rows, d_pos);
     at::Tensor g_rows = at::empty({B}, p.a.options());
-    const Head<T> h{head == "supmpn",
-                    P,
-                    pos_c.data_ptr<T>(),
-                    mask_c.defined() ? mask_c.data_ptr<bool>() : nullptr,
-                    extra_c.defined() ? extra_c.data_ptr<T>() : nullptr,
-                    w_c.data_ptr<T>(),
-                    loss_rows.data_ptr<T>(),
-                    d_pos.data_ptr<T>()};
-    Sweep<T> sw{Mode::kFused};
+    Sweep<T> sw{Mode::kFused, d_anchor, d_block0, d_block1};
+    if (fold_positives) sw.fold = {d_pos.data_ptr<T>(), pos_offset, P};
     sw.lse = lse.data_ptr<T>();
     sw.mean_logit = mean_logit.data_ptr<T>();
     sw.head = &h;
     sw.g_rows = g_rows.data_ptr<T>();
-    if (fold_positives) {
-      sw.fold_dpos = d_pos.data_ptr<T>();
-      sw.fold_offset = pos_offset;
-      sw.fold_count = P;
-    }
-    sw.d_a = d_anchor;
-    sw.d_c0 = d_block0;
-    sw.d_c1 = d_block1;
     sweep(p, sw);
-    // temperature gradient, summed in row order (deterministic)
-    const T* g = sw.g_rows;
-    const T* ml = sw.mean_logit;
-    T acc = 0;
-    for (int64_t i = 0; i < B; ++i) acc += g[i] * ml[i];
+    T acc = 0;  // the temperature gradient, summed in row order (deterministic)
+    for (int64_t i = 0; i < B; ++i) acc += sw.g_rows[i] * sw.mean_logit[i];
     g_dot_mean_logit.fill_(acc);
   });
 }
@@ -567,6 +624,8 @@ TORCH_LIBRARY_IMPL(fastcl, CPU, m) {
   m.impl("lse_forward", &lse_forward);
   m.impl("lse_backward", &lse_backward);
   m.impl("lse_fused", &lse_fused);
+  m.impl("lse_prefix_forward", &lse_prefix_forward);
+  m.impl("lse_prefix_backward", &lse_prefix_backward);
 }
 
 }  // namespace fastcl::cpu

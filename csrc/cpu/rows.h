@@ -1,14 +1,8 @@
-// Vectorised passes over one row of a logits block (at::vec), used by lse_cpu.cpp.
-//
-// A row holds the raw dot products s_c = <a_i, c> of one anchor with every candidate.
-// The logit is l_c = s_c * row_scale * col_scale[c] + col_add[c], where row_scale is
-// 1/(max(|a_i|, eps) * tau), col_scale[c] = 1/max(|c|, eps) (1 for dot similarity) and
-// col_add[c] is 0, or -inf for a padded candidate; the columns a row excludes by tag are
-// set to -inf before the first pass (row_scale and col_scale are > 0, so they stay -inf).
-//
-// Each pass writes its result back into the row, so a row block needs no other buffer.
-// Reductions keep one accumulator per vector lane and add the lanes in a fixed order:
-// results do not depend on threads.
+// Vectorised passes over one row of a logits block (at::vec), used by lse_cpu.cpp. A row
+// holds the raw dot products s_c = <a_i, c>; the logit is l_c = s_c * row_scale *
+// col_scale[c] + col_add[c] (row_scale = inv_a_i / tau, col_scale = inv_c, col_add 0 or
+// -inf for padding; excluded columns are -inf already). Each pass writes back into the
+// row. Reductions keep one accumulator per lane, added in a fixed order (thread-independent).
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -131,30 +125,41 @@ void scale(T* row, T row_factor, const T* col_scale, int64_t n) {
   for (; c < n; ++c) row[c] = row[c] * row_factor * col_scale[c];
 }
 
-// Recompute backward in one pass: row[c] <- exp(l_c - lse) * row_factor * col_scale[c]
-// with l_c formed from the raw dot product as in logits_and_max. lse must be finite.
+// Recompute backward in one pass: row[c] <- w_c = exp(l_c - lse) * row_factor * col_scale[c] with
+// l_c formed from the raw dot product s_c as in logits_and_max. lse must be finite. With col_rad
+// (Matryoshka prefixes: the radial sums of the normalisation backward, docs/csrc.md), also
+// col_rad[c] += w_c s_c, and returns sum_c w_c s_c (a zero weight adds nothing: s_c may be -inf).
 template <typename T>
-void softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T lse, T row_factor,
-                     int64_t n) {
+T softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T lse, T row_factor, int64_t n,
+                  T* col_rad = nullptr) {
   using V = Vectorized<T>;
-  const V rs(row_scale), vlse(lse), rf(row_factor);
+  const V rs(row_scale), vlse(lse), rf(row_factor), zero(T(0));
+  V acc(T(0));
   int64_t c = 0;
   for (; c + V::size() <= n; c += V::size()) {
-    V cs = V::loadu(col_scale + c);
-    V l = V::loadu(row + c) * rs * cs + V::loadu(col_add + c);
-    ((l - vlse).exp() * rf * cs).store(row + c);
+    V s = V::loadu(row + c), cs = V::loadu(col_scale + c);
+    V l = s * rs * cs + V::loadu(col_add + c);
+    V w = (l - vlse).exp() * rf * cs;
+    w.store(row + c);
+    if (col_rad) {
+      V ws = V::blendv(w * s, zero, w == zero);
+      (V::loadu(col_rad + c) + ws).store(col_rad + c);
+      acc = acc + ws;
+    }
   }
+  T rad = reduce_lanes<T>(acc, T(0), [](T a, T b) { return a + b; });
   for (; c < n; ++c) {
-    T l = row[c] * row_scale * col_scale[c] + col_add[c];
+    const T s = row[c];
+    T l = s * row_scale * col_scale[c] + col_add[c];
     row[c] = std::exp(l - lse) * row_factor * col_scale[c];
+    if (col_rad && row[c] != T(0)) col_rad[c] += row[c] * s, rad += row[c] * s;
   }
+  return rad;
 }
 
-// Normalisation backward for one row x (norm |x| > eps) from e = sum_c X_c c, the
-// gradient formed against the raw rows, which is dL/dx_hat / |x|. Written exactly as
-// normalize_backward() in fastcl/ops/normalize.py, with x_hat = x / |x| by division, so
-// that degenerate cases cancel exactly as there (d = 1: the gradient is exactly 0):
-//     d_hat = e |x|,   e <- (d_hat - x_hat <x_hat, d_hat>) / |x|
+// Normalisation backward of one row x (|x| > eps) from e = dL/dx_hat / |x|, written exactly
+// as normalize_backward() in fastcl/ops/normalize.py (x_hat = x / |x| by division, so that
+// d = 1 cancels to exactly 0): d_hat = e |x|, e <- (d_hat - x_hat <x_hat, d_hat>) / |x|
 template <typename T>
 void normalize_backward(T* e, const T* x, T norm, int64_t n) {
   using V = Vectorized<T>;

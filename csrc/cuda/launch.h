@@ -1,6 +1,5 @@
-// Host-side interface of the CUDA kernels (lse_rows.cu, lse_forward_tc.cu), included by
-// the torch glue (lse_cuda.cpp). Nothing here includes torch: the .cu files compile with a
-// bare nvcc, which is how tests/test_cuda_compile.py checks them on machines without a GPU.
+// Host-side interface of the CUDA kernels (lse_rows.cu, lse_forward_tc.cu) for the torch glue
+// (lse_cuda.cpp). No torch here: the .cu files compile with a bare nvcc (test_cuda_compile.py).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,8 +29,7 @@ struct RowArgs {
   const T* grad_lse = nullptr;   // [B] (backward)
   fastcl::cpu::Head<T> head{};   // fused: the loss head (device pointers)
   T* g_rows = nullptr;           // [B] out (fused): w_i dloss_i/dlse_i
-  const T* fold_dpos = nullptr;  // [B, fold_count] own-positive logit gradients, or null
-  int64_t fold_offset = 0, fold_count = 0;
+  fastcl::cpu::Fold<T> fold{};   // own positives to fold (dpos null: none)
 };
 
 template <typename T>

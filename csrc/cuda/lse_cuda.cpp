@@ -1,20 +1,7 @@
-// CUDA implementations of the fastcl ops (schemas: ../registration.cpp), the torch glue
-// around the kernels of lse_rows.cu and lse_forward_tc.cu.
-//
-// Strategy: the CPU backend's, on the GPU. Anchor rows are cut into blocks of R rows
-// (R * N <= FASTCL_CUDA_TILE elements, default 2^24 = 64 MB in float32): one cuBLAS GEMM
-// forms the block's raw dot products, rows_kernel turns them into LSE / mean logit and,
-// for a gradient, into the weights X in place (own positives folded in), and two more
-// GEMMs add X C to d anchor and X^T A to d candidates; the normalisation backward runs
-// once at the end. Three GEMM-sized passes for the gradient-in-forward op, never a B x N
-// buffer, float32 (float64) accumulation throughout.
-//
-// Inputs are read as the compute dtype: float32/float64 directly; float16/bfloat16 through
-// one float32 copy of anchor and candidates (O((B + N) d)), except for the forward-only op,
-// which runs the tensor-core kernel on the 16-bit inputs themselves.
-//
-// No host synchronisation: tau stays on the device (the kernels read 1/tau there); the
-// tag values are checked by the Python layer (fastcl.ops.contract.structured_tags).
+// CUDA implementations of the fastcl ops (schemas: ../registration.cpp): the torch glue
+// around lse_rows.cu and lse_forward_tc.cu, the CPU backend's strategy on the GPU with
+// cuBLAS GEMMs (docs/csrc.md, "CUDA kernels"). No host synchronisation: tau stays on the
+// device; the tag values are checked by the Python layer (contract.structured_tags).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -41,8 +28,7 @@ void check_launch(cudaError_t err, const char* what) {
 }
 
 int64_t rows_per_block(int64_t B, int64_t N) {
-  const char* s = std::getenv("FASTCL_CUDA_TILE");
-  const int64_t tile = (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : (int64_t(1) << 24);
+  const int64_t tile = env_int("FASTCL_CUDA_TILE", int64_t(1) << 24);  // elements of the [R, N] buffer
   return std::clamp<int64_t>(tile / std::max<int64_t>(N, 1), 1, std::max<int64_t>(B, 1));
 }
 
@@ -57,12 +43,8 @@ struct Prepared {
   at::Tensor inv_tau;          // 0-d, compute dtype, on the device
 };
 
-// The robustness rules of fastcl/ops/normalize.py and csrc/cpu/lse_cpu.cpp (scan_rows),
-// with tensor ops (no host sync): a padded row (tag -2) is read as zeros; a row holding
-// NaN/Inf gets inv = NaN so every logit reading it is NaN; with cosine similarity a row
-// whose largest entry exceeds 2^40 is stored as x * 2^-e (exact), so that neither its
-// norm nor the GEMMs' raw dot products overflow; its gradient is scaled back by 2^-e.
-// Returns (rows as stored, inv, norm or undefined, unscale or undefined).
+// The robustness rules of scan_rows (docs/csrc.md, "Non-finite and extreme rows") with tensor
+// ops (no host sync). Returns (rows as stored, inv, norm or undefined, unscale or undefined).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> robust_rows(at::Tensor x, const at::Tensor& tags,
                                                                       bool cosine, double eps, at::ScalarType st) {
   if (tags.defined()) x = at::where(tags.eq(-2).unsqueeze(1), at::zeros({}, x.options()), x);
@@ -82,36 +64,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> robust_rows(at::Tenso
 Prepared prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                  at::ScalarType st, bool copy_inputs = true) {
-  Prepared p;
-  p.B = anchor.size(0);
-  p.d = anchor.size(1);
-  p.N0 = block0.size(0);
-  p.N = p.N0 + block1.size(0);
+  Prepared p{anchor.size(0), block0.size(0), block0.size(0) + block1.size(0), anchor.size(1)};
   p.tags = at::cat({tags0, tags1}).contiguous();
-  auto [a_in, inv_a, norm_a, unscale_a] = robust_rows(anchor.contiguous(), at::Tensor(), cosine, eps, st);
-  auto [c_in, inv_c, norm_c, unscale_c] = robust_rows(at::cat({block0, block1}).contiguous(), p.tags, cosine, eps, st);
-  p.a = (copy_inputs ? a_in.to(st) : a_in).contiguous();
-  p.c = (copy_inputs ? c_in.to(st) : c_in).contiguous();
-  p.inv_a = inv_a.contiguous();
-  p.inv_c = inv_c.contiguous();
-  p.norm_a = norm_a;
-  p.norm_c = norm_c;
-  p.unscale_a = unscale_a;
-  p.unscale_c = unscale_c;
+  std::tie(p.a, p.inv_a, p.norm_a, p.unscale_a) = robust_rows(anchor.contiguous(), at::Tensor(), cosine, eps, st);
+  std::tie(p.c, p.inv_c, p.norm_c, p.unscale_c) =
+      robust_rows(at::cat({block0, block1}).contiguous(), p.tags, cosine, eps, st);
+  p.a = (copy_inputs ? p.a.to(st) : p.a).contiguous();
+  p.c = (copy_inputs ? p.c.to(st) : p.c).contiguous();
+  p.inv_a = p.inv_a.contiguous();
+  p.inv_c = p.inv_c.contiguous();
   p.inv_tau = tau.reshape({}).to(st).reciprocal();
   return p;
 }
 
 template <typename T>
 RowArgs<T> row_args(const Prepared& p, int mode) {
-  RowArgs<T> r;
-  r.mode = mode;
-  r.N = p.N;
-  r.inv_a = p.inv_a.data_ptr<T>();
-  r.inv_c = p.inv_c.data_ptr<T>();
-  r.tags = p.tags.data_ptr<int32_t>();
-  r.inv_tau = p.inv_tau.data_ptr<T>();
-  return r;
+  // r0, R and s are set per block by sweep()
+  return {mode, 0, 0, p.N, nullptr, p.inv_a.data_ptr<T>(), p.inv_c.data_ptr<T>(), p.tags.data_ptr<int32_t>(),
+          p.inv_tau.data_ptr<T>()};
 }
 
 // The block loop; d_a / d_c (undefined for forward) receive the gradients against the raw
@@ -140,17 +110,25 @@ void sweep(const Prepared& p, RowArgs<T> args, const at::Tensor& d_a, const at::
     else e_a.zero_();
     if (p.N) d_c.addmm_(s.t(), a_blk);
   }
-  if (grad && cosine) {
-    check_launch(launch_normalize_backward<T>(d_a.data_ptr<T>(), p.a.data_ptr<T>(), p.norm_a.data_ptr<T>(), p.B, p.d,
+  if (!grad || !cosine) return;
+  // a row stored as x * 2^-e (scale): its gradient w.r.t. x is 2^-e times the stored row's
+  auto unnormalize = [&](const at::Tensor& e, const at::Tensor& x, const at::Tensor& norm, const at::Tensor& scale) {
+    check_launch(launch_normalize_backward<T>(e.data_ptr<T>(), x.data_ptr<T>(), norm.data_ptr<T>(), x.size(0), p.d,
                                               eps, stream),
                  "normalize_backward");
-    check_launch(launch_normalize_backward<T>(d_c.data_ptr<T>(), p.c.data_ptr<T>(), p.norm_c.data_ptr<T>(), p.N, p.d,
-                                              eps, stream),
-                 "normalize_backward");
-    // rows stored as x * 2^-e: their gradient w.r.t. x is 2^-e times the stored rows' one
-    d_a.mul_(p.unscale_a);
-    d_c.mul_(p.unscale_c);
-  }
+    e.mul_(scale);
+  };
+  unnormalize(d_a, p.a, p.norm_a, p.unscale_a);
+  unnormalize(d_c, p.c, p.norm_c, p.unscale_c);
+}
+
+// d_c into the two blocks' outputs, padded rows exactly 0 (the contract): their weights are 0,
+// but a NaN/Inf anchor row or row factor makes them 0 * NaN = NaN in the GEMMs. One pass, as
+// the copy it replaces; testing first whether it is needed would cost a host sync.
+void store_candidate_grads(const Prepared& p, const at::Tensor& d_c, at::Tensor d_block0, at::Tensor d_block1) {
+  const at::Tensor keep = p.tags.ne(-2).unsqueeze(1), zero = at::zeros({}, d_c.options());
+  at::where_out(d_block0, keep.narrow(0, 0, p.N0), d_c.narrow(0, 0, p.N0), zero);
+  at::where_out(d_block1, keep.narrow(0, p.N0, p.N - p.N0), d_c.narrow(0, p.N0, p.N - p.N0), zero);
 }
 
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -190,7 +168,7 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
                                    d_anchor, d_block0, d_block1, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
-  const int64_t d = anchor.size(1), N0 = block0.size(0);
+  const int64_t d = anchor.size(1);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
@@ -199,15 +177,10 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
     RowArgs<T> args = row_args<T>(p, kBackward);
     args.lse_in = lse_c.data_ptr<T>();
     args.grad_lse = g_c.data_ptr<T>();
-    if (d_pos) {
-      args.fold_dpos = dpos_c.data_ptr<T>();
-      args.fold_offset = pos_offset;
-      args.fold_count = P;
-    }
+    if (d_pos) args.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
     at::Tensor d_c = at::empty({p.N, d}, p.a.options());
     sweep<T>(p, args, d_anchor, d_c, cosine, eps);
-    d_block0.copy_(d_c.narrow(0, 0, N0));
-    d_block1.copy_(d_c.narrow(0, N0, p.N - N0));
+    store_candidate_grads(p, d_c, d_block0, d_block1);
   });
 }
 
@@ -224,35 +197,21 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                                 d_block0, d_block1, g_dot_mean_logit, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0), d = anchor.size(1), N0 = block0.size(0);
+  const int64_t B = anchor.size(0), d = anchor.size(1);
   dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
     const Prepared p = prepare(anchor, block0, block1, tags0, tags1, tau, cosine, eps, cd);
-    const at::Tensor pos_c = pos_logits.to(cd).contiguous(), w_c = weights.to(cd).contiguous();
-    const at::Tensor mask_c = pos_mask ? pos_mask->contiguous() : at::Tensor();
-    const at::Tensor extra_c = log_extra ? log_extra->to(cd).contiguous() : at::Tensor();
+    const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
     at::Tensor g_rows = at::empty({B}, p.a.options());
     RowArgs<T> args = row_args<T>(p, kFused);
     args.lse = lse.data_ptr<T>();
     args.mean_logit = mean_logit.data_ptr<T>();
     args.g_rows = g_rows.data_ptr<T>();
-    args.head = fastcl::cpu::Head<T>{head == "supmpn",
-                                     P,
-                                     pos_c.data_ptr<T>(),
-                                     mask_c.defined() ? mask_c.data_ptr<bool>() : nullptr,
-                                     extra_c.defined() ? extra_c.data_ptr<T>() : nullptr,
-                                     w_c.data_ptr<T>(),
-                                     loss_rows.data_ptr<T>(),
-                                     d_pos.data_ptr<T>()};
-    if (fold_positives) {
-      args.fold_dpos = d_pos.data_ptr<T>();
-      args.fold_offset = pos_offset;
-      args.fold_count = P;
-    }
+    args.head = ht.head<T>(head, loss_rows, d_pos);
+    if (fold_positives) args.fold = {d_pos.data_ptr<T>(), pos_offset, P};
     at::Tensor d_c = at::empty({p.N, d}, p.a.options());
     sweep<T>(p, args, d_anchor, d_c, cosine, eps);
-    d_block0.copy_(d_c.narrow(0, 0, N0));
-    d_block1.copy_(d_c.narrow(0, N0, p.N - N0));
+    store_candidate_grads(p, d_c, d_block0, d_block1);
     g_dot_mean_logit.copy_(at::dot(g_rows, mean_logit));  // on the device, no sync
   });
 }

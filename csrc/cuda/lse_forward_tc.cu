@@ -1,16 +1,6 @@
-// Tensor-core forward of the masked-LSE primitive for float16/bfloat16 inputs.
-//
-// Flash-style: a thread block owns kBM = 64 anchor rows (4 warps x 16 rows) and streams
-// the candidates in tiles of kBN = 64. For each tile the raw dot products are formed with
-// WMMA (16x16x16 fragments, float32 accumulation) over d in chunks of kBK = 64 staged in
-// shared memory; the [64, 64] float32 tile goes to shared memory, and each warp folds its
-// 16 rows into running (max, sum exp, sum exp * logit) with the usual rescaling. Nothing of
-// size B x N exists; the inputs are read in their own dtype (no float32 copies).
-//
-// Shared memory: 2 x 64 x 72 16-bit inputs (the +8 keeps rows 16-byte aligned and
-// staggers banks) + 64 x 68 floats + 3 x 64 floats = 36.6 KB (static, under 48 KB).
-// Simple first version: plain loads (no cp.async double buffering, no ldmatrix/mma.sync
-// register tiling); see docs/csrc.md for what a tuned version would change.
+// Tensor-core forward of the masked-LSE primitive for float16/bfloat16 inputs, flash-style
+// (online max / sum exp / sum exp * logit over candidate tiles, no B x N buffer, inputs
+// read in their own dtype). Tiles, shared-memory budget and limits: docs/csrc.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>

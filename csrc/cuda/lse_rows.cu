@@ -1,16 +1,7 @@
-// Row kernels of the CUDA backend (the GEMMs around them are cuBLAS calls made by
-// lse_cuda.cpp, exactly as the CPU backend's are BLAS calls; see lse_cpu.cpp).
-//
-// rows_kernel: one thread block per anchor row of a [R, N] block of raw dot products
-// s_c = <a_i, c>. Logit l_c = s_c * inv_a_i * inv_c[c] / tau, or -inf where the tag
-// excludes the column. Forward/fused: LSE and softmax-weighted mean logit (two passes,
-// max then exp-sums, in place). Fused: the loss head (head.h, the same code as the CPU
-// backend) gives g_i = w_i dloss_i/dlse_i and the row becomes the GEMM weights
-// X_ic = g_i softmax_ic inv_a_i inv_c[c] / tau. Backward: X from the given lse and g in one
-// pass. Own positives (fold_dpos) add d_pos_ik inv_a_i inv_c[c] / tau at their columns
-// before the caller's GEMMs, i.e. in the compute dtype before any rounding (contract.py).
-// Each thread visits the same columns in every pass, so only the reductions and the fold
-// need barriers.
+// Row kernels of the CUDA backend (docs/csrc.md, "CUDA kernels"). rows_kernel: one thread
+// block per anchor row of a [R, N] block of raw dot products; the same passes as the CPU
+// row passes (logits, max, exp-sums, head.h, weights X, own-positive fold). Each thread
+// visits the same columns in every pass, so only the reductions and the fold need barriers.
 #include "common.cuh"
 #include "launch.h"
 
@@ -76,11 +67,11 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowArgs<T> a) {
       for (int64_t c = threadIdx.x; c < N; c += blockDim.x) row[c] = row[c] * factor * a.inv_c[c];
     }
   }
-  if (a.fold_dpos != nullptr && a.mode != kForward) {
+  if (a.fold.dpos != nullptr && a.mode != kForward) {
     __syncthreads();  // the row and (fused) the head's d_pos are complete
-    const T* dp = a.fold_dpos + gi * a.fold_count;
-    const int64_t c0 = a.fold_offset + gi * a.fold_count;
-    for (int64_t k = threadIdx.x; k < a.fold_count; k += blockDim.x) row[c0 + k] += dp[k] * rs * a.inv_c[c0 + k];
+    const T* dp = a.fold.dpos + gi * a.fold.count;
+    const int64_t c0 = a.fold.offset + gi * a.fold.count;
+    for (int64_t k = threadIdx.x; k < a.fold.count; k += blockDim.x) row[c0 + k] += dp[k] * rs * a.inv_c[c0 + k];
   }
 }
 

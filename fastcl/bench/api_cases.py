@@ -5,6 +5,9 @@
 * ``mnrl_directions_step``: sentence-transformers 6 MNRL with extra ``directions`` /
   ``partition_mode`` / hardness (``fastcl.losses.mnrl_loss``) against
   ``sentence_transformers`` ``MultipleNegativesRankingLoss`` on the same embeddings.
+* ``matryoshka_step``: MNRL with ``matryoshka_dims`` (one fused pass over ``d``) against
+  sentence-transformers' ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` on the same
+  embeddings (its cached-loss hook: K chunked losses, each with its own backward).
 
 Each returns a zero-argument callable doing one forward + backward, the form
 ``fastcl.bench.memory`` and the benchmarks time and measure.
@@ -113,5 +116,67 @@ def mnrl_directions_step(
         for c in columns:
             c.grad = None
         fn().backward()
+
+    return step
+
+
+MATRYOSHKA_DIMS = (768, 512, 256, 128, 64)
+
+
+class _EmbeddingSize(torch.nn.Sequential):
+    """What the peer's constructors ask of a model when the loss runs on embeddings: its
+    embedding size and a first module (not a ``StaticEmbedding``)."""
+
+    def __init__(self, d: int):
+        super().__init__(torch.nn.Identity())
+        self.d = d
+
+    def get_embedding_dimension(self) -> int:
+        return self.d
+
+
+def matryoshka_fn(impl: str, columns, dims=MATRYOSHKA_DIMS, temperature: float = 0.05, mini_batch_size: int = 32):
+    """``() -> loss`` for ``impl``: a fastcl backend (or ``"auto"``), ``"<backend>-per-prefix"``
+    (K separate fastcl losses on the truncated embeddings: what the fused pass saves) or
+    ``"st-matryoshka-cmnrl"``.
+
+    The peer's step runs its own backward (sentence-transformers' cached protocol): with
+    grad enabled the columns' ``.grad`` is filled and the value comes back detached.
+    """
+    if impl == "st-matryoshka-cmnrl":
+        from sentence_transformers.sentence_transformer.losses import (
+            CachedMultipleNegativesRankingLoss,
+            MatryoshkaLoss,
+        )
+
+        model = _EmbeddingSize(columns[0].shape[1])
+        inner = CachedMultipleNegativesRankingLoss(model, scale=1.0 / temperature, mini_batch_size=mini_batch_size)
+        MatryoshkaLoss(model, inner, list(dims))  # decorates inner.calculate_loss
+        return lambda: inner.calculate_loss([[c] for c in columns], None, with_backward=torch.is_grad_enabled())
+    from fastcl.losses import mnrl_loss
+
+    negatives = torch.stack(columns[2:], dim=1) if len(columns) > 2 else None
+    if impl.endswith("-per-prefix"):
+        backend = impl.removesuffix("-per-prefix")
+        return lambda: sum(
+            mnrl_loss(columns[0][:, :m], columns[1][:, :m], None if negatives is None else negatives[..., :m],
+                      temperature=temperature, backend=backend)
+            for m in dims
+        )  # fmt: skip
+    return lambda: mnrl_loss(
+        columns[0], columns[1], negatives, temperature=temperature, backend=impl, matryoshka_dims=tuple(dims)
+    )
+
+
+def matryoshka_step(backend: str, B: int, d: int, Q: int = 1, dims=MATRYOSHKA_DIMS, dtype="float32", device="cpu"):
+    columns = mnrl_directions_inputs(B, d, Q, getattr(torch, dtype), device)
+    fn = matryoshka_fn(backend, columns, dims)
+
+    def step():
+        for c in columns:
+            c.grad = None
+        loss = fn()
+        if loss.requires_grad:  # the peer has run its backward already
+            loss.backward()
 
     return step

@@ -68,12 +68,23 @@ Every anchor then sees every rank's candidates; each rank's loss and gradients a
 of sentence-transformers' ``gather_across_devices=True``, and after DDP's averaging the
 parameter gradients are those of the global batch (see ``fastcl.distributed``). An explicit
 ``process_group=`` overrides the flag.
+
+Matryoshka, fused. ``matryoshka_dims=(768, 512, 256, 128, 64)`` (with optional
+``matryoshka_weights`` and ``n_dims_per_step``) on any class here is sentence-transformers'
+``MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)``
+around it, but computed in one fused pass over ``d`` (:mod:`fastcl.matryoshka`): no K
+loss calls, no K backward passes into cached embeddings. Dims are kept in descending
+order and ``n_dims_per_step`` draws with Python's ``random`` as sentence-transformers does.
+sentence-transformers' ``MatryoshkaLoss`` L2-normalises every truncated embedding before
+the inner loss, so with dims ``similarity_fct=dot_score`` is cosine similarity there, and
+here too (``fastcl.losses`` with ``similarity="dot"`` keeps raw prefix dot products).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
@@ -93,6 +104,7 @@ except ImportError:  # pragma: no cover - older sentence-transformers
     _st_embed_columns = None
 
 from .. import losses as fl
+from .. import matryoshka as _matryoshka
 from ..gradcache import GradCache
 from ..ops.dispatch import NAMES as BACKENDS
 
@@ -183,6 +195,9 @@ class _FastCLSTLoss(nn.Module):
             (None: one ordinary forward per column, as sentence-transformers' uncached losses).
         show_progress_bar: tqdm bars over the cached chunks.
         backend: fastcl backend (``"auto"``, ``"torch"``, ``"triton"``, ...; see ``fastcl.losses``).
+        matryoshka_dims, matryoshka_weights: train every prefix of the embedding with this
+            loss, summed with the weights (default 1): sentence-transformers' ``MatryoshkaLoss``.
+        n_dims_per_step: with dims, use that many randomly drawn dims per step (-1: all).
     """
 
     min_columns = 2
@@ -201,6 +216,9 @@ class _FastCLSTLoss(nn.Module):
         mini_batch_size: int | None = None,
         show_progress_bar: bool = False,
         backend: str = "auto",
+        matryoshka_dims=None,
+        matryoshka_weights=None,
+        n_dims_per_step: int = -1,
     ):
         super().__init__()
         if model is not None and not callable(model):  # None: compute_loss_from_embeddings only, as in ST
@@ -221,6 +239,13 @@ class _FastCLSTLoss(nn.Module):
         self.mini_batch_size = mini_batch_size
         self.show_progress_bar = show_progress_bar
         self.backend = backend
+        checked = _matryoshka.check(matryoshka_dims, matryoshka_weights)  # d is checked per call
+        if checked is not None:  # sentence-transformers keeps them in descending order
+            checked = tuple(zip(*sorted(zip(*checked), key=lambda dw: dw[0], reverse=True)))
+        if isinstance(n_dims_per_step, bool) or not isinstance(n_dims_per_step, int):
+            raise TypeError(f"n_dims_per_step must be an int, got {n_dims_per_step!r}")
+        self.matryoshka_dims, self.matryoshka_weights = checked if checked is not None else (None, None)
+        self.n_dims_per_step = n_dims_per_step
 
     # -- sentence-transformers' vocabulary ---------------------------------------------
 
@@ -235,14 +260,28 @@ class _FastCLSTLoss(nn.Module):
 
     def get_config_dict(self) -> dict[str, Any]:
         """Hyperparameters, as sentence-transformers' losses report them (model cards)."""
+        return (
+            {
+                "scale": self.scale,
+                "temperature": self.temperature,
+                "similarity_fct": {"cos": "cos_sim", "dot": "dot_score"}[self.similarity],
+                "gather_across_devices": self.gather_across_devices,
+                "mini_batch_size": self.mini_batch_size,
+                "backend": self.backend,
+            }
+            | self._matryoshka_config()
+            | self._extra_config()
+        )
+
+    def _matryoshka_config(self) -> dict[str, Any]:
+        if self.matryoshka_dims is None:
+            return {}
+        n = self.n_dims_per_step
         return {
-            "scale": self.scale,
-            "temperature": self.temperature,
-            "similarity_fct": {"cos": "cos_sim", "dot": "dot_score"}[self.similarity],
-            "gather_across_devices": self.gather_across_devices,
-            "mini_batch_size": self.mini_batch_size,
-            "backend": self.backend,
-        } | self._extra_config()
+            "matryoshka_dims": self.matryoshka_dims,
+            "matryoshka_weights": self.matryoshka_weights,
+            "n_dims_per_step": n,
+        }
 
     def _extra_config(self) -> dict[str, Any]:
         return {}
@@ -353,8 +392,16 @@ class _FastCLSTLoss(nn.Module):
         return [gc(**{k: v for k, v in f.items() if k not in _MODEL_OUTPUTS}) for f in features]
 
     def _options(self) -> dict[str, Any]:
+        """The fastcl loss's keyword arguments for one step (draws the step's dims)."""
+        dims, weights = _matryoshka.sample(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step, random)
         return dict(
-            temperature=self.temperature, backend=self.backend, process_group=self._group(), similarity=self.similarity
+            temperature=self.temperature,
+            backend=self.backend,
+            process_group=self._group(),
+            # ST's MatryoshkaLoss normalises each prefix: its dot_score is then the cosine
+            similarity="cos" if dims is not None else self.similarity,
+            matryoshka_dims=dims,
+            matryoshka_weights=weights,
         )
 
     def _group(self):

@@ -30,7 +30,7 @@ EXTENSION = Extension(
 @functools.cache
 def _register_fakes() -> None:
     """Shape-only implementations so the ops trace under FakeTensor / torch.compile."""
-    for op in ("lse_forward", "lse_backward", "lse_fused"):
+    for op in ("lse_forward", "lse_backward", "lse_fused", "lse_prefix_forward", "lse_prefix_backward"):
         torch.library.register_fake(f"fastcl::{op}")(lambda *args, **kwargs: None)
 
 
@@ -41,6 +41,12 @@ def _args(problem: LSEProblem, tau: Tensor) -> tuple:
 def _out(problem: LSEProblem, shape) -> Tensor:
     """An output the kernel overwrites, in the compute dtype on the problem's device."""
     return new_output(shape, dtype=compute_dtype(problem.dtype), device=problem.device)
+
+
+def _prefix_order(problem: LSEProblem) -> list[int]:
+    """The prefixes by increasing length (the prefix ops take them so): ``order[j]`` is the
+    caller's index of the ``j``-th shortest."""
+    return sorted(range(problem.num_prefixes), key=lambda k: problem.dims[k])
 
 
 class CppLSE(Backend):
@@ -57,25 +63,39 @@ class CppLSE(Backend):
         return why
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
-        return input_reasons(problem, backend=self.name, device_type=self.device_type)
+        return input_reasons(problem, backend=self.name, device_type=self.device_type, takes_dims=True)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        lse, mean_logit = _out(problem, problem.num_anchors), _out(problem, problem.num_anchors)
-        torch.ops.fastcl.lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
-        return lse, mean_logit
+        """``(lse [B], mean_logit [B])``; ``[K, B]`` with ``problem.dims``."""
+        shape = problem.num_anchors if problem.dims is None else (problem.num_prefixes, problem.num_anchors)
+        lse, mean_logit = _out(problem, shape), _out(problem, shape)
+        if problem.dims is None:
+            torch.ops.fastcl.lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
+            return lse, mean_logit
+        order = _prefix_order(problem)  # one sweep over d takes the prefixes shortest first
+        dims = [problem.dims[k] for k in order]
+        torch.ops.fastcl.lse_prefix_forward(*_args(problem, tau), dims, lse=lse, mean_logit=mean_logit)
+        back = sorted(range(len(order)), key=order.__getitem__)  # row k: the caller's prefix k
+        return (lse, mean_logit) if back == list(range(len(order))) else (lse[back], mean_logit[back])
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
         cd = compute_dtype(problem.dtype)
         d_anchor, d0, d1 = (_out(problem, t.shape) for t in (problem.anchor, *problem.blocks))
-        d_pos = None if problem.positives is None or d_pos is None else d_pos.to(cd)
-        offset = 0 if d_pos is None else problem.positives.offset
-        torch.ops.fastcl.lse_backward(
-            *_args(problem, tau), lse.to(cd), g.to(cd), d_pos, offset, d_anchor=d_anchor, d_block0=d0, d_block1=d1
-        )
+        fold = d_pos is not None and problem.positives is not None
+        offset = problem.positives.offset if fold else 0
+        op, dims = torch.ops.fastcl.lse_backward, ()
+        if problem.dims is not None:  # the prefixes shortest first, as lse_prefix_backward takes them
+            order = _prefix_order(problem)
+            lse, g, d_pos = lse[order], g[order], d_pos[order] if fold else None
+            op, dims = torch.ops.fastcl.lse_prefix_backward, ([problem.dims[k] for k in order],)
+        out = dict(d_anchor=d_anchor, d_block0=d0, d_block1=d1)
+        op(*_args(problem, tau), *dims, lse.to(cd), g.to(cd), d_pos.to(cd) if fold else None, offset, **out)
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
+        if problem.dims is not None:  # the contract has no fused Matryoshka step
+            raise ValueError(f"fastcl: the {self.name} backend's fused step does not take matryoshka dims")
         cd, B = compute_dtype(problem.dtype), problem.num_anchors
         out = FusedResult(_out(problem, B), _out(problem, B), _out(problem, problem.anchor.shape))
         out.d_blocks = tuple(_out(problem, b.shape) for b in problem.blocks)

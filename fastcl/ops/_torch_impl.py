@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import _torch_prefix
 from .backend import Backend
 from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
 from .head import HeadInputs
@@ -139,6 +140,8 @@ def _sweep(
     if want_grad:
         out.d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
         d_c = normalize_backward(prep.c_hat, prep.c_norm, d_c_hat, problem.eps)
+        if (keep := _keep(prep.tags)) is not None:  # padding: exactly 0, not 0 * NaN from a NaN anchor row
+            d_c.masked_fill_(~keep[:, None], 0)
         n0 = problem.blocks[0].shape[0]
         out.d_blocks, out.g_dot_mean_logit = (d_c[:n0], d_c[n0:]), g_dot_ml
     if head is not None:
@@ -152,10 +155,14 @@ class TorchLSE(Backend):
     name = "torch"
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        if problem.dims is not None:
+            return _torch_prefix.forward(problem, tau)
         out = _sweep(problem, tau)
         return out.lse, out.mean_logit
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+        if problem.dims is not None:
+            return _torch_prefix.backward(problem, tau, lse, g, d_pos)
         out = _sweep(problem, tau, row_grad=g, d_pos=d_pos)
         return out.d_anchor, out.d_blocks
 

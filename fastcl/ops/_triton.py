@@ -59,7 +59,8 @@ class TritonLSE(Backend):
     def unsupported(self, problem: LSEProblem) -> list[str]:
         # compiled Triton runs on CUDA only; the interpreter (tests) runs CPU tensors
         device_type = "cpu" if _kernels().INTERPRET else "cuda"
-        why = input_reasons(problem, backend=self.name, device_type=device_type)
+        why = input_reasons(problem, backend=self.name, device_type=device_type, takes_dims=True)
+        why += _kernels().prefix_reasons(problem.dims)
         if not why and problem.device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(problem.device)
             if major < 8:
@@ -68,6 +69,10 @@ class TritonLSE(Backend):
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
+        if problem.dims is not None:  # [K, B]: every prefix from one pass over d
+            return _kernels().lse_forward_prefixes(
+                problem.anchor, b0, b1, t0, t1, tau, list(problem.dims), problem.cosine, problem.eps
+            )
         return _kernels().lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
@@ -75,9 +80,16 @@ class TritonLSE(Backend):
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
         d_pos = None if pos is None else d_pos
-        if d_pos is not None and tuple(d_pos.shape) != (problem.num_anchors, pos.count):
-            raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {(problem.num_anchors, pos.count)}")
+        want = (problem.num_anchors, pos.count) if pos is not None else None
+        want = want if problem.dims is None or want is None else (problem.num_prefixes, *want)
+        if d_pos is not None and tuple(d_pos.shape) != want:
+            raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {want}")
         inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, 0 if d_pos is None else pos.offset)
+        if problem.dims is not None:
+            d_anchor, d_b0, d_b1 = _kernels().lse_backward_prefixes(
+                *inputs, list(problem.dims), problem.cosine, problem.eps
+            )
+            return d_anchor, (d_b0, d_b1)
         d_anchor, d_b0, d_b1 = _kernels().lse_backward(*inputs, problem.cosine, problem.eps, ds_precision() == "fp32")
         return d_anchor, (d_b0, d_b1)
 

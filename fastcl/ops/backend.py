@@ -34,19 +34,22 @@ class Backend(Protocol):
         return []
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        """``(lse [B], mean_logit [B])`` in the compute dtype."""
+        """``(lse [B], mean_logit [B])`` in the compute dtype; ``[K, B]`` each when
+        ``problem.dims`` is set (row ``k``: the plain problem ``problem.prefix(k)``)."""
 
     def backward(
         self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """``(d anchor, (d block0, d block1))`` in the compute dtype from ``g = dLoss/dlse``
         ``[B]``; ``d_pos [B, P]``, the own-positive logits' gradient, is folded in when
-        ``problem.positives`` is set (ignored otherwise)."""
+        ``problem.positives`` is set (ignored otherwise). With ``problem.dims``: ``lse``/``g``
+        ``[K, B]``, ``d_pos [K, B, P]``, and each gradient is the sum over ``k`` of prefix
+        ``k``'s gradient, zero beyond its ``prefixes[k]`` coordinates."""
 
 
-def input_reasons(problem: LSEProblem, *, backend: str, device_type: str) -> list[str]:
+def input_reasons(problem: LSEProblem, *, backend: str, device_type: str, takes_dims: bool = False) -> list[str]:
     """Device, dtype and tag checks shared by the ``cpp``, ``cuda`` and ``triton`` backends."""
-    why = []
+    why = [] if takes_dims or problem.dims is None else [dims_reason(backend)]
     tensors = (problem.anchor, *problem.blocks, *problem.tags)
     if any(t.device != problem.device for t in tensors):
         why.append(f"the {backend} backend needs all inputs on one device")
@@ -59,3 +62,7 @@ def input_reasons(problem: LSEProblem, *, backend: str, device_type: str) -> lis
     if any(t.dtype != torch.int32 for t in problem.tags):
         why.append(f"the {backend} backend takes int32 tags")
     return why
+
+
+def dims_reason(backend: str) -> str:
+    return f"the {backend} backend does not take matryoshka dims (backends that do: reference, torch, cpp, triton)"

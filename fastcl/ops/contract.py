@@ -47,8 +47,16 @@ class LSEProblem:
     cosine: bool = True
     eps: float = EPS
     positives: OwnPositives | None = None
+    # Matryoshka: K prefix lengths (distinct, each in 1..d, in the caller's order). Set, the
+    # problem is K plain problems on the first dims[k] coordinates (``prefix(k)``): forward
+    # gives [K, B] outputs and backward sums the K gradients (docs/design.md, "Matryoshka").
+    dims: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.dims is not None:
+            d, dims = self.anchor.shape[-1], self.dims
+            if not dims or len(set(dims)) != len(dims) or any(not 0 < m <= d for m in dims):
+                raise ValueError(f"matryoshka dims must be distinct integers in 1..{d}, got {dims}")
         # a wrong layout would fold gradients into the wrong rows: refuse it (shapes only, no sync)
         pos = self.positives
         if pos is not None and not (
@@ -68,6 +76,22 @@ class LSEProblem:
     @property
     def dim(self) -> int:
         return self.anchor.shape[1]
+
+    @property
+    def prefixes(self) -> tuple[int, ...]:
+        """The prefix lengths whose LSEs the problem asks for: ``dims``, or the full ``(d,)``."""
+        return (self.dim,) if self.dims is None else tuple(self.dims)
+
+    @property
+    def num_prefixes(self) -> int:
+        return len(self.prefixes)
+
+    def prefix(self, k: int) -> LSEProblem:
+        """The plain problem on the first ``prefixes[k]`` coordinates (views, no copy): what
+        prefix ``k`` of a Matryoshka problem means."""
+        m = self.prefixes[k]
+        blocks = (self.blocks[0][:, :m], self.blocks[1][:, :m])
+        return LSEProblem(self.anchor[:, :m], blocks, self.tags, self.cosine, self.eps, self.positives)
 
     @property
     def device(self) -> torch.device:

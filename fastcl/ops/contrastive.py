@@ -32,18 +32,20 @@ class LossSpec:
     log_extra: Tensor | None
     weights: Tensor  # [B] reduction weights
     reduction: str
+    dims: tuple[int, ...] | None = None  # Matryoshka prefixes: loss = sum_k dim_weights[k] * loss_k
+    dim_weights: Tensor | None = None  # [K] compute dtype; None (reduction "none"): rows [K, B]
 
     def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor) -> LSEProblem:
-        return LSEProblem(anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives)
+        return LSEProblem(anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims)
 
 
-def _strategy(impl: Backend, reduction: str) -> str:
+def _strategy(impl: Backend, reduction: str, dims) -> str:
     wanted = _checks.requested_strategy()
-    can_fuse = impl.fused is not None and reduction != "none"
+    can_fuse = impl.fused is not None and reduction != "none" and dims is None
     if wanted == "fused" and not can_fuse:
         raise ValueError(
-            f"{_checks.STRATEGY_ENV}=fused needs reduction 'mean' or 'sum' and a backend with a fused "
-            f"path; got reduction={reduction!r}, backend={impl.name!r}"
+            f"{_checks.STRATEGY_ENV}=fused needs reduction 'mean' or 'sum', a backend with a fused path "
+            f"and no matryoshka dims; got reduction={reduction!r}, backend={impl.name!r}, dims={dims}"
         )
     return "fused" if can_fuse and wanted != "recompute" else "recompute"
 
@@ -62,18 +64,36 @@ def _tau_grad(g_dot_mean_logit: Tensor, d_pos: Tensor, pos_logits: Tensor, tau: 
 
 
 def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
-    """``[B, P]`` own-positive logits from the block-0 layout (values; no custom autograd)."""
+    """``[B, P]`` own-positive logits from the block-0 layout (values; no custom autograd);
+    ``[K, B, P]`` with dims, prefix ``k`` on the first ``dims[k]`` coordinates."""
     B, P = problem.num_anchors, spec.positives.count
     own = problem.blocks[0][spec.positives.rows(0, B)].view(B, P, -1)
-    sim = own_positive_similarities(problem.anchor, own, spec.cosine, spec.eps, spec.pos_mask)
+    prefixes = problem.prefixes if spec.dims is not None else (None,)
+    sims = [
+        own_positive_similarities(problem.anchor[:, :m], own[..., :m], spec.cosine, spec.eps, spec.pos_mask)
+        for m in prefixes
+    ]
+    sim = torch.stack(sims) if spec.dims is not None else sims[0]
     return sim / tau.to(compute_dtype(problem.dtype))
 
 
 def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
-    """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``."""
+    """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``. With dims the
+    head runs on the ``K * B`` prefix rows and ``loss_rows`` is ``sum_k dim_weights[k] * rows_k``."""
     lse, mean_logit = spec.impl.forward(problem, tau)
-    loss_rows, dlse, dpos = head_rows(lse, pos_logits, spec.pos_mask, spec.kind, spec.log_extra)
-    return lse, mean_logit, loss_rows, dlse, dpos
+    if spec.dims is None:
+        loss_rows, dlse, dpos = head_rows(lse, pos_logits, spec.pos_mask, spec.kind, spec.log_extra)
+        return lse, mean_logit, loss_rows, dlse, dpos
+    K, B, P = pos_logits.shape
+    tile = lambda t: None if t is None else t.repeat(K, *([1] * (t.dim() - 1)))  # noqa: E731
+    rows, dlse, dpos = head_rows(
+        lse.reshape(K * B), pos_logits.reshape(K * B, P), tile(spec.pos_mask), spec.kind, tile(spec.log_extra)
+    )
+    if spec.dim_weights is None:  # the caller combines the prefixes' rows itself
+        return lse, mean_logit, rows.view(K, B), dlse.view(K, B), dpos.view(K, B, P)
+    w = spec.dim_weights.to(rows.dtype)
+    loss_rows = (rows.view(K, B) * w[:, None]).sum(0)
+    return lse, mean_logit, loss_rows, dlse.view(K, B) * w[:, None], dpos.view(K, B, P) * w[:, None, None]
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -110,10 +130,12 @@ class ContrastiveLSE(torch.autograd.Function):
         problem = spec.problem(anchor, block0, block1)
         cd = compute_dtype(anchor.dtype)
         folded, pos_input = pos_logits is None, pos_logits
+        if spec.dims is not None and not folded and (pos_input.dim() != 3 or pos_input.shape[0] != len(spec.dims)):
+            raise ValueError(f"with matryoshka dims pos_logits is [K={len(spec.dims)}, B, P]: one per prefix")
         pos_logits = (_own_logits(spec, problem, tau) if folded else pos_input).detach().to(cd)
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
-        ctx.mode = _strategy(spec.impl, spec.reduction) if needs_grad else "none"
+        ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims) if needs_grad else "none"
 
         if ctx.mode == "fused":
             head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.weights)
@@ -165,9 +187,9 @@ class ContrastiveLSE(torch.autograd.Function):
             lse, mean_logit, _, dlse, dpos = _head(spec, problem, tau, pos_logits)
         else:
             lse, mean_logit, dlse, dpos, pos_logits = head
-        row_w = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B]
-        g = dlse * row_w
-        d_pos = dpos * row_w[:, None]
+        row_w = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B] (or [K, B])
+        g = dlse * row_w  # [B], or [K, B] with dims
+        d_pos = dpos * row_w[..., None]
         d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, lse, g, d_pos if ctx.folded else None)
         d_tau = None
         if ctx.needs_input_grad[4]:
@@ -192,12 +214,19 @@ def contrastive_loss(
     eps: float,
     log_extra: Tensor | None = None,
     backend: str | None = "auto",
+    dims: tuple[int, ...] | None = None,
+    dim_weights: Tensor | None = None,
 ) -> Tensor:
     """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``). Own
     positives are a layout in block 0 (``positives``: every backend folds their gradient) or
-    precomputed differentiable ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``)."""
+    precomputed differentiable ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``).
+    ``dims`` (with ``dim_weights [K]``; ``pos_logits`` then ``[K, B, P]``): the weighted sum
+    of the loss on each prefix; with ``reduction="none"`` and no ``dim_weights``, the
+    prefixes' rows ``[K, B]``."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives), backend=backend)
-    spec = LossSpec(impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, weights, reduction)
+    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims), backend=backend)
+    spec = LossSpec(
+        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, weights, reduction, dims, dim_weights
+    )
     return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, spec)

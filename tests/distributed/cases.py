@@ -184,6 +184,32 @@ CASES = [
         merge=_concat_pool,
     ),
 ]
+MATRYOSHKA = dict(matryoshka_dims=(8, 3, 5), matryoshka_weights=(1.0, 0.5, 2.0))
+CASES += [
+    Case("supmpn-matryoshka", _structured(3, 2), lambda x, **kw: _supmpn("exclude")(x, **MATRYOSHKA, **kw)),
+    Case(
+        "mnrl-gte-matryoshka",
+        _pairs("anchor", "positive", Q=1),
+        lambda x, **kw: L.mnrl_loss(
+            x["anchor"], x["positive"], x["negatives"], directions=("query_to_doc", "doc_to_doc"), **MATRYOSHKA, **kw
+        ),
+        masked=False,
+    ),
+    Case(
+        "supcon-pool-matryoshka",
+        _pool(),
+        lambda x, **kw: L.supcon_pool_loss(
+            x["anchor"],
+            x["candidates"],
+            x["pos_index"],
+            pos_mask=x["pos_mask"],
+            cand_mask=x["cand_mask"],
+            **MATRYOSHKA,
+            **kw,
+        ),
+        merge=_concat_pool,
+    ),
+]
 CASE_NAMES = [c.name for c in CASES]
 
 

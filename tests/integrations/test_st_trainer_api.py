@@ -1,4 +1,4 @@
-"""SentenceTransformerTrainer smoke runs of the new options: labels-SupCon and ST-6 MNRL options.
+"""SentenceTransformerTrainer smoke runs of the new options: labels-SupCon, ST-6 MNRL options, fused Matryoshka.
 
 A few optimizer steps of a tiny offline BERT on a small in-memory dataset per option (as
 ``tests/integrations/test_st_trainer.py``): the logged losses are finite and positive, and every encoder
@@ -54,6 +54,25 @@ CASES = {
     "matryoshka_2d_mnrl_gte": (
         lambda m: st_losses.Matryoshka2dLoss(m, fst.MultipleNegativesRankingLoss(m, directions=GTE), [16, 8]),
         QPN,
+    ),
+    "fused_matryoshka_mnrl": (
+        lambda m: fst.MultipleNegativesRankingLoss(m, matryoshka_dims=(16, 8, 4), matryoshka_weights=(1, 0.5, 0.5)),
+        QPN,
+    ),
+    "fused_matryoshka_cached_mnrl_n_dims": (
+        lambda m: fst.CachedMultipleNegativesRankingLoss(
+            m, mini_batch_size=3, matryoshka_dims=(16, 8, 4), n_dims_per_step=2
+        ),
+        QPN,
+    ),
+    "fused_matryoshka_supmpn": (lambda m: fst.SupMPNLoss(m, matryoshka_dims=(16, 4)), QPN),
+    "fused_matryoshka_supcon_labels": (
+        lambda m: fst.SupConLabelsLoss(m, temperature=0.1, matryoshka_dims=(16, 8)),
+        ["sentence", "label"],
+    ),
+    "fused_matryoshka_infonce_gte": (
+        lambda m: fst.MultipleNegativesRankingLoss(m, directions=GTE, matryoshka_dims=(16, 8)),
+        ["anchor", "positive"],
     ),
     "supcon_labels": (lambda m: fst.SupConLabelsLoss(m, temperature=0.1), ["sentence", "label"]),
     "supcon_labels_two_views_cached": (

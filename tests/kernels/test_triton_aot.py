@@ -96,7 +96,14 @@ def test_every_launch_passes_the_frontend(arch):
 
 # The kernels that address whole candidate blocks; the backward GEMM sees bounded chunks
 # (tests/kernels/test_triton_limits.py checks the bounds).
-ROW_STRIDE_KERNELS = ("_row_norms_kernel", "_lse_fwd_kernel", "_lse_ds_kernel")
+ROW_STRIDE_KERNELS = (
+    "_row_norms_kernel",
+    "_lse_fwd_kernel",
+    "_lse_ds_kernel",
+    "_prefix_norms_kernel",
+    "_prefix_fwd_kernel",
+    "_prefix_ds_kernel",
+)
 
 
 def test_row_offsets_are_64_bit():

@@ -20,6 +20,9 @@ LOSSES = {
     "mnrl": lambda a, p, n, be: L.mnrl_loss(a, p[:, 0], n, backend=be),
     "infonce": lambda a, p, n, be: L.infonce_loss(a, p[:, 0], symmetric=True, backend=be),
     "gclsr": lambda a, p, n, be: L.gclsr_loss(a, p[:, 0], p[:, 1], n[:, 0], group_size=4, backend=be),
+    "matryoshka": lambda a, p, n, be: L.supmpn_loss(
+        a, p, n, backend=be, matryoshka_dims=(8, 3), matryoshka_weights=(1, 2)
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 * Non-finite values never disappear: NaN/Inf in a *valid* embedding makes the loss of
   every row that sees it NaN; in a *padded* slot it has no influence at all (the loss
   equals the loss with the slot zeroed, gradients are finite, the slot's is exactly 0).
+  A padded slot's gradient stays exactly 0 next to a NaN/Inf anchor row too (not 0 * NaN).
 * Cosine similarity is scale-free: fp32 inputs scaled by 1e30 give the unscaled loss.
 * One validation rule per argument, the same for every loss and backend.
 * SupMPN's head is exact in float64.
@@ -18,6 +19,8 @@ import pytest
 import torch
 
 import fastcl.losses as L
+from fastcl.ops import dispatch
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives
 from fastcl.ops.head import head_rows
 from tests.helpers.backends import backends_under_test, device_under_test, require
 
@@ -132,6 +135,97 @@ def test_pool_loss_padded_positive_and_candidate(backend, bad):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w)
     assert (got_g[1][4] == 0).all()
+
+
+def _assert_like_reference(got, want, what):
+    """NaN exactly where the float64 reference has NaN, the other entries close to it."""
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{what}: NaN entries differ from the reference"
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9, equal_nan=True, msg=what)
+
+
+PADDED_LOSSES = {
+    "supmpn": lambda a, p, n, pm, nm, **kw: L.supmpn_loss(a, p, n, pos_mask=pm, neg_mask=nm, **kw),
+    "supcon": lambda a, p, n, pm, nm, **kw: L.supcon_loss(a, p, n, pos_mask=pm, neg_mask=nm, **kw),
+    "mnrl": lambda a, p, n, pm, nm, **kw: L.mnrl_loss(a, p[:, 0], n, neg_mask=nm, **kw),
+}
+
+
+@pytest.mark.parametrize("loss", list(PADDED_LOSSES))
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+@pytest.mark.parametrize("similarity", ["cos", "dot"])
+def test_nonfinite_anchor_leaves_padded_slots_zero(monkeypatch, backend, loss, bad, strategy, similarity):
+    """A NaN/Inf anchor row reaches every valid candidate (NaN) but no padded one: padded
+    negatives and padded own positives (anchor 1's own) get exactly 0, as in the reference
+    (the GEMM E_c = X^T A would give them 0 * NaN)."""
+    if backend == "reference":
+        pytest.skip("the reference is the oracle here")
+    if strategy == "fused" and dispatch.get(backend).fused is None:
+        pytest.skip(f"the {backend} backend has no fused path")
+    a, p, n, pm, nm = _structured(dtype=torch.float64)  # pm[1, 2], nm[2, 0] padded
+    a[1, 3] = BAD[bad]
+    fn = functools.partial(PADDED_LOSSES[loss], pm=pm, nm=nm, temperature=0.1, similarity=similarity)
+    want, want_g = _loss_and_grads(fn, a, p, n, backend="reference")
+    monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+    got, got_g = _loss_and_grads(fn, a, p, n, backend=backend)
+    assert torch.isnan(got) and torch.isnan(want)
+    for name, g, w in zip(("anchor", "positives", "negatives"), got_g, want_g):
+        _assert_like_reference(g, w, f"d {name}")
+    if loss != "mnrl":
+        assert (got_g[1][~pm] == 0).all(), "a padded own positive"
+    assert (got_g[2][~nm] == 0).all(), "a padded negative"
+    assert torch.isfinite(got_g[0][[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize(
+    "dims, col",
+    [(None, 3), ((3, 8), 1), ((3, 8), 5)],
+    ids=["plain", "matryoshka-every-prefix", "matryoshka-long-prefix"],
+)
+@pytest.mark.parametrize("cosine", [True, False])
+@pytest.mark.parametrize("bad", [*BAD, "finite"])
+def test_nonfinite_anchor_primitive_backward(backend, bad, cosine, dims, col):
+    """The primitive's backward (own positives folded), plain and Matryoshka: padded candidate
+    rows (a padded own positive with a nonzero d_pos among them) exactly 0, next to a NaN/Inf
+    anchor row too, every other entry NaN where the float64 reference has NaN and close to it
+    elsewhere."""
+    gen = torch.Generator().manual_seed(11)
+    dev = device_under_test()
+    B, P, d = 4, 2, 8
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64).to(dev)
+
+    a, b0, b1 = r(B, d), r(B * P + 3, d), r(2, d)  # block 0: the own positives, then 3 shared
+    if bad != "finite":
+        a[1, col] = BAD[bad]
+    own = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
+    own[3] = TAG_PADDING  # anchor 1's second own positive
+    t0 = torch.cat([own, torch.tensor([TAG_ALL, TAG_PADDING, TAG_ALL], dtype=torch.int32)]).to(dev)
+    t1 = torch.tensor([TAG_PADDING, TAG_ALL], dtype=torch.int32, device=dev)
+    b0[[3, B * P + 1]] = float("nan")  # padded rows are never read
+    problem = LSEProblem(a, (b0, b1), (t0, t1), cosine, positives=OwnPositives(0, P), dims=dims)
+    impl = dispatch.get(backend)
+    if why := impl.unsupported(problem):
+        pytest.skip("; ".join(why))
+    lead = () if dims is None else (len(dims),)
+    tau = torch.tensor(0.1, dtype=torch.float64, device=dev)
+    g = r(*lead, B).abs() + 0.5  # nonzero: a zero row gradient is skipped by some backends
+    d_pos = r(*lead, B, P)
+    if bad != "finite":
+        d_pos[..., 1, 0] = float("nan")  # what a head gives the NaN row's valid positive
+    d_pos[..., 1, 1] = 0.7  # its padded one: folded, it must still give that row nothing
+
+    ref = dispatch.get("reference")
+    want_lse = ref.forward(problem, tau)[0]
+    want_a, want_b = ref.backward(problem, tau, want_lse, g, d_pos)
+    lse = impl.forward(problem, tau)[0]
+    got_a, got_b = impl.backward(problem, tau, lse, g, d_pos)
+    _assert_like_reference(lse, want_lse, "lse")
+    _assert_like_reference(got_a, want_a, "d anchor")
+    for k, (got, want, tags) in enumerate(zip(got_b, want_b, (t0, t1))):
+        assert (got[tags == TAG_PADDING] == 0).all(), f"a padded row of d_block{k}"
+        _assert_like_reference(got, want, f"d_block{k}")
 
 
 # ----------------------------------------------------------------------------- item 4

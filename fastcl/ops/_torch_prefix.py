@@ -1,0 +1,189 @@
+"""The ``"torch"`` backend's Matryoshka path (``LSEProblem.dims``): K prefixes in one pass over d.
+
+Sorted prefix lengths ``m_1 < ... < m_K`` cut ``[0, m_K)`` into slices ``[m_(j-1), m_j)``.
+Rows are scaled once, ``u = x / s`` with ``s`` the row's largest ``|x|`` over ``[0, m_K)``
+(no overflow, as ``normalize.row_norms``), so per tile of anchor rows
+
+    acc_j = acc_(j-1) + u_a[:, slice_j] @ u_c[:, slice_j].T       (prefix j's raw dots)
+    logits_j = acc_j * alpha_j[:, None] * beta_j[None, :]           alpha = s_a / (tau * |a|_j)
+
+with per-prefix row norms (``[K, B]``, ``[K, N]``, clamped at eps as in the plain path).
+Backward, with ``P_j = dLoss/dlogits_j`` (softmax weights times ``g``, plus the folded own
+positives): slice ``j`` gets ``W_j = sum_{i >= j} P_i * alpha_i * beta_i`` (a suffix sum
+of K tiles), ``dU_a[:, slice_j] += W_j @ u_c[:, slice_j]`` and ``dU_c += W_j.T @ u_a``: the
+GEMM work of one full-d loss. The norms' (radial) part is ``-x_hat_j <x_hat_j, d x_hat_j>
+/ |x|_j`` whose scalar is ``sum_c P_j * logits_j`` (a row sum for anchors, a column sum
+accumulated over tiles for candidates), applied per slice the same way. Tiles only: K + 4
+``[R, N]`` tiles with ``R`` chosen so that they fit the plain path's tile budget (memory
+does not grow with K).
+
+Non-finite rows: a NaN/Inf at coordinate ``c`` of a read row makes that row's factor NaN in
+exactly the prefixes longer than ``c`` (as the plain problem on each prefix); the shorter
+prefixes' raw dots are prefix sums that never read it, and the scale ``s`` is taken over the
+finite entries. Values beyond ``m_K`` are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .contract import TAG_PADDING, LSEProblem, compute_dtype, excluded, new_output
+
+
+@dataclass
+class _Scaled:
+    u: Tensor  # [rows, m_K] compute dtype: x / s
+    scale: Tensor  # [rows] s (1 for a zero row or dot similarity)
+    coef: Tensor  # [K, rows] s / max(|x|_k, eps) in sorted prefix order (1 for dot)
+    unclamped: Tensor | None  # [K, rows] |x|_k > eps (None for dot)
+
+
+def _scaled(x: Tensor, keep: Tensor | None, bounds: list[int], cosine: bool, eps: float) -> _Scaled:
+    cd = compute_dtype(x.dtype)
+    x = x[:, : bounds[-1]]
+    if keep is not None:  # padding is read as zeros, whatever it holds
+        x = torch.where(keep.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    ones = torch.ones(x.shape[0], dtype=cd, device=x.device)
+    finite = torch.isfinite(x)
+    first_bad = torch.where(finite.all(-1), x.shape[1], (~finite).to(torch.int8).argmax(-1))
+    bounds_t = torch.tensor(bounds, device=x.device)[:, None]
+    poison = torch.where(first_bad[None, :] < bounds_t, torch.nan, 0.0).to(cd)  # [K, rows]
+    if not cosine:
+        return _Scaled(x.to(cd), ones, ones + poison, None)
+    s = torch.where(finite, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax(dim=-1).to(cd)
+    s = torch.where(s > 0, s, ones)  # a zero (or all non-finite) row keeps s = 1
+    u = x.to(cd) / s.unsqueeze(-1)
+    norms = torch.stack([torch.linalg.vector_norm(u[:, :m], dim=-1) for m in bounds]) * s
+    return _Scaled(u, s, s / norms.clamp_min(eps) + poison, norms > eps)
+
+
+def _prepare(problem: LSEProblem, bounds: list[int]) -> tuple[_Scaled, _Scaled, Tensor]:
+    tags = torch.cat(problem.tags)
+    c = torch.cat(problem.blocks) if problem.blocks[1].shape[0] else problem.blocks[0]
+    a = _scaled(problem.anchor, None, bounds, problem.cosine, problem.eps)
+    return a, _scaled(c, tags != TAG_PADDING, bounds, problem.cosine, problem.eps), tags
+
+
+def _rows_per_tile(problem: LSEProblem, tiles: int) -> int:
+    from ._torch_impl import TILE_ELEMENTS  # one budget for both paths
+
+    N, B = max(sum(b.shape[0] for b in problem.blocks), 1), problem.num_anchors
+    return max(1, min(B, (3 * TILE_ELEMENTS) // (tiles * N)))
+
+
+def _prefix_tiles(a: _Scaled, c: _Scaled, bounds: list[int], r0: int, r1: int, inv_tau: Tensor):
+    """Yield ``(j, logits_j [R, N])`` for the sorted prefixes, one slice GEMM each."""
+    acc, lo = None, 0
+    for j, hi in enumerate(bounds):
+        a_j, c_j = a.u[r0:r1, lo:hi], c.u[:, lo:hi].T
+        acc = a_j @ c_j if acc is None else acc.addmm_(a_j, c_j)  # prefix sums, in place
+        alpha = a.coef[j, r0:r1] * inv_tau
+        yield j, acc * alpha[:, None] * c.coef[j][None, :]
+        lo = hi
+
+
+def _softmax(logits: Tensor, drop: Tensor, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(lse [R], p [R, N])`` of the masked row; an empty row has lse -inf and p = 0."""
+    masked = logits.masked_fill(drop, float("-inf"))
+    if lse is None:
+        row_max = masked.amax(dim=1)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        p = masked.sub_(row_max[:, None]).exp_()
+        total = p.sum(dim=1)
+        p.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))[:, None])
+        return total.log().add_(row_max), p
+    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return lse, masked.sub_(shift[:, None]).exp_()
+
+
+def _order(problem: LSEProblem) -> tuple[list[int], list[int]]:
+    """Sorted distinct bounds and, per sorted position, the caller's prefix index."""
+    order = sorted(range(problem.num_prefixes), key=lambda k: problem.prefixes[k])
+    return [problem.prefixes[k] for k in order], order
+
+
+def forward(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+    """``(lse [K, B], mean_logit [K, B])`` in the caller's dims order."""
+    bounds, order = _order(problem)
+    a, c, tags = _prepare(problem, bounds)
+    K, B = len(bounds), problem.num_anchors
+    inv_tau = tau.to(a.u.dtype).reciprocal()
+    lse = new_output((K, B), dtype=a.u.dtype, device=problem.device)
+    mean = new_output((K, B), dtype=a.u.dtype, device=problem.device)
+    step = _rows_per_tile(problem, 4)  # live: acc, logits, softmax, mask
+    for r0 in range(0, B, step):
+        r1 = min(B, r0 + step)
+        drop = excluded(tags, torch.arange(r0, r1, device=problem.device))
+        for j, logits in _prefix_tiles(a, c, bounds, r0, r1, inv_tau):
+            blk_lse, p = _softmax(logits, drop)
+            lse[order[j], r0:r1] = blk_lse
+            mean[order[j], r0:r1] = torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+    return lse, mean
+
+
+def _radial(x: _Scaled, stat: Tensor) -> Tensor:
+    """``[K, rows]`` factor of ``u`` in the norms' gradient: ``stat * coef^2 / s`` where unclamped."""
+    return stat * x.coef.square() * x.unclamped.to(stat.dtype) / x.scale
+
+
+def _to_raw(x: _Scaled, d_u: Tensor, radial: Tensor | None, bounds: list[int], d: int) -> Tensor:
+    """Gradient w.r.t. the raw rows from the slice-combined ``d_u``, zero beyond ``m_K``."""
+    out = d_u / x.scale.unsqueeze(-1)
+    if radial is not None:
+        suffix = radial.flip(0).cumsum(0).flip(0)  # slice j: sum over prefixes i >= j
+        lo = 0
+        for j, hi in enumerate(bounds):
+            out[:, lo:hi].addcmul_(x.u[:, lo:hi], suffix[j].unsqueeze(-1), value=-1)
+            lo = hi
+    return torch.nn.functional.pad(out, (0, d - bounds[-1]))
+
+
+def backward(problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
+    """Summed, zero-padded gradients from ``g``/``lse`` ``[K, B]`` and ``d_pos`` ``[K, B, P]``."""
+    bounds, order = _order(problem)
+    a, c, tags = _prepare(problem, bounds)
+    K, B, N = len(bounds), problem.num_anchors, c.u.shape[0]
+    cd, dev = a.u.dtype, problem.device
+    inv_tau = tau.to(cd).reciprocal()
+    lse, g = lse.to(cd)[order], g.to(cd)[order]
+    pos = problem.positives if d_pos is not None else None
+    if pos is not None:
+        d_pos = d_pos.to(cd)[order]
+    d_ua, d_uc = torch.zeros_like(a.u), torch.zeros_like(c.u)
+    rad_a = torch.zeros(K, B, dtype=cd, device=dev)
+    rad_c = torch.zeros(K, N, dtype=cd, device=dev)
+    step = _rows_per_tile(problem, K + 4)  # live: K weight tiles, acc, logits, softmax, mask
+    w_all = torch.empty((K, step, N), dtype=cd, device=dev)
+    for r0 in range(0, B, step):
+        r1 = min(B, r0 + step)
+        rows = torch.arange(r0, r1, device=dev)
+        drop = excluded(tags, rows)
+        w = w_all[:, : r1 - r0]
+        for j, logits in _prefix_tiles(a, c, bounds, r0, r1, inv_tau):
+            _, p = _softmax(logits, drop, lse[j, r0:r1])
+            p.mul_(g[j, r0:r1, None])  # dLoss/dlogits_j
+            if pos is not None:  # own positive k of anchor i is column offset + i * count + k
+                cols = pos.offset + rows[:, None] * pos.count + torch.arange(pos.count, device=dev)
+                p.scatter_add_(1, cols, d_pos[j, r0:r1])
+            if problem.cosine:  # <x_hat, d x_hat> per anchor and per candidate (w[j] as scratch)
+                pl = torch.mul(p, logits, out=w[j])
+                rad_a[j, r0:r1] = pl.sum(1)
+                rad_c[j] += pl.sum(0)
+            torch.mul(p, (a.coef[j, r0:r1] * inv_tau)[:, None], out=w[j]).mul_(c.coef[j][None, :])
+        for j in reversed(range(K - 1)):  # suffix sums: slice j takes every prefix i >= j
+            w[j] += w[j + 1]
+        lo = 0
+        for j, hi in enumerate(bounds):
+            d_ua[r0:r1, lo:hi].addmm_(w[j], c.u[:, lo:hi])
+            d_uc[:, lo:hi].addmm_(w[j].T, a.u[r0:r1, lo:hi])
+            lo = hi
+    ra = _radial(a, rad_a) if problem.cosine else None
+    rc = _radial(c, rad_c) if problem.cosine else None
+    d_a = _to_raw(a, d_ua, ra, bounds, problem.dim)
+    d_c = _to_raw(c, d_uc, rc, bounds, problem.dim)
+    d_c.masked_fill_((tags == TAG_PADDING)[:, None], 0)  # exactly 0, not 0 * NaN from a NaN anchor row
+    n0 = problem.blocks[0].shape[0]
+    return d_a, (d_c[:n0], d_c[n0:])

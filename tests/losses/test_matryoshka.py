@@ -1,0 +1,139 @@
+"""``matryoshka_dims`` / ``matryoshka_weights`` on every LSE loss: float64 values and gradients
+equal the weighted sum of the plain loss on each truncated prefix (sentence-transformers'
+``MatryoshkaLoss`` definition), on the reference backend and every backend under test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastcl.losses as L
+from fastcl.losses_mnrl import mnrl_directions_loss
+from tests.helpers.backends import backends_under_test, require
+
+DIMS, WEIGHTS = (12, 5, 8), (1.0, 0.5, 2.0)
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+B, P, Q, D = 6, 2, 3, 12
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    return dict(
+        a=r(B, D),
+        p=r(B, P, D),
+        n=r(B, Q, D),
+        p1=r(B, D),
+        v=r(B, D),
+        tau=torch.tensor(0.2, dtype=torch.float64, requires_grad=True),
+    )
+
+
+def _pos_mask():
+    return torch.tensor([[True, False], [True, True], [False, False], [True, True], [False, True], [True, True]])
+
+
+# name -> fn(x, **kw) running the loss on inputs x (a dict of tensors) with extra kw
+CASES = {
+    "supmpn": lambda x, **kw: L.supmpn_loss(x["a"], x["p"], x["n"], pos_mask=_pos_mask(), **kw),
+    "supmpn_zero_logit": lambda x, **kw: L.supmpn_loss(x["a"], x["p"], x["n"], own_positives="zero_logit", **kw),
+    "supcon": lambda x, **kw: L.supcon_loss(x["a"], x["p"], x["n"], neg_mask=torch.rand(B, Q, generator=torch.Generator().manual_seed(1)) > 0.4, **kw),
+    "supcon_labels": lambda x, **kw: L.supcon_loss(x["p"], labels=torch.tensor([0, 1, 0, 2, 1, 3]), **kw),
+    "mnrl": lambda x, **kw: L.mnrl_loss(x["a"], x["p1"], x["n"], **kw),
+    "mnrl_directions": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", hardness_mode="all_negatives", hardness_strength=2.0, **kw),
+    "mnrl_gte_in_batch": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=3.0, **kw),
+    "mnrl_gte_hard_negatives": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=GTE, hardness_mode="hard_negatives", hardness_strength=3.0, **kw),
+    "mnrl_q2q": lambda x, **kw: L.mnrl_loss(x["a"], x["p1"], directions=("query_to_doc", "query_to_query"), **kw),
+    "infonce_symmetric": lambda x, **kw: L.infonce_loss(x["a"], x["p1"], symmetric=True, **kw),
+    "edacse": lambda x, **kw: L.edacse_loss(x["a"], x["p1"], x["v"], **kw),
+    "supcon_pool": lambda x, **kw: L.supcon_pool_loss(x["a"], x["p"].flatten(0, 1), torch.arange(B * P).view(B, P), **kw),
+}  # fmt: skip
+
+
+def _truncated(x, m):
+    return {k: (v if k == "tau" else v[..., :m]) for k, v in x.items()}
+
+
+def _grads(loss, x):
+    keys = [k for k in x if x[k].requires_grad]
+    grads = torch.autograd.grad(loss.sum(), [x[k] for k in keys], allow_unused=True)
+    return {k: torch.zeros_like(x[k]) if g is None else g for k, g in zip(keys, grads)}
+
+
+@pytest.mark.parametrize("backend", ["reference", *backends_under_test()])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("similarity", ["cos", "dot"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_equals_the_weighted_sum_of_truncated_losses(case, backend, reduction, similarity):
+    require(backend)
+    fn, x = CASES[case], _inputs()
+    kw = dict(temperature=x["tau"], reduction=reduction, similarity=similarity)
+    got = fn(x, backend=backend, matryoshka_dims=DIMS, matryoshka_weights=WEIGHTS, **kw)
+    want = sum(w * fn(_truncated(x, m), backend="reference", **kw) for m, w in zip(DIMS, WEIGHTS))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    got_g, want_g = _grads(got, x), _grads(want, x)
+    for k in got_g:
+        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-9, atol=1e-11, msg=k)
+
+
+def test_default_weights_are_one_and_order_does_not_matter():
+    x = _inputs(2)
+    one = L.mnrl_loss(x["a"], x["p1"], backend="torch", matryoshka_dims=(4, 12))
+    other = L.mnrl_loss(x["a"], x["p1"], backend="torch", matryoshka_dims=(12, 4), matryoshka_weights=[1, 1])
+    want = L.mnrl_loss(x["a"], x["p1"]) + L.mnrl_loss(x["a"][:, :4], x["p1"][:, :4])
+    torch.testing.assert_close(one, want)
+    torch.testing.assert_close(other, want)
+
+
+def test_modules_take_the_options():
+    x = _inputs(3)
+    mod = L.MNRLoss(0.1, matryoshka_dims=DIMS, matryoshka_weights=WEIGHTS)
+    fn = L.mnrl_loss(x["a"], x["p1"], temperature=0.1, matryoshka_dims=DIMS, matryoshka_weights=WEIGHTS)
+    torch.testing.assert_close(mod(x["a"], x["p1"]), fn)
+    for cls in (L.SupMPNLoss, L.SupConLoss, L.InfoNCELoss, L.EdaCSELoss):
+        assert cls(matryoshka_dims=(8, 4)).options["matryoshka_dims"] == (8, 4)
+
+
+@pytest.mark.parametrize(
+    "dims, weights, match",
+    [((8, 8), None, "distinct"), ((13,), None, "distinct"), ((0, 4), None, "distinct"), ((8, 4), (1.0,), "one weight"),
+     ((8, 4), (1.0, float("nan")), "finite"), (None, (1.0,), "without matryoshka_dims")],
+)  # fmt: skip
+def test_bad_options_raise(dims, weights, match):
+    x = _inputs()
+    with pytest.raises(ValueError, match=match):
+        L.mnrl_loss(x["a"], x["p1"], matryoshka_dims=dims, matryoshka_weights=weights)
+    with pytest.raises(ValueError, match=match):
+        L.supcon_pool_loss(x["a"], x["p1"], torch.arange(B)[:, None], matryoshka_dims=dims, matryoshka_weights=weights)
+
+
+def test_fused_strategy_refuses_dims(monkeypatch):
+    monkeypatch.setenv("FASTCL_STRATEGY", "fused")
+    x = _inputs()
+    with pytest.raises(ValueError, match="matryoshka dims"):
+        L.mnrl_loss(x["a"], x["p1"], backend="torch", matryoshka_dims=(8, 4))
+
+
+def test_double_backward_on_the_reference_backend():
+    g = torch.Generator().manual_seed(4)
+    a, p, n = (torch.randn(3, *s, 6, generator=g, dtype=torch.float64, requires_grad=True) for s in ((), (2,), (2,)))
+
+    def loss(a, p, n):
+        return L.supmpn_loss(
+            a, p, n, backend="reference", temperature=0.5, matryoshka_dims=(6, 2, 4), matryoshka_weights=(1, 2, 3)
+        )
+
+    torch.autograd.gradgradcheck(loss, (a, p, n))
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        (d_a,) = torch.autograd.grad(
+            L.supmpn_loss(a, p, n, backend="torch", matryoshka_dims=(6, 2)), a, create_graph=True
+        )
+        d_a.sum().backward()
+
+
+def test_half_precision_on_torch():
+    x = {k: v.detach().to(torch.bfloat16) for k, v in _inputs(5).items() if k != "tau"}
+    got = L.mnrl_loss(x["a"], x["p1"], x["n"], backend="torch", matryoshka_dims=DIMS)
+    want = sum(L.mnrl_loss(x["a"][:, :m].double(), x["p1"][:, :m].double(), x["n"][..., :m].double()) for m in DIMS)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,256 @@
+"""The ``"cpp"`` backend's fused Matryoshka ops (``lse_prefix_forward`` / ``lse_prefix_backward``)
+beyond the shared contract test: 16-bit inputs, cosine and dot, padding and empty rows,
+non-finite and huge rows, dims orders and counts, block edges, threads, determinism and opcheck.
+Every value and gradient against the float64 oracle of tests/helpers/matryoshka.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastcl.ops import _cpp
+from fastcl.ops.contract import TAG_PADDING, LSEProblem, poison_outputs
+from fastcl.ops.head import HeadInputs
+from tests.helpers.backends import require
+from tests.helpers.matryoshka import check_backend, oracle, prefix_problem
+
+TAU = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _cpp_available():
+    require("cpp")
+
+
+@pytest.fixture
+def threads():
+    """Run a test body at a given thread count, restoring torch's afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _check(prob, tol, **kw):
+    with poison_outputs():  # every output element must be written
+        check_backend(_cpp.BACKEND, prob, TAU, rtol=tol, atol=tol, **kw)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cosine", [True, False])
+@pytest.mark.parametrize("own", [0, 2])
+def test_sixteen_bit_inputs(dtype, cosine, own):
+    """16-bit inputs run in float32 on the same (rounded) values the oracle reads."""
+    prob = prefix_problem(9, 14, 6, 45, (45, 9, 30), dtype=dtype, cosine=cosine, own=own, generator=_gen(1))
+    _check(prob, 3e-4)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_dims_in_any_order_and_count(K, cosine):
+    d = 53  # no multiple of a block or vector width
+    dims = tuple(torch.randperm(d, generator=_gen(K))[:K].add(1).tolist())
+    prob = prefix_problem(8, 12, 5, d, dims, cosine=cosine, own=1, generator=_gen(K))
+    _check(prob, 1e-9)
+    _check(prefix_problem(8, 12, 5, d, dims, dtype=torch.float32, cosine=cosine, generator=_gen(K)), 2e-4)
+
+
+def test_one_prefix_is_the_plain_problem():
+    prob = prefix_problem(7, 10, 4, 20, (20,), own=2, generator=_gen(3))
+    plain = LSEProblem(prob.anchor, prob.blocks, prob.tags, prob.cosine, positives=prob.positives)
+    tau = torch.tensor(TAU, dtype=torch.float64)
+    lse, ml = _cpp.BACKEND.forward(prob, tau)
+    want_lse, want_ml = _cpp.BACKEND.forward(plain, tau)
+    torch.testing.assert_close(lse[0], want_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ml[0], want_ml, rtol=1e-12, atol=1e-12)
+    g, d_pos = torch.rand(1, 7, dtype=torch.float64), torch.randn(1, 7, 2, dtype=torch.float64)
+    got = _cpp.BACKEND.backward(prob, tau, lse, g, d_pos)
+    want = _cpp.BACKEND.backward(plain, tau, want_lse, g[0], d_pos[0])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cosine", [True, False])
+@pytest.mark.parametrize("all_padded", [False, True])
+def test_empty_rows_and_all_padding(cosine, all_padded):
+    """Rows without candidates get lse -inf, mean 0 and no gradient; padded candidates none."""
+    B, N0, N1, d = 6, 4, 5, 19
+    a, b0, b1 = (torch.randn(n, d, generator=_gen(4), dtype=torch.float64) for n in (B, N0, N1))
+    t0 = torch.tensor([-2] * N0 if all_padded else [4, -2, 4, 4], dtype=torch.int32)  # row 4 loses all
+    t1 = torch.full((N1,), TAG_PADDING, dtype=torch.int32)
+    prob = LSEProblem(a, (b0, b1), (t0, t1), cosine, dims=(7, 19, 2))
+    _check(prob, 1e-9)
+    lse, _ = _cpp.BACKEND.forward(prob, torch.tensor(TAU, dtype=torch.float64))
+    empty = torch.isneginf(lse)
+    assert empty.all() if all_padded else (empty[:, 4].all() and empty.sum() == 3)
+
+
+@pytest.mark.parametrize("B, N0, N1", [(0, 5, 3), (4, 0, 0), (1, 1, 0), (5, 0, 4)])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_degenerate_shapes(B, N0, N1, cosine):
+    """No anchors, no candidates, single rows; a prefix of one coordinate."""
+    a, b0, b1 = (torch.randn(n, 6, generator=_gen(5), dtype=torch.float64) for n in (B, N0, N1))
+    tags = (torch.full((N0,), -1, dtype=torch.int32), torch.full((N1,), -1, dtype=torch.int32))
+    _check(LSEProblem(a, (b0, b1), tags, cosine, dims=(4, 1, 6)), 1e-9)
+
+
+def _nan_outputs(prob):
+    """The fused outputs, the oracle's values and the summed gradients of the K plain problems
+    run one by one on the plain cpp ops (the non-finite rules of the plain path)."""
+    K, B = prob.num_prefixes, prob.num_anchors
+    g = torch.rand(K, B, generator=_gen(6), dtype=torch.float64)
+    tau = torch.tensor(TAU, dtype=torch.float64)
+    lse, ml = _cpp.BACKEND.forward(prob, tau)
+    d_a, d_b = _cpp.BACKEND.backward(prob, tau, lse, g)
+    plain = [torch.zeros_like(t) for t in (prob.anchor, *prob.blocks)]
+    for k, m in enumerate(prob.prefixes):
+        sub = prob.prefix(k)
+        d_a_k, d_b_k = _cpp.BACKEND.backward(sub, tau, _cpp.BACKEND.forward(sub, tau)[0], g[k])
+        for total, part in zip(plain, (d_a_k, *d_b_k)):
+            total[:, :m] += part
+    return (lse, ml), oracle(prob, TAU, g)[:2], (d_a, *d_b), plain
+
+
+def test_nan_in_a_padded_row_reaches_nothing():
+    prob = prefix_problem(7, 9, 8, 24, (24, 5, 12), generator=_gen(7))
+    padded = int((prob.tags[1] == TAG_PADDING).nonzero()[0])
+    prob.blocks[1][padded] = float("nan")
+    prob.blocks[1][padded, 0] = float("inf")
+    _check(prob, 1e-9)
+
+
+@pytest.mark.parametrize("where", ["anchor", "candidate"])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_nan_in_a_valid_row_reaches_the_prefixes_that_hold_it(where, cosine):
+    """A NaN at coordinate 9 makes the prefixes longer than 9 NaN and leaves the shorter ones
+    exact, as K separate problems would: values as the oracle's, gradients as the sum of the
+    plain cpp ops' (which, unlike the oracle, also give NaN to candidates a NaN row excludes)."""
+    prob = prefix_problem(7, 9, 8, 24, (24, 5, 12, 9), cosine=cosine, generator=_gen(8))
+    row = prob.anchor[2] if where == "anchor" else prob.blocks[1][int((prob.tags[1] != TAG_PADDING).nonzero()[0])]
+    row[9] = float("nan")
+    values, want_values, grads, want_grads = _nan_outputs(prob)
+    for got, want in zip(values + grads, want_values + tuple(want_grads)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, equal_nan=True)
+    lse = values[0]
+    assert torch.isfinite(lse[[1, 3]]).all() and lse[[0, 2]].isnan().any(1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_huge_rows(dtype):
+    """Cosine rows with entries far beyond 2^40 (stored rescaled) in the prefixes and beyond them."""
+    prob = prefix_problem(8, 10, 6, 30, (30, 6, 17), dtype=dtype, own=1, generator=_gen(9))
+    prob.anchor[1] *= 1e18
+    prob.anchor[2, 20] = 1e16  # beyond the short prefixes only (2^53 above them)
+    prob.blocks[0][3] *= 1e30
+    prob.blocks[1][0, :6] *= 1e15
+    _check(prob, 1e-9 if dtype == torch.float64 else 2e-4)
+
+
+def test_a_prefix_lost_to_a_huge_row_is_refused():
+    """A prefix 2^60 below its row's largest entry would underflow in the GEMMs: an error."""
+    prob = prefix_problem(5, 6, 3, 16, (16, 4), dtype=torch.float32, generator=_gen(10))
+    prob.anchor[0, :4] = 0
+    prob.anchor[0, 10] = 1e20
+    with pytest.raises(RuntimeError, match="matryoshka prefix"):
+        _cpp.BACKEND.forward(prob, torch.tensor(TAU))
+
+
+@pytest.mark.parametrize("rows", ["3", "1000"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_blocks_and_threads(monkeypatch, threads, rows, n_threads, cosine):
+    """Many row blocks (forced short) or one, candidate chunks, one and two threads."""
+    monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
+    monkeypatch.setenv("FASTCL_CPP_CHUNK", "37")
+    threads(n_threads)
+    prob = prefix_problem(23, 150, 61, 70, (64, 7, 70, 33), cosine=cosine, own=2, generator=_gen(11))
+    _check(prob, 1e-9)
+
+
+def test_large_problem_two_threads(threads):
+    """Default block heights, several blocks, both threads, float32."""
+    threads(2)
+    prob = prefix_problem(
+        300, 1500, 700, 96, (96, 16, 48, 8), dtype=torch.float32, own=1, generator=_gen(12)
+    )  # fmt: skip
+    _check(prob, 3e-4)
+
+
+def test_deterministic_for_a_thread_count(threads):
+    threads(2)
+    prob = prefix_problem(120, 260, 90, 40, (40, 10, 25), dtype=torch.float32, own=1, generator=_gen(13))
+    tau = torch.tensor(TAU)
+    g, d_pos = torch.rand(3, 120, generator=_gen(1)), torch.randn(3, 120, 1, generator=_gen(2))
+    runs = []
+    for _ in range(2):
+        lse, ml = _cpp.BACKEND.forward(prob, tau)
+        d_a, d_b = _cpp.BACKEND.backward(prob, tau, lse, g, d_pos)
+        runs.append((lse, ml, d_a, *d_b))
+    for u, v in zip(*runs):
+        assert torch.equal(u, v)
+
+
+def test_fused_refuses_dims():
+    prob = prefix_problem(3, 4, 2, 6, (6, 3), own=1)
+    head = HeadInputs("supcon", torch.zeros(3, 1, dtype=torch.float64), None, None, torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="matryoshka"):
+        _cpp.BACKEND.fused(prob, torch.tensor(TAU), head)
+
+
+def _prefix_op_cases(requires_grad):
+    prob = prefix_problem(5, 6, 3, 8, (3, 8), dtype=torch.float32, own=1, generator=_gen(14))
+    args = (prob.anchor.requires_grad_(requires_grad), *prob.blocks, *prob.tags, torch.tensor(0.1), True, 1e-8, [3, 8])
+    yield "lse_prefix_forward", args, dict(lse=torch.empty(2, 5), mean_logit=torch.empty(2, 5))
+    for d_pos in (None, torch.randn(2, 5, 1)):
+        outs = dict(d_anchor=torch.empty(5, 8), d_block0=torch.empty(11, 8), d_block1=torch.empty(3, 8))
+        yield "lse_prefix_backward", args + (torch.randn(2, 5), torch.rand(2, 5), d_pos, 0), outs
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_prefix_ops(requires_grad):
+    for name, args, kwargs in _prefix_op_cases(requires_grad):
+        torch.library.opcheck(getattr(torch.ops.fastcl, name).default, args, kwargs)
+
+
+def test_bad_prefix_arguments_raise():
+    prob = prefix_problem(3, 4, 2, 6, (6, 3))
+    args = (prob.anchor, *prob.blocks, *prob.tags, torch.tensor(0.1), True, 1e-8)
+    out = dict(lse=torch.empty(2, 3, dtype=torch.float64), mean_logit=torch.empty(2, 3, dtype=torch.float64))
+    for dims in ([6, 3], [3, 3], [0, 6], [3, 7], []):
+        with pytest.raises(RuntimeError, match="matryoshka dims"):
+            torch.ops.fastcl.lse_prefix_forward(*args, dims, **out)
+    with pytest.raises(RuntimeError, match=r"\[2, 3\]"):
+        torch.ops.fastcl.lse_prefix_forward(*args, [3], **out)
+
+
+def prefix_step(B: int, N: int, d: int, dims: list[int]):
+    """A cpp Matryoshka forward + backward at float32 (for the fresh-process memory probe)."""
+    from fastcl.ops import _cpp
+
+    assert _cpp.BACKEND.unavailable() is None
+    prob = prefix_problem(B, N, 0, d, tuple(dims), dtype=torch.float32, own=1, generator=_gen(15))
+    tau = torch.tensor(TAU)
+    g, d_pos = torch.rand(len(dims), B), -torch.rand(len(dims), B, 1)
+
+    def run():
+        lse, _ = _cpp.BACKEND.forward(prob, tau)
+        _cpp.BACKEND.backward(prob, tau, lse, g, d_pos)
+
+    return run
+
+
+def test_memory_has_no_bxn_buffer_and_does_not_grow_with_k():
+    """Extra peak RSS of a fresh process: far below one [B, N] float32 buffer, about the same
+    for one prefix and five (the tiles share one element budget)."""
+    from fastcl.bench.memory import cpu_extra_peak_bytes
+
+    B, N, d = 2048, 14336, 32  # N = 16384 with the own positives
+    bxn = B * (N + B) * 4
+    extra = {
+        K: cpu_extra_peak_bytes(f"{__name__}:prefix_step", dict(B=B, N=N, d=d, dims=[32, 16, 8, 4, 2][:K]))
+        for K in (1, 5)
+    }
+    assert extra[5] < bxn / 4, f"extra peak {extra[5] / 2**20:.0f} MiB against a B x N buffer of {bxn / 2**20:.0f}"
+    assert extra[5] < 1.5 * extra[1] + 4 * 2**20, f"K = 5: {extra[5] / 2**20:.1f} MiB, K = 1: {extra[1] / 2**20:.1f}"

@@ -45,14 +45,23 @@ def measure_extra_rss(run, warmup: bool = True) -> int:
     return (_status_kib("VmHWM") - before) * 1024
 
 
+# glibc: every block above 64 KiB is its own mapping, returned to the kernel when freed, so
+# the measured step cannot reuse heap left over from its warm-up run unseen; a fixed
+# threshold also stops glibc from raising it after the warm-up frees (which made a step's
+# peak swing between 20 and 113 MiB from run to run)
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
 def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600) -> int:
     """Run ``factory(**kwargs)()`` in a fresh Python process and return its extra peak RSS.
 
     ``factory`` is ``"module:function"``; the function builds its inputs and returns the
     zero-argument callable to measure.
     """
+    import os
+
     cmd = [sys.executable, "-m", "fastcl.bench.memory", factory, json.dumps(kwargs)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **_MALLOC_ENV})
     if out.returncode != 0:
         raise RuntimeError(f"memory probe failed ({' '.join(cmd)}):\n{out.stderr[-4000:]}")
     return int(json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"])
@@ -74,9 +83,7 @@ def cpu_extra_peak_bytes_many(
 
     payload = json.dumps({"factory": factory, "cases": cases, "preload": list(preload)})
     cmd = [sys.executable, "-m", "fastcl.bench.memory", "--many"]
-    # glibc: every block above 64 KiB is its own mapping, returned to the kernel when freed,
-    # so the measured step cannot reuse heap left over from its warm-up run unseen
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **_MALLOC_ENV}
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout, env=env)

@@ -275,79 +275,48 @@ def _lse_backward(
                 ACCUMULATE=not first,
             )
 
-        mm_grid = lambda M: lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(d, meta["BN"]),)  # noqa: E731
         # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
-        launch(
-            MM,
-            mm_grid(nc),
-            arch,
-            tune=(nc, d, B),
-            X=ds,
-            Y=anchor,
-            OUT=d_blk,
-            ACC_IN=none,
-            KSCALE=ia if on_load_mm else none,
-            MSCALE=ic if on_load_mm else none,
-            RINV=rc if cosine else none,
-            RADW=col_parts,
-            Z=blk if cosine else none,
-            TAGS=tg,
-            M=nc,
-            N=d,
-            K=B,
-            stride_xm=1,
-            stride_xk=width,
-            stride_yk=d,
-            stride_yn=1,
-            stride_om=d,
-            n_parts=n_row_parts,
-            stride_radw=width,
-            SPLIT_X=ds.dtype != dt,
-            Y_KSCALE=on_load_mm,
-            M_SCALE=on_load_mm,
-            ACCUMULATE=False,
-            RADIAL=cosine,
-            PAD_K=False,
-            PAD_M=True,
-            PRECISION=precision,
-        )
+        gradient_gemm(
+            arch, ds, anchor, d_blk, tg, x_transposed=True, pad_out_rows=True, precision=precision,
+            KSCALE=ia if on_load_mm else none, MSCALE=ic if on_load_mm else none, on_load=on_load_mm,
+            RINV=rc if cosine else none, RADW=col_parts, Z=blk if cosine else none,
+            n_parts=n_row_parts, stride_radw=width, radial=cosine,
+        )  # fmt: skip
         # d anchor: accumulate dS @ C[chunk] over chunks in fixed order
         radial = cosine and last
-        launch(
-            MM,
-            mm_grid(B),
-            arch,
-            tune=(B, d, width),
-            X=ds,
-            Y=blk,
-            OUT=d_anchor if last else acc_buf,
-            ACC_IN=acc_buf if not first else none,
-            KSCALE=ic if on_load_mm else none,
-            MSCALE=ia if on_load_mm else none,
-            RINV=ra if radial else none,
-            RADW=row_w if radial else none,
-            Z=anchor if radial else none,
-            TAGS=tg,
-            M=B,
-            N=d,
-            K=nc,
-            stride_xm=width,
-            stride_xk=1,
-            stride_yk=d,
-            stride_yn=1,
-            stride_om=d,
-            n_parts=1,
-            stride_radw=B,
-            SPLIT_X=ds.dtype != dt,
-            Y_KSCALE=on_load_mm,
-            M_SCALE=on_load_mm,
-            ACCUMULATE=not first,
-            RADIAL=radial,
-            PAD_K=True,
-            PAD_M=False,
-            PRECISION=precision,
-        )
+        gradient_gemm(
+            arch, ds, blk, d_anchor if last else acc_buf, tg, x_transposed=False, pad_out_rows=False,
+            precision=precision, ACC_IN=None if first else acc_buf,
+            KSCALE=ic if on_load_mm else none, MSCALE=ia if on_load_mm else none, on_load=on_load_mm,
+            RINV=ra if radial else none, RADW=row_w if radial else none, Z=anchor if radial else none,
+            n_parts=1, stride_radw=B, radial=radial,
+        )  # fmt: skip
     return (d_anchor, *d_blocks)
+
+
+def gradient_gemm(
+    arch, X, Y, OUT, tags, *, x_transposed, pad_out_rows, precision, ACC_IN=None, KSCALE, MSCALE, on_load=False,
+    RINV, RADW, Z, n_parts, stride_radw, radial,
+):  # fmt: skip
+    """One backward product ``OUT = X @ Y`` on the MM kernel (kernels/matmul.py), for the plain
+    and the Matryoshka launchers: ``X`` is a dS chunk ``[B, width]``, read transposed through
+    its strides for the candidates' gradient; ``pad_out_rows``: ``tags`` mark padded rows of
+    ``OUT`` (candidates' gradient) instead of ``Y``'s (anchors'); ``ACC_IN`` is added."""
+    (M, N), K, sx = OUT.shape, Y.shape[0], X.stride()
+    launch(
+        MM,
+        lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),),
+        arch,
+        tune=(M, N, X.shape[0] if x_transposed else X.shape[1]),  # the chunk's width, not its fill
+        X=X, Y=Y, OUT=OUT, ACC_IN=dummy(X.device) if ACC_IN is None else ACC_IN,
+        KSCALE=KSCALE, MSCALE=MSCALE, RINV=RINV, RADW=RADW, Z=Z, TAGS=tags,
+        M=M, N=N, K=K,
+        stride_xm=sx[1] if x_transposed else sx[0], stride_xk=sx[0] if x_transposed else sx[1],
+        stride_yk=Y.stride(0), stride_yn=1, stride_om=OUT.stride(0),
+        n_parts=n_parts, stride_radw=stride_radw,
+        SPLIT_X=X.dtype != Y.dtype, Y_KSCALE=on_load, M_SCALE=on_load, ACCUMULATE=ACC_IN is not None,
+        RADIAL=radial, PAD_K=not pad_out_rows, PAD_M=pad_out_rows, PRECISION=precision,
+    )  # fmt: skip
 
 
 lse_backward = register_op("fastcl_triton::lse_backward", _lse_backward)

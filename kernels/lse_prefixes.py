@@ -67,9 +67,8 @@ from ._common import (
     sqrt_rn,
     structural_mask,
 )
-from .lse_bwd import SUM_PARTS
+from .lse_bwd import SUM_PARTS, gradient_gemm
 from .lse_fwd import COMBINE, _check_layout, _ssq_step, _store_inverse_norms
-from .matmul import MM
 
 # the forward keeps its K online-LSE states in one [MAX_PREFIXES, BM] register tile
 MAX_PREFIXES = 8
@@ -595,78 +594,21 @@ def _lse_backward_prefixes(
             if last:
                 _suffix_sums_(row_w)
         radial = cosine and last
-        mm_grid = lambda M, N: lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
         for j, (lo, hi) in enumerate(segments):
             # segment j of the candidates' gradient: T_j^T @ A[:, lo:hi] (T_j read transposed)
-            launch(
-                MM,
-                mm_grid(nc, hi - lo),
-                arch,
-                tune=(nc, hi - lo, B),
-                X=ds[j],
-                Y=anchor[:, lo:hi],
-                OUT=d_blk[:, lo:hi],
-                ACC_IN=none,
-                KSCALE=none,
-                MSCALE=none,
-                RINV=ones if cosine else none,
-                RADW=col_parts[:, j] if cosine else none,
-                Z=blk[:, lo:hi] if cosine else none,
-                TAGS=tg,
-                M=nc,
-                N=hi - lo,
-                K=B,
-                stride_xm=1,
-                stride_xk=width,
-                stride_yk=d,
-                stride_yn=1,
-                stride_om=d,
-                n_parts=n_row_parts,
-                stride_radw=K * width,
-                SPLIT_X=ds.dtype != dt,
-                Y_KSCALE=False,
-                M_SCALE=False,
-                ACCUMULATE=False,
-                RADIAL=cosine,
-                PAD_K=False,
-                PAD_M=True,
-                PRECISION=precision,
-            )
+            gradient_gemm(
+                arch, ds[j], anchor[:, lo:hi], d_blk[:, lo:hi], tg, x_transposed=True, pad_out_rows=True,
+                precision=precision, KSCALE=none, MSCALE=none, RINV=ones if cosine else none,
+                RADW=col_parts[:, j] if cosine else none, Z=blk[:, lo:hi] if cosine else none,
+                n_parts=n_row_parts, stride_radw=K * width, radial=cosine,
+            )  # fmt: skip
             # segment j of the anchors' gradient: T_j @ C[chunk, lo:hi], accumulated over chunks
-            launch(
-                MM,
-                mm_grid(B, hi - lo),
-                arch,
-                tune=(B, hi - lo, width),
-                X=ds[j],
-                Y=blk[:, lo:hi],
-                OUT=(d_anchor if last else acc_buf)[:, lo:hi],
-                ACC_IN=acc_buf[:, lo:hi] if not first else none,
-                KSCALE=none,
-                MSCALE=none,
-                RINV=ones if radial else none,
-                RADW=row_w[j] if radial else none,
-                Z=anchor[:, lo:hi] if radial else none,
-                TAGS=tg,
-                M=B,
-                N=hi - lo,
-                K=nc,
-                stride_xm=width,
-                stride_xk=1,
-                stride_yk=d,
-                stride_yn=1,
-                stride_om=d,
-                n_parts=1,
-                stride_radw=B,
-                SPLIT_X=ds.dtype != dt,
-                Y_KSCALE=False,
-                M_SCALE=False,
-                ACCUMULATE=not first,
-                RADIAL=radial,
-                PAD_K=True,
-                PAD_M=False,
-                PRECISION=precision,
-            )
+            gradient_gemm(
+                arch, ds[j], blk[:, lo:hi], (d_anchor if last else acc_buf)[:, lo:hi], tg, x_transposed=False,
+                pad_out_rows=False, precision=precision, ACC_IN=None if first else acc_buf[:, lo:hi],
+                KSCALE=none, MSCALE=none, RINV=ones if radial else none, RADW=row_w[j] if radial else none,
+                Z=anchor[:, lo:hi] if radial else none, n_parts=1, stride_radw=B, radial=radial,
+            )  # fmt: skip
     return (d_anchor, *d_blocks)
 
 

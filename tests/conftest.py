@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastcl._paths import data_dir as _data_dir
 
@@ -49,6 +50,14 @@ def pytest_collection_modifyitems(config, items):
         name = f"{rel}::{item.originalname}"
         if any(rel.startswith(s) if s.endswith("/") else s in (rel, name) for s in SLOW):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def threads():
+    """``threads(n)`` sets torch's intra-op thread count for the test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -24,13 +24,6 @@ def _needs_cpp():
     require("cpp")
 
 
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("num_threads", [2, 3])
 @pytest.mark.parametrize("rows", ["7", None])  # forced short blocks, or the default plan
 @pytest.mark.parametrize("d", [130, 200])  # 2 and 3 column tasks for X C

@@ -22,14 +22,6 @@ def _cpp_available():
     require("cpp")
 
 
-@pytest.fixture
-def threads():
-    """Run a test body at a given thread count, restoring torch's afterwards."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 def _check(prob, tol, **kw):
     with poison_outputs():  # every output element must be written
         check_backend(_cpp.BACKEND, prob, TAU, rtol=tol, atol=tol, **kw)

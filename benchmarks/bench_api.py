@@ -67,15 +67,16 @@ def _available(impl: str) -> None:
         pytest.importorskip("sentence_transformers")
 
 
-def _run(benchmark, step, factory: str, case: dict):
+def _run(benchmark, bench_record, step: str, case: dict, impl: str, workload: str) -> None:
+    """Time ``api_cases.<step>(**case)``, measure its peak memory in a fresh process, record both."""
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        peak = cpu_extra_peak_bytes(factory, case) / 2**20 if MEMORY else None
-        benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=1)
+        peak = cpu_extra_peak_bytes(f"fastcl.bench.api_cases:{step}", case) / 2**20 if MEMORY else None
+        benchmark.pedantic(getattr(api_cases, step)(**case), rounds=3, iterations=1, warmup_rounds=1)
     finally:
         torch.set_num_threads(threads)
-    return peak
+    bench_record(benchmark, workload=workload, impl=_name(impl), peak_mib=peak, threads=THREADS)
 
 
 @pytest.mark.parametrize("impl", SUPCON_IMPLS)
@@ -88,13 +89,13 @@ def test_supcon_labels_fwd_bwd(benchmark, bench_record, N, d, labels, impl):
         want = api_cases.supcon_labels_fn("pml-supcon", features, y)()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     case = dict(backend=impl, N=N, d=d, num_labels=labels)
-    peak = _run(benchmark, api_cases.supcon_labels_step(**case), "fastcl.bench.api_cases:supcon_labels_step", case)
-    bench_record(
+    _run(
         benchmark,
-        workload=f"SupCon labels N={N} V=2 d={d} labels={labels} fp32 (eager = PML SupConLoss)",
-        impl=_name(impl),
-        peak_mib=peak,
-        threads=THREADS,
+        bench_record,
+        "supcon_labels_step",
+        case,
+        impl,
+        f"SupCon labels N={N} V=2 d={d} labels={labels} fp32 (eager = PML SupConLoss)",
     )
 
 
@@ -109,13 +110,13 @@ def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, B, Q, d, hardness, impl
         want = api_cases.mnrl_directions_fn("st-mnrl", columns, hardness_mode=hardness, hardness_strength=strength)()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     case = dict(backend=impl, B=B, d=d, Q=Q, hardness_mode=hardness)
-    peak = _run(benchmark, api_cases.mnrl_directions_step(**case), "fastcl.bench.api_cases:mnrl_directions_step", case)
-    bench_record(
+    _run(
         benchmark,
-        workload=f"MNRL GTE joint B={B} Q={Q} d={d} hardness={hardness} fp32 (eager = ST 6 MNRL)",
-        impl=_name(impl),
-        peak_mib=peak,
-        threads=THREADS,
+        bench_record,
+        "mnrl_directions_step",
+        case,
+        impl,
+        f"MNRL GTE joint B={B} Q={Q} d={d} hardness={hardness} fp32 (eager = ST 6 MNRL)",
     )
 
 
@@ -129,12 +130,12 @@ def test_matryoshka_mnrl_fwd_bwd(benchmark, bench_record, B, Q, d, impl):
         want = api_cases.matryoshka_fn("st-matryoshka-cmnrl", columns)()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     case = dict(backend=impl, B=B, d=d, Q=Q)
-    peak = _run(benchmark, api_cases.matryoshka_step(**case), "fastcl.bench.api_cases:matryoshka_step", case)
     dims = ",".join(map(str, api_cases.MATRYOSHKA_DIMS))
-    bench_record(
+    _run(
         benchmark,
-        workload=f"Matryoshka MNRL B={B} Q={Q} d={d} dims=({dims}) fp32 (eager = ST MatryoshkaLoss(CachedMNRL))",
-        impl=_name(impl),
-        peak_mib=peak,
-        threads=THREADS,
+        bench_record,
+        "matryoshka_step",
+        case,
+        impl,
+        f"Matryoshka MNRL B={B} Q={Q} d={d} dims=({dims}) fp32 (eager = ST MatryoshkaLoss(CachedMNRL))",
     )

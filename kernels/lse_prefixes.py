@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fastcl.ops.contract import new_output
+from fastcl.ops.contract import new_output, prefix_order
 
 from . import plan
 from ._common import (
@@ -363,13 +363,6 @@ def prefix_reasons(dims) -> list[str]:
     return []
 
 
-def _order(dims: list[int]) -> tuple[list[int], list[int]]:
-    """``(order, inverse)``: ``dims[order]`` ascending; ``sorted_outputs[inverse]`` in the caller's order."""
-    order = sorted(range(len(dims)), key=dims.__getitem__)
-    inverse = sorted(range(len(dims)), key=order.__getitem__)
-    return order, inverse
-
-
 def _prepare(anchor, blocks, tags, tau, bounds, cosine, eps, norms, arch):
     """Layouts, tau and the per-prefix row scales ``(inv, rinv)`` ``[K, rows]`` of each part."""
     _check_layout((anchor, *blocks, *tags))
@@ -416,7 +409,7 @@ def _lse_forward_prefixes(
     (B, d), K = anchor.shape, len(dims)
     acc = acc_dtype(dt)
     arch = arch_of(dev)
-    order, inverse = _order(dims)
+    order, inverse = prefix_order(dims)
     lse = new_output((K, B), dtype=acc, device=dev)
     mean_logit = new_output((K, B), dtype=acc, device=dev)
     if B == 0:
@@ -502,7 +495,7 @@ def _lse_backward_prefixes(
     # K dS tiles per column: the chunk narrows by K (same bytes, K * B * width < 2**31)
     width = plan.chunk_width(B * K, sizes, d, dt, arch)
     chunks = [(i, c0, min(c0 + width, n)) for i, n in enumerate(sizes) for c0 in range(0, n, width)]
-    order, _ = _order(dims)
+    order, _ = prefix_order(dims)
     top = max(dims)
     for t in (d_anchor, *d_blocks):  # coordinates beyond every prefix get no gradient
         t[:, top:].zero_()

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._build import Extension, cpu_capability_flags
 from .backend import Backend, input_reasons
-from .contract import FusedResult, LSEProblem, compute_dtype, new_output
+from .contract import FusedResult, LSEProblem, compute_dtype, new_output, prefix_order
 from .head import HeadInputs
 
 _capability, _vec_flags = cpu_capability_flags()
@@ -43,12 +43,6 @@ def _out(problem: LSEProblem, shape) -> Tensor:
     return new_output(shape, dtype=compute_dtype(problem.dtype), device=problem.device)
 
 
-def _prefix_order(problem: LSEProblem) -> list[int]:
-    """The prefixes by increasing length (the prefix ops take them so): ``order[j]`` is the
-    caller's index of the ``j``-th shortest."""
-    return sorted(range(problem.num_prefixes), key=lambda k: problem.dims[k])
-
-
 class CppLSE(Backend):
     """The ``"cpp"`` backend of the masked-LSE primitive."""
 
@@ -72,10 +66,9 @@ class CppLSE(Backend):
         if problem.dims is None:
             torch.ops.fastcl.lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
             return lse, mean_logit
-        order = _prefix_order(problem)  # one sweep over d takes the prefixes shortest first
+        order, back = prefix_order(problem.dims)  # the prefix ops take them shortest first
         dims = [problem.dims[k] for k in order]
         torch.ops.fastcl.lse_prefix_forward(*_args(problem, tau), dims, lse=lse, mean_logit=mean_logit)
-        back = sorted(range(len(order)), key=order.__getitem__)  # row k: the caller's prefix k
         return (lse, mean_logit) if back == list(range(len(order))) else (lse[back], mean_logit[back])
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
@@ -86,7 +79,7 @@ class CppLSE(Backend):
         offset = problem.positives.offset if fold else 0
         op, dims = torch.ops.fastcl.lse_backward, ()
         if problem.dims is not None:  # the prefixes shortest first, as lse_prefix_backward takes them
-            order = _prefix_order(problem)
+            order, _ = prefix_order(problem.dims)
             lse, g, d_pos = lse[order], g[order], d_pos[order] if fold else None
             op, dims = torch.ops.fastcl.lse_prefix_backward, ([problem.dims[k] for k in order],)
         out = dict(d_anchor=d_anchor, d_block0=d0, d_block1=d1)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import TAG_PADDING, LSEProblem, compute_dtype, excluded, new_output
+from .contract import TAG_PADDING, LSEProblem, compute_dtype, excluded, new_output, prefix_order
 
 
 @dataclass
@@ -101,7 +101,7 @@ def _softmax(logits: Tensor, drop: Tensor, lse: Tensor | None = None) -> tuple[T
 
 def _order(problem: LSEProblem) -> tuple[list[int], list[int]]:
     """Sorted distinct bounds and, per sorted position, the caller's prefix index."""
-    order = sorted(range(problem.num_prefixes), key=lambda k: problem.prefixes[k])
+    order, _ = prefix_order(problem.prefixes)
     return [problem.prefixes[k] for k in order], order
 
 

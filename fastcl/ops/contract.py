@@ -102,6 +102,14 @@ class LSEProblem:
         return self.anchor.dtype
 
 
+def prefix_order(dims) -> tuple[list[int], list[int]]:
+    """``(order, inverse)`` of Matryoshka dims: ``dims[order[j]]`` ascend (a sweep over d meets
+    the prefixes shortest first); outputs in that order go back to the caller's as ``out[inverse]``."""
+    order = sorted(range(len(dims)), key=dims.__getitem__)
+    inverse = sorted(range(len(dims)), key=order.__getitem__)
+    return order, inverse
+
+
 @dataclass
 class FusedResult:
     """What a gradient-in-forward sweep (``Backend.fused``) returns, in the compute dtype:

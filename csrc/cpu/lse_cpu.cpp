@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <limits>
 #include <string_view>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../checks.h"
@@ -212,6 +214,7 @@ struct Sweep {
   const Head<T>* head = nullptr;  // fused
   T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
   T* row_rad = nullptr;           // [K, B] (Matryoshka cosine backward): the rows' radial sums
+  T* row_factor = nullptr;        // [B] (fused): X = diag(r) Q with Q in the block buffer
 };
 
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
@@ -272,6 +275,19 @@ void unnormalize_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const 
   });
 }
 
+// out row i <- factor[i] * x row i, rows of [h, d] (out may be x itself)
+template <typename T>
+void scale_rows(const at::Tensor& out, const at::Tensor& x, const T* factor) {
+  const int64_t d = x.size(1);
+  parallel(0, x.size(0), 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      T* o = out.data_ptr<T>() + i * d;
+      if (o != x.data_ptr<T>() + i * d) std::copy_n(x.data_ptr<T>() + i * d, d, o);
+      rows::scale(o, factor[i], d);
+    }
+  });
+}
+
 // A slice [c, c + n) of candidate block `blk` (0 or 1): what steps 1 and 4 of sweep() split.
 struct Chunk {
   int blk;
@@ -306,6 +322,11 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
   const T* inv_a = p.inv_a.template data_ptr<T>() + kb;
   const T* inv_c = p.inv_c.template data_ptr<T>() + k * N;
   const T* add = p.col_add.template data_ptr<T>();
+  // Cosine logits lie in [-1/tau, 1/tau]: while exp(-2/tau) is far from underflow (and the row
+  // factor r = g / (|a| tau sum_p) from overflow), 1/tau stands in for the row max and the
+  // logits pass is skipped (forward and fused modes; bound 0: take the max).
+  constexpr double kMaxInvTau = std::is_same_v<T, float> ? 25 : 300;
+  const T bound = p.cosine && p.inv_tau <= kMaxInvTau ? p.inv_tau : T(0);
   // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
   auto weights = [&](int64_t gi, T* row, T row_scale) -> T {
     if (sw.mode == Mode::kBackward) {
@@ -318,22 +339,35 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
     }
     T* lse = sw.lse + kb;
     T* mean_logit = sw.mean_logit + kb;
-    const T m = rows::logits_and_max(row, inv_c, add, row_scale, N);
-    T sum_p = 0;
-    if (m == rows::neg_inf<T>()) {  // no candidate: lse = -inf, no gradient
-      lse[gi] = m;
-      mean_logit[gi] = T(0);
-      if (sw.mode != Mode::kForward) std::fill(row, row + N, T(0));
-    } else {
-      const auto [sp, spl] = rows::exp_and_sums(row, m, N);
-      sum_p = sp;
-      lse[gi] = m + std::log(sp);
-      mean_logit[gi] = spl / sp;
+    const bool fused = sw.mode == Mode::kFused;
+    T sum_p = 0, sum_pl = 0, m = bound;  // fused: the row holds p_c * inv_c afterwards
+    if (bound > T(0)) {
+      std::tie(sum_p, sum_pl) = fused ? rows::exp_and_sums<true, true>(row, m, inv_c, add, row_scale, N)
+                                      : rows::exp_and_sums<true, false>(row, m, inv_c, add, row_scale, N);
+    } else if ((m = rows::logits_and_max(row, inv_c, add, row_scale, N)) != rows::neg_inf<T>()) {
+      std::tie(sum_p, sum_pl) = fused ? rows::exp_and_sums<false, true>(row, m, inv_c, add, row_scale, N)
+                                      : rows::exp_and_sums<false, false>(row, m, inv_c, add, row_scale, N);
     }
-    if (sw.mode == Mode::kFused) {
+    if (sum_p == T(0)) {  // no candidate: lse = -inf, no gradient
+      lse[gi] = rows::neg_inf<T>();
+      mean_logit[gi] = T(0);
+      if (fused) std::fill(row, row + N, T(0));
+    } else {
+      lse[gi] = m + std::log(sum_p);
+      mean_logit[gi] = sum_pl / sum_p;
+    }
+    if (fused) {
       const T g = sw.head->row(gi, lse[gi]);
       sw.g_rows[gi] = g;
-      if (sum_p > T(0)) rows::scale(row, g * inv_a[gi] * p.inv_tau / sum_p, inv_c, N);
+      // X = r * row; r goes into the GEMMs (sweep) instead of a pass over the row, unless it is
+      // not a finite nonzero number (g = 0, overflow, NaN): then X is formed here and r = 1
+      T r = sum_p == T(0) ? T(1) : g * inv_a[gi] * p.inv_tau / sum_p;
+      if (!(std::isfinite(r) && r != T(0))) {
+        rows::scale(row, T(1) / sum_p, N);
+        rows::scale(row, g * inv_a[gi] * p.inv_tau, N);
+        r = T(1);
+      }
+      sw.row_factor[gi] = r;
     }
     return T(0);
   };
@@ -354,7 +388,7 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
       const T* dp = sw.fold.dpos + (kb + gi) * P;
       for (int64_t j = 0; j < P; ++j) {
         const T w = dp[j] * row_scale * inv_c[c0 + j];
-        row[c0 + j] += w;
+        row[c0 + j] += sw.row_factor ? w / sw.row_factor[gi] : w;
         if (col_rad) rad += w * pos_raw[j], col_rad[c0 + j] += w * pos_raw[j];
       }
     }
@@ -421,6 +455,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   const int64_t tiles = sw.mode == Mode::kBackward ? K : std::min<int64_t>(K, 2);
   const int64_t H = block_height(p.B, p.N, d, T_, tiles);
   at::Tensor buf = at::empty({tiles, H, p.N}, p.a.options());
+  const at::Tensor a_scaled = sw.row_factor ? at::empty({H, d}, p.a.options()) : at::Tensor();
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
   // radial sums of the candidates, one [K, N] partial per row task (summed in task order)
   at::Tensor col_rad = sw.row_rad ? at::zeros({T_, K, p.N}, p.a.options()) : at::Tensor();
@@ -458,6 +493,9 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       }
     }
     if (!grad) continue;
+    // fused: X = diag(r) Q, so r scales the anchors of X^T A (a copy) and the rows of X C
+    const at::Tensor a_x = sw.row_factor ? a_scaled.narrow(0, 0, h) : a_blk;
+    if (sw.row_factor) scale_rows(a_x, a_blk, sw.row_factor + r0);
     for (int64_t k = K - 1; k >= 0; --k) {
       const at::Tensor X = tile(k);  // Y_k: the weights of every prefix that covers slice k
       if (k + 1 < K) X.add_(tile(k + 1));
@@ -471,12 +509,13 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
           mm_blocks(e_a.narrow(1, k0, n), X, p, p.c0.narrow(1, k0, n), p.c1.narrow(1, k0, n));
         }
       });
+      if (sw.row_factor) scale_rows(e_a, e_a, sw.row_factor + r0);
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
           at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
           const at::Tensor x_cols = X.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
-          if (r0 == 0) at::mm_out(e_c, x_cols, a_blk.narrow(1, lo, w));  // the first block writes E_c
-          else e_c.addmm_(x_cols, a_blk.narrow(1, lo, w));
+          if (r0 == 0) at::mm_out(e_c, x_cols, a_x.narrow(1, lo, w));  // the first block writes E_c
+          else e_c.addmm_(x_cols, a_x.narrow(1, lo, w));
         }
       });
     }
@@ -611,6 +650,8 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
     sw.mean_logit = mean_logit.data_ptr<T>();
     sw.head = &h;
     sw.g_rows = g_rows.data_ptr<T>();
+    std::vector<T> row_factor(B);
+    sw.row_factor = row_factor.data();
     sweep(p, sw);
     T acc = 0;  // the temperature gradient, summed in row order (deterministic)
     for (int64_t i = 0; i < B; ++i) acc += sw.g_rows[i] * sw.mean_logit[i];

@@ -85,44 +85,47 @@ T logits_and_max(T* row, const T* col_scale, const T* col_add, T row_scale, int6
   return m;
 }
 
-// row[c] <- p_c = exp(l_c - m); returns (sum_c p_c, sum_c p_c * l_c), excluded columns
-// (l = -inf, p = 0) adding nothing to either sum. m must be finite.
-template <typename T>
-std::pair<T, T> exp_and_sums(T* row, T m, int64_t n) {
+// The exp pass: row[c] <- p_c = exp(l_c - m), times col_scale[c] with kScaleOut (the fused
+// step's column factor of X); returns (sum_c p_c, sum_c p_c * l_c), excluded columns (l = -inf,
+// p = 0) adding nothing to either sum. The logit l_c is row[c], or with kRaw it is formed from
+// the raw dot product as in logits_and_max (m then a bound known in advance). m must be finite.
+template <bool kRaw, bool kScaleOut, typename T>
+std::pair<T, T> exp_and_sums(T* row, T m, const T* col_scale, const T* col_add, T row_scale, int64_t n) {
   using V = Vectorized<T>;
-  const V vm(m), zero(T(0)), ninf(neg_inf<T>());
+  const V vm(m), zero(T(0)), ninf(neg_inf<T>()), rs(row_scale);
   V sum_p(T(0)), sum_pl(T(0));
   int64_t c = 0;
   for (; c + V::size() <= n; c += V::size()) {
     V l = V::loadu(row + c);
+    if constexpr (kRaw) l = l * rs * V::loadu(col_scale + c) + V::loadu(col_add + c);
     V p = (l - vm).exp();
-    p.store(row + c);
     sum_p = sum_p + p;
     sum_pl = sum_pl + V::blendv(p * l, zero, l == ninf);
+    if constexpr (kScaleOut) p = p * V::loadu(col_scale + c);
+    p.store(row + c);
   }
   auto add = [](T x, T y) { return x + y; };
   T s = reduce_lanes<T>(sum_p, T(0), add);
   T spl = reduce_lanes<T>(sum_pl, T(0), add);
   for (; c < n; ++c) {
     T l = row[c];
+    if constexpr (kRaw) l = l * row_scale * col_scale[c] + col_add[c];
     T p = std::exp(l - m);
-    row[c] = p;
     s += p;
     if (l != neg_inf<T>()) spl += p * l;
+    row[c] = kScaleOut ? p * col_scale[c] : p;
   }
   return {s, spl};
 }
 
-// row[c] <- row[c] * row_factor * col_scale[c]
+// row[c] <- row[c] * factor
 template <typename T>
-void scale(T* row, T row_factor, const T* col_scale, int64_t n) {
+void scale(T* row, T factor, int64_t n) {
   using V = Vectorized<T>;
-  const V rf(row_factor);
+  const V f(factor);
   int64_t c = 0;
-  for (; c + V::size() <= n; c += V::size()) {
-    (V::loadu(row + c) * rf * V::loadu(col_scale + c)).store(row + c);
-  }
-  for (; c < n; ++c) row[c] = row[c] * row_factor * col_scale[c];
+  for (; c + V::size() <= n; c += V::size()) (V::loadu(row + c) * f).store(row + c);
+  for (; c < n; ++c) row[c] *= factor;
 }
 
 // Recompute backward in one pass: row[c] <- w_c = exp(l_c - lse) * row_factor * col_scale[c] with

@@ -605,8 +605,8 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
-                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor,
-                                d_block0, d_block1, g_dot_mean_logit, kDev);
+                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos,
+                                d_anchor, d_block0, d_block1, g_dot_mean_logit, kDev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0);
   dispatch_compute(cd, [&](auto zero) {

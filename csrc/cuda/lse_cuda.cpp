@@ -195,8 +195,8 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
   TORCH_CHECK(!own_logits, "fastcl: the CUDA lse_fused reads the own-positive logits from pos_logits; it does "
               "not form them (own_logits=True is CPU only)");
   const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
-                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor,
-                                d_block0, d_block1, g_dot_mean_logit, kDev);
+                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos,
+                                d_anchor, d_block0, d_block1, g_dot_mean_logit, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);

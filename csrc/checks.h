@@ -134,7 +134,7 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
                            const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
                            std::string_view head, const at::Tensor& pos_logits, const OptTensor& pos_mask,
                            const OptTensor& log_extra, const at::Tensor& weights, int64_t pos_offset,
-                           bool fold_positives, const at::Tensor& lse, const at::Tensor& mean_logit,
+                           bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
                            const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
                            const at::Tensor& d_block0, const at::Tensor& d_block1,
                            const at::Tensor& g_dot_mean_logit, c10::DeviceType dev) {
@@ -157,6 +157,16 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
   check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
   check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd, dev);
   if (fold_positives) check_positives(pos_offset, P, B, block0.size(0));
+  if (own_logits) {
+    TORCH_CHECK(fold_positives, "fastcl: own_logits forms the logits of folded own positives (fold_positives)");
+    check_out(pos_logits, "pos_logits", {B, P}, cd, dev);
+    // the kernel forms a positive's logit from its row as stored, and a padded row is stored
+    // as zeros: a valid positive must not be padding (the losses tag exactly the masked ones)
+    const at::Tensor padded = tags0.narrow(0, pos_offset, B * P).view({B, P}) == -2;
+    TORCH_CHECK(!(pos_mask ? padded & *pos_mask : padded).any().item<bool>(),
+                "fastcl: own_logits needs every valid own positive (pos_mask True) to be a candidate, not "
+                "padding (tag -2)");
+  }
   return P;
 }
 

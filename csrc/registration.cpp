@@ -20,11 +20,13 @@ TORCH_LIBRARY(fastcl, m) {
       "*, Tensor(a!) d_anchor, Tensor(b!) d_block0, Tensor(c!) d_block1) -> ()");
 
   // Gradient in forward: the loss head ("supcon" | "supmpn") applied to each block of rows
-  // as soon as its lse is known; outputs and fold_positives: docs/csrc.md.
+  // as soon as its lse is known; outputs, fold_positives and own_logits (the kernel writes the
+  // folded own positives' logits into pos_logits instead of reading them): docs/csrc.md.
   m.def(
       "lse_fused(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
-      "Tensor tau, bool cosine, float eps, str head, Tensor pos_logits, Tensor? pos_mask, "
-      "Tensor? log_extra, Tensor weights, int pos_offset, bool fold_positives, *, Tensor(a!) lse, Tensor(b!) mean_logit, "
+      "Tensor tau, bool cosine, float eps, str head, Tensor(i!) pos_logits, Tensor? pos_mask, "
+      "Tensor? log_extra, Tensor weights, int pos_offset, bool fold_positives, bool own_logits=False, "
+      "*, Tensor(a!) lse, Tensor(b!) mean_logit, "
       "Tensor(c!) loss_rows, Tensor(d!) d_pos, Tensor(e!) d_anchor, Tensor(f!) d_block0, "
       "Tensor(g!) d_block1, Tensor(h!) g_dot_mean_logit) -> ()");
 

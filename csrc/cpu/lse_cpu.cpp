@@ -213,6 +213,7 @@ struct Sweep {
   const T* grad_lse = nullptr;    // [B] (backward)
   const Head<T>* head = nullptr;  // fused
   T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
+  T* own_logits = nullptr;        // [B, P] out (fused, own_logits): the head's pos, formed per row
   T* row_rad = nullptr;           // [K, B] (Matryoshka cosine backward): the rows' radial sums
   T* row_factor = nullptr;        // [B] (fused): X = diag(r) Q with Q in the block buffer
 };
@@ -380,6 +381,15 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
     const T row_scale = inv_a[gi] * p.inv_tau;
     const int64_t c0 = sw.fold.offset + gi * P;
     if (sw.fold.dpos && col_rad) std::copy(row + c0, row + c0 + P, pos_raw.begin());
+    if (sw.own_logits) {
+      // the own positives' logits from their raw dot products, formed like every other logit
+      // (no [B, P, d] normalisation pass in Python); row gi's head reads only row gi's. A
+      // masked positive reads as zero (the contract), whatever its row holds.
+      const bool* m = sw.head->mask ? sw.head->mask + gi * P : nullptr;
+      for (int64_t j = 0; j < P; ++j) {
+        sw.own_logits[gi * P + j] = m && !m[j] ? T(0) : row[c0 + j] * row_scale * inv_c[c0 + j];
+      }
+    }
     for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
     T rad = weights(gi, row, row_scale);
     if (sw.fold.dpos) {
@@ -629,13 +639,13 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
                const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
-               bool fold_positives, const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
-               const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-               const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+               bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
+               const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
+               const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
-                                weights, pos_offset, fold_positives, lse, mean_logit, loss_rows, d_pos, d_anchor,
-                                d_block0, d_block1, g_dot_mean_logit, kDev);
+                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos,
+                                d_anchor, d_block0, d_block1, g_dot_mean_logit, kDev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0);
   dispatch_compute(cd, [&](auto zero) {
@@ -646,6 +656,7 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
     at::Tensor g_rows = at::empty({B}, p.a.options());
     Sweep<T> sw{Mode::kFused, d_anchor, d_block0, d_block1};
     if (fold_positives) sw.fold = {d_pos.data_ptr<T>(), pos_offset, P};
+    if (own_logits) sw.own_logits = ht.pos.data_ptr<T>();  // pos_logits itself (checked: contiguous, cd)
     sw.lse = lse.data_ptr<T>();
     sw.mean_logit = mean_logit.data_ptr<T>();
     sw.head = &h;

@@ -188,13 +188,15 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
                const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
-               bool fold_positives, const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
-               const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-               const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+               bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
+               const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
+               const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  TORCH_CHECK(!own_logits, "fastcl: the CUDA lse_fused reads the own-positive logits from pos_logits; it does "
+              "not form them (own_logits=True is CPU only)");
   const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
-                                weights, pos_offset, fold_positives, lse, mean_logit, loss_rows, d_pos, d_anchor,
-                                d_block0, d_block1, g_dot_mean_logit, kDev);
+                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos,
+                                d_anchor, d_block0, d_block1, g_dot_mean_logit, kDev);
   c10::cuda::CUDAGuard guard(anchor.device());
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);

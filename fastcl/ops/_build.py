@@ -44,7 +44,16 @@ def cpu_capability_flags() -> tuple[str, list[str]]:
     except Exception:  # very old torch: stay portable
         cap = "DEFAULT"
     if cap == "AVX512":
-        return "AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+        return "AVX512", [
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mfma",
+            "-mf16c",
+            "-DCPU_CAPABILITY=AVX512",
+            "-DCPU_CAPABILITY_AVX512",
+        ]
     if cap in ("AVX2",):
         return "AVX2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return "DEFAULT", ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]

@@ -48,6 +48,7 @@ class CppLSE(Backend):
 
     name = "cpp"
     device_type = "cpu"
+    forms_own_logits = True
 
     def unavailable(self) -> str | None:
         """Why the C++ library cannot run here (builds it on the first call), or None."""
@@ -93,16 +94,19 @@ class CppLSE(Backend):
         out = FusedResult(_out(problem, B), _out(problem, B), _out(problem, problem.anchor.shape))
         out.d_blocks = tuple(_out(problem, b.shape) for b in problem.blocks)
         out.g_dot_mean_logit, out.loss_rows = _out(problem, ()), _out(problem, B)
-        out.d_pos = _out(problem, head.pos_logits.shape)
+        own = head.pos_logits is None  # the kernel writes the own positives' logits (forms_own_logits)
+        pos_logits = _out(problem, (B, problem.positives.count)) if own else head.pos_logits.to(cd)
+        out.d_pos = _out(problem, pos_logits.shape)
         torch.ops.fastcl.lse_fused(
             *_args(problem, tau),
             head.kind,
-            head.pos_logits.to(cd),
+            pos_logits,
             head.pos_mask,
             None if head.log_extra is None else head.log_extra.to(cd),
             head.weights.to(cd),
             0 if problem.positives is None else problem.positives.offset,
             problem.positives is not None,
+            own,
             lse=out.lse,
             mean_logit=out.mean_logit,
             loss_rows=out.loss_rows,
@@ -112,6 +116,7 @@ class CppLSE(Backend):
             d_block1=out.d_blocks[1],
             g_dot_mean_logit=out.g_dot_mean_logit,
         )
+        out.pos_logits = pos_logits if own else None
         return out
 
 

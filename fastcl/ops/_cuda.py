@@ -44,6 +44,7 @@ class CudaLSE(_cpp.CppLSE):
 
     name = "cuda"
     device_type = "cuda"
+    forms_own_logits = False  # its lse_fused reads them (refuses own_logits=True)
 
     def unavailable(self) -> str | None:
         """Why the CUDA library cannot run here (builds it on the first call), or None."""

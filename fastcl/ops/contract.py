@@ -115,7 +115,8 @@ class FusedResult:
     """What a gradient-in-forward sweep (``Backend.fused``) returns, in the compute dtype:
     ``loss_rows [B]``, the head's per-row loss, and ``d_pos [B, P]``, its gradient w.r.t. the
     own-positive logits (already folded into ``d_anchor``/``d_blocks`` when the problem has
-    ``positives``), besides the primitive's outputs; ``g_dot_mean_logit = sum_i g_i * mean_logit_i``."""
+    ``positives``), besides the primitive's outputs; ``g_dot_mean_logit = sum_i g_i * mean_logit_i``;
+    ``pos_logits [B, P]``, the own-positive logits when the sweep formed them (``forms_own_logits``)."""
 
     lse: Tensor
     mean_logit: Tensor
@@ -124,6 +125,7 @@ class FusedResult:
     g_dot_mean_logit: Tensor | None = None
     loss_rows: Tensor | None = None
     d_pos: Tensor | None = None
+    pos_logits: Tensor | None = None
 
 
 def structured_tags(

@@ -16,11 +16,12 @@ HEADS = ("supcon", "supmpn")
 @dataclass(frozen=True)
 class HeadInputs:
     """What a gradient-in-forward backend needs to form ``dLoss/dlse`` block by block:
-    ``pos_logits [B, P]`` (detached), ``pos_mask [B, P]`` or None, ``log_extra [B]`` or None
-    and ``weights [B]``, the reduction's weight of each row (``1/n_valid`` for mean, 1 for sum)."""
+    ``pos_logits [B, P]`` (detached; None: the backend forms them, ``Backend.forms_own_logits``),
+    ``pos_mask [B, P]`` or None, ``log_extra [B]`` or None and ``weights [B]``, the reduction's
+    weight of each row (``1/n_valid`` for mean, 1 for sum)."""
 
     kind: str
-    pos_logits: Tensor
+    pos_logits: Tensor | None
     pos_mask: Tensor | None
     log_extra: Tensor | None
     weights: Tensor

@@ -77,7 +77,12 @@ def main() -> None:
     ap.add_argument("--impl", action="append", default=[], help="with --loss: backends to time (default cpp, torch)")
     ap.add_argument("--d", type=int, required=True)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--env", action="append", default=[], help="name=VAR=value[,VAR=value] (name= for defaults)")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="name=VAR=value[,VAR=value] (name= for defaults): variants of the op, or with --loss of the first --impl",
+    )
     ap.add_argument("--budget", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument(
@@ -98,7 +103,8 @@ def main() -> None:
 
         for impl in args.impl or ["cpp", "torch"]:
             steps[impl] = loss_step(args.loss, impl, args.B, args.P, args.Q, args.d)
-    base = fused_step(args.B, args.N, args.d, args.N1)
+    # --env variants wrap the op call, or with --loss the first implementation's step
+    base = steps[(args.impl or ["cpp"])[0]] if args.loss else fused_step(args.B, args.N, args.d, args.N1)
     for spec in args.env or ([] if args.loss else ["cpp="]):
         name, _, rest = spec.partition("=")
         env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)

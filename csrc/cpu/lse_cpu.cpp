@@ -510,15 +510,10 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       const at::Tensor X = tile(k);  // Y_k: the weights of every prefix that covers slice k
       if (k + 1 < K) X.add_(tile(k + 1));
       const auto [lo, w] = slice(k);
-      // columns of d per GEMM-3 task: at least 64 (narrower GEMMs lose more than they balance)
-      const int64_t dstep = std::max<int64_t>(64, ceil_div(w, T_));
+      // E_a = X C in one call that MKL threads itself: split by hand along d, every thread
+      // packed all of X (10-13 % slower at d = 128-256, docs/csrc.md)
       at::Tensor e_a = sw.d_a.narrow(0, r0, h);
-      parallel(0, ceil_div(w, dstep), 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t k0 = lo + t * dstep, n = std::min(dstep, lo + w - k0);
-          mm_blocks(e_a.narrow(1, k0, n), X, p, p.c0.narrow(1, k0, n), p.c1.narrow(1, k0, n));
-        }
-      });
+      mm_blocks(e_a.narrow(1, lo, w), X, p, p.c0.narrow(1, lo, w), p.c1.narrow(1, lo, w));
       if (sw.row_factor) scale_rows(e_a, e_a, sw.row_factor + r0);
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {

@@ -1,7 +1,7 @@
 """The cpp kernel's work split (csrc/cpu/lse_cpu.cpp, sweep()) on several threads.
 
 All threads work on one block of anchor rows: A C^T split by candidate chunks, the row
-passes by rows, X C by columns of d (at least 64 per task), X^T A by candidate chunks.
+passes by rows, X C one GEMM that MKL threads, X^T A by candidate chunks.
 These tests use widths and candidate counts large enough that every split has several
 parts on 2 and 3 threads, blocks with a short last one, and compare with the torch
 backend in float64 (values and gradients, folded own positives included) and check that
@@ -26,7 +26,7 @@ def _needs_cpp():
 
 @pytest.mark.parametrize("num_threads", [2, 3])
 @pytest.mark.parametrize("rows", ["7", None])  # forced short blocks, or the default plan
-@pytest.mark.parametrize("d", [130, 200])  # 2 and 3 column tasks for X C
+@pytest.mark.parametrize("d", [130, 200])
 def test_split_matches_torch(monkeypatch, threads, num_threads, rows, d):
     if rows is None:
         monkeypatch.delenv("FASTCL_CPP_ROWS", raising=False)

@@ -38,14 +38,14 @@ void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
 }
 
 // Anchor rows H per block (all threads share a block): a [H, N] buffer of about (B + N) d
-// elements, at least 2^20 per thread, H in [8, 1024], evened out over the blocks. Each
+// elements, at least 2^21 per thread, H in [8, 1024], evened out over the blocks. Each
 // block streams all of C, so short blocks lose (docs/csrc.md). FASTCL_CPP_TILE sets the
 // element budget, FASTCL_CPP_ROWS forces H (tests use it to cross block edges). A sweep that keeps
 // several [H, N] tiles (Matryoshka prefixes) shares the budget among them.
 int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t tiles) {
   int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
   if (rows == 0) {
-    const int64_t budget = std::max<int64_t>(threads << 20, (B + N) * d);
+    const int64_t budget = std::max<int64_t>(threads << 21, (B + N) * d);
     rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / (std::max<int64_t>(N, 1) * tiles), 8, 1024);
     rows = ceil_div(B, ceil_div(B, rows));  // even blocks: no short last one
   }

@@ -176,6 +176,16 @@ def test_floor_plan_blocks_and_scale():
         floor.plan_floor(0, 10, 10)
 
 
+def test_floor_plans_tall_and_short_blocks():
+    # small problems fit one block either way: one plan
+    assert [p.rows for p in floor.floor_plans(64, 640, 32)] == [64]
+    tall, short = floor.floor_plans(4096, 40960, 128)
+    assert tall.rows == floor.FLOOR_MAX_ELEMENTS // 40960 and short.rows == tall.rows // 8
+    assert tall.buffer_elements <= floor.FLOOR_MAX_ELEMENTS and short.buffer_elements <= tall.buffer_elements
+    # a block is never shorter than one row, however large N is
+    assert all(p.rows >= 1 for p in floor.floor_plans(8, 10**8, 4))
+
+
 @pytest.mark.parametrize("B, N, max_elements", [(12, 40, 10**6), (13, 40, 4 * 40)])
 def test_floor_step_computes_the_three_products(B, N, max_elements):
     plan = floor.plan_floor(B, N, 8, max_elements=max_elements)

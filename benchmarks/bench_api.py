@@ -18,8 +18,8 @@ Before timing, each implementation's value is checked against the peer's (float3
 inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summary),
 fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
 (``fastcl.bench.memory``), every selected case probed before the first is timed, by
-``FASTCL_BENCH_MEMORY_WORKERS`` probe servers (default 2) that import the libraries once and
-fork a child per case. Time: pytest-benchmark, 3 rounds after a warm-up, on
+``FASTCL_BENCH_MEMORY_WORKERS`` probe servers (default: cores // threads) that import the
+libraries once and fork a child per case. Time: pytest-benchmark, 3 rounds after a warm-up, on
 ``FASTCL_BENCH_THREADS`` intra-op threads (default: all cores, as in ``bench_losses.py``).
 
     pytest benchmarks/bench_api.py --benchmark-only
@@ -41,7 +41,12 @@ from fastcl.ops import dispatch
 
 THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "0")) or torch.get_num_threads()
 MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
-MEMORY_WORKERS = int(os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "2"))
+# probe servers at once: this file's probes are GEMM-bound steps on THREADS threads each, so
+# more of them than the cores hold oversubscribe (on 2 cores: 77 s with two, 58 s with one);
+# bench_losses' probes, mostly compiling and importing, gain from two
+MEMORY_WORKERS = int(
+    os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "0") or max(1, len(os.sched_getaffinity(0)) // THREADS)
+)
 # imported once by each memory probe server, before it forks a child per case
 PRELOAD = ("fastcl.bench.api_cases", "fastcl.losses", "sentence_transformers", "pytorch_metric_learning")
 

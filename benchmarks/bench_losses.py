@@ -89,8 +89,15 @@ TIMING = dict(
     budget_s=float(os.environ.get("FASTCL_BENCH_BUDGET_S", timing.BUDGET_S)),
 )
 FLOOR = "floor"  # the GEMM floor's name in the interleaved loop (no implementation is called that)
-# imported once by the memory probe server, before it forks a child per case
-PRELOAD = ("fastcl.bench.peers", "sentence_transformers", "pytorch_metric_learning")
+# imported once by the memory probe server, before it forks a child per case (dynamo and
+# inductor: about a second of imports in every "compile" child otherwise)
+PRELOAD = (
+    "fastcl.bench.peers",
+    "sentence_transformers",
+    "pytorch_metric_learning",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+)
 
 
 def _cases(grid, device, marks=(), impls=None):

@@ -17,7 +17,9 @@ The loss stage only: forward + backward to the embeddings (``fastcl.bench.api_ca
 Before timing, each implementation's value is checked against the peer's (float32, same
 inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summary),
 fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
-(``fastcl.bench.memory``). Time: pytest-benchmark, 3 rounds after a warm-up, on
+(``fastcl.bench.memory``), every selected case probed before the first is timed, by
+``FASTCL_BENCH_MEMORY_WORKERS`` probe servers (default: cores // threads) that import the
+libraries once and fork a child per case. Time: pytest-benchmark, 3 rounds after a warm-up, on
 ``FASTCL_BENCH_THREADS`` intra-op threads (default: all cores, as in ``bench_losses.py``).
 
     pytest benchmarks/bench_api.py --benchmark-only
@@ -26,17 +28,27 @@ fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fre
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from fastcl.bench import api_cases
-from fastcl.bench.memory import cpu_extra_peak_bytes
+from fastcl.bench.memory import cpu_extra_peak_mib_parallel
 from fastcl.ops import dispatch
 
 THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "0")) or torch.get_num_threads()
 MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
+# probe servers at once: this file's probes are GEMM-bound steps on THREADS threads each, so
+# more of them than the cores hold oversubscribe (on 2 cores: 77 s with two, 58 s with one);
+# bench_losses' probes, mostly compiling and importing, gain from two
+MEMORY_WORKERS = int(
+    os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "0") or max(1, len(os.sched_getaffinity(0)) // THREADS)
+)
+# imported once by each memory probe server, before it forks a child per case
+PRELOAD = ("fastcl.bench.api_cases", "fastcl.losses", "sentence_transformers", "pytorch_metric_learning")
 
 # (N features, d, labels): two views per sample
 SUPCON_GRID = [(2048, 128, 64), (8192, 128, 256)]
@@ -55,24 +67,102 @@ def _name(impl: str) -> str:
     return "eager" if impl in PEERS else f"fastcl-{impl}"
 
 
-def _available(impl: str) -> None:
+def _unavailable(impl: str) -> str | None:
+    """Why ``impl`` cannot run here (None: it can)."""
     backend = impl.removesuffix("-per-prefix")
     if backend in dispatch.NAMES:
         status = dispatch.describe()[backend]
-        if status != "available":
-            pytest.skip(f"backend {impl!r}: {status}")
-    elif impl == "pml-supcon":
-        pytest.importorskip("pytorch_metric_learning")
-    elif impl in ("st-mnrl", "st-matryoshka-cmnrl"):
-        pytest.importorskip("sentence_transformers")
+        return None if status == "available" else f"backend {impl!r}: {status}"
+    module = {"pml-supcon": "pytorch_metric_learning"}.get(impl, "sentence_transformers")
+    try:
+        __import__(module)
+    except ImportError:
+        return f"{impl}: {module} is not installed"
+    return None
 
 
-def _run(benchmark, bench_record, step: str, case: dict, impl: str, workload: str) -> None:
-    """Time ``api_cases.<step>(**case)``, measure its peak memory in a fresh process, record both."""
+def _available(impl: str) -> None:
+    why = _unavailable(impl)
+    if why:
+        pytest.skip(why)
+
+
+# the api_cases step of each test and its case from the test's parameters: the tests and
+# the memory probes (which run before the first test) build the same cases
+def _supcon_case(N, d, labels, impl) -> dict:
+    return dict(backend=impl, N=N, d=d, num_labels=labels)
+
+
+def _mnrl_case(B, Q, d, hardness, impl) -> dict:
+    return dict(backend=impl, B=B, d=d, Q=Q, hardness_mode=hardness)
+
+
+def _matryoshka_case(B, Q, d, impl) -> dict:
+    return dict(backend=impl, B=B, d=d, Q=Q)
+
+
+STEP_OF_TEST = {
+    "test_supcon_labels_fwd_bwd": ("supcon_labels_step", _supcon_case),
+    "test_mnrl_gte_joint_fwd_bwd": ("mnrl_directions_step", _mnrl_case),
+    "test_matryoshka_mnrl_fwd_bwd": ("matryoshka_step", _matryoshka_case),
+}
+
+
+def _probe_key(step: str, case: dict) -> str:
+    return json.dumps({"step": step, **case}, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_memory(request) -> dict:
+    """Extra peak RSS (MiB) of one step of every selected case of this file, each in a fresh
+    process, ``MEMORY_WORKERS`` at a time, before any timing starts (RSS does not depend on load)."""
+    if not MEMORY:
+        return {}
+    wanted = []
+    for item in request.session.items:
+        if item.path.name != Path(__file__).name or item.originalname not in STEP_OF_TEST:
+            continue
+        step, case_of = STEP_OF_TEST[item.originalname]
+        params = item.callspec.params
+        if not _unavailable(params["impl"]):
+            wanted.append({"step": step, **case_of(**params)})
+    peaks = cpu_extra_peak_mib_parallel(
+        "fastcl.bench.api_cases:api_step", wanted, preload=PRELOAD, threads=THREADS, workers=MEMORY_WORKERS
+    )
+    return {json.dumps(c, sort_keys=True): p for c, p in zip(wanted, peaks)}
+
+
+def _peak_mib(cpu_memory: dict, step: str, case: dict) -> float | None:
+    """The probed peak of this case; a probe that failed fails the case, saying how to rerun it."""
+    if not MEMORY:
+        return None
+    peak = cpu_memory.get(_probe_key(step, case))
+    if peak is None:
+        pytest.fail(
+            "memory probe failed; to see why: python -m fastcl.bench.memory "
+            f"fastcl.bench.api_cases:{step} '{json.dumps(case)}'"
+        )
+    return peak
+
+
+_PEER_VALUES: dict[tuple, torch.Tensor] = {}
+
+
+def _peer_value(key: tuple, peer) -> torch.Tensor:
+    """The peer's loss on a workload's inputs, computed once per workload: the inputs are
+    seeded, so every implementation's value check of that workload compares with the same
+    number (the peer is slow: PML SupCon at N = 8192 takes seconds per call)."""
+    if key not in _PEER_VALUES:
+        _PEER_VALUES[key] = peer().detach()
+    return _PEER_VALUES[key]
+
+
+def _run(benchmark, bench_record, cpu_memory, step: str, case: dict, impl: str, workload: str) -> None:
+    """Time ``api_cases.<step>(**case)`` and record it with its probed peak memory."""
+    peak = _peak_mib(cpu_memory, step, case)
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        peak = cpu_extra_peak_bytes(f"fastcl.bench.api_cases:{step}", case) / 2**20 if MEMORY else None
         benchmark.pedantic(getattr(api_cases, step)(**case), rounds=3, iterations=1, warmup_rounds=1)
     finally:
         torch.set_num_threads(threads)
@@ -81,17 +171,18 @@ def _run(benchmark, bench_record, step: str, case: dict, impl: str, workload: st
 
 @pytest.mark.parametrize("impl", SUPCON_IMPLS)
 @pytest.mark.parametrize("N, d, labels", SUPCON_GRID, ids=lambda v: str(v))
-def test_supcon_labels_fwd_bwd(benchmark, bench_record, N, d, labels, impl):
+def test_supcon_labels_fwd_bwd(benchmark, bench_record, cpu_memory, N, d, labels, impl):
     _available(impl)
     features, y = api_cases.supcon_labels_inputs(N, d, labels)
     with torch.no_grad():  # like with like: fastcl's value equals PML's before timing
         got = api_cases.supcon_labels_fn(impl, features, y)()
-        want = api_cases.supcon_labels_fn("pml-supcon", features, y)()
+        want = _peer_value(("supcon", N, d, labels), api_cases.supcon_labels_fn("pml-supcon", features, y))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    case = dict(backend=impl, N=N, d=d, num_labels=labels)
+    case = _supcon_case(N, d, labels, impl)
     _run(
         benchmark,
         bench_record,
+        cpu_memory,
         "supcon_labels_step",
         case,
         impl,
@@ -101,18 +192,20 @@ def test_supcon_labels_fwd_bwd(benchmark, bench_record, N, d, labels, impl):
 
 @pytest.mark.parametrize("impl", MNRL_IMPLS)
 @pytest.mark.parametrize("B, Q, d, hardness", MNRL_GRID, ids=lambda v: str(v))
-def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, B, Q, d, hardness, impl):
+def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, cpu_memory, B, Q, d, hardness, impl):
     _available(impl)
     columns = api_cases.mnrl_directions_inputs(B, d, Q)
     strength = 5.0 if hardness else 0.0
     with torch.no_grad():
         got = api_cases.mnrl_directions_fn(impl, columns, hardness_mode=hardness, hardness_strength=strength)()
-        want = api_cases.mnrl_directions_fn("st-mnrl", columns, hardness_mode=hardness, hardness_strength=strength)()
+        peer = api_cases.mnrl_directions_fn("st-mnrl", columns, hardness_mode=hardness, hardness_strength=strength)
+        want = _peer_value(("mnrl", B, Q, d, hardness), peer)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    case = dict(backend=impl, B=B, d=d, Q=Q, hardness_mode=hardness)
+    case = _mnrl_case(B, Q, d, hardness, impl)
     _run(
         benchmark,
         bench_record,
+        cpu_memory,
         "mnrl_directions_step",
         case,
         impl,
@@ -122,18 +215,19 @@ def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, B, Q, d, hardness, impl
 
 @pytest.mark.parametrize("impl", MATRYOSHKA_IMPLS)
 @pytest.mark.parametrize("B, Q, d", MATRYOSHKA_GRID, ids=lambda v: str(v))
-def test_matryoshka_mnrl_fwd_bwd(benchmark, bench_record, B, Q, d, impl):
+def test_matryoshka_mnrl_fwd_bwd(benchmark, bench_record, cpu_memory, B, Q, d, impl):
     _available(impl)
     columns = api_cases.mnrl_directions_inputs(B, d, Q)
     with torch.no_grad():
         got = api_cases.matryoshka_fn(impl, columns)()
-        want = api_cases.matryoshka_fn("st-matryoshka-cmnrl", columns)()
+        want = _peer_value(("matryoshka", B, Q, d), api_cases.matryoshka_fn("st-matryoshka-cmnrl", columns))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    case = dict(backend=impl, B=B, d=d, Q=Q)
+    case = _matryoshka_case(B, Q, d, impl)
     dims = ",".join(map(str, api_cases.MATRYOSHKA_DIMS))
     _run(
         benchmark,
         bench_record,
+        cpu_memory,
         "matryoshka_step",
         case,
         impl,

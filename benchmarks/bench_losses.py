@@ -38,10 +38,8 @@ achieved TFLOP/s on ``8 * B * N * d`` and its share of a GEMM of the same shape,
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -50,7 +48,7 @@ import torch
 from fastcl.bench import peers, timing
 from fastcl.bench.cases import make_inputs
 from fastcl.bench.floor import FLOOR_LIMITS, floor_plans, floor_step, share_of_floor
-from fastcl.bench.memory import cpu_extra_peak_bytes_many, cuda_extra_peak_bytes
+from fastcl.bench.memory import cpu_extra_peak_mib_parallel, cuda_extra_peak_bytes
 from fastcl.bench.metrics import gemm_tflops, loss_flops, num_candidates, synchronize
 from fastcl.ops.dispatch import BackendUnavailableError
 
@@ -91,8 +89,15 @@ TIMING = dict(
     budget_s=float(os.environ.get("FASTCL_BENCH_BUDGET_S", timing.BUDGET_S)),
 )
 FLOOR = "floor"  # the GEMM floor's name in the interleaved loop (no implementation is called that)
-# imported once by the memory probe server, before it forks a child per case
-PRELOAD = ("fastcl.bench.peers", "sentence_transformers", "pytorch_metric_learning")
+# imported once by the memory probe server, before it forks a child per case (dynamo and
+# inductor: about a second of imports in every "compile" child otherwise)
+PRELOAD = (
+    "fastcl.bench.peers",
+    "sentence_transformers",
+    "pytorch_metric_learning",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+)
 
 
 def _cases(grid, device, marks=(), impls=None):
@@ -148,16 +153,6 @@ def _selected_cases(session) -> list[dict]:
     return out
 
 
-def _probe_many(cases: list[dict]) -> list[float | None]:
-    try:
-        peaks = cpu_extra_peak_bytes_many(
-            "fastcl.bench.cases:loss_step", cases, preload=PRELOAD, threads=torch.get_num_threads()
-        )
-    except (RuntimeError, subprocess.TimeoutExpired):  # the tests report what they can
-        return [None] * len(cases)
-    return [None if p is None else p / 2**20 for p in peaks]
-
-
 @pytest.fixture(scope="session")
 def cpu_memory(request) -> dict:
     """Extra peak RSS (MiB) of one step per selected CPU case, each in a fresh process,
@@ -165,14 +160,10 @@ def cpu_memory(request) -> dict:
     if not MEMORY:
         return {}
     wanted = [c for c in _selected_cases(request.session) if c["device"] == "cpu" and not not_runnable(c)]
-    # one probe server per worker; each case still runs in its own fresh (forked) process
-    chunks = [wanted[i::MEMORY_WORKERS] for i in range(MEMORY_WORKERS)]
-    with ThreadPoolExecutor(max_workers=MEMORY_WORKERS) as pool:
-        peaks = list(pool.map(_probe_many, chunks))
-    out = {}
-    for chunk, values in zip(chunks, peaks):
-        out.update({workload_name(c) + "|" + c["backend"]: p for c, p in zip(chunk, values)})
-    return out
+    peaks = cpu_extra_peak_mib_parallel(
+        "fastcl.bench.cases:loss_step", wanted, preload=PRELOAD, threads=torch.get_num_threads(), workers=MEMORY_WORKERS
+    )
+    return {workload_name(c) + "|" + c["backend"]: p for c, p in zip(wanted, peaks)}
 
 
 # ---------------------------------------------------------------------------------------

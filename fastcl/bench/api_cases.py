@@ -180,3 +180,13 @@ def matryoshka_step(backend: str, B: int, d: int, Q: int = 1, dims=MATRYOSHKA_DI
             loss.backward()
 
     return step
+
+
+STEPS = ("supcon_labels_step", "mnrl_directions_step", "matryoshka_step")
+
+
+def api_step(step: str, **case):
+    """``<step>(**case)``: one factory for a batch of memory probes over every workload here."""
+    if step not in STEPS:
+        raise ValueError(f"unknown step {step!r}; expected one of {STEPS}")
+    return globals()[step](**case)

@@ -92,6 +92,36 @@ def cpu_extra_peak_bytes_many(
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"]
 
 
+def cpu_extra_peak_mib_parallel(
+    factory: str, cases: list[dict], preload: tuple[str, ...] = (), threads: int | None = None, workers: int = 2
+) -> list[float | None]:
+    """:func:`cpu_extra_peak_bytes_many` on ``workers`` probe servers at once, in MiB.
+
+    The benchmarks call this once per file, before any timing starts (peak RSS does not
+    depend on CPU load, so the probes may share the cores). Each case still runs in its own
+    fresh (forked) process; results come back in the order of ``cases``, ``None`` where a
+    probe, or its whole server, failed.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not cases:
+        return []
+    workers = max(1, min(workers, len(cases)))
+    chunks = [cases[i::workers] for i in range(workers)]
+
+    def probe(chunk: list[dict]) -> list[int | None]:
+        try:
+            return cpu_extra_peak_bytes_many(factory, chunk, preload=preload, threads=threads)
+        except (RuntimeError, subprocess.TimeoutExpired):  # the benchmarks report what they can
+            return [None] * len(chunk)
+
+    out: list[float | None] = [None] * len(cases)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for i, peaks in enumerate(pool.map(probe, chunks)):
+            out[i::workers] = [None if p is None else p / 2**20 for p in peaks]
+    return out
+
+
 def _serve_many(request: dict) -> list[int | None]:
     import os
 

@@ -1,0 +1,31 @@
+"""The batched CPU memory probe the benchmark files share: several probe servers at once,
+results in the order of the cases, a failed case as None, and the API steps' one factory."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastcl.bench import api_cases
+from fastcl.bench.memory import cpu_extra_peak_mib_parallel
+
+
+def test_parallel_probe_keeps_case_order_and_reports_failures_as_none():
+    # InfoNCE at B x B logits: the larger batch needs more memory than the smaller one
+    small = dict(loss="infonce", backend="eager", B=256, d=16)
+    large = dict(small, B=2048)
+    broken = dict(small, backend="no-such-backend")
+    peaks = cpu_extra_peak_mib_parallel("fastcl.bench.cases:loss_step", [large, broken, small], workers=2)
+    assert len(peaks) == 3 and peaks[1] is None
+    logits_mib = 2048 * 2048 * 4 / 2**20
+    assert peaks[0] > logits_mib > peaks[2] >= 0, peaks
+
+
+def test_parallel_probe_of_no_cases_starts_nothing():
+    assert cpu_extra_peak_mib_parallel("fastcl.bench.cases:loss_step", []) == []
+
+
+def test_api_step_builds_the_named_step_and_refuses_others():
+    step = api_cases.api_step("supcon_labels_step", backend="torch", N=16, d=8, num_labels=4)
+    step()  # one forward + backward
+    with pytest.raises(ValueError, match="unknown step"):
+        api_cases.api_step("supcon_labels_inputs", N=16, d=8, num_labels=4)

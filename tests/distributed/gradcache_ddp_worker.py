@@ -51,6 +51,11 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     enc.zero_grad(set_to_none=True)
     ddp(**make_batch(4)).sum().backward()
     torch.save({"grads": grads, "allreduces": per_step, "plain_allreduces": len(allreduces)}, out)
+    # both ranks done with every collective before gloo's threads are torn down, and DDP's
+    # reducer gone first: without this, rank 0 was once seen to abort at exit in CI
+    # ("terminate called without an active exception") on a loaded machine
+    del gc, ddp
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -47,7 +47,7 @@ import torch
 
 from fastcl.bench import peers, timing
 from fastcl.bench.cases import make_inputs
-from fastcl.bench.floor import FLOOR_LIMITS, floor_plans, floor_step, share_of_floor
+from fastcl.bench.floor import FLOOR_LIMITS, fastest_floor, floor_step, named_floor_plans, share_of_floor
 from fastcl.bench.memory import cpu_extra_peak_mib_parallel, cuda_extra_peak_bytes
 from fastcl.bench.metrics import gemm_tflops, loss_flops, num_candidates, synchronize
 from fastcl.ops.dispatch import BackendUnavailableError
@@ -88,7 +88,7 @@ TIMING = dict(
     max_rounds=int(os.environ.get("FASTCL_BENCH_MAX_ROUNDS", timing.MAX_ROUNDS)),
     budget_s=float(os.environ.get("FASTCL_BENCH_BUDGET_S", timing.BUDGET_S)),
 )
-FLOOR = "floor"  # the GEMM floor's name in the interleaved loop (no implementation is called that)
+FLOOR = "floor"  # the tall blocking's name in the interleaved loop (fastcl.bench.floor.named_floor_plans)
 # imported once by the memory probe server, before it forks a child per case (dynamo and
 # inductor: about a second of imports in every "compile" child otherwise)
 PRELOAD = (
@@ -234,8 +234,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             abs_err=check["abs_err"],
             check_s=check_s,
         )
-    plans = floor_plans(B, num_candidates(loss, B, P, Q), d, **FLOOR_LIMITS[torch.device(device).type])
-    floors = {f"{FLOOR}{i or ''}": plan for i, plan in enumerate(plans)}  # "floor", "floor1"
+    floors = named_floor_plans(B, num_candidates(loss, B, P, Q), d, **FLOOR_LIMITS[torch.device(device).type])
     if steps:
         steps.update({name: floor_step(plan, dtype, device) for name, plan in floors.items()})
     settings = dict(warmup=0, min_rounds=1, max_rounds=1) if disabled else TIMING
@@ -251,10 +250,8 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
         why = _why_skipped(exc, B)
         run.outcomes[impl] = ("skip", why) if why else ("error", exc)
     # the floor: the fastest of its blockings (fastcl.bench.floor.floor_plans)
-    timed = {n: min(result.samples[n]) * p.scale for n, p in floors.items() if result.samples.get(n)}
-    best = min(timed, key=timed.get) if timed else None
-    floor_samples, plan = (result.samples[best], floors[best]) if best else (None, plans[0])
-    floor_s = timed[best] if best else None
+    best, floor_s = fastest_floor(floors, result.samples) or (FLOOR, None)
+    floor_samples, plan = result.samples.get(best), floors[best]
     run.case_info = dict(
         noisy=result.noisy(),
         rounds=result.rounds,

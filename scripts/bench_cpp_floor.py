@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fastcl.bench.floor import floor_plans, floor_step
+from fastcl.bench.floor import fastest_floor, floor_step, named_floor_plans
 from fastcl.bench.timing import interleave
 from fastcl.ops import _cpp
 
@@ -96,7 +96,7 @@ def main() -> None:
     assert why is None, why
     if args.N is None:
         args.N = args.B * (args.P + args.Q)
-    plans = {f"floor{i or ''}": p for i, p in enumerate(floor_plans(args.B, args.N, args.d))}
+    plans = named_floor_plans(args.B, args.N, args.d)
     steps = {name: floor_step(p) for name, p in plans.items()}
     if args.loss:
         from fastcl.bench.cases import loss_step
@@ -115,7 +115,7 @@ def main() -> None:
     load1 = os.getloadavg()[0]
     # a long floor times a prefix of its blocks (scale); the floor is its fastest blocking
     seconds = {n: res.minimum(n) * (plans[n].scale if n in plans else 1.0) for n in res.samples}
-    fl = min(seconds[n] for n in plans)
+    _, fl = fastest_floor(plans, res.samples)
     print(
         f"B={args.B} N={args.N} d={args.d} threads={args.threads} clock={'cpu' if args.cpu_clock else 'wall'} rounds={res.rounds} load {load0:.1f}->{load1:.1f}"
     )

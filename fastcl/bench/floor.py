@@ -98,6 +98,21 @@ def floor_plans(
     return [tall] if short.rows == tall.rows else [tall, short]
 
 
+def named_floor_plans(B: int, N: int, d: int, **limits) -> dict[str, FloorPlan]:
+    """:func:`floor_plans` by their step names in an interleaved loop: ``floor``, ``floor1``."""
+    return {f"floor{i or ''}": plan for i, plan in enumerate(floor_plans(B, N, d, **limits))}
+
+
+def fastest_floor(plans: dict[str, FloorPlan], samples: dict[str, list[float]]) -> tuple[str, float] | None:
+    """``(name, seconds)`` of the fastest timed blocking, its minimum round scaled to the
+    whole batch (``FloorPlan.scale``); None when none of them was timed."""
+    timed = {n: min(samples[n]) * plan.scale for n, plan in plans.items() if samples.get(n)}
+    if not timed:
+        return None
+    best = min(timed, key=timed.get)
+    return best, timed[best]
+
+
 def floor_step(plan: FloorPlan, dtype: str = "float32", device: str = "cpu", seed: int = 0):
     """A zero-argument callable running the plan's GEMMs once; returns ``(dA, dC)``.
 

@@ -186,6 +186,18 @@ def test_floor_plans_tall_and_short_blocks():
     assert all(p.rows >= 1 for p in floor.floor_plans(8, 10**8, 4))
 
 
+def test_fastest_floor_scales_each_blocking_to_the_batch():
+    plans = floor.named_floor_plans(4096, 40960, 128)
+    assert list(plans) == ["floor", "floor1"]
+    part = floor.named_floor_plans(1000, 100, 10, max_elements=100 * 64, max_flops=floor.floor_flops(200, 100, 10))
+    # a blocking timed on a prefix of its blocks is compared at the whole batch's time
+    assert part["floor"].scale > 1
+    samples = {"floor": [2.0, 1.0], "floor1": [1.5], "cpp": [0.1]}
+    name, seconds = floor.fastest_floor(plans, samples)
+    assert (name, seconds) == min(((n, min(samples[n]) * plans[n].scale) for n in plans), key=lambda x: x[1])
+    assert floor.fastest_floor(plans, {"cpp": [0.1]}) is None
+
+
 @pytest.mark.parametrize("B, N, max_elements", [(12, 40, 10**6), (13, 40, 4 * 40)])
 def test_floor_step_computes_the_three_products(B, N, max_elements):
     plan = floor.plan_floor(B, N, 8, max_elements=max_elements)

@@ -341,14 +341,15 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
     T* lse = sw.lse + kb;
     T* mean_logit = sw.mean_logit + kb;
     const bool fused = sw.mode == Mode::kFused;
-    T sum_p = 0, sum_pl = 0, m = bound;  // fused: the row holds p_c * inv_c afterwards
-    if (bound > T(0)) {
-      std::tie(sum_p, sum_pl) = fused ? rows::exp_and_sums<true, true>(row, m, inv_c, add, row_scale, N)
-                                      : rows::exp_and_sums<true, false>(row, m, inv_c, add, row_scale, N);
-    } else if ((m = rows::logits_and_max(row, inv_c, add, row_scale, N)) != rows::neg_inf<T>()) {
-      std::tie(sum_p, sum_pl) = fused ? rows::exp_and_sums<false, true>(row, m, inv_c, add, row_scale, N)
-                                      : rows::exp_and_sums<false, false>(row, m, inv_c, add, row_scale, N);
-    }
+    // the shift: the bound, or the row's max (that pass also turns the row into logits)
+    const T m = bound > T(0) ? bound : rows::logits_and_max(row, inv_c, add, row_scale, N);
+    auto exp_pass = [&](auto raw) {  // fused: the row holds p_c * inv_c afterwards
+      return fused ? rows::exp_and_sums<raw(), true>(row, m, inv_c, add, row_scale, N)
+                   : rows::exp_and_sums<raw(), false>(row, m, inv_c, add, row_scale, N);
+    };
+    T sum_p = 0, sum_pl = 0;
+    if (bound > T(0)) std::tie(sum_p, sum_pl) = exp_pass(std::true_type{});
+    else if (m != rows::neg_inf<T>()) std::tie(sum_p, sum_pl) = exp_pass(std::false_type{});
     if (sum_p == T(0)) {  // no candidate: lse = -inf, no gradient
       lse[gi] = rows::neg_inf<T>();
       mean_logit[gi] = T(0);

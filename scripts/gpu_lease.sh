@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Everything issue #15 asks of a lent GPU, cut to fit one call of the device tool (<= 9.5 min).
+#
+#   OUT=/path scripts/gpu_lease.sh        # on the GPU machine (the device tool sets $OUT)
+#   DRY_RUN=1 OUT=/tmp/lease scripts/gpu_lease.sh   # the same steps on the CPU, tiny sizes
+#
+# Carried with the call (ignored by git, see docs/benchmarks.md "On a lent GPU"):
+#   .whl/  wheels the GPU image lacks (datasets, dill, multiprocess, pytorch-metric-learning, inf-cl)
+#   .gpu/minilm  all-MiniLM-L6-v2 saved in bf16 (config dtype float32), .gpu/data  staged data
+# Steps, each under its own time limit, logs straight into $OUT (what was written comes back
+# even when the call is cut off):
+#   1. install; build the CUDA backend in the background
+#   2. in parallel: correctness at scale (fastcl.bench correctness) and the test suite on CUDA
+#   3. alone: the headline benchmark cases (bf16, fwd + bwd)
+#   4. alone: a real training run (simcse-sup, global batch 4096 via --chunk-size) and one
+#      gradient-cached step of sentence-transformers' CMNRL vs fastcl's on the same batch
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+say() { echo "[$(($(date +%s) - T0)) s] $*"; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FASTCL_DATA_DIR=$PWD/.gpu/data
+DRY=${DRY_RUN:-0}
+
+say "setup"
+{
+  if [[ $DRY != 1 ]]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . || "$PY" -m pip install -q --no-deps --no-build-isolation .
+    nvidia-smi
+  fi
+} >"$OUT/setup.log" 2>&1
+[[ $DRY != 1 ]] && export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8
+"$PY" -m fastcl.info >>"$OUT/setup.log" 2>&1
+say "setup done: $(tail -c 300 "$OUT/setup.log" | tr '\n' ' ')"
+
+if [[ $DRY == 1 ]]; then
+  DEV=cpu SCALE=0.0078125 TESTS=(tests/train/test_gradcache_cuda.py tests/losses/test_validation.py)
+  BACKENDS=torch,cpp REQUIRE="" BENCH_K="cpu-infonce-B1024 and (eager or torch)" B=64 CHUNK=16 STEPS=2
+else
+  DEV=cuda SCALE=1 TESTS=(tests/ops tests/losses tests/kernels tests/train/test_gradcache_cuda.py)
+  BACKENDS=torch,triton,cuda REQUIRE=triton,cuda BENCH_K="bfloat16 and (supmpn-B4096 or infonce-B16384)"
+  B=4096 CHUNK=1024 STEPS=30 WORKERS=${WORKERS:-6}
+  # the CUDA backend builds once (nvcc, ~1 min) while step 2's Triton work starts
+  ("$PY" -c "from fastcl.ops import dispatch; print(dispatch.describe())" >>"$OUT/setup.log" 2>&1 &)
+fi
+
+say "correctness and tests (parallel)"
+timeout -s INT -k 15 ${T_CHECKS:-180} "$PY" -m fastcl.bench correctness --device $DEV --scale $SCALE \
+  --dtypes float32,bfloat16,float16 --out "$OUT/correctness.json" >"$OUT/correctness.txt" 2>&1 &
+C=$!
+FASTCL_TEST_DEVICE=$DEV FASTCL_TEST_BACKENDS=$BACKENDS FASTCL_REQUIRE_BACKENDS=$REQUIRE \
+  timeout -s INT -k 15 ${T_CHECKS:-180} "$PY" -m pytest "${TESTS[@]}" -m "not slow" -q --maxfail=30 -p no:cacheprovider \
+  ${WORKERS:+-n $WORKERS} --timeout 120 -rfE >"$OUT/pytest.txt" 2>&1
+say "tests: exit $? · $(tail -n 1 "$OUT/pytest.txt")"
+wait $C
+say "correctness: exit $? · $(tail -n 1 "$OUT/correctness.txt")"
+
+say "benchmark"
+FASTCL_BENCH_IMPLS=${IMPLS:-eager,compile,torch,triton,cuda,st-cmnrl,torch-lce,inf-cl} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.5} \
+  timeout -s INT -k 15 ${T_BENCH:-150} "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
+  -p no:cacheprovider --benchmark-json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
+say "benchmark: exit $?"
+
+say "training"
+rm -rf /tmp/run-simcse /tmp/run-fp16
+MODEL=$PWD/.gpu/minilm
+export TQDM_DISABLE=1
+# the trainer's CLI, then its peak CUDA memory (also when it stops early)
+PEAK='import sys, runpy, torch
+sys.argv = ["fastcl", *sys.argv[1:]]
+try:
+    runpy.run_module("fastcl", run_name="__main__")
+finally:
+    print("peak_gib", torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)'
+{
+  timeout -s INT -k 10 ${T_TRAIN:-100} "$PY" -c "$PEAK" train simcse-sup --model "$MODEL" --batch-size $B --chunk-size $CHUNK \
+    --precision bf16 --max-steps $STEPS --eval-steps $STEPS --log-steps 1 --lr 5e-5 --output-dir /tmp/run-simcse --progress false \
+    --device $DEV
+  echo "train exit $?"
+  cat /tmp/run-simcse/log.jsonl /tmp/run-simcse/summary.json
+  [[ $DEV == cuda ]] && timeout -s INT -k 10 ${T_FP16:-35} "$PY" -c "$PEAK" train simcse-sup --model "$MODEL" --batch-size 512 --chunk-size 128 \
+    --precision fp16 --max-steps 3 --log-steps 1 --output-dir /tmp/run-fp16 --device $DEV
+  echo "fp16 train exit $?"
+  timeout -s INT -k 10 ${T_ST:-50} "$PY" scripts/gpu_train_st.py --model "$MODEL" --batch-size $B --chunk-size 512 --steps 2
+  echo "st exit $?"
+} >"$OUT/train.txt" 2>&1
+say "training: $(grep -c . "$OUT/train.txt") lines"
+say "done"

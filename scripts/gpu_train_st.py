@@ -1,6 +1,6 @@
 """One gradient-cached training step, same model and batch: sentence-transformers vs fastcl.
 
-SimCSE-supervised triplets (premise, entailment, contradiction) from the staged SNLI sample,
+SimCSE-supervised triplets (premise, entailment, contradiction) from NLI data,
 a SentenceTransformer in float32 weights under bf16 autocast, AdamW. For each loss,
 ``--steps`` optimiser steps after one warm-up step: sentences/s (3 texts per triplet) and
 the peak CUDA memory of a step. Losses:
@@ -8,7 +8,7 @@ the peak CUDA memory of a step. Losses:
 * ``st-cmnrl``: ``sentence_transformers.losses.CachedMultipleNegativesRankingLoss``
 * ``fastcl-cmnrl``: ``fastcl.integrations.sentence_transformers.CachedMultipleNegativesRankingLoss``
 
-    FASTCL_DATA_DIR=... python scripts/gpu_train_st.py --model MODEL --batch-size 4096 --chunk-size 512
+    python scripts/gpu_train_st.py --model MODEL --train-file NLI.csv --batch-size 4096 --chunk-size 512
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import time
 import torch
 
 
-def triplets(n: int) -> list[dict]:
-    from fastcl._paths import data_dir
+def triplets(source: str, n: int) -> list[dict]:
     from fastcl.data.nli import load_nli
     from fastcl.data.recipes import simcse_triplets
 
-    rows = simcse_triplets(load_nli(data_dir() / "snli/sample20k/train.csv.gz"))
+    rows = simcse_triplets(load_nli(source))
     if len(rows) < n:
         raise SystemExit(f"only {len(rows)} triplets in the staged sample, asked for {n}")
     return rows[:n]
@@ -44,6 +43,7 @@ def make_loss(name: str, model, chunk: int):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
+    p.add_argument("--train-file", required=True, help="NLI data (fastcl.data.load_nli: folder, csv or jsonl)")
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
@@ -54,7 +54,7 @@ def main() -> None:
     cuda = dev.type == "cuda"
     from sentence_transformers import SentenceTransformer
 
-    rows = triplets(args.batch_size)
+    rows = triplets(args.train_file, args.batch_size)
     columns = [[r[k] for r in rows] for k in rows[0]]
     for name in args.losses.split(","):
         torch.manual_seed(0)

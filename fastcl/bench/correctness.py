@@ -102,26 +102,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="JSON file for the records")
 
 
+def _line(r: dict) -> str:
+    extra = r.get("reason") or (
+        f"|dvalue| {r['abs_err']:.2e}, grad rel err " + ", ".join(f"{k} {v:.1e}" for k, v in r["grad_rel_err"].items())
+    )
+    return f"{r['status']:>7}  {r['loss']:<7} B={r['B']:<6} {r['dtype']:<8} {r['impl']:<10} {extra}"
+
+
 def main(args: argparse.Namespace) -> int:
     impls = [s for s in args.impls.split(",") if s] or [n for n in peers.IMPLS if n != "compile"]
     jobs = [(w, dt) for w in WORKLOADS for dt in args.dtypes.split(",")]
     records = []
+    # each workload's lines (and the JSON so far) are written as soon as it is done, so a
+    # run cut off by a time limit still reports what it checked
     for (loss, B, P, Q, d), dtype in tqdm(jobs, desc="correctness", unit="workload"):
         B = max(2, int(B * args.scale))
-        records += check_workload(
-            loss, B, P, Q, d, dtype, args.device, [n for n in impls if loss in peers.IMPLS[n].losses]
-        )
+        done = check_workload(loss, B, P, Q, d, dtype, args.device, [n for n in impls if loss in peers.IMPLS[n].losses])
+        records += done
+        for r in done:
+            tqdm.write(_line(r))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"device": args.device, "records": records}, indent=1))
     failed = [r for r in records if r["status"] == "FAIL"]
-    for r in records:
-        extra = r.get("reason") or (
-            f"|dvalue| {r['abs_err']:.2e}, grad rel err "
-            + ", ".join(f"{k} {v:.1e}" for k, v in r["grad_rel_err"].items())
-        )
-        print(f"{r['status']:>7}  {r['loss']:<7} B={r['B']:<6} {r['dtype']:<8} {r['impl']:<10} {extra}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"device": args.device, "records": records}, indent=1))
     print(f"{len(records) - len(failed)} of {len(records)} comparisons passed or were skipped; {len(failed)} failed")
+    for r in failed:
+        print(_line(r))
     return 1 if failed else 0
 
 

@@ -67,5 +67,9 @@ def input_reasons(problem: LSEProblem, *, backend: str, device_type: str, takes_
     return why
 
 
+# the backends whose kernels take ``matryoshka_dims`` (the others refuse with dims_reason)
+MATRYOSHKA_BACKENDS = ("reference", "torch", "cpp", "triton")
+
+
 def dims_reason(backend: str) -> str:
-    return f"the {backend} backend does not take matryoshka dims (backends that do: reference, torch, cpp, triton)"
+    return f"the {backend} backend does not take matryoshka dims (backends that do: {', '.join(MATRYOSHKA_BACKENDS)})"

@@ -9,36 +9,39 @@ import torch
 
 import fastcl.losses as L
 from fastcl.losses_mnrl import mnrl_directions_loss
-from tests.helpers.backends import backends_under_test, require
+from fastcl.ops.backend import MATRYOSHKA_BACKENDS, dims_reason
+from tests.helpers.backends import backends_under_test, device_under_test, require
 
 DIMS, WEIGHTS = (12, 5, 8), (1.0, 0.5, 2.0)
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 B, P, Q, D = 6, 2, 3, 12
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device).requires_grad_()  # noqa: E731
     return dict(
         a=r(B, D),
         p=r(B, P, D),
         n=r(B, Q, D),
         p1=r(B, D),
         v=r(B, D),
-        tau=torch.tensor(0.2, dtype=torch.float64, requires_grad=True),
+        tau=torch.tensor(0.2, dtype=torch.float64, device=device, requires_grad=True),
     )
 
 
-def _pos_mask():
-    return torch.tensor([[True, False], [True, True], [False, False], [True, True], [False, True], [True, True]])
+def _pos_mask(x):
+    return torch.tensor(
+        [[True, False], [True, True], [False, False], [True, True], [False, True], [True, True]], device=x["a"].device
+    )
 
 
 # name -> fn(x, **kw) running the loss on inputs x (a dict of tensors) with extra kw
 CASES = {
-    "supmpn": lambda x, **kw: L.supmpn_loss(x["a"], x["p"], x["n"], pos_mask=_pos_mask(), **kw),
+    "supmpn": lambda x, **kw: L.supmpn_loss(x["a"], x["p"], x["n"], pos_mask=_pos_mask(x), **kw),
     "supmpn_zero_logit": lambda x, **kw: L.supmpn_loss(x["a"], x["p"], x["n"], own_positives="zero_logit", **kw),
-    "supcon": lambda x, **kw: L.supcon_loss(x["a"], x["p"], x["n"], neg_mask=torch.rand(B, Q, generator=torch.Generator().manual_seed(1)) > 0.4, **kw),
-    "supcon_labels": lambda x, **kw: L.supcon_loss(x["p"], labels=torch.tensor([0, 1, 0, 2, 1, 3]), **kw),
+    "supcon": lambda x, **kw: L.supcon_loss(x["a"], x["p"], x["n"], neg_mask=(torch.rand(B, Q, generator=torch.Generator().manual_seed(1)) > 0.4).to(x["a"].device), **kw),
+    "supcon_labels": lambda x, **kw: L.supcon_loss(x["p"], labels=torch.tensor([0, 1, 0, 2, 1, 3], device=x["a"].device), **kw),
     "mnrl": lambda x, **kw: L.mnrl_loss(x["a"], x["p1"], x["n"], **kw),
     "mnrl_directions": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", hardness_mode="all_negatives", hardness_strength=2.0, **kw),
     "mnrl_gte_in_batch": lambda x, **kw: mnrl_directions_loss(x["a"], x["p1"], x["n"], directions=GTE, hardness_mode="in_batch_negatives", hardness_strength=3.0, **kw),
@@ -46,7 +49,7 @@ CASES = {
     "mnrl_q2q": lambda x, **kw: L.mnrl_loss(x["a"], x["p1"], directions=("query_to_doc", "query_to_query"), **kw),
     "infonce_symmetric": lambda x, **kw: L.infonce_loss(x["a"], x["p1"], symmetric=True, **kw),
     "edacse": lambda x, **kw: L.edacse_loss(x["a"], x["p1"], x["v"], **kw),
-    "supcon_pool": lambda x, **kw: L.supcon_pool_loss(x["a"], x["p"].flatten(0, 1), torch.arange(B * P).view(B, P), **kw),
+    "supcon_pool": lambda x, **kw: L.supcon_pool_loss(x["a"], x["p"].flatten(0, 1), torch.arange(B * P, device=x["a"].device).view(B, P), **kw),
 }  # fmt: skip
 
 
@@ -66,7 +69,9 @@ def _grads(loss, x):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_equals_the_weighted_sum_of_truncated_losses(case, backend, reduction, similarity):
     require(backend)
-    fn, x = CASES[case], _inputs()
+    if backend not in MATRYOSHKA_BACKENDS:
+        pytest.skip(dims_reason(backend))
+    fn, x = CASES[case], _inputs(device=device_under_test())
     kw = dict(temperature=x["tau"], reduction=reduction, similarity=similarity)
     got = fn(x, backend=backend, matryoshka_dims=DIMS, matryoshka_weights=WEIGHTS, **kw)
     want = sum(w * fn(_truncated(x, m), backend="reference", **kw) for m, w in zip(DIMS, WEIGHTS))

@@ -114,10 +114,10 @@ def test_valid_nonfinite_makes_every_seeing_row_nan(backend, loss, bad, slot, si
 @pytest.mark.parametrize("bad", list(BAD))
 def test_pool_loss_padded_positive_and_candidate(backend, bad):
     """supcon_pool_loss: a padded positive index and a padded candidate holding NaN/Inf."""
-    gen = torch.Generator().manual_seed(3)
-    a, c = torch.randn(3, 6, generator=gen), torch.randn(5, 6, generator=gen)
-    idx = torch.tensor([[0, 4], [1, 2], [3, 4]])
-    cand_mask = torch.tensor([True, True, True, True, False])
+    gen, dev = torch.Generator().manual_seed(3), device_under_test()
+    a, c = torch.randn(3, 6, generator=gen).to(dev), torch.randn(5, 6, generator=gen).to(dev)
+    idx = torch.tensor([[0, 4], [1, 2], [3, 4]], device=dev)
+    cand_mask = torch.tensor([True, True, True, True, False], device=dev)
     clean = c.clone()
     clean[4] = 0
     c[4] = BAD[bad]
@@ -343,7 +343,7 @@ def test_supmpn_head_exact_on_backends(backend):
     mpmath.mp.dps = 50
     # anchor = negative = -positive: x = l_neg - l_pos = 2 / tau = 21, where softplus'
     # threshold (20) would return x and lose exp(-21) ~ 8e-10
-    a = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    a = torch.tensor([[1.0, 0.0]], dtype=torch.float64, device=device_under_test())
     p = -a[:, None, :]
     n = a[:, None, :].clone()
     tau = 2 / 21
@@ -375,10 +375,10 @@ def test_anchor_without_positive_is_not_read(backend, bad):
 def test_nonfinite_only_candidate_of_a_row(backend, bad, Q):
     """SupMPN, Q = 0: row 1's only candidate is anchor 0's positive; a NaN/Inf there must
     not be skipped as if the row were empty (a NaN-dropping max made lse = -inf, loss 0)."""
-    gen = torch.Generator().manual_seed(7)
-    a, p = torch.randn(2, 3, generator=gen), torch.randn(2, 1, 3, generator=gen)
-    n = torch.randn(2, Q, 3, generator=gen) if Q else None
-    nm = torch.zeros(2, Q, dtype=torch.bool) if Q else None  # padded: no other candidate
+    gen, dev = torch.Generator().manual_seed(7), device_under_test()
+    a, p = torch.randn(2, 3, generator=gen).to(dev), torch.randn(2, 1, 3, generator=gen).to(dev)
+    n = torch.randn(2, Q, 3, generator=gen).to(dev) if Q else None
+    nm = torch.zeros(2, Q, dtype=torch.bool, device=dev) if Q else None  # padded: no other candidate
     p[0, 0, 1] = BAD[bad]
     rows = L.supmpn_loss(a, p, n, neg_mask=nm, reduction="none", backend=backend)
     assert torch.isnan(rows).all(), rows

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -64,9 +65,19 @@ void dispatch_compute(at::ScalarType cd, const F& f) {
   else f(float{});
 }
 
+// "[a, b]" for error messages. Messages format shapes with this instead of streaming an
+// IntArrayRef: on torch 2.11 (the H200 image, 2026-11-26) every check that streamed one
+// crashed the process (segfault) instead of raising; checks with scalars raised fine.
+inline std::string shape_str(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
 inline void check_out(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype,
                       c10::DeviceType dev) {
-  TORCH_CHECK(t.sizes() == shape, "fastcl: output ", name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.sizes() == shape, "fastcl: output ", name, " must have shape ", shape_str(shape), ", got ",
+              shape_str(t.sizes()));
   TORCH_CHECK(t.scalar_type() == dtype, "fastcl: output ", name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous() && t.device().type() == dev, "fastcl: output ", name, " must be a contiguous ",
               device_name(dev), " tensor");

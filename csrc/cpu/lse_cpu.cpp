@@ -551,7 +551,7 @@ std::vector<int64_t> prefix_ends(const at::Tensor& anchor, const at::IntArrayRef
   TORCH_CHECK(!dims->empty() && anchor.dim() == 2, "fastcl: matryoshka dims must not be empty (anchor: [B, d])");
   for (size_t k = 0; k < dims->size(); ++k) {
     TORCH_CHECK((*dims)[k] >= 1 && (*dims)[k] <= anchor.size(1) && (k == 0 || (*dims)[k] > (*dims)[k - 1]),
-                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", *dims);
+                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", shape_str(*dims));
   }
   return dims->vec();
 }

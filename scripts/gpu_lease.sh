@@ -48,7 +48,7 @@ if [[ $DRY == 1 ]]; then
 else
   DEV=cuda SCALE=1 TESTS=(tests/kernels tests/train/test_gradcache_cuda.py tests/losses tests/ops)
   BACKENDS=torch,triton,cuda REQUIRE=triton,cuda BENCH_K="bfloat16 and (supmpn-B4096 or infonce-B16384)"
-  B=4096 CHUNK=1024 STEPS=20 WORKERS=${WORKERS:-12}
+  B=4096 CHUNK=1024 STEPS=20 WORKERS=${WORKERS:-8}
 fi
 
 if has checks; then
@@ -56,7 +56,8 @@ if has checks; then
   # a worker crashed in this cpp test on the first GPU run (torch 2.11): alone, with faulthandler
   timeout -k 5 40 "$PY" -m pytest tests/ops/test_matryoshka_cpp.py -k bad_prefix -q -p no:cacheprovider >"$OUT/crash.txt" 2>&1
   timeout -s INT -k 15 ${T_CHECKS:-180} "$PY" -m fastcl.bench correctness --device $DEV --scale $SCALE \
-    --dtypes ${DTYPES:-float32,bfloat16,float16} --out "$OUT/correctness.json" >"$OUT/correctness.txt" 2>&1 &
+    --dtypes ${DTYPES:-float32,bfloat16,float16} ${LARGE:+--large} --out "$OUT/correctness.json" \
+    >"$OUT/correctness.txt" 2>&1 &
   C=$!
   FASTCL_TEST_DEVICE=$DEV FASTCL_TEST_BACKENDS=$BACKENDS FASTCL_REQUIRE_BACKENDS=$REQUIRE \
     timeout -s INT -k 15 ${T_CHECKS:-180} "$PY" -m pytest "${TESTS[@]}" -m "not slow" -q -p no:cacheprovider \
@@ -76,7 +77,13 @@ fi
 
 if has profile && [[ $DEV == cuda ]]; then
   say "profile"
-  timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton,cuda,compile >"$OUT/profile.txt" 2>&1
+  {
+    timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton,cuda,compile
+    # the backward's dS chunk size sets the launch count (26 us of Python each on the H200)
+    for bytes in 134217728 536870912; do
+      FASTCL_TRITON_DS_BYTES=$bytes timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton --top 4
+    done
+  } >"$OUT/profile.txt" 2>&1
   say "profile: exit $?"
 fi
 
@@ -103,15 +110,15 @@ finally:
       --output-dir /tmp/run-supmpn
     echo "supmpn exit $?"
     cat /tmp/run-supmpn/log.jsonl /tmp/run-supmpn/summary.json
+    timeout -s INT -k 10 ${T_ST:-50} "$PY" scripts/gpu_train_st.py --model "$MODEL" --train-file "$NLI" \
+      --batch-size $B --chunk-size 512 --steps 2
+    echo "st exit $?"
     if [[ $DEV == cuda ]]; then
       timeout -s INT -k 10 ${T_FP16:-35} "$PY" -c "$PEAK" train simcse-sup "${TRAIN[@]}" --batch-size 512 \
         --chunk-size 128 --precision fp16 --max-steps 3 --output-dir /tmp/run-fp16
       echo "fp16 exit $?"
       cat /tmp/run-fp16/log.jsonl
     fi
-    timeout -s INT -k 10 ${T_ST:-50} "$PY" scripts/gpu_train_st.py --model "$MODEL" --train-file "$NLI" \
-      --batch-size $B --chunk-size 512 --steps 2
-    echo "st exit $?"
   } >"$OUT/train.txt" 2>&1
   say "training: $(grep -c . "$OUT/train.txt") lines"
 fi

@@ -67,6 +67,25 @@ def test_correctness_module_on_tiny_workload():
     recs = correctness.check_workload("mnrl", 16, 1, 2, 8, "float32", "cpu", ["eager", "torch", "st-cmnrl", "inf-cl"])
     status = {r["impl"]: r["status"] for r in recs}
     assert status == {"eager": "ok", "torch": "ok", "st-cmnrl": "ok", "inf-cl": "skipped"}
+    assert {r["reference_impl"] for r in recs} == {"oracle"}
+
+
+def test_correctness_beyond_the_oracle_uses_torch_in_float64(monkeypatch):
+    """Past MAX_EAGER_REFERENCE_ELEMENTS the reference is the chunked torch backend in
+    float64; it must still catch a wrong implementation (here: a loss 1 % too large)."""
+    monkeypatch.setattr(peers, "MAX_EAGER_REFERENCE_ELEMENTS", 10)
+    recs = correctness.check_workload("supmpn", 12, 2, 1, 8, "float32", "cpu", ["eager", "cpp"])
+    assert {r["reference_impl"] for r in recs} == {"torch-float64"}
+    assert [r["status"] for r in recs] == ["ok", "ok"]
+    build = peers.build
+
+    def one_percent_off(*args):
+        fn = build(*args)
+        return lambda: fn() * 1.01
+
+    monkeypatch.setattr(peers, "build", one_percent_off)
+    recs = correctness.check_workload("supmpn", 12, 2, 1, 8, "float32", "cpu", ["cpp"])
+    assert recs[0]["status"] == "FAIL"
 
 
 def _fake_run(tmp_path, threads=2, name="run.json", interleaved=True, speed=1.0):

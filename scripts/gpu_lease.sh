@@ -83,6 +83,8 @@ if has profile && [[ $DEV == cuda ]]; then
     for bytes in 134217728 536870912; do
       FASTCL_TRITON_DS_BYTES=$bytes timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton --top 4
     done
+    # dS kept in the input dtype: one MMA per backward product instead of two (docs/triton.md)
+    FASTCL_TRITON_DS=input timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton --top 4
   } >"$OUT/profile.txt" 2>&1
   say "profile: exit $?"
 fi

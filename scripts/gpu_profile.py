@@ -61,6 +61,19 @@ def main() -> None:
         for e in sorted(kernels, key=lambda e: -e.device_time_total)[: args.top]:
             ms = e.device_time_total / 1e3 / args.steps
             print(f"   {ms:8.3f} ms {e.count // args.steps:5d}x  {e.key[:110]}")
+        # memory: peak beyond the inputs, and which ops allocate most (one step)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as mem:
+            step()
+            torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        print(f"   peak {peak:.1f} MiB beyond the inputs; largest allocating ops (self, one step):")
+        usage = lambda e: getattr(e, "self_device_memory_usage", getattr(e, "self_cuda_memory_usage", 0))  # noqa: E731
+        for e in sorted(mem.key_averages(), key=lambda e: -usage(e))[:8]:
+            if usage(e) > 0:
+                print(f"   {usage(e) / 2**20:8.1f} MiB {e.count:5d}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":

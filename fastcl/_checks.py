@@ -19,6 +19,7 @@ finite (a sync per tensor; off by default).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -91,8 +92,10 @@ def check_some_positive(pos_mask: Tensor | None) -> None:
         raise ValueError("no anchor has a valid positive (pos_mask is all False): the loss is undefined")
 
 
+@functools.lru_cache(maxsize=64)
 def _check_temperature_value(value: float, dtype: torch.dtype) -> None:
-    """Finite, > 0, and with a finite reciprocal once cast to ``dtype``."""
+    """Finite, > 0, and with a finite reciprocal once cast to ``dtype``. Memoised: a training
+    loop passes the same value every step, and the check is nine small tensor ops."""
     t = torch.tensor(value, dtype=dtype)
     if not (math.isfinite(value) and value > 0 and bool(t > 0) and bool(torch.isfinite(t.reciprocal()))):
         raise ValueError(f"temperature must be finite and > 0 with a finite 1/temperature in {dtype}, got {value!r}")

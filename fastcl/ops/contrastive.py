@@ -145,9 +145,12 @@ class ContrastiveLSE(torch.autograd.Function):
             out = spec.impl.fused(problem, tau, head)
             pos_logits = out.pos_logits if in_sweep else pos_logits
             keep = _grad_store_dtype(anchor.dtype)
-            d_tau = _tau_grad(out.g_dot_mean_logit, out.d_pos, pos_logits, tau, folded)
+            # a float temperature needs no gradient: spare the small ops (launches on a GPU)
+            d_tau = (
+                _tau_grad(out.g_dot_mean_logit, out.d_pos, pos_logits, tau, folded) if ctx.needs_input_grad[4] else None
+            )
             d_inputs = (t.to(keep) for t in (out.d_anchor, *out.d_blocks))
-            ctx.save_for_backward(*d_inputs, out.d_pos, d_tau.to(tau.dtype))
+            ctx.save_for_backward(*d_inputs, out.d_pos, None if d_tau is None else d_tau.to(tau.dtype))
             loss_rows = out.loss_rows
         else:
             lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
@@ -182,7 +185,7 @@ class ContrastiveLSE(torch.autograd.Function):
                 d_inputs = (g.to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))
                 return (*d_inputs, None if ctx.folded else d_pos, d_tau, None)
             d_inputs = ((g * go).to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))
-            return (*d_inputs, None if ctx.folded else d_pos * go, d_tau * go, None)
+            return (*d_inputs, None if ctx.folded else d_pos * go, None if d_tau is None else d_tau * go, None)
 
         anchor, block0, block1, tau, pos_input, *head = ctx.saved_tensors
         problem = spec.problem(anchor, block0, block1)

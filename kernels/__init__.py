@@ -9,12 +9,14 @@ from ._common import INTERPRET
 from .lse_bwd import lse_backward
 from .lse_fwd import lse_forward
 from .lse_prefixes import lse_backward_prefixes, lse_forward_prefixes, prefix_reasons
+from .own_logits import own_logits
 from .plan import size_reasons
 
 __all__ = [
     "INTERPRET",
     "lse_forward",
     "lse_backward",
+    "own_logits",
     "lse_forward_prefixes",
     "lse_backward_prefixes",
     "prefix_reasons",

@@ -167,6 +167,7 @@ TRITON_TYPE = {
     torch.float64: "fp64",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.uint8: "u8",  # bool masks, passed as bytes
 }
 
 

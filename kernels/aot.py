@@ -37,6 +37,7 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
     from .lse_bwd import _lse_backward
     from .lse_fwd import _lse_forward
     from .lse_prefixes import _lse_backward_prefixes, _lse_forward_prefixes
+    from .own_logits import _own_logits
 
     out: dict[str, Launch] = {}
     with recording(dry=True, arch="interp") as launches:
@@ -48,6 +49,8 @@ def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.flo
             tau = torch.tensor(0.1)
             for cosine in (True, False):
                 lse, _ = _lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
+                for mask in (None, torch.ones(B, P, dtype=torch.bool)) if P else ():
+                    _own_logits(anchor, c0, mask, tau, 3, P, cosine, 1e-8)
                 d_pos = torch.zeros(B, P) if P else None
                 for fp32_ds in (True, False):
                     _lse_backward(

@@ -19,6 +19,10 @@ from ._common import acc_dtype, cfg, dtype_class
 # fp64 rows take half the feature chunk: 32 x 128 fp64 values spilled (2 KiB) in the norms.
 ROWWISE = {a: {"16": [cfg(4, 1, BR=32, BD=128)], "64": [cfg(4, 1, BR=32, BD=64)]} for a in ("sm80", "sm90")}
 ROWWISE["interp"] = {"16": [cfg(BR=16, BD=64)]}
+# Own-positive logits: two row chunks and three running sums per row; the spill-free sizes
+# of the compiled candidates (BR=32 BD=64 spilled 140-172 B at 4 warps, fp64 BD=64 3 KiB).
+OWN_ROWS = {a: {"16": [cfg(4, 1, BR=16, BD=64)], "64": [cfg(4, 1, BR=16, BD=32)]} for a in ("sm80", "sm90")}
+OWN_ROWS["interp"] = {"16": [cfg(BR=16, BD=64)]}
 REDUCE = {a: {"16": [cfg(4, 1, BR=256)]} for a in ("sm80", "sm90")}
 REDUCE["interp"] = {"16": [cfg(BR=16)]}
 

@@ -63,9 +63,13 @@ def _tau_grad(g_dot_mean_logit: Tensor, d_pos: Tensor, pos_logits: Tensor, tau: 
     return d_tau - (d_pos * pos_logits).sum() / tau.to(d_pos.dtype) if folded else d_tau
 
 
-def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
-    """``[B, P]`` own-positive logits from the block-0 layout (values; no custom autograd);
-    ``[K, B, P]`` with dims, prefix ``k`` on the first ``dims[k]`` coordinates."""
+def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor, values_only: bool = False) -> Tensor:
+    """``[B, P]`` own-positive logits from the block-0 layout (no custom autograd: torch ops
+    that a second-order backward differentiates); ``[K, B, P]`` with dims, prefix ``k`` on
+    the first ``dims[k]`` coordinates. ``values_only``: by the backend's ``own_logits`` where
+    it has one (one launch instead of ~18 small ops per block of rows)."""
+    if values_only and spec.dims is None and spec.impl.own_logits is not None:
+        return spec.impl.own_logits(problem, spec.pos_mask, tau)
     B, P = problem.num_anchors, spec.positives.count
     own = problem.blocks[0][spec.positives.rows(0, B)].view(B, P, -1)
     prefixes = problem.prefixes if spec.dims is not None else (None,)
@@ -138,7 +142,8 @@ class ContrastiveLSE(torch.autograd.Function):
         # a backend that forms the folded own-positive logits in its sweep spares the [B, P, d]
         # normalisation passes of _own_logits (~5 % of a cpp SupMPN step)
         in_sweep = ctx.mode == "fused" and folded and spec.impl.forms_own_logits
-        pos_logits = None if in_sweep else (_own_logits(spec, problem, tau) if folded else pos_input).detach().to(cd)
+        own = _own_logits(spec, problem, tau, values_only=True) if folded and not in_sweep else None
+        pos_logits = None if in_sweep else (own if folded else pos_input).detach().to(cd)
 
         if ctx.mode == "fused":
             head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.weights)

@@ -98,6 +98,7 @@ def test_every_launch_passes_the_frontend(arch):
 # (tests/kernels/test_triton_limits.py checks the bounds).
 ROW_STRIDE_KERNELS = (
     "_row_norms_kernel",
+    "_own_logits_kernel",
     "_lse_fwd_kernel",
     "_lse_ds_kernel",
     "_prefix_norms_kernel",

@@ -182,6 +182,79 @@ def test_input_precision_ds_mode(monkeypatch):
         _triton.ds_precision()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("cosine", [True, False])
+def test_own_logits_match_the_pytorch_path(dtype, cosine):
+    """``kernels/own_logits.py`` against ``own_positive_similarities / tau`` (the path it
+    replaces) and the float64 oracle, on rows that cross ``BD`` and ``BR``, with a masked
+    positive holding NaN (no influence), a clamped norm, rows near float32's overflow, and a
+    row holding NaN or Inf (its logits NaN, also beside a masked positive)."""
+    from fastcl.ops.positive_logits import own_positive_similarities
+
+    gen = torch.Generator().manual_seed(21)
+    B, P, d, offset = 19, 3, 70, 4
+    anchor = torch.randn(B, d, generator=gen)
+    block0 = torch.randn(offset + B * P + 2, d, generator=gen)
+    own = block0[offset : offset + B * P].view(B, P, d)
+    mask = torch.rand(B, P, generator=gen) > 0.2
+    mask[:, 0] = True
+    own[~mask] = float("nan")  # masked positives are never read
+    own[1, 0] = 1e-10  # clamped norm
+    if cosine and dtype in (torch.float32, torch.float64):
+        anchor[2] *= 1e36  # squares would overflow float32 (dot products may: dot similarity)
+        own[3, 1] *= 1e37
+    anchor[5, 7] = float("nan")
+    own[6, 0, 3] = float("inf")
+    mask[5, 2] = False  # NaN anchor beside a masked positive: NaN, as 0 * NaN in PyTorch
+    a, c0 = anchor.to(dtype), block0.to(dtype)
+    tau = torch.tensor(0.07)
+    got = torch.ops.fastcl_triton.own_logits(a, c0, mask, tau, offset, P, cosine, 1e-8)
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    assert got.dtype == cd and got.shape == (B, P)
+    want = own_positive_similarities(a, c0[offset : offset + B * P].view(B, P, d), cosine, 1e-8, mask) / tau.to(cd)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[5].isnan().all() and got[6, 0].isnan()
+    fin = ~want.isnan()
+    assert_close("own logits vs the PyTorch path", got[fin], want[fin], cd, abs_scale=1 / 0.07)
+    # and the float64 oracle on the inputs as given (rounded to dtype)
+    a64, o64 = a.double(), c0[offset : offset + B * P].view(B, P, d).double().masked_fill(~mask[..., None], 0)
+    if cosine:
+        a64 = a64 / a64.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+        o64 = o64 / o64.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+    oracle = (o64 * a64[:, None]).sum(-1) / float(tau)  # tau as stored (float32)
+    assert_close("own logits vs float64", got[fin].double(), oracle[fin], dtype, abs_scale=1 / 0.07)
+
+
+def test_own_logits_refuses_a_layout_that_does_not_fit():
+    a, c0 = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        torch.ops.fastcl_triton.own_logits(a, c0, None, torch.tensor(0.1), 3, 2, True, 1e-8)
+
+
+def test_recompute_forward_takes_the_own_logits_kernel(monkeypatch):
+    """The loss's forward forms the own-positive logits with the kernel, not the PyTorch ops."""
+    from fastcl.ops import positive_logits
+
+    calls = []
+    real = positive_logits.own_positive_similarities
+    monkeypatch.setattr(
+        "fastcl.ops.contrastive.own_positive_similarities",
+        lambda *a, **k: calls.append(1) or real(*a, **k),
+    )
+    gen = torch.Generator().manual_seed(5)
+    a, p, n = (
+        torch.randn(6, 16, generator=gen),
+        torch.randn(6, 3, 16, generator=gen),
+        torch.randn(6, 2, 16, generator=gen),
+    )
+    a.requires_grad_(True)
+    loss = L.supmpn_loss(a, p, n, backend="triton")
+    loss.backward()
+    assert not calls
+    want = L.supmpn_loss(a.detach().double(), p.double(), n.double(), backend="reference")
+    assert_close("loss", loss.double(), want, torch.float32, abs_scale=20.0)
+
+
 # ---------------------------------------------------------------------------------------
 # registration and specialisations
 # ---------------------------------------------------------------------------------------
@@ -203,6 +276,10 @@ def test_custom_ops_pass_opcheck():
         (a, c0, c1, t0, t1, tau, lse, torch.ones(5), torch.ones(5, 2), 0, True, 1e-8, True),
         test_utils=checks,
     )
+    mask = torch.tensor([[True, False]] * 5)
+    torch.library.opcheck(
+        torch.ops.fastcl_triton.own_logits.default, (a, c0, mask, tau, 0, 2, True, 1e-8), test_utils=checks
+    )
 
 
 def test_every_real_launch_is_in_the_aot_list():
@@ -214,6 +291,7 @@ def test_every_real_launch_is_in_the_aot_list():
             for cosine in (True, False):
                 problem = _problem(5, 2, 36, 12, dtype, cosine, gen)  # several chunks, with and without positives
                 lse, _ = TRITON.forward(problem, torch.tensor(0.2))
+                TRITON.own_logits(problem, None, torch.tensor(0.2))
                 TRITON.backward(problem, torch.tensor(0.2), lse, torch.ones(5), torch.ones(5, 2))
     launched = {x.key for x in launched}
     known = {x.key for x in aot.all_launches()}

@@ -24,15 +24,7 @@ from fastcl.ops.contract import new_output
 
 from . import plan
 from ._common import Kernel, acc_dtype, arch_of, dummy, launch, register_op, sqrt_rn
-from .lse_fwd import _pow2_floor
-
-
-@triton.jit
-def _rescale(scale, x, HI: tl.constexpr):
-    """The new power-of-two unit of a row after chunk ``x`` (at least ``scale``, at most ``HI``)
-    and the chunk in that unit."""
-    new = tl.minimum(tl.maximum(scale, _pow2_floor(tl.max(tl.abs(x), 1))), HI)
-    return new, x * (1.0 / new)[:, None]
+from .lse_fwd import rescale
 
 
 @triton.jit
@@ -78,8 +70,8 @@ def _own_logits_kernel(
         c = tl.load(c_rows + ks[None, :], mask=keep[:, None] & in_d, other=0.0).to(ACC)
         n_bad += tl.sum(tl.where(tl.abs(a) < float("inf"), 0, 1) + tl.where(tl.abs(c) < float("inf"), 0, 1), 1)
         if COSINE:
-            new_a, a = _rescale(sa, a, HI)
-            new_c, c = _rescale(sc, c, HI)
+            new_a, a = rescale(sa, a, HI)
+            new_c, c = rescale(sc, c, HI)
             ra, rc = sa / new_a, sc / new_c
             ssa = ssa * ra * ra + tl.sum(a * a, 1)
             ssc = ssc * rc * rc + tl.sum(c * c, 1)

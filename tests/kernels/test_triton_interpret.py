@@ -198,6 +198,7 @@ def test_own_logits_match_the_pytorch_path(dtype, cosine):
     own = block0[offset : offset + B * P].view(B, P, d)
     mask = torch.rand(B, P, generator=gen) > 0.2
     mask[:, 0] = True
+    mask[8] = False  # an anchor without any valid positive: every logit 0
     own[~mask] = float("nan")  # masked positives are never read
     own[1, 0] = 1e-10  # clamped norm
     if cosine and dtype in (torch.float32, torch.float64):
@@ -214,6 +215,7 @@ def test_own_logits_match_the_pytorch_path(dtype, cosine):
     want = own_positive_similarities(a, c0[offset : offset + B * P].view(B, P, d), cosine, 1e-8, mask) / tau.to(cd)
     assert torch.equal(got.isnan(), want.isnan())
     assert got[5].isnan().all() and got[6, 0].isnan()
+    assert torch.equal(got[8], torch.zeros(P, dtype=cd))
     fin = ~want.isnan()
     assert_close("own logits vs the PyTorch path", got[fin], want[fin], cd, abs_scale=1 / 0.07)
     # and the float64 oracle on the inputs as given (rounded to dtype)

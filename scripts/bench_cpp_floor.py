@@ -74,7 +74,12 @@ def main() -> None:
     ap.add_argument("--N1", type=int, default=0, help="of the N candidates, how many in the second block")
     ap.add_argument("--P", type=int, default=5)
     ap.add_argument("--Q", type=int, default=5)
-    ap.add_argument("--impl", action="append", default=[], help="with --loss: backends to time (default cpp, torch)")
+    ap.add_argument(
+        "--impl",
+        action="append",
+        default=[],
+        help="with --loss: backends to time, repeated or comma-separated (default cpp, torch)",
+    )
     ap.add_argument("--d", type=int, required=True)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument(
@@ -91,6 +96,7 @@ def main() -> None:
         help="time.process_time instead of wall time (meaningful at --threads 1 on a loaded machine)",
     )
     args = ap.parse_args()
+    args.impl = [name for spec in args.impl for name in spec.split(",") if name]
     torch.set_num_threads(args.threads)
     why = _cpp.CppLSE().unavailable()
     assert why is None, why

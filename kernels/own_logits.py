@@ -106,13 +106,13 @@ def _own_logits(
     dev, dt = anchor.device, anchor.dtype
     B, d = anchor.shape
     acc = acc_dtype(dt)
-    out = new_output((B, pos_count), dtype=acc, device=dev)
     if pos_offset < 0 or pos_offset + B * pos_count > block0.shape[0]:
         raise ValueError(
             f"own positives {pos_offset} + {B} * {pos_count} do not fit in block0 of {block0.shape[0]} rows"
         )
     if not (anchor.is_contiguous() and block0.is_contiguous()):
         raise ValueError("triton own-positive logits need contiguous inputs")
+    out = new_output((B, pos_count), dtype=acc, device=dev)
     if B == 0 or pos_count == 0:
         return out
     grid = lambda meta: (triton.cdiv(B, meta["BR"]), pos_count)  # noqa: E731

@@ -63,13 +63,10 @@ def _tau_grad(g_dot_mean_logit: Tensor, d_pos: Tensor, pos_logits: Tensor, tau: 
     return d_tau - (d_pos * pos_logits).sum() / tau.to(d_pos.dtype) if folded else d_tau
 
 
-def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor, values_only: bool = False) -> Tensor:
+def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
     """``[B, P]`` own-positive logits from the block-0 layout (no custom autograd: torch ops
     that a second-order backward differentiates); ``[K, B, P]`` with dims, prefix ``k`` on
-    the first ``dims[k]`` coordinates. ``values_only``: by the backend's ``own_logits`` where
-    it has one (one launch instead of ~18 small ops per block of rows)."""
-    if values_only and spec.dims is None and spec.impl.own_logits is not None:
-        return spec.impl.own_logits(problem, spec.pos_mask, tau)
+    the first ``dims[k]`` coordinates."""
     B, P = problem.num_anchors, spec.positives.count
     own = problem.blocks[0][spec.positives.rows(0, B)].view(B, P, -1)
     prefixes = problem.prefixes if spec.dims is not None else (None,)
@@ -79,6 +76,14 @@ def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor, values_only: b
     ]
     sim = torch.stack(sims) if spec.dims is not None else sims[0]
     return sim / tau.to(compute_dtype(problem.dtype))
+
+
+def _own_logit_values(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
+    """:func:`_own_logits` as values only: by the backend's ``own_logits`` where it has one
+    (one launch instead of ~18 small ops per block of rows)."""
+    if spec.dims is None and spec.impl.own_logits is not None:
+        return spec.impl.own_logits(problem, spec.pos_mask, tau)
+    return _own_logits(spec, problem, tau)
 
 
 def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
@@ -142,8 +147,10 @@ class ContrastiveLSE(torch.autograd.Function):
         # a backend that forms the folded own-positive logits in its sweep spares the [B, P, d]
         # normalisation passes of _own_logits (~5 % of a cpp SupMPN step)
         in_sweep = ctx.mode == "fused" and folded and spec.impl.forms_own_logits
-        own = _own_logits(spec, problem, tau, values_only=True) if folded and not in_sweep else None
-        pos_logits = None if in_sweep else (own if folded else pos_input).detach().to(cd)
+        if in_sweep:
+            pos_logits = None
+        else:
+            pos_logits = (_own_logit_values(spec, problem, tau) if folded else pos_input).detach().to(cd)
 
         if ctx.mode == "fused":
             head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.weights)

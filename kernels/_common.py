@@ -37,6 +37,13 @@ ALL_TAG = tl.constexpr(TAG_ALL)
 # jit helpers
 # ---------------------------------------------------------------------------------------
 
+# Bounds of the power-of-two row scale of the scaled sums of squares (norm kernels, own
+# logits): 1/scale stays a normal number, so multiplying by it is exact.
+SCALE_LO_F64: tl.constexpr = tl.constexpr(2.0**-500)
+SCALE_HI_F64: tl.constexpr = tl.constexpr(2.0**500)
+SCALE_LO_F32: tl.constexpr = tl.constexpr(2.0**-100)
+SCALE_HI_F32: tl.constexpr = tl.constexpr(2.0**100)
+
 
 @triton.jit
 def mma(a, b, acc, PRECISION: tl.constexpr):

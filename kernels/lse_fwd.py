@@ -33,6 +33,10 @@ from fastcl.ops.contract import new_output
 from . import plan
 from ._common import (
     PAD_TAG,
+    SCALE_HI_F32,
+    SCALE_HI_F64,
+    SCALE_LO_F32,
+    SCALE_LO_F64,
     Kernel,
     acc_dtype,
     arch_of,
@@ -98,8 +102,8 @@ def _row_norms_kernel(
         # |x| = scale * sqrt(ssq) with scale a power of two near the running max |x_k| (clamped
         # to [LO, HI] so that 1/scale is a normal number): squares neither overflow nor
         # underflow, and multiplying by 1/scale is exact
-        LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
-        HI: tl.constexpr = 3.273390607896142e150 if ACC == tl.float64 else 1.2676506002282294e30  # 2^500, 2^100
+        LO: tl.constexpr = SCALE_LO_F64 if ACC == tl.float64 else SCALE_LO_F32
+        HI: tl.constexpr = SCALE_HI_F64 if ACC == tl.float64 else SCALE_HI_F32
         scale = tl.full([BR], LO, dtype=ACC)
         ssq = tl.zeros([BR], dtype=ACC)
         for k0 in range(0, d, BD):

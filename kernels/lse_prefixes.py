@@ -52,6 +52,10 @@ from fastcl.ops.contract import new_output, prefix_order
 from . import plan
 from ._common import (
     PAD_TAG,
+    SCALE_HI_F32,
+    SCALE_HI_F64,
+    SCALE_LO_F32,
+    SCALE_LO_F64,
     Kernel,
     acc_dtype,
     arch_of,
@@ -102,8 +106,8 @@ def _prefix_norms_kernel(
     if HAS_TAGS:  # padded rows read as zero: their NaN/Inf cannot reach a norm
         read = ok & (tl.load(TAGS + rows, mask=ok, other=PAD_TAG) != PAD_TAG)
     x_rows = X + rows.to(tl.int64)[:, None] * d
-    LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
-    HI: tl.constexpr = 3.273390607896142e150 if ACC == tl.float64 else 1.2676506002282294e30  # 2^500, 2^100
+    LO: tl.constexpr = SCALE_LO_F64 if ACC == tl.float64 else SCALE_LO_F32
+    HI: tl.constexpr = SCALE_HI_F64 if ACC == tl.float64 else SCALE_HI_F32
     BIG: tl.constexpr = 2.5822498780869086e120 if ACC == tl.float64 else 1125899906842624.0  # 2^400, 2^50
     scale = tl.full([BR], LO, dtype=ACC)
     ssq = tl.zeros([BR], dtype=ACC)

@@ -23,7 +23,19 @@ from torch import Tensor
 from fastcl.ops.contract import new_output
 
 from . import plan
-from ._common import Kernel, acc_dtype, arch_of, dummy, launch, register_op, sqrt_rn
+from ._common import (
+    SCALE_HI_F32,
+    SCALE_HI_F64,
+    SCALE_LO_F32,
+    SCALE_LO_F64,
+    Kernel,
+    acc_dtype,
+    arch_of,
+    dummy,
+    launch,
+    register_op,
+    sqrt_rn,
+)
 from .lse_fwd import rescale
 
 
@@ -53,8 +65,8 @@ def _own_logits_kernel(
         keep = ok & (tl.load(MASK + rows.to(tl.int64) * P + k, mask=ok, other=0) != 0)
     a_rows = A + rows.to(tl.int64)[:, None] * d
     c_rows = C + (pos_offset + rows.to(tl.int64) * P + k)[:, None] * d
-    LO: tl.constexpr = 3.054936363499605e-151 if ACC == tl.float64 else 7.888609052210118e-31  # 2^-500, 2^-100
-    HI: tl.constexpr = 3.273390607896142e150 if ACC == tl.float64 else 1.2676506002282294e30  # 2^500, 2^100
+    LO: tl.constexpr = SCALE_LO_F64 if ACC == tl.float64 else SCALE_LO_F32
+    HI: tl.constexpr = SCALE_HI_F64 if ACC == tl.float64 else SCALE_HI_F32
     # cosine: the dot product and both sums of squares in units of the rows' running scales
     # (rescaled as the scales grow); dot: the plain sums
     sa = tl.full([BR], LO, dtype=ACC)

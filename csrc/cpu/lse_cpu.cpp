@@ -26,6 +26,24 @@ enum class Mode { kForward, kBackward, kFused };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (FASTCL_CPP_KEEP_BYTES; 0:
+// never) is kept for the calling thread's next call: a fresh one costs ~1 page fault per 4 KiB
+// page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024,
+// d = 128; docs/csrc.md). Larger buffers are allocated per call, as nothing may hold O(B N).
+constexpr int64_t kKeepBytes = int64_t(16) << 20;
+at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options) {
+  thread_local at::Tensor kept;
+  const int64_t n = c10::multiply_integers(shape);
+  if (n * int64_t(options.dtype().itemsize()) > env_int("FASTCL_CPP_KEEP_BYTES", kKeepBytes)) {
+    return at::empty(shape, options);
+  }
+  if (!kept.defined() || kept.numel() < n || kept.dtype() != options.dtype()) {
+    kept = at::Tensor();  // the old one goes first: never two at once
+    kept = at::empty({n}, options);
+  }
+  return kept.narrow(0, 0, n).view(shape);
+}
+
 // at::parallel_for whose workers, like the calling thread, dispatch the kernel's own ATen
 // calls (GEMMs on views of the inputs) below autograd: thread-local dispatch state is
 // not inherited by OpenMP workers.
@@ -465,7 +483,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   // needs S_{k-1} until S_k is formed
   const int64_t tiles = sw.mode == Mode::kBackward ? K : std::min<int64_t>(K, 2);
   const int64_t H = block_height(p.B, p.N, d, T_, tiles);
-  at::Tensor buf = at::empty({tiles, H, p.N}, p.a.options());
+  at::Tensor buf = block_buffer({tiles, H, p.N}, p.a.options());
   const at::Tensor a_scaled = sw.row_factor ? at::empty({H, d}, p.a.options()) : at::Tensor();
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
   // radial sums of the candidates, one [K, N] partial per row task (summed in task order)

@@ -52,3 +52,42 @@ def test_split_is_bitwise_reproducible(monkeypatch, threads):
         assert torch.equal(getattr(runs[0], name), getattr(runs[1], name)), name
     for u, v in zip(runs[0].d_blocks, runs[1].d_blocks):
         assert torch.equal(u, v)
+
+
+def _all_outputs(prob, tau, head):
+    """Every output of the three sweeps (fused, forward, backward) on ``prob``."""
+    cpp = _cpp.CppLSE()
+    fused = cpp.fused(prob, tau, head)
+    lse, mean_logit = cpp.forward(prob, tau)
+    g = torch.linspace(-1, 1, prob.num_anchors, dtype=lse.dtype)
+    d_anchor, d_blocks = cpp.backward(prob, tau, lse, g)
+    return [fused.lse, fused.loss_rows, fused.d_anchor, *fused.d_blocks, lse, mean_logit, d_anchor, *d_blocks]
+
+
+def test_kept_block_buffer_changes_nothing(monkeypatch, threads):
+    """The block buffer kept between calls (lse_cpu.cpp, block_buffer) is reused by calls of
+    other shapes and dtypes, after calls that filled it with NaN: every output is bitwise the
+    same as with a fresh buffer per call (FASTCL_CPP_KEEP_BYTES=0)."""
+    threads(2)
+    g = torch.Generator().manual_seed(11)
+    tau = torch.tensor(0.05)
+    nan_prob = _problem(30, 400, 20, 24, dtype=torch.float32, gen=g)
+    nan_prob.anchor[3, 5] = float("nan")  # the NaN row's logits fill the buffer
+    calls = [
+        (nan_prob, _head(30, 1, "supcon", g, torch.float32)),
+        (_problem(30, 400, 20, 24, dtype=torch.float32, gen=g), _head(30, 1, "supcon", g, torch.float32)),
+        (_problem(12, 90, 7, 24, dtype=torch.float32, gen=g), _head(12, 1, "supmpn", g, torch.float32)),
+        (_problem(20, 600, 0, 16, gen=g), _head(20, 2, "supmpn", g)),  # float64, more columns
+        (_problem(30, 400, 20, 24, dtype=torch.float32, gen=g), _head(30, 1, "supcon", g, torch.float32)),
+    ]
+    results = {}
+    for keep in ("0", None):
+        if keep is None:
+            monkeypatch.delenv("FASTCL_CPP_KEEP_BYTES", raising=False)
+        else:
+            monkeypatch.setenv("FASTCL_CPP_KEEP_BYTES", keep)
+        results[keep] = [_all_outputs(prob, tau.to(prob.dtype), head) for prob, head in calls]
+    assert results["0"][0][0].isnan().any(), "the first call should have filled the buffer with NaN"
+    for i, (fresh, kept) in enumerate(zip(results["0"], results[None])):
+        for j, (u, v) in enumerate(zip(fresh, kept)):
+            assert torch.equal(u.nan_to_num(7.0), v.nan_to_num(7.0)) and torch.equal(u.isnan(), v.isnan()), (i, j)

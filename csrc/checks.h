@@ -96,9 +96,20 @@ struct HeadTensors {
         weights(w.to(cd).contiguous()) {}
   template <typename T>
   cpu::Head<T> head(std::string_view kind, const at::Tensor& loss_rows, const at::Tensor& d_pos) const {
-    return {kind == "supmpn", pos.size(1), pos.data_ptr<T>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
+    return {kind == "supmpn", pos.size(-1), pos.data_ptr<T>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
             extra.defined() ? extra.data_ptr<T>() : nullptr, weights.data_ptr<T>(), loss_rows.data_ptr<T>(),
             d_pos.data_ptr<T>()};
+  }
+  // One head per matryoshka prefix k: its slices of pos_logits, weights, loss_rows [K, B] and
+  // d_pos [K, B, P] (mask and log_extra are shared); a plain problem has one.
+  template <typename T>
+  std::vector<cpu::Head<T>> heads(std::string_view kind, const at::Tensor& loss_rows, const at::Tensor& d_pos) const {
+    const int64_t K = pos.dim() == 3 ? pos.size(0) : 1, B = pos.size(-2), P = pos.size(-1);
+    std::vector<cpu::Head<T>> out(K, head<T>(kind, loss_rows, d_pos));
+    for (int64_t k = 0; k < K; ++k) {
+      out[k].pos += k * B * P, out[k].weights += k * B, out[k].loss_rows += k * B, out[k].d_pos += k * B * P;
+    }
+    return out;
   }
 };
 
@@ -148,21 +159,25 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
                            bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
                            const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
                            const at::Tensor& d_block0, const at::Tensor& d_block1,
-                           const at::Tensor& g_dot_mean_logit, c10::DeviceType dev) {
-  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, dev);
+                           const at::Tensor& g_dot_mean_logit, c10::DeviceType dev, int64_t K = 0) {
+  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, dev, K);
   TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
-  TORCH_CHECK(pos_logits.dim() == 2 && pos_logits.size(0) == B, "fastcl: pos_logits must be [B, P]");
-  const int64_t P = pos_logits.size(1);
+  // K > 0 (matryoshka): pos_logits, d_pos [K, B, P], weights and loss_rows [K, B]
+  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};
+  const int64_t R = int64_t(rows.size());
+  TORCH_CHECK(pos_logits.dim() == R + 1 && pos_logits.sizes().slice(0, R) == rows, "fastcl: pos_logits must be ",
+              K ? "[K, B, P]" : "[B, P]");
+  const int64_t P = pos_logits.size(-1);
   if (pos_mask) {
-    TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes(),
+    TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes().slice(R - 1),
                 "fastcl: pos_mask must be a bool [B, P] tensor");
   }
   if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
-  TORCH_CHECK(weights.numel() == B, "fastcl: weights must be [B]");
-  check_out(loss_rows, "loss_rows", {B}, cd, dev);
-  check_out(d_pos, "d_pos", {B, P}, cd, dev);
+  TORCH_CHECK(weights.sizes() == rows, "fastcl: weights must be ", K ? "[K, B]" : "[B]");
+  check_out(loss_rows, "loss_rows", rows, cd, dev);
+  check_out(d_pos, "d_pos", pos_logits.sizes().vec(), cd, dev);
   check_out(d_anchor, "d_anchor", {B, d}, cd, dev);
   check_out(d_block0, "d_block0", {block0.size(0), d}, cd, dev);
   check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
@@ -170,7 +185,7 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
   if (fold_positives) check_positives(pos_offset, P, B, block0.size(0));
   if (own_logits) {
     TORCH_CHECK(fold_positives, "fastcl: own_logits forms the logits of folded own positives (fold_positives)");
-    check_out(pos_logits, "pos_logits", {B, P}, cd, dev);
+    check_out(pos_logits, "pos_logits", pos_logits.sizes().vec(), cd, dev);
     // the kernel forms a positive's logit from its row as stored, and a padded row is stored
     // as zeros: a valid positive must not be padding (the losses tag exactly the masked ones)
     const at::Tensor padded = tags0.narrow(0, pos_offset, B * P).view({B, P}) == -2;

@@ -41,4 +41,13 @@ TORCH_LIBRARY(fastcl, m) {
       "lse_prefix_backward(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
       "Tensor tau, bool cosine, float eps, int[] dims, Tensor lse, Tensor grad_lse, Tensor? d_pos, "
       "int pos_offset, *, Tensor(a!) d_anchor, Tensor(b!) d_block0, Tensor(c!) d_block1) -> ()");
+  // lse_fused on the K prefixes (CPU only): weights, lse, mean_logit and loss_rows [K, B],
+  // pos_logits and d_pos [K, B, P], prefix k's head weighted by row k of weights.
+  m.def(
+      "lse_prefix_fused(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
+      "Tensor tau, bool cosine, float eps, int[] dims, str head, Tensor(i!) pos_logits, Tensor? pos_mask, "
+      "Tensor? log_extra, Tensor weights, int pos_offset, bool fold_positives, bool own_logits=False, "
+      "*, Tensor(a!) lse, Tensor(b!) mean_logit, "
+      "Tensor(c!) loss_rows, Tensor(d!) d_pos, Tensor(e!) d_anchor, Tensor(f!) d_block0, "
+      "Tensor(g!) d_block1, Tensor(h!) g_dot_mean_logit) -> ()");
 }

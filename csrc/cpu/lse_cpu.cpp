@@ -229,11 +229,11 @@ struct Sweep {
   T* mean_logit = nullptr;        // [B] out (forward, fused)
   const T* lse_in = nullptr;      // [B] (backward)
   const T* grad_lse = nullptr;    // [B] (backward)
-  const Head<T>* head = nullptr;  // fused
-  T* g_rows = nullptr;            // [B] out (fused): w_i dloss_i/dlse_i
-  T* own_logits = nullptr;        // [B, P] out (fused, own_logits): the head's pos, formed per row
+  const Head<T>* heads = nullptr;  // [K] (fused): prefix k's head
+  T* g_rows = nullptr;             // [K, B] out (fused): w_i dloss_i/dlse_i
+  T* own_logits = nullptr;         // [K, B, P] out (fused, own_logits): the heads' pos, formed per row
   T* row_rad = nullptr;           // [K, B] (Matryoshka cosine backward): the rows' radial sums
-  T* row_factor = nullptr;        // [B] (fused): X = diag(r) Q with Q in the block buffer
+  T* row_factor = nullptr;        // [B] (fused, one prefix): X = diag(r) Q with Q in the block buffer
 };
 
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
@@ -347,18 +347,35 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
   constexpr double kMaxInvTau = std::is_same_v<T, float> ? 25 : 300;
   const T bound = p.cosine && p.inv_tau <= kMaxInvTau ? p.inv_tau : T(0);
   // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
-  auto weights = [&](int64_t gi, T* row, T row_scale) -> T {
-    if (sw.mode == Mode::kBackward) {
-      const T lse = sw.lse_in[kb + gi], g = sw.grad_lse[kb + gi];
-      if (lse == rows::neg_inf<T>() || g == T(0)) {
-        std::fill(row, row + N, T(0));
-        return T(0);
-      }
-      return rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
+  // X from lse and g = dLoss/dlse in one pass over the raw row (and its radial sum)
+  auto softmax_weights = [&](T* row, T row_scale, T lse, T g) -> T {
+    if (lse == rows::neg_inf<T>() || g == T(0)) {
+      std::fill(row, row + N, T(0));
+      return T(0);
     }
+    return rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
+  };
+  auto weights = [&](int64_t gi, T* row, T row_scale) -> T {
+    if (sw.mode == Mode::kBackward) return softmax_weights(row, row_scale, sw.lse_in[kb + gi], sw.grad_lse[kb + gi]);
     T* lse = sw.lse + kb;
     T* mean_logit = sw.mean_logit + kb;
     const bool fused = sw.mode == Mode::kFused;
+    if (fused && !sw.row_factor) {
+      // Matryoshka: the GEMMs sum the prefixes' weights, so prefix k's cannot leave a row
+      // factor to them: the backward's pass forms them, after two passes (max unless bounded,
+      // exp sums) that keep the raw dot products it reads. The arithmetic of
+      // lse_prefix_forward + the head + lse_prefix_backward, less the recomputed A C^T.
+      const T m = bound > T(0) ? bound : rows::logits_and_max<T, false>(row, inv_c, add, row_scale, N);
+      T sum_p = 0, sum_pl = 0;
+      if (m != rows::neg_inf<T>()) {
+        std::tie(sum_p, sum_pl) = rows::exp_and_sums<true, false, T, false>(row, m, inv_c, add, row_scale, N);
+      }
+      lse[gi] = sum_p == T(0) ? rows::neg_inf<T>() : m + std::log(sum_p);
+      mean_logit[gi] = sum_p == T(0) ? T(0) : sum_pl / sum_p;
+      const T g = sw.heads[k].row(gi, lse[gi]);
+      sw.g_rows[kb + gi] = g;
+      return softmax_weights(row, row_scale, lse[gi], g);
+    }
     // the shift: the bound, or the row's max (that pass also turns the row into logits)
     const T m = bound > T(0) ? bound : rows::logits_and_max(row, inv_c, add, row_scale, N);
     auto exp_pass = [&](auto raw) {  // fused: the row holds p_c * inv_c afterwards
@@ -377,7 +394,7 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
       mean_logit[gi] = sum_pl / sum_p;
     }
     if (fused) {
-      const T g = sw.head->row(gi, lse[gi]);
+      const T g = sw.heads[0].row(gi, lse[gi]);
       sw.g_rows[gi] = g;
       // X = r * row; r goes into the GEMMs (sweep) instead of a pass over the row, unless it is
       // not a finite nonzero number (g = 0, overflow, NaN): then X is formed here and r = 1
@@ -404,9 +421,9 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
       // the own positives' logits from their raw dot products, formed like every other logit
       // (no [B, P, d] normalisation pass in Python); row gi's head reads only row gi's. A
       // masked positive reads as zero (the contract), whatever its row holds.
-      const bool* m = sw.head->mask ? sw.head->mask + gi * P : nullptr;
+      const bool* m = sw.heads[k].mask ? sw.heads[k].mask + gi * P : nullptr;
       for (int64_t j = 0; j < P; ++j) {
-        sw.own_logits[gi * P + j] = m && !m[j] ? T(0) : row[c0 + j] * row_scale * inv_c[c0 + j];
+        sw.own_logits[(kb + gi) * P + j] = m && !m[j] ? T(0) : row[c0 + j] * row_scale * inv_c[c0 + j];
       }
     }
     for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
@@ -432,7 +449,7 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
 template <typename T>
 bool padded_rows_may_be_nonzero(const Prepared<T>& p, const Sweep<T>& sw) {
   const bool fused = sw.mode == Mode::kFused;
-  const int64_t n = fused ? p.B : int64_t(p.ends.size()) * p.B, P = sw.fold.count;
+  const int64_t n = int64_t(p.ends.size()) * p.B, P = sw.fold.count;
   const T *lse = fused ? sw.lse : sw.lse_in, *g = fused ? sw.g_rows : sw.grad_lse, *dp = sw.fold.dpos;
   const T* add = p.col_add.template data_ptr<T>();
   auto bad_lse = [](T x) { return std::isnan(x) || x == std::numeric_limits<T>::infinity(); };  // -inf: no weights
@@ -479,9 +496,9 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
     return;
   }
   const int64_t T_ = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
-  // the backward keeps every prefix's weights until they are summed per slice; the forward
-  // needs S_{k-1} until S_k is formed
-  const int64_t tiles = sw.mode == Mode::kBackward ? K : std::min<int64_t>(K, 2);
+  // the backward and fused steps keep every prefix's weights until they are summed per
+  // slice; the forward needs S_{k-1} until S_k is formed
+  const int64_t tiles = sw.mode == Mode::kForward ? std::min<int64_t>(K, 2) : K;
   const int64_t H = block_height(p.B, p.N, d, T_, tiles);
   at::Tensor buf = block_buffer({tiles, H, p.N}, p.a.options());
   const at::Tensor a_scaled = sw.row_factor ? at::empty({H, d}, p.a.options()) : at::Tensor();
@@ -649,6 +666,48 @@ void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, con
            d_anchor, d_block0, d_block1);
 }
 
+// lse_fused, and lse_prefix_fused with dims (weights, lse, mean_logit, loss_rows [K, B],
+// pos_logits, d_pos [K, B, P]; prefix k's head takes row k of weights).
+void fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
+           const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
+           std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
+           const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
+           bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
+           const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
+           const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
+  const int64_t K = int64_t(ends.size());
+  const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
+                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos,
+                                d_anchor, d_block0, d_block1, g_dot_mean_logit, kDev, dims ? K : 0);
+  const auto cd = compute_dtype(anchor);
+  const int64_t B = anchor.size(0);
+  dispatch_compute(cd, [&](auto zero) {
+    using T = decltype(zero);
+    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
+    const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
+    const std::vector<Head<T>> heads = ht.heads<T>(head, loss_rows, d_pos);
+    at::Tensor g_rows = at::empty({K, B}, p.a.options());
+    // Matryoshka cosine: the per-prefix normalisation backward needs the rows' radial sums
+    const at::Tensor row_rad = dims && cosine ? at::empty({K, B}, p.a.options()) : at::Tensor();
+    Sweep<T> sw{Mode::kFused, d_anchor, d_block0, d_block1};
+    if (fold_positives) sw.fold = {d_pos.data_ptr<T>(), pos_offset, P};
+    if (own_logits) sw.own_logits = ht.pos.data_ptr<T>();  // pos_logits itself (checked: contiguous, cd)
+    sw.lse = lse.data_ptr<T>();
+    sw.mean_logit = mean_logit.data_ptr<T>();
+    sw.heads = heads.data();
+    sw.g_rows = g_rows.data_ptr<T>();
+    if (row_rad.defined()) sw.row_rad = row_rad.template data_ptr<T>();
+    std::vector<T> row_factor(dims ? 0 : B);  // one prefix: X's row factor goes into the GEMMs
+    if (!dims) sw.row_factor = row_factor.data();
+    sweep(p, sw);
+    T acc = 0;  // the temperature gradient, summed in row order (deterministic)
+    for (int64_t i = 0; i < K * B; ++i) acc += sw.g_rows[i] * sw.mean_logit[i];
+    g_dot_mean_logit.fill_(acc);
+  });
+}
+
 void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
@@ -656,32 +715,22 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
                const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
                const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
-                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos,
-                                d_anchor, d_block0, d_block1, g_dot_mean_logit, kDev);
-  const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0);
-  dispatch_compute(cd, [&](auto zero) {
-    using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, {anchor.size(-1)});
-    const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
-    const Head<T> h = ht.head<T>(head, loss_rows, d_pos);
-    at::Tensor g_rows = at::empty({B}, p.a.options());
-    Sweep<T> sw{Mode::kFused, d_anchor, d_block0, d_block1};
-    if (fold_positives) sw.fold = {d_pos.data_ptr<T>(), pos_offset, P};
-    if (own_logits) sw.own_logits = ht.pos.data_ptr<T>();  // pos_logits itself (checked: contiguous, cd)
-    sw.lse = lse.data_ptr<T>();
-    sw.mean_logit = mean_logit.data_ptr<T>();
-    sw.head = &h;
-    sw.g_rows = g_rows.data_ptr<T>();
-    std::vector<T> row_factor(B);
-    sw.row_factor = row_factor.data();
-    sweep(p, sw);
-    T acc = 0;  // the temperature gradient, summed in row order (deterministic)
-    for (int64_t i = 0; i < B; ++i) acc += sw.g_rows[i] * sw.mean_logit[i];
-    g_dot_mean_logit.fill_(acc);
-  });
+  fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, head, pos_logits, pos_mask, log_extra,
+        weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0,
+        d_block1, g_dot_mean_logit);
+}
+
+void lse_prefix_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+                      const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
+                      double eps, at::IntArrayRef dims, std::string_view head, const at::Tensor& pos_logits,
+                      const std::optional<at::Tensor>& pos_mask, const std::optional<at::Tensor>& log_extra,
+                      const at::Tensor& weights, int64_t pos_offset, bool fold_positives, bool own_logits,
+                      const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
+                      const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+                      const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+  fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, head, pos_logits, pos_mask, log_extra,
+        weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0,
+        d_block1, g_dot_mean_logit);
 }
 
 }  // namespace
@@ -692,6 +741,7 @@ TORCH_LIBRARY_IMPL(fastcl, CPU, m) {
   m.impl("lse_fused", &lse_fused);
   m.impl("lse_prefix_forward", &lse_prefix_forward);
   m.impl("lse_prefix_backward", &lse_prefix_backward);
+  m.impl("lse_prefix_fused", &lse_prefix_fused);
 }
 
 }  // namespace fastcl::cpu

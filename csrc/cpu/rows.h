@@ -63,9 +63,10 @@ double sum_squares(const T* x, int64_t n) {
   return s;
 }
 
-// row[c] <- logit l_c; returns max_c l_c (-inf when every column is excluded, NaN when a
-// logit is NaN: at::vec::maximum propagates NaN, and so do the lane and tail reductions).
-template <typename T>
+// row[c] <- logit l_c (kStore false: the row keeps its raw dot products); returns max_c l_c
+// (-inf when every column is excluded, NaN when a logit is NaN: at::vec::maximum propagates
+// NaN, and so do the lane and tail reductions).
+template <typename T, bool kStore = true>
 T logits_and_max(T* row, const T* col_scale, const T* col_add, T row_scale, int64_t n) {
   using V = Vectorized<T>;
   const V rs(row_scale);
@@ -73,23 +74,24 @@ T logits_and_max(T* row, const T* col_scale, const T* col_add, T row_scale, int6
   int64_t c = 0;
   for (; c + V::size() <= n; c += V::size()) {
     V l = V::loadu(row + c) * rs * V::loadu(col_scale + c) + V::loadu(col_add + c);
-    l.store(row + c);
+    if constexpr (kStore) l.store(row + c);
     vmax = at::vec::maximum(vmax, l);
   }
   T m = reduce_lanes<T>(vmax, neg_inf<T>(), nan_max<T>);
   for (; c < n; ++c) {
     T l = row[c] * row_scale * col_scale[c] + col_add[c];
-    row[c] = l;
+    if constexpr (kStore) row[c] = l;
     m = nan_max(m, l);
   }
   return m;
 }
 
 // The exp pass: row[c] <- p_c = exp(l_c - m), times col_scale[c] with kScaleOut (the fused
-// step's column factor of X); returns (sum_c p_c, sum_c p_c * l_c), excluded columns (l = -inf,
-// p = 0) adding nothing to either sum. The logit l_c is row[c], or with kRaw it is formed from
-// the raw dot product as in logits_and_max (m then a bound known in advance). m must be finite.
-template <bool kRaw, bool kScaleOut, typename T>
+// step's column factor of X), or row unchanged with kStore false; returns (sum_c p_c, sum_c
+// p_c * l_c), excluded columns (l = -inf, p = 0) adding nothing to either sum. The logit l_c is
+// row[c], or with kRaw it is formed from the raw dot product as in logits_and_max (m then a
+// bound, or the max of a pass that kept the raw row). m must be finite.
+template <bool kRaw, bool kScaleOut, typename T, bool kStore = true>
 std::pair<T, T> exp_and_sums(T* row, T m, const T* col_scale, const T* col_add, T row_scale, int64_t n) {
   using V = Vectorized<T>;
   const V vm(m), zero(T(0)), ninf(neg_inf<T>()), rs(row_scale);
@@ -102,7 +104,7 @@ std::pair<T, T> exp_and_sums(T* row, T m, const T* col_scale, const T* col_add, 
     sum_p = sum_p + p;
     sum_pl = sum_pl + V::blendv(p * l, zero, l == ninf);
     if constexpr (kScaleOut) p = p * V::loadu(col_scale + c);
-    p.store(row + c);
+    if constexpr (kStore) p.store(row + c);
   }
   auto add = [](T x, T y) { return x + y; };
   T s = reduce_lanes<T>(sum_p, T(0), add);
@@ -113,7 +115,7 @@ std::pair<T, T> exp_and_sums(T* row, T m, const T* col_scale, const T* col_add, 
     T p = std::exp(l - m);
     s += p;
     if (l != neg_inf<T>()) spl += p * l;
-    row[c] = kScaleOut ? p * col_scale[c] : p;
+    if constexpr (kStore) row[c] = kScaleOut ? p * col_scale[c] : p;
   }
   return {s, spl};
 }

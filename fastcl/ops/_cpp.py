@@ -30,7 +30,14 @@ EXTENSION = Extension(
 @functools.cache
 def _register_fakes() -> None:
     """Shape-only implementations so the ops trace under FakeTensor / torch.compile."""
-    for op in ("lse_forward", "lse_backward", "lse_fused", "lse_prefix_forward", "lse_prefix_backward"):
+    for op in (
+        "lse_forward",
+        "lse_backward",
+        "lse_fused",
+        "lse_prefix_forward",
+        "lse_prefix_backward",
+        "lse_prefix_fused",
+    ):
         torch.library.register_fake(f"fastcl::{op}")(lambda *args, **kwargs: None)
 
 
@@ -49,6 +56,7 @@ class CppLSE(Backend):
     name = "cpp"
     device_type = "cpu"
     forms_own_logits = True
+    fused_takes_dims = True
 
     def unavailable(self) -> str | None:
         """Why the C++ library cannot run here (builds it on the first call), or None."""
@@ -88,22 +96,29 @@ class CppLSE(Backend):
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
-        if problem.dims is not None:  # the contract has no fused Matryoshka step
-            raise ValueError(f"fastcl: the {self.name} backend's fused step does not take matryoshka dims")
+        """One sweep: forward, head and gradients; with ``problem.dims`` every prefix's (rows
+        ``[K, B]``, ``d_pos [K, B, P]``; ``head.weights [K, B]``) in the caller's order."""
         cd, B = compute_dtype(problem.dtype), problem.num_anchors
-        out = FusedResult(_out(problem, B), _out(problem, B), _out(problem, problem.anchor.shape))
+        rows = (B,) if problem.dims is None else (problem.num_prefixes, B)
+        order, back = prefix_order(problem.dims) if problem.dims is not None else (None, None)
+        sort = (lambda t: t) if order is None else (lambda t: t[order])  # noqa: E731  (the op's order)
+        out = FusedResult(_out(problem, rows), _out(problem, rows), _out(problem, problem.anchor.shape))
         out.d_blocks = tuple(_out(problem, b.shape) for b in problem.blocks)
-        out.g_dot_mean_logit, out.loss_rows = _out(problem, ()), _out(problem, B)
+        out.g_dot_mean_logit, out.loss_rows = _out(problem, ()), _out(problem, rows)
         own = head.pos_logits is None  # the kernel writes the own positives' logits (forms_own_logits)
-        pos_logits = _out(problem, (B, problem.positives.count)) if own else head.pos_logits.to(cd)
+        pos_logits = _out(problem, (*rows, problem.positives.count)) if own else sort(head.pos_logits.to(cd))
         out.d_pos = _out(problem, pos_logits.shape)
-        torch.ops.fastcl.lse_fused(
+        op, dims = torch.ops.fastcl.lse_fused, ()
+        if problem.dims is not None:
+            op, dims = torch.ops.fastcl.lse_prefix_fused, ([problem.dims[k] for k in order],)
+        op(
             *_args(problem, tau),
+            *dims,
             head.kind,
             pos_logits,
             head.pos_mask,
             None if head.log_extra is None else head.log_extra.to(cd),
-            head.weights.to(cd),
+            sort(head.weights.to(cd)),
             0 if problem.positives is None else problem.positives.offset,
             problem.positives is not None,
             own,
@@ -117,6 +132,10 @@ class CppLSE(Backend):
             g_dot_mean_logit=out.g_dot_mean_logit,
         )
         out.pos_logits = pos_logits if own else None
+        if back is not None and back != list(range(len(back))):  # back to the caller's order of dims
+            for name in ("lse", "mean_logit", "loss_rows", "d_pos", "pos_logits"):
+                t = getattr(out, name)
+                setattr(out, name, None if t is None else t[back])
         return out
 
 

@@ -24,6 +24,9 @@ class Backend(Protocol):
     double_backward: bool = False
     # Gradient in forward for mean/sum reductions (three GEMM passes), or None.
     fused: Callable[[LSEProblem, Tensor, HeadInputs], FusedResult] | None
+    # True: ``fused`` also takes Matryoshka ``problem.dims`` (head weights ``[K, B]``, outputs
+    # per prefix: ``lse``, ``mean_logit``, ``loss_rows`` ``[K, B]``, ``d_pos`` ``[K, B, P]``).
+    fused_takes_dims: bool = False
     # True: ``fused`` also takes ``head.pos_logits=None`` when ``problem.positives`` is set, and
     # then forms the own-positive logits from its own dot products (``FusedResult.pos_logits``).
     forms_own_logits: bool = False

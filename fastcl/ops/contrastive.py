@@ -41,11 +41,12 @@ class LossSpec:
 
 def _strategy(impl: Backend, reduction: str, dims) -> str:
     wanted = _checks.requested_strategy()
-    can_fuse = impl.fused is not None and reduction != "none" and dims is None
+    can_fuse = impl.fused is not None and reduction != "none" and (dims is None or impl.fused_takes_dims)
     if wanted == "fused" and not can_fuse:
         raise ValueError(
-            f"{_checks.STRATEGY_ENV}=fused needs reduction 'mean' or 'sum', a backend with a fused path "
-            f"and no matryoshka dims; got reduction={reduction!r}, backend={impl.name!r}, dims={dims}"
+            f"{_checks.STRATEGY_ENV}=fused needs reduction 'mean' or 'sum' and a backend with a fused path "
+            f"(with matryoshka dims: one whose fused path takes them); got reduction={reduction!r}, "
+            f"backend={impl.name!r}, dims={dims}"
         )
     return "fused" if can_fuse and wanted != "recompute" else "recompute"
 
@@ -153,7 +154,8 @@ class ContrastiveLSE(torch.autograd.Function):
             pos_logits = (_own_logit_values(spec, problem, tau) if folded else pos_input).detach().to(cd)
 
         if ctx.mode == "fused":
-            head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.weights)
+            weights = spec.weights if spec.dims is None else spec.dim_weights[:, None] * spec.weights
+            head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, weights)
             out = spec.impl.fused(problem, tau, head)
             pos_logits = out.pos_logits if in_sweep else pos_logits
             keep = _grad_store_dtype(anchor.dtype)
@@ -163,7 +165,8 @@ class ContrastiveLSE(torch.autograd.Function):
             )
             d_inputs = (t.to(keep) for t in (out.d_anchor, *out.d_blocks))
             ctx.save_for_backward(*d_inputs, out.d_pos, None if d_tau is None else d_tau.to(tau.dtype))
-            loss_rows = out.loss_rows
+            # with dims the head's rows are per prefix [K, B]: the loss weighs them as _head does
+            loss_rows = out.loss_rows if spec.dims is None else (out.loss_rows * spec.dim_weights[:, None]).sum(0)
         else:
             lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
             if needs_grad:

@@ -18,7 +18,9 @@ class HeadInputs:
     """What a gradient-in-forward backend needs to form ``dLoss/dlse`` block by block:
     ``pos_logits [B, P]`` (detached; None: the backend forms them, ``Backend.forms_own_logits``),
     ``pos_mask [B, P]`` or None, ``log_extra [B]`` or None and ``weights [B]``, the reduction's
-    weight of each row (``1/n_valid`` for mean, 1 for sum)."""
+    weight of each row (``1/n_valid`` for mean, 1 for sum). With Matryoshka dims
+    (``Backend.fused_takes_dims``): ``pos_logits [K, B, P]`` and ``weights [K, B]``, row ``k``
+    the reduction's weights times prefix ``k``'s weight."""
 
     kind: str
     pos_logits: Tensor | None

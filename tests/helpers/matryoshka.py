@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded
+from fastcl.ops.head import HeadInputs, head_rows
 
 
 def prefix_problem(
@@ -91,3 +92,59 @@ def check_backend(impl, problem: LSEProblem, tau: float, *, rtol: float, atol: f
     torch.testing.assert_close(d_a.cpu().double(), want_da, rtol=rtol, atol=atol)
     for got, want in zip(d_b, want_db):
         torch.testing.assert_close(got.cpu().double(), want, rtol=rtol, atol=atol)
+
+
+def own_logits(problem: LSEProblem, tau: float, pos_mask: Tensor | None) -> Tensor:
+    """``[K, B, P]`` float64 logits of the own positives (``problem.positives``) per prefix,
+    a masked one reading 0 (the contract)."""
+    B, P = problem.num_anchors, problem.positives.count
+    a = problem.anchor.detach().cpu().double()
+    own = problem.blocks[0].detach().cpu().double()[problem.positives.rows(0, B)].view(B, P, -1)
+    out = []
+    for m in problem.prefixes:
+        u, v = _unit(a[:, :m], problem.cosine, problem.eps), _unit(own[..., :m], problem.cosine, problem.eps)
+        logit = (u[:, None, :] * v).sum(-1) / tau
+        out.append(logit if pos_mask is None else torch.where(pos_mask, logit, 0.0))
+    return torch.stack(out)
+
+
+def check_fused(impl, problem: LSEProblem, tau: float, *, kind: str, rtol: float, atol: float, seed: int = 0):
+    """``impl.fused`` on a Matryoshka problem (``Backend.fused_takes_dims``) against the oracle
+    and the PyTorch head (``head_rows``) per prefix: lse, mean logit, the head's rows and
+    ``d_pos``, ``g . mean_logit`` and every gradient. Own positives (``problem.positives``)
+    are formed by the backend; without them random shared positive logits are given."""
+    gen = torch.Generator().manual_seed(seed)
+    K, B = problem.num_prefixes, problem.num_anchors
+    P = problem.positives.count if problem.positives is not None else 3
+    mask = torch.rand(B, P, generator=gen) > 0.3
+    log_extra = torch.rand(B, generator=gen, dtype=torch.float64).log()
+    weights = torch.rand(K, B, generator=gen, dtype=torch.float64)
+    if problem.positives is not None:
+        pos, given = own_logits(problem, tau, mask), None
+    else:
+        pos = torch.randn(K, B, P, generator=gen, dtype=torch.float64)
+        given = pos
+    want_lse, want_mean, _, _ = oracle(problem, tau, torch.zeros(K, B))
+    rows, dlse, dpos = head_rows(
+        want_lse.reshape(K * B), pos.reshape(K * B, P), mask.repeat(K, 1), kind, log_extra.repeat(K)
+    )
+    g, d_pos = dlse.view(K, B) * weights, dpos.view(K, B, P) * weights[..., None]
+    _, _, want_da, want_db = oracle(problem, tau, g, d_pos)
+    cd, dev = torch.float64 if problem.dtype == torch.float64 else torch.float32, problem.device
+    head = HeadInputs(kind, None if given is None else given.to(cd).to(dev), mask.to(dev), log_extra.to(cd).to(dev),
+                      weights.to(cd).to(dev))  # fmt: skip
+    out = impl.fused(problem, torch.tensor(tau, dtype=cd, device=dev), head)
+    checks = dict(
+        lse=(out.lse, want_lse),
+        mean_logit=(out.mean_logit, want_mean),
+        loss_rows=(out.loss_rows, rows.view(K, B)),
+        d_pos=(out.d_pos, d_pos),
+        g_dot_mean_logit=(out.g_dot_mean_logit, (g * torch.where(torch.isfinite(want_lse), want_mean, 0.0)).sum()),
+        d_anchor=(out.d_anchor, want_da),
+        d_block0=(out.d_blocks[0], want_db[0]),
+        d_block1=(out.d_blocks[1], want_db[1]),
+    )
+    if given is None:
+        checks["pos_logits"] = (out.pos_logits, pos)
+    for name, (got, want) in checks.items():
+        torch.testing.assert_close(got.cpu().double(), want, rtol=rtol, atol=atol, msg=name)

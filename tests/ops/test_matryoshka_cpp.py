@@ -10,9 +10,9 @@ import torch
 
 from fastcl.ops import _cpp
 from fastcl.ops.contract import TAG_PADDING, LSEProblem, poison_outputs
-from fastcl.ops.head import HeadInputs
+from fastcl.ops.head import HeadInputs, head_rows
 from tests.helpers.backends import require
-from tests.helpers.matryoshka import check_backend, oracle, prefix_problem
+from tests.helpers.matryoshka import check_backend, check_fused, oracle, prefix_problem
 
 TAU = 0.1
 
@@ -23,8 +23,11 @@ def _cpp_available():
 
 
 def _check(prob, tol, **kw):
+    """The forward and backward ops, and the fused step (lse_prefix_fused) with either head."""
     with poison_outputs():  # every output element must be written
         check_backend(_cpp.BACKEND, prob, TAU, rtol=tol, atol=tol, **kw)
+        for kind in ("supcon", "supmpn"):
+            check_fused(_cpp.BACKEND, prob, TAU, kind=kind, rtol=tol, atol=tol, **kw)
 
 
 def _gen(seed=0):
@@ -184,13 +187,6 @@ def test_deterministic_for_a_thread_count(threads):
         assert torch.equal(u, v)
 
 
-def test_fused_refuses_dims():
-    prob = prefix_problem(3, 4, 2, 6, (6, 3), own=1)
-    head = HeadInputs("supcon", torch.zeros(3, 1, dtype=torch.float64), None, None, torch.ones(3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="matryoshka"):
-        _cpp.BACKEND.fused(prob, torch.tensor(TAU), head)
-
-
 def _prefix_op_cases(requires_grad):
     prob = prefix_problem(5, 6, 3, 8, (3, 8), dtype=torch.float32, own=1, generator=_gen(14))
     args = (prob.anchor.requires_grad_(requires_grad), *prob.blocks, *prob.tags, torch.tensor(0.1), True, 1e-8, [3, 8])
@@ -198,6 +194,14 @@ def _prefix_op_cases(requires_grad):
     for d_pos in (None, torch.randn(2, 5, 1)):
         outs = dict(d_anchor=torch.empty(5, 8), d_block0=torch.empty(11, 8), d_block1=torch.empty(3, 8))
         yield "lse_prefix_backward", args + (torch.randn(2, 5), torch.rand(2, 5), d_pos, 0), outs
+    for own in (False, True):  # own: the op writes the own positives' logits into pos_logits
+        head = ("supmpn", torch.empty(2, 5, 1) if own else torch.randn(2, 5, 1), None, torch.randn(5), torch.rand(2, 5))
+        outs = dict(
+            lse=torch.empty(2, 5), mean_logit=torch.empty(2, 5), loss_rows=torch.empty(2, 5), d_pos=torch.empty(2, 5, 1),
+            d_anchor=torch.empty(5, 8), d_block0=torch.empty(11, 8), d_block1=torch.empty(3, 8),
+            g_dot_mean_logit=torch.empty(()),
+        )  # fmt: skip
+        yield "lse_prefix_fused", args + head + (0, True, own), outs
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -246,3 +250,48 @@ def test_memory_has_no_bxn_buffer_and_does_not_grow_with_k():
     }
     assert extra[5] < bxn / 4, f"extra peak {extra[5] / 2**20:.0f} MiB against a B x N buffer of {bxn / 2**20:.0f}"
     assert extra[5] < 1.5 * extra[1] + 4 * 2**20, f"K = 5: {extra[5] / 2**20:.1f} MiB, K = 1: {extra[1] / 2**20:.1f}"
+
+
+@pytest.mark.parametrize("cosine", [True, False])
+def test_fused_step_keeps_the_nan_rules(cosine):
+    """With a NaN at coordinate 9 of a valid row the fused step gives what forward, the head
+    and backward give one after the other (the recompute strategy): NaN in the prefixes that
+    hold it, exact values in the others."""
+    prob = prefix_problem(7, 9, 8, 24, (24, 5, 12, 9), cosine=cosine, own=1, generator=_gen(15))
+    prob.anchor[2, 9] = float("nan")
+    K, B = prob.num_prefixes, prob.num_anchors
+    tau = torch.tensor(TAU, dtype=torch.float64)
+    weights = torch.rand(K, B, generator=_gen(16), dtype=torch.float64)
+    out = _cpp.BACKEND.fused(prob, tau, HeadInputs("supmpn", None, None, None, weights))
+    lse, ml = _cpp.BACKEND.forward(prob, tau)
+    _, dlse, dpos = head_rows(lse.reshape(K * B), out.pos_logits.reshape(K * B, 1), None, "supmpn")
+    g, d_pos = dlse.view(K, B) * weights, dpos.view(K, B, 1) * weights[..., None]
+    d_a, d_b = _cpp.BACKEND.backward(prob, tau, lse, g, d_pos)
+    for got, want in zip(
+        (out.lse, out.mean_logit, out.d_pos, out.d_anchor, *out.d_blocks), (lse, ml, d_pos, d_a, *d_b)
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert out.lse[:, 2].isnan().tolist() == [True, False, True, False]  # dims 24, 5, 12, 9
+
+
+def test_the_losses_take_the_fused_step(monkeypatch):
+    """A Matryoshka loss on cpp runs the fused step (FASTCL_STRATEGY=fused is accepted and no
+    backward op is called) and equals the recompute strategy."""
+    import fastcl.losses as L
+
+    g = _gen(17)
+    a, p, n = (torch.randn(6, *s, 20, generator=g, dtype=torch.float64, requires_grad=True) for s in ((), (2,), (3,)))
+    tau = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    kw = dict(temperature=tau, backend="cpp", matryoshka_dims=(20, 4, 9), matryoshka_weights=(1.0, 0.5, 2.0))
+    results = {}
+    for strategy in ("recompute", "fused"):
+        monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+        loss = L.supmpn_loss(a, p, n, **kw)
+        results[strategy] = (loss, *torch.autograd.grad(loss, (a, p, n, tau)))
+    for got, want in zip(results["fused"], results["recompute"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    calls = []
+    monkeypatch.delenv("FASTCL_STRATEGY")
+    monkeypatch.setattr(_cpp.CppLSE, "backward", lambda *args: calls.append(args))
+    L.supmpn_loss(a, p, n, **kw).backward()
+    assert not calls and a.grad is not None

@@ -1,6 +1,7 @@
-"""The ``"cpp"`` backend's fused Matryoshka ops (``lse_prefix_forward`` / ``lse_prefix_backward``)
-beyond the shared contract test: 16-bit inputs, cosine and dot, padding and empty rows,
-non-finite and huge rows, dims orders and counts, block edges, threads, determinism and opcheck.
+"""The ``"cpp"`` backend's fused Matryoshka ops (``lse_prefix_forward`` / ``lse_prefix_backward``
+and the gradient-in-forward ``lse_prefix_fused``, both heads) beyond the shared contract test:
+16-bit inputs, cosine and dot, padding and empty rows, non-finite and huge rows, dims orders
+and counts, block edges, threads, determinism and opcheck.
 Every value and gradient against the float64 oracle of tests/helpers/matryoshka.py."""
 
 from __future__ import annotations

@@ -256,6 +256,11 @@ def supmpn_loss(
     )
 
 
+def _are_labels(t) -> bool:
+    """A 1-D integer tensor: class labels, never structured positives ``[B, P, d]``."""
+    return isinstance(t, Tensor) and t.dim() == 1 and not t.is_floating_point() and not t.is_complex()
+
+
 @distributed.agree_on_errors
 def supcon_loss(
     anchor: Tensor,
@@ -282,13 +287,17 @@ def supcon_loss(
     included (Liao: ``similarity="dot", temperature=1.0``; shared pool: :func:`supcon_pool_loss`).
     Labels form ``supcon_loss(features, labels=y, ref_emb=None, ref_labels=None)``, features
     ``[N, d]`` or ``[B, V, d]`` and positives = same label (SupContrast / pytorch-metric-learning):
-    :func:`fastcl.losses_supcon.supcon_labels_loss`.
+    :func:`fastcl.losses_supcon.supcon_labels_loss`. As in those libraries the labels may come
+    second, positionally (``supcon_loss(features, y)``): a 1-D integer tensor there, which can
+    never be structured positives ``[B, P, d]``, is read as labels.
 
     Example::
 
         >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
     """
     opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
+    if labels is None and _are_labels(positives):  # loss(features, labels), as PML / SupContrast take it
+        labels, positives = positives, None
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
@@ -625,7 +634,8 @@ class SupMPNLoss(_TemperatureLoss):
 
 class SupConLoss(_TemperatureLoss):
     """Module form of :func:`supcon_loss`: ``forward(anchor, positives, negatives=None, pos_mask=None,
-    neg_mask=None)`` or, labels form, ``forward(features, labels=y, ref_emb=None, ref_labels=None)``."""
+    neg_mask=None)`` or, labels form, ``forward(features, labels=y, ref_emb=None, ref_labels=None)``
+    (also ``forward(features, y)``, as pytorch-metric-learning's and SupContrast's modules)."""
 
     def forward(
         self,

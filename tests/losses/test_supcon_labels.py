@@ -162,6 +162,31 @@ def test_supcon_loss_labels_form_and_module():
         L.supcon_loss(a)
 
 
+@pytest.mark.parametrize("shape", [(16, 6), (8, 2, 6)])
+def test_labels_second_positionally_as_pml_and_supcontrast_take_them(shape):
+    """``loss(features, labels)``: a 1-D integer tensor second is read as labels (function and
+    module), values and gradients as with ``labels=``; with ref_emb too; anything else second
+    stays the structured form's positives."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 3, shape[:1], generator=g)
+    want = supcon_labels_loss(x, y, temperature=0.1)
+    (want_grad,) = torch.autograd.grad(want, x)
+    for got in (L.supcon_loss(x, y, temperature=0.1), L.SupConLoss(temperature=0.1)(x, y)):
+        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(torch.autograd.grad(got, x)[0], want_grad, **TOL)
+    ref, ref_y = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    torch.testing.assert_close(
+        L.SupConLoss(0.1)(x, y, ref_emb=ref, ref_labels=ref_y),
+        supcon_labels_loss(x, y, ref_emb=ref, ref_labels=ref_y, temperature=0.1),
+        **TOL,
+    )
+    with pytest.raises(ValueError, match="not both"):  # labels positionally and hard negatives
+        L.supcon_loss(x, y, torch.randn(shape[0], 2, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="must have shape"):  # float labels are not labels: the
+        L.supcon_loss(x, y.double())  # structured form refuses them as positives
+
+
 def test_input_errors():
     x = torch.randn(6, 4)
     with pytest.raises(ValueError, match="no anchor has a valid positive"):

@@ -64,7 +64,7 @@ def _grads(loss, x):
 
 
 @pytest.mark.parametrize("backend", ["reference", *backends_under_test()])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("similarity", ["cos", "dot"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_equals_the_weighted_sum_of_truncated_losses(case, backend, reduction, similarity):

@@ -198,8 +198,11 @@ Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at
   TORCH_CHECK(t > 0 && std::isfinite(t), "fastcl: tau must be finite and > 0, got ", t);
   p.inv_tau = T(1) / T(t);
   p.ends = std::move(ends);
-  const at::Tensor tags = at::cat({tags0, tags1}).contiguous();
-  const int32_t* tg = tags.data_ptr<int32_t>();
+  // tags0 then tags1 (at::cat took ~50 us at N = 1024: 1 % of a small step)
+  std::vector<int32_t> tags(N0 + N1);
+  std::copy_n(tags0.contiguous().data_ptr<int32_t>(), N0, tags.begin());
+  std::copy_n(tags1.contiguous().data_ptr<int32_t>(), N1, tags.begin() + N0);
+  const int32_t* tg = tags.data();
   p.a = anchor.to(st).contiguous();
   p.c0 = block0.to(st).contiguous();
   p.c1 = block1.to(st).contiguous();

@@ -29,3 +29,17 @@ def test_api_step_builds_the_named_step_and_refuses_others():
     step()  # one forward + backward
     with pytest.raises(ValueError, match="unknown step"):
         api_cases.api_step("supcon_labels_inputs", N=16, d=8, num_labels=4)
+
+
+def test_probe_counts_the_cpp_block_buffer_kept_between_calls():
+    """The cpp backend keeps a block buffer (<= 16 MiB) between calls; the probe's warm-up
+    call must not hide it from the measured step: InfoNCE at B = N = 1024 sweeps one
+    [1024, 1024] float32 block (4 MiB), which the reported peak includes (less the RSS
+    counters' per-thread batching of up to 64 pages; hidden, it read 0.0 MiB)."""
+    from tests.helpers.backends import require
+
+    require("cpp")
+    (peak,) = cpu_extra_peak_mib_parallel(
+        "fastcl.bench.cases:loss_step", [dict(loss="infonce", backend="cpp", B=1024, d=16)], workers=1
+    )
+    assert peak is not None and peak >= 0.9 * 1024 * 1024 * 4 / 2**20, peak

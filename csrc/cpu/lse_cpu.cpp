@@ -63,17 +63,18 @@ int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t t
 template <typename T>
 struct Sweep {
   Mode mode;
-  at::Tensor d_a, d_c0, d_c1;     // [B, d], [N0, d], [N1, d] out (backward, fused)
-  Fold<T> fold;                   // own positives to fold (backward with d_pos, fused)
-  T* lse = nullptr;               // [B] out (forward, fused)
-  T* mean_logit = nullptr;        // [B] out (forward, fused)
-  const T* lse_in = nullptr;      // [B] (backward)
-  const T* grad_lse = nullptr;    // [B] (backward)
+  at::Tensor d_a, d_c0, d_c1;      // [B, d], [N0, d], [N1, d] out (backward, fused)
+  Fold<T> fold;                    // own positives to fold (backward with d_pos, fused)
+  // per row of prefix k (entry k * B + i); a plain problem has K = 1
+  T* lse = nullptr;                // [K, B] out (forward, fused)
+  T* mean_logit = nullptr;         // [K, B] out (forward, fused)
+  const T* lse_in = nullptr;       // [K, B] (backward)
+  const T* grad_lse = nullptr;     // [K, B] (backward)
   const Head<T>* heads = nullptr;  // [K] (fused): prefix k's head
   T* g_rows = nullptr;             // [K, B] out (fused): w_i dloss_i/dlse_i
-  T* own_logits = nullptr;         // [K, B, P] out (fused, own_logits): the heads' pos, formed per row
-  T* row_rad = nullptr;           // [K, B] (Matryoshka cosine backward): the rows' radial sums
-  T* row_factor = nullptr;        // [B] (fused, one prefix): X = diag(r) Q with Q in the block buffer
+  T* own_logits = nullptr;         // [K, B, P] out (fused, own_logits): the heads' pos, per row
+  T* row_rad = nullptr;            // [K, B] (Matryoshka cosine): the rows' radial sums
+  T* row_factor = nullptr;         // [B] (fused, K = 1): X = diag(r) Q with Q in the block buffer
 };
 
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
@@ -186,8 +187,7 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
   // logits pass is skipped (forward and fused modes; bound 0: take the max).
   constexpr double kMaxInvTau = std::is_same_v<T, float> ? 25 : 300;
   const T bound = p.cosine && p.inv_tau <= kMaxInvTau ? p.inv_tau : T(0);
-  // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
-  // X from lse and g = dLoss/dlse in one pass over the raw row (and its radial sum)
+  // X from lse and g = dLoss/dlse in one pass over the raw row; returns its radial sum
   auto softmax_weights = [&](T* row, T row_scale, T lse, T g) -> T {
     if (lse == rows::neg_inf<T>() || g == T(0)) {
       std::fill(row, row + N, T(0));
@@ -195,6 +195,7 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
     }
     return rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
   };
+  // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
   auto weights = [&](int64_t gi, T* row, T row_scale) -> T {
     if (sw.mode == Mode::kBackward) return softmax_weights(row, row_scale, sw.lse_in[kb + gi], sw.grad_lse[kb + gi]);
     T* lse = sw.lse + kb;

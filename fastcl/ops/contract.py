@@ -116,7 +116,9 @@ class FusedResult:
     ``loss_rows [B]``, the head's per-row loss, and ``d_pos [B, P]``, its gradient w.r.t. the
     own-positive logits (already folded into ``d_anchor``/``d_blocks`` when the problem has
     ``positives``), besides the primitive's outputs; ``g_dot_mean_logit = sum_i g_i * mean_logit_i``;
-    ``pos_logits [B, P]``, the own-positive logits when the sweep formed them (``forms_own_logits``)."""
+    ``pos_logits [B, P]``, the own-positive logits when the sweep formed them (``forms_own_logits``).
+    With Matryoshka dims (``Backend.fused_takes_dims``) the per-row outputs are per prefix:
+    ``lse``, ``mean_logit``, ``loss_rows`` ``[K, B]``, ``d_pos`` and ``pos_logits`` ``[K, B, P]``."""
 
     lse: Tensor
     mean_logit: Tensor

@@ -201,6 +201,11 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
     T* lse = sw.lse + kb;
     T* mean_logit = sw.mean_logit + kb;
     const bool fused = sw.mode == Mode::kFused;
+    // the row's LSE and mean logit from the exp sums (no candidate: -inf and 0)
+    auto store_stats = [&](T m, T sum_p, T sum_pl) {
+      lse[gi] = sum_p == T(0) ? rows::neg_inf<T>() : m + std::log(sum_p);
+      mean_logit[gi] = sum_p == T(0) ? T(0) : sum_pl / sum_p;
+    };
     if (fused && !sw.row_factor) {
       // Matryoshka: the GEMMs sum the prefixes' weights, so prefix k's cannot leave a row
       // factor to them: the backward's pass forms them, after two passes (max unless bounded,
@@ -211,8 +216,7 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
       if (m != rows::neg_inf<T>()) {
         std::tie(sum_p, sum_pl) = rows::exp_and_sums<true, false, T, false>(row, m, inv_c, add, row_scale, N);
       }
-      lse[gi] = sum_p == T(0) ? rows::neg_inf<T>() : m + std::log(sum_p);
-      mean_logit[gi] = sum_p == T(0) ? T(0) : sum_pl / sum_p;
+      store_stats(m, sum_p, sum_pl);
       const T g = sw.heads[k].row(gi, lse[gi]);
       sw.g_rows[kb + gi] = g;
       return softmax_weights(row, row_scale, lse[gi], g);
@@ -226,14 +230,8 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
     T sum_p = 0, sum_pl = 0;
     if (bound > T(0)) std::tie(sum_p, sum_pl) = exp_pass(std::true_type{});
     else if (m != rows::neg_inf<T>()) std::tie(sum_p, sum_pl) = exp_pass(std::false_type{});
-    if (sum_p == T(0)) {  // no candidate: lse = -inf, no gradient
-      lse[gi] = rows::neg_inf<T>();
-      mean_logit[gi] = T(0);
-      if (fused) std::fill(row, row + N, T(0));
-    } else {
-      lse[gi] = m + std::log(sum_p);
-      mean_logit[gi] = sum_pl / sum_p;
-    }
+    store_stats(m, sum_p, sum_pl);
+    if (fused && sum_p == T(0)) std::fill(row, row + N, T(0));  // no candidate: no gradient
     if (fused) {
       const T g = sw.heads[0].row(gi, lse[gi]);
       sw.g_rows[gi] = g;

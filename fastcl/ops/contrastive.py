@@ -87,6 +87,11 @@ def _own_logit_values(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tenso
     return _own_logits(spec, problem, tau)
 
 
+def _sum_prefixes(rows: Tensor, dim_weights: Tensor) -> Tensor:
+    """``[B]`` Matryoshka loss rows ``sum_k dim_weights[k] * rows[k]`` from per-prefix ``rows [K, B]``."""
+    return (rows * dim_weights.to(rows.dtype)[:, None]).sum(0)
+
+
 def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
     """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``. With dims the
     head runs on the ``K * B`` prefix rows and ``loss_rows`` is ``sum_k dim_weights[k] * rows_k``."""
@@ -102,7 +107,7 @@ def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
     if spec.dim_weights is None:  # the caller combines the prefixes' rows itself
         return lse, mean_logit, rows.view(K, B), dlse.view(K, B), dpos.view(K, B, P)
     w = spec.dim_weights.to(rows.dtype)
-    loss_rows = (rows.view(K, B) * w[:, None]).sum(0)
+    loss_rows = _sum_prefixes(rows.view(K, B), w)
     return lse, mean_logit, loss_rows, dlse.view(K, B) * w[:, None], dpos.view(K, B, P) * w[:, None, None]
 
 
@@ -165,8 +170,8 @@ class ContrastiveLSE(torch.autograd.Function):
             )
             d_inputs = (t.to(keep) for t in (out.d_anchor, *out.d_blocks))
             ctx.save_for_backward(*d_inputs, out.d_pos, None if d_tau is None else d_tau.to(tau.dtype))
-            # with dims the head's rows are per prefix [K, B]: the loss weighs them as _head does
-            loss_rows = out.loss_rows if spec.dims is None else (out.loss_rows * spec.dim_weights[:, None]).sum(0)
+            # with dims the head's rows are per prefix [K, B]
+            loss_rows = out.loss_rows if spec.dims is None else _sum_prefixes(out.loss_rows, spec.dim_weights)
         else:
             lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
             if needs_grad:

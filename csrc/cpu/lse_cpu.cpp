@@ -117,16 +117,18 @@ void unnormalize_prefix_rows(const at::Tensor& e_rows, const at::Tensor& x_rows,
 
 // Normalisation backward (in parallel) of gradient rows [r0, r1) of e against the rows of
 // x as stored (RowInfo); a rescaled row's gradient is then scaled back by 2^-e (scan_rows).
-// (A clamped norm's gradient is e itself: d_hat / eps with d_hat = e * eps.)
+// (A clamped norm's gradient is e itself: d_hat / eps with d_hat = e * eps.) With factor, row i
+// of e is first multiplied by factor[i] (the fused step's row factor of X C: one pass, not two).
 template <typename T>
 void unnormalize_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const RowInfo<T>& info, int64_t r0,
-                      int64_t r1, int64_t grain) {
+                      int64_t r1, int64_t grain, const T* factor = nullptr) {
   T* e = e_rows.data_ptr<T>();
   const T* x = x_rows.data_ptr<T>();
   const T* norm = info.norm.template data_ptr<T>();
   const int64_t d = x_rows.size(1);
   parallel(r0, r1, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
+      if (factor) rows::scale(e + i * d, factor[i], d);
       if (info.unclamped[i]) rows::normalize_backward(e + i * d, x + i * d, norm[i], d);
       if (info.unscale[i] != T(1)) {
         for (int64_t k = 0; k < d; ++k) e[i * d + k] *= info.unscale[i];
@@ -135,17 +137,15 @@ void unnormalize_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const 
   });
 }
 
-// out row i <- factor[i] * x row i, rows of [h, d] (out may be x itself)
+// out rows [i0, i1) <- factor[i] * x row i, rows of [h, d] (out may be x itself)
 template <typename T>
-void scale_rows(const at::Tensor& out, const at::Tensor& x, const T* factor) {
+void scale_rows(const at::Tensor& out, const at::Tensor& x, const T* factor, int64_t i0, int64_t i1) {
   const int64_t d = x.size(1);
-  parallel(0, x.size(0), 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      T* o = out.data_ptr<T>() + i * d;
-      if (o != x.data_ptr<T>() + i * d) std::copy_n(x.data_ptr<T>() + i * d, d, o);
-      rows::scale(o, factor[i], d);
-    }
-  });
+  for (int64_t i = i0; i < i1; ++i) {
+    T* o = out.data_ptr<T>() + i * d;
+    if (o != x.data_ptr<T>() + i * d) std::copy_n(x.data_ptr<T>() + i * d, d, o);
+    rows::scale(o, factor[i], d);
+  }
 }
 
 // A slice [c, c + n) of candidate block `blk` (0 or 1): what steps 1 and 4 of sweep() split.
@@ -350,6 +350,9 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
     const int64_t h = std::min(H, p.B - r0);
     auto tile = [&](int64_t k) { return buf[k % tiles].narrow(0, 0, h); };
     const at::Tensor a_blk = p.a.narrow(0, r0, h);
+    // fused: X = diag(r) Q, so r scales the anchors of X^T A (a copy, formed in the row pass)
+    // and the rows of X C (with the normalisation backward)
+    const at::Tensor a_x = sw.row_factor ? a_scaled.narrow(0, 0, h) : a_blk;
     auto raw_dots = [&](int64_t k) {  // S_k = S_{k-1} + A_blk,k C_k^T (step 1, slice k)
       const auto [lo, w] = slice(k);
       at::Tensor S = tile(k), prev = k ? tile(k - 1) : at::Tensor();
@@ -374,13 +377,13 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
           }
         });
       } else {
-        parallel(0, h, 1, [&](int64_t i0, int64_t i1) { block_rows(p, sw, s, r0, i0, i1, k, (T*)nullptr); });
+        parallel(0, h, 1, [&](int64_t i0, int64_t i1) {
+          block_rows(p, sw, s, r0, i0, i1, k, (T*)nullptr);
+          if (sw.row_factor) scale_rows(a_x, a_blk, sw.row_factor + r0, i0, i1);  // K = 1: the rows' r is known
+        });
       }
     }
     if (!grad) continue;
-    // fused: X = diag(r) Q, so r scales the anchors of X^T A (a copy) and the rows of X C
-    const at::Tensor a_x = sw.row_factor ? a_scaled.narrow(0, 0, h) : a_blk;
-    if (sw.row_factor) scale_rows(a_x, a_blk, sw.row_factor + r0);
     for (int64_t k = K - 1; k >= 0; --k) {
       const at::Tensor X = tile(k);  // Y_k: the weights of every prefix that covers slice k
       if (k + 1 < K) X.add_(tile(k + 1));
@@ -389,7 +392,6 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       // packed all of X (10-13 % slower at d = 128-256, docs/csrc.md)
       at::Tensor e_a = sw.d_a.narrow(0, r0, h);
       mm_blocks(e_a.narrow(1, lo, w), X, p, p.c0.narrow(1, lo, w), p.c1.narrow(1, lo, w));
-      if (sw.row_factor) scale_rows(e_a, e_a, sw.row_factor + r0);
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
           at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
@@ -399,8 +401,14 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
         }
       });
     }
-    if (p.cosine && sw.row_rad) unnormalize_prefix_rows(sw.d_a, p.a, p.ra, sw.row_rad, p.B, p.ends, r0, r0 + h, 16);
-    else if (p.cosine) unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16);
+    if (p.cosine && sw.row_rad) {
+      unnormalize_prefix_rows(sw.d_a, p.a, p.ra, sw.row_rad, p.B, p.ends, r0, r0 + h, 16);
+    } else if (p.cosine) {
+      unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16, sw.row_factor);
+    } else if (sw.row_factor) {
+      at::Tensor e_a = sw.d_a.narrow(0, r0, h);
+      parallel(0, h, 16, [&](int64_t i0, int64_t i1) { scale_rows(e_a, e_a, sw.row_factor + r0, i0, i1); });
+    }
   }
 
   if (grad && p.cosine && sw.row_rad) {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 
 import torch
@@ -40,6 +41,11 @@ def requested_strategy() -> str:
     if wanted not in STRATEGIES:
         raise ValueError(f"{STRATEGY_ENV}={wanted!r}; expected one of {STRATEGIES}")
     return wanted
+
+
+def is_real_number(value) -> bool:
+    """A real number, Python's or NumPy's (``np.float32(0.05)``, ``np.int64(2)``), but not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -111,7 +117,7 @@ def check_temperature(temperature, compute_dtype: torch.dtype = torch.float32) -
         if temperature.device.type == "cpu":
             _check_temperature_value(float(temperature.detach()), compute_dtype)
         return
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if not is_real_number(temperature):
         raise TypeError(f"temperature must be a float or a 0-d tensor, got {type(temperature).__name__}")
     _check_temperature_value(float(temperature), compute_dtype)
 

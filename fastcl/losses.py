@@ -39,7 +39,7 @@ from . import matryoshka as _matryoshka
 from .losses_mnrl import check_options as _check_mnrl_options
 from .losses_mnrl import is_default as _mnrl_is_default
 from .losses_mnrl import mnrl_directions_loss
-from .losses_supcon import supcon_labels_loss
+from .losses_supcon import LABELS_TEMPERATURE, supcon_labels_loss
 from .ops.contract import EPS, OwnPositives, compute_dtype, empty_block, pool_tags, structured_tags
 from .ops.contrastive import contrastive_loss
 from .ops.dispatch import NAMES as BACKENDS
@@ -269,7 +269,7 @@ def supcon_loss(
     *,
     pos_mask: Tensor | None = None,
     neg_mask: Tensor | None = None,
-    temperature: float | Tensor = 0.05,
+    temperature: float | Tensor | None = None,
     reduction: str = "mean",
     backend: str = "auto",
     process_group=None,
@@ -291,13 +291,18 @@ def supcon_loss(
     second, positionally (``supcon_loss(features, y)``): a 1-D integer tensor there, which can
     never be structured positives ``[B, P, d]``, is read as labels.
 
+    ``temperature`` defaults to the form's: 0.05 (structured, as every fastcl loss) or 0.1
+    (labels, pytorch-metric-learning's default and :func:`~fastcl.losses_supcon.supcon_labels_loss`'s).
+
     Example::
 
         >>> supcon_loss(torch.randn(8, 32), torch.randn(8, 3, 32), torch.randn(8, 3, 32))
     """
-    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     if labels is None and _are_labels(positives):  # loss(features, labels), as PML / SupContrast take it
         labels, positives = positives, None
+    if temperature is None:
+        temperature = LABELS_TEMPERATURE if labels is not None else 0.05
+    opts = _options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
@@ -409,8 +414,9 @@ def edacse_loss(
     ``a'`` is the dropout view, ``a_aug`` the embedding of the sentence with 1..k random
     punctuation marks inserted (bert-base: ``k = 3, lam = 0.6``); all three ``[B, d]``.
     """
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
+    if not _checks.is_real_number(lam) or not math.isfinite(lam):
         raise TypeError(f"lam must be a finite float, got {lam!r}")
+    lam = float(lam)
     # Validate all three views before the first term runs (with a process group, a failure
     # in the second term would come after the first term's collectives).
     _checks.check_embeddings(anchor=anchor, dropout_view=dropout_view, augmented_view=augmented_view)
@@ -594,6 +600,8 @@ class _TemperatureLoss(nn.Module):
         _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
         if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
             temperature = float(temperature.detach())  # a value to start from / a constant
+        elif not isinstance(temperature, Tensor):
+            temperature = float(temperature)  # a NumPy scalar too
         if learn_temperature:
             self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
         else:
@@ -635,7 +643,30 @@ class SupMPNLoss(_TemperatureLoss):
 class SupConLoss(_TemperatureLoss):
     """Module form of :func:`supcon_loss`: ``forward(anchor, positives, negatives=None, pos_mask=None,
     neg_mask=None)`` or, labels form, ``forward(features, labels=y, ref_emb=None, ref_labels=None)``
-    (also ``forward(features, y)``, as pytorch-metric-learning's and SupContrast's modules)."""
+    (also ``forward(features, y)``, as pytorch-metric-learning's and SupContrast's modules).
+    Without a ``temperature`` each call takes its form's default, as :func:`supcon_loss`: 0.05
+    structured, 0.1 labels (pytorch-metric-learning's ``SupConLoss()``)."""
+
+    def __init__(self, temperature=None, **kw):
+        if temperature is None and kw.get("learn_temperature"):
+            raise ValueError(
+                "SupConLoss(learn_temperature=True) needs a starting temperature: the default depends on the "
+                "form of the call (0.05 structured, 0.1 labels)"
+            )
+        super().__init__(0.05 if temperature is None else temperature, **kw)
+        self._form_temperature = temperature is None  # chosen per call by supcon_loss
+
+    def _kw(self) -> dict:
+        kw = super()._kw()
+        if self._form_temperature:
+            kw["temperature"] = None
+        return kw
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self._form_temperature:
+            text = text.replace("temperature=0.05", "temperature=None (0.05 structured, 0.1 labels)", 1)
+        return text
 
     def forward(
         self,

@@ -82,11 +82,7 @@ def check_options(directions, partition_mode, hardness_mode, hardness_strength) 
             "'query_to_query' and 'doc_to_doc' never do. Use partition_mode='joint'."
         )
     _checks.check_choice("hardness_mode", hardness_mode, HARDNESS_MODES)
-    if (
-        isinstance(hardness_strength, bool)
-        or not isinstance(hardness_strength, (int, float))
-        or not (hardness_strength >= 0 and hardness_strength < float("inf"))
-    ):
+    if not _checks.is_real_number(hardness_strength) or not (0 <= hardness_strength < float("inf")):
         raise ValueError(f"hardness_strength must be a finite number >= 0, got {hardness_strength!r}")
     return directions
 

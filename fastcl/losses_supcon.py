@@ -26,9 +26,12 @@ With a ``process_group`` the features and labels of every rank are all-gathered 
 with gradient) and the tags mark this rank's anchors at their offset in the gathered set.
 
 Anchors with no positive (a label seen once) contribute nothing and are left out of the
-mean: pytorch-metric-learning's default (``AvgNonZeroReducer``). SupContrast counts them as
-0 in its mean instead; both agree whenever every anchor has a positive (e.g. ``V >= 2``
+mean, as pytorch-metric-learning's ``AvgNonZeroReducer`` leaves them. SupContrast counts them
+as 0 in its mean instead; both agree whenever every anchor has a positive (e.g. ``V >= 2``
 views). If no anchor has a positive the loss raises ``ValueError``, as every fastcl loss.
+Where pytorch-metric-learning takes shortcuts (0 for a batch without negatives, rows whose
+loss rounds to 0 leaving its mean, "self" dropped by tensor identity) fastcl follows the
+formula: docs/losses.md, "Where pytorch-metric-learning differs".
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ from .ops.contract import EPS, TAG_ALL, compute_dtype, empty_block
 from .ops.contrastive import contrastive_loss
 from .ops.head import reduction_weights
 
-__all__ = ["supcon_labels_loss"]
+__all__ = ["supcon_labels_loss", "LABELS_TEMPERATURE"]
+
+# the labels form's default temperature: pytorch-metric-learning's SupConLoss default
+LABELS_TEMPERATURE = 0.1
 
 
 def _no_autocast(t: Tensor):
@@ -82,7 +88,7 @@ def supcon_labels_loss(
     *,
     ref_emb: Tensor | None = None,
     ref_labels: Tensor | None = None,
-    temperature: float | Tensor = 0.1,
+    temperature: float | Tensor = LABELS_TEMPERATURE,
     reduction: str = "mean",
     backend: str = "auto",
     similarity: str = "cos",

@@ -19,6 +19,8 @@ import random
 import torch
 from torch import Tensor
 
+from . import _checks
+
 
 def check(dims, weights, d: int | None = None) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
     """``(dims, weights)`` validated (weights default to 1), or None without dims.
@@ -39,7 +41,7 @@ def check(dims, weights, d: int | None = None) -> tuple[tuple[int, ...], tuple[f
     if len(weights) != len(dims):
         raise ValueError(f"matryoshka_weights needs one weight per dim: {len(weights)} weights, {len(dims)} dims")
     for w in weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+        if not _checks.is_real_number(w) or not math.isfinite(w):
             raise ValueError(f"matryoshka_weights must be finite numbers, got {weights}")
     return dims, tuple(float(w) for w in weights)
 

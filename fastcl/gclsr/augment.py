@@ -30,6 +30,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from .. import _checks
+
 CODE_OPERATORS = {"zero_segments": 0.2, "background_noise": 0.2, "mean_center": 0.1, "snr_gaussian": 0.5}
 PAPER_OPERATORS = {"gaussian": 0.25, "dropout": 0.25, "fft": 0.25, "uniform": 0.25}
 PRESETS = {"code": CODE_OPERATORS, "paper": PAPER_OPERATORS}
@@ -63,7 +65,7 @@ class PWVA:
         gaussian_std: float = 0.1,
         dropout: float = 0.1,
     ):
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        if not _checks.is_real_number(p) or not 0.0 <= p <= 1.0:
             raise ValueError(f"p must be a probability in [0, 1], got {p!r}")
         if isinstance(operators, str):
             if operators not in PRESETS:

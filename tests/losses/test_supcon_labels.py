@@ -135,6 +135,33 @@ def test_supcontrast_and_pml_differ_only_by_anchors_without_positive():
     torch.testing.assert_close(got * 4 / 6, ref, **TOL)
 
 
+def test_where_pml_takes_a_shortcut_fastcl_follows_the_formula():
+    """Deliberate differences from pytorch-metric-learning (docs/losses.md): a batch without any
+    negative (one label) has SPEC's (and SupContrast's) loss, not PML's 0; and passing the
+    features themselves as ``ref_emb`` / ``ref_labels`` never drops "self" (PML does when
+    ``ref_labels is labels``): the answer does not depend on tensor identity."""
+    pytest.importorskip("pytorch_metric_learning")
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    same = torch.zeros(6, dtype=torch.long)
+    got = supcon_labels_loss(x, same, temperature=0.1)
+    torch.testing.assert_close(got, _supcontrast(F.normalize(x, dim=-1)[:, None, :], same, 0.1, 0.1), **TOL)
+    assert got > 0 and float(_pml(x, same, 0.1)) == 0.0
+    y = torch.tensor([0, 1, 0, 1, 2, 2])
+    by_identity = supcon_labels_loss(x, y, ref_emb=x, ref_labels=y, temperature=0.1)
+    by_value = supcon_labels_loss(x, y, ref_emb=x.clone(), ref_labels=y.clone(), temperature=0.1)
+    torch.testing.assert_close(by_identity, by_value, **TOL)
+    torch.testing.assert_close(by_value, _pml(x, y, 0.1, ref_emb=x.clone(), ref_labels=y.clone()), **TOL)
+
+
+def test_module_without_temperature():
+    """``SupConLoss()`` takes each call's form default; a learnable one needs a start value."""
+    assert "None (0.05 structured, 0.1 labels)" in repr(L.SupConLoss())
+    with pytest.raises(ValueError, match="starting temperature"):
+        L.SupConLoss(learn_temperature=True)
+    assert L.SupConLoss(0.2, learn_temperature=True).temperature.item() == pytest.approx(0.2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_learnable_temperature_gradient(backend):
     gen = torch.Generator().manual_seed(7)

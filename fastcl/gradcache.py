@@ -47,6 +47,7 @@ does not see them; tensors in ``inputs`` must not require grad.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import warnings
 from collections.abc import Callable
@@ -319,6 +320,11 @@ class GradCache:
             must be deterministic.
         chunk_size: rows per chunk (the last chunk may be smaller). Peak encoder memory is
             that of one chunk's forward and backward, whatever the batch size.
+        chunk_tokens: pack chunks by tokens instead (sentence-transformers'
+            ``mini_batch_num_tokens``): each chunk takes consecutive rows while their
+            non-padding tokens (``attention_mask`` ``[n, L]`` summed per row, so a call must
+            give it) stay within this budget; a longer row is a chunk of its own.
+            ``chunk_size`` is then not used. Faster on variable-length data.
         offload_inputs: keep the cached input tensors on the CPU between the forward and
             the backward (copied back chunk by chunk). Saves accelerator memory when the
             caller does not keep its own copy of the inputs alive.
@@ -346,6 +352,7 @@ class GradCache:
         encode_fn: Callable[..., Tensor],
         chunk_size: int,
         *,
+        chunk_tokens: int | None = None,
         offload_inputs: bool = False,
         ddp: nn.Module | None = None,
         progress: bool = False,
@@ -354,11 +361,16 @@ class GradCache:
             raise TypeError(f"encode_fn must be callable, got {type(encode_fn).__name__}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
+            raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
         if ddp is None and isinstance(encode_fn, torch.nn.parallel.DistributedDataParallel):
             ddp = encode_fn
         if ddp is not None and not hasattr(ddp, "no_sync"):
             raise TypeError(f"ddp must be a DistributedDataParallel module, got {type(ddp).__name__}")
         self.chunk_size = chunk_size
+        self.chunk_tokens = chunk_tokens
         self.offload_inputs = offload_inputs
         self._reencoder = _Reencoder(encode_fn, ddp, progress)
         self._link: Tensor | None = None
@@ -369,6 +381,25 @@ class GradCache:
             with torch.enable_grad():
                 self._link = _Flush.apply(self._reencoder, torch.empty(0, dtype=torch.float32, requires_grad=True))
         return self._link
+
+    def _bounds(self, inputs: dict, n: int) -> list[tuple[int, int]]:
+        """The chunks' row ranges ``[(begin, end), ...]`` covering the ``n`` rows."""
+        if self.chunk_tokens is None:
+            return [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
+        mask = inputs.get("attention_mask")
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            raise ValueError(
+                "chunk_tokens packs chunks by the non-padding tokens of attention_mask [n, L]: give "
+                "attention_mask, or use chunk_size"
+            )
+        ends = mask.ne(0).sum(1).cumsum(0).tolist()  # tokens up to each row's end (one host read)
+        bounds, begin = [], 0
+        while begin < n:
+            budget = (ends[begin - 1] if begin else 0) + self.chunk_tokens
+            end = max(bisect.bisect_right(ends, budget), begin + 1)  # a row beyond the budget: alone
+            bounds.append((begin, end))
+            begin = end
+        return bounds
 
     def __call__(self, **inputs) -> Tensor:
         tensor_keys = [k for k, v in inputs.items() if isinstance(v, Tensor)]
@@ -399,7 +430,7 @@ class GradCache:
             tensor_keys=tensor_keys,
             static={k: v for k, v in inputs.items() if k not in tensor_keys},
             devices=devices,
-            bounds=[(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)],
+            bounds=self._bounds(inputs, n),
             cuda_devices=cuda_devices,
         )
         self._calls += 1

@@ -52,7 +52,8 @@ defaults to 32, like sentence-transformers' cached loss) encodes each column wit
 :class:`fastcl.gradcache.GradCache`: chunks of ``mini_batch_size`` rows without grad, the
 fused loss, then a chunk-by-chunk re-encoding with grad during ``backward()`` (dropout
 masks replayed), so encoder memory is that of one chunk. Values and gradients equal the
-uncached loss. Inside sentence-transformers' ``MatryoshkaLoss`` / ``Matryoshka2dLoss``:
+uncached loss. ``mini_batch_num_tokens=`` packs the chunks by non-padding tokens instead,
+as sentence-transformers' cached losses do. Inside sentence-transformers' ``MatryoshkaLoss`` / ``Matryoshka2dLoss``:
 the uncached losses work as any loss (the model's forward is patched); the cached ones
 follow sentence-transformers' gradient-cache protocol (``uses_gradient_cache`` and
 ``calculate_loss``, which ``MatryoshkaLoss`` wraps to run one loss per truncated dimension
@@ -103,6 +104,7 @@ try:  # sentence-transformers >= 6: like-shaped candidate columns share one forw
 except ImportError:  # pragma: no cover - older sentence-transformers
     _st_embed_columns = None
 
+from .. import _checks
 from .. import losses as fl
 from .. import matryoshka as _matryoshka
 from ..gradcache import GradCache
@@ -141,7 +143,16 @@ def _similarity_name(similarity_fct) -> str:
 
 
 def _positive_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    """A finite number > 0: Python's, NumPy's or a 0-d tensor's value (sentence-transformers takes
+    all three). A tensor that requires grad is refused: its value would be taken, its gradient lost."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
+        if value.requires_grad:
+            raise ValueError(
+                f"{name} is a tensor that requires grad: these classes keep a fixed {name}; for a learnable "
+                "temperature use fastcl.losses with a temperature tensor (or learn_temperature=True)"
+            )
+        value = float(value)
+    if not _checks.is_real_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
@@ -193,6 +204,10 @@ class _FastCLSTLoss(nn.Module):
         process_group: an explicit ``torch.distributed`` group; overrides the flag.
         mini_batch_size: encode with fastcl's gradient cache in chunks of this many rows
             (None: one ordinary forward per column, as sentence-transformers' uncached losses).
+        mini_batch_num_tokens: with the gradient cache, pack its chunks by non-padding tokens
+            instead (``attention_mask``), at most this many per chunk (a longer sentence is a
+            chunk of its own), as sentence-transformers' cached losses; ``mini_batch_size`` is
+            then not used.
         show_progress_bar: tqdm bars over the cached chunks.
         backend: fastcl backend (``"auto"``, ``"torch"``, ``"triton"``, ...; see ``fastcl.losses``).
         matryoshka_dims, matryoshka_weights: train every prefix of the embedding with this
@@ -214,6 +229,7 @@ class _FastCLSTLoss(nn.Module):
         gather_across_devices: bool = False,
         process_group=None,
         mini_batch_size: int | None = None,
+        mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
         backend: str = "auto",
         matryoshka_dims=None,
@@ -229,6 +245,18 @@ class _FastCLSTLoss(nn.Module):
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1
         ):
             raise ValueError(f"mini_batch_size must be a positive int or None, got {mini_batch_size!r}")
+        if mini_batch_num_tokens is not None:
+            if isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int):
+                raise ValueError(
+                    f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}"
+                )
+            if mini_batch_num_tokens <= 0:
+                raise ValueError("mini_batch_num_tokens must be a positive integer or None.")
+            if mini_batch_size is None:  # it would be ignored: say so instead
+                raise ValueError(
+                    "mini_batch_num_tokens packs the gradient cache's chunks: give mini_batch_size too "
+                    "(or use CachedMultipleNegativesRankingLoss)"
+                )
         if not isinstance(gather_across_devices, bool):
             raise TypeError(f"gather_across_devices must be a bool, got {gather_across_devices!r}")
         self.model = model
@@ -237,6 +265,7 @@ class _FastCLSTLoss(nn.Module):
         self.gather_across_devices = gather_across_devices
         self.process_group = process_group
         self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
         self.backend = backend
         checked = _matryoshka.check(matryoshka_dims, matryoshka_weights)  # d is checked per call
@@ -267,6 +296,7 @@ class _FastCLSTLoss(nn.Module):
                 "similarity_fct": {"cos": "cos_sim", "dot": "dot_score"}[self.similarity],
                 "gather_across_devices": self.gather_across_devices,
                 "mini_batch_size": self.mini_batch_size,
+                "mini_batch_num_tokens": self.mini_batch_num_tokens,
                 "backend": self.backend,
             }
             | self._matryoshka_config()
@@ -386,7 +416,13 @@ class _FastCLSTLoss(nn.Module):
         # One GradCache per step: every column hangs off one flush node, so the backward
         # re-encodes all columns' chunks in one pass (and syncs DDP once, after the last).
         ddp = self.model if isinstance(self.model, nn.parallel.DistributedDataParallel) else None
-        gc = GradCache(_SentenceEmbedding(self.model), self.mini_batch_size, ddp=ddp, progress=self.show_progress_bar)
+        gc = GradCache(
+            _SentenceEmbedding(self.model),
+            self.mini_batch_size,
+            chunk_tokens=self.mini_batch_num_tokens,
+            ddp=ddp,
+            progress=self.show_progress_bar,
+        )
         # A feature mapping that went through the model before holds its outputs too (the
         # model writes them into it): encode from the tokenizer's inputs only.
         return [gc(**{k: v for k, v in f.items() if k not in _MODEL_OUTPUTS}) for f in features]

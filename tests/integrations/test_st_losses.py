@@ -175,6 +175,21 @@ def test_cached_and_plain_match_sentence_transformers_through_a_model(tmp_path, 
         common.assert_grads_close(grads, ref_grads, name)
 
 
+def test_cached_by_tokens_matches_sentence_transformers(tmp_path):
+    """``mini_batch_num_tokens`` (chunks packed by tokens) as sentence-transformers' cached loss."""
+    model = common.tiny_model(tmp_path, dropout=0.0).train()
+    rows = common.sentences(12, seed=11)
+    features = [model.preprocess(rows[:6]), model.preprocess(rows[6:])]
+    ref_value, ref_grads = _st_step(
+        model, st_losses.CachedMultipleNegativesRankingLoss(model, mini_batch_num_tokens=12), features
+    )
+    loss = fst.CachedMultipleNegativesRankingLoss(model, mini_batch_num_tokens=12)
+    assert loss.get_config_dict()["mini_batch_num_tokens"] == 12
+    value, grads = _st_step(model, loss, features)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_grads_close(grads, ref_grads, "fastcl cached by tokens")
+
+
 def test_cached_loss_under_no_grad_is_the_plain_value(tmp_path):
     model = common.tiny_model(tmp_path, dropout=0.0).eval()
     rows = common.sentences(8, seed=3)
@@ -210,6 +225,9 @@ def test_scale_is_one_over_temperature():
         (lambda m: fst.MultipleNegativesRankingLoss(m, similarity_fct=lambda a, b: a @ b.T), "similarity_fct"),
         (lambda m: fst.MultipleNegativesRankingLoss(m, mini_batch_size=0), "mini_batch_size"),
         (lambda m: fst.CachedMultipleNegativesRankingLoss(m, mini_batch_size=None), "mini_batch_size"),
+        (lambda m: fst.CachedMultipleNegativesRankingLoss(m, mini_batch_num_tokens=0), "mini_batch_num_tokens"),
+        (lambda m: fst.MultipleNegativesRankingLoss(m, mini_batch_num_tokens=64), "give mini_batch_size"),
+        (lambda m: fst.MultipleNegativesRankingLoss(m, scale=torch.tensor(20.0, requires_grad=True)), "requires grad"),
         (lambda m: fst.SupMPNLoss(m, num_positives=0), "num_positives"),
         (lambda m: fst.SupMPNLoss(m, own_positives="keep"), "own_positives"),
         (lambda m: fst.SupConLoss(m, backend="fast"), "backend"),

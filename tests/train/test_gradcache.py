@@ -89,6 +89,47 @@ def test_dropout_off_equals_full_batch(chunk_size):
     assert_grads_close(got, want)
 
 
+@pytest.mark.parametrize("budget", [1, 9, 20, 200])
+def test_chunk_tokens_packs_by_tokens_and_stays_exact(budget):
+    """``chunk_tokens``: chunks of consecutive rows within a token budget (a longer row alone),
+    the ranges sentence-transformers' ``mini_batch_num_tokens`` draws; gradients stay exact."""
+    enc, batch = tiny_encoder(dropout=0.0), make_batch(10)
+    tokens = batch["attention_mask"].sum(1).tolist()
+    gc = GradCache(enc, chunk_size=3, chunk_tokens=budget)
+    bounds = gc._bounds(batch, 10)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 10 and all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
+    for begin, end in bounds:
+        assert sum(tokens[begin:end]) <= budget or end == begin + 1  # within budget, or one long row
+        if end < 10:  # greedy: the next row would not have fitted
+            assert sum(tokens[begin : end + 1]) > budget
+    st_ranges = pytest.importorskip("sentence_transformers.base.losses.gradcache")._minibatch_ranges
+    assert bounds == st_ranges(batch, 3, budget)
+
+    def step(encode):
+        enc.zero_grad(set_to_none=True)
+        a, p = encode(batch), encode(make_batch(10, seed=4))
+        infonce(a, p).backward()
+        return a.detach(), param_grads(enc)
+
+    def same_chunks_in_one_graph(b):  # the oracle: these chunks, encoded with grad
+        return torch.cat([enc(**{k: v[s:e] for k, v in b.items()}) for s, e in gc._bounds(b, 10)])
+
+    a_want, want = step(same_chunks_in_one_graph)
+    a_got, got = step(lambda b: gc(**b))
+    assert_close(a_got, a_want, rtol=RTOL, atol=ATOL)
+    # up to 10 one-row chunks: the parameter gradients sum ~10 pieces in another order
+    assert_grads_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_chunk_tokens_needs_an_attention_mask():
+    enc = tiny_encoder()
+    with pytest.raises(ValueError, match="attention_mask"):
+        GradCache(enc, 2, chunk_tokens=8)(input_ids=torch.ones(3, 4, dtype=torch.long))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            GradCache(enc, 2, chunk_tokens=bad)
+
+
 @pytest.mark.parametrize("cache_enabled", [False, True])
 def test_autocast_bf16_cpu(cache_enabled):
     enc, batch = tiny_encoder(dropout=0.1), make_batch(10)

@@ -318,7 +318,8 @@ def _machine_lines(m: dict) -> list[str]:
     start, end = f.get("loadavg_start"), f.get("loadavg_end")
     if start or end:
         said = [f"{x[0]:.1f} at {when}" for x, when in ((start, "start"), (end, "end")) if x]
-        lines.append(f"  - load average (1 min): {', '.join(said)} (other processes shared the cores)")
+        # the run's own threads are in it: alone on the machine a T-thread run ends near T
+        lines.append(f"  - load average (1 min): {', '.join(said)} (the run itself included)")
     if f.get("versions"):
         lines.append("  - versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in f["versions"].items()))
     if f.get("backends"):

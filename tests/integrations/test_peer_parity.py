@@ -30,10 +30,11 @@ from pytorch_metric_learning.distances import DotProductSimilarity  # noqa: E402
 from pytorch_metric_learning.losses import NTXentLoss as PmlNTXent  # noqa: E402
 from pytorch_metric_learning.losses import SupConLoss as PmlSupCon  # noqa: E402
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
-from sentence_transformers.sentence_transformer.losses.matryoshka import (  # noqa: E402
-    CachedLossDecorator,
-    shrink,
-)
+
+try:  # sentence-transformers 6.2's module layout; the Matryoshka tests skip without it
+    from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator, shrink
+except ImportError:
+    CachedLossDecorator = shrink = None
 from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import fastcl.losses as L  # noqa: E402
@@ -216,6 +217,11 @@ def test_mnrl_float32_b64_matches_st_float32(backend):
 # --------------------------------------------------------------------------- Matryoshka
 
 
+def _needs_st_matryoshka():
+    if shrink is None:
+        pytest.skip("sentence-transformers without sentence_transformer.losses.matryoshka (6.2's layout)")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "directions,partition_mode,hardness_mode",
@@ -229,6 +235,7 @@ def test_mnrl_float32_b64_matches_st_float32(backend):
 @pytest.mark.parametrize("similarity", [cos_sim, dot_score])
 def test_st_matryoshka_dims_equal_st_matryoshka(backend, directions, partition_mode, hardness_mode, similarity):
     """Unsorted dims with weights: ``sum_k w_k * ST-MNRL(shrink(x, m_k))``, as ``MatryoshkaLoss`` computes it."""
+    _needs_st_matryoshka()
     columns = [_randn(6, 16, seed=60 + i) for i in range(4)]
     dims, weights = (4, 16, 8), (0.5, 1.0, 2.0)
     opts = dict(
@@ -254,6 +261,7 @@ def test_st_matryoshka_dims_equal_st_matryoshka(backend, directions, partition_m
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_st_infonce_symmetric_matryoshka_equals_st(backend):
+    _needs_st_matryoshka()
     columns = [_randn(6, 16, seed=70 + i) for i in range(2)]
     dims, weights = (16, 8, 4), (1.0, 0.5, 0.25)
     inner = st_losses.MultipleNegativesRankingLoss(
@@ -272,6 +280,7 @@ def test_st_infonce_symmetric_matryoshka_equals_st(backend):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_n_dims_per_step_draws_the_dims_st_draws(seed):
     """fastcl's ``n_dims_per_step`` draws with ``random`` as ST's ``CachedLossDecorator``: same dims, same result."""
+    _needs_st_matryoshka()
     columns = [_randn(5, 12, seed=80 + i) for i in range(3)]
     dims = (12, 8, 4, 2)
     inner = st_losses.MultipleNegativesRankingLoss(None)

@@ -102,8 +102,12 @@ def test_chunk_tokens_packs_by_tokens_and_stays_exact(budget):
         assert sum(tokens[begin:end]) <= budget or end == begin + 1  # within budget, or one long row
         if end < 10:  # greedy: the next row would not have fitted
             assert sum(tokens[begin : end + 1]) > budget
-    st_ranges = pytest.importorskip("sentence_transformers.base.losses.gradcache")._minibatch_ranges
-    assert bounds == st_ranges(batch, 3, budget)
+    try:  # sentence-transformers >= 6.2 draws its token-packed mini-batches here
+        from sentence_transformers.base.losses.gradcache import _minibatch_ranges
+    except ImportError:
+        _minibatch_ranges = None
+    if _minibatch_ranges is not None:
+        assert bounds == _minibatch_ranges(batch, 3, budget)
 
     def step(encode):
         enc.zero_grad(set_to_none=True)

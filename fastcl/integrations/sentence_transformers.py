@@ -113,6 +113,8 @@ from ..ops.dispatch import NAMES as BACKENDS
 __all__ = [
     "MultipleNegativesRankingLoss",
     "CachedMultipleNegativesRankingLoss",
+    "MultipleNegativesSymmetricRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
     "InfoNCELoss",
     "SupMPNLoss",
     "SupConLoss",
@@ -531,6 +533,36 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     def __init__(self, model, scale=None, similarity_fct=cos_sim, *, mini_batch_size: int = 32, **kw):
         if mini_batch_size is None:
             raise ValueError("CachedMultipleNegativesRankingLoss needs a mini_batch_size (int)")
+        super().__init__(model, scale, similarity_fct, mini_batch_size=mini_batch_size, **kw)
+
+
+class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
+    """sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` (deprecated there): MNRL with
+    ``directions=("query_to_doc", "doc_to_query")`` and ``partition_mode="per_direction"``, which is
+    what sentence-transformers 6 made of it (hard negatives join the query-to-document term only).
+    """
+
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, **kw):
+        fixed = sorted({"directions", "partition_mode"} & set(kw))
+        if fixed:
+            raise TypeError(f"{type(self).__name__} fixes {fixed}; MultipleNegativesRankingLoss takes them")
+        super().__init__(
+            model,
+            scale,
+            similarity_fct,
+            directions=("query_to_doc", "doc_to_query"),
+            partition_mode="per_direction",
+            **kw,
+        )
+
+
+class CachedMultipleNegativesSymmetricRankingLoss(MultipleNegativesSymmetricRankingLoss):
+    """:class:`MultipleNegativesSymmetricRankingLoss` with gradient caching, ``mini_batch_size=32`` by
+    default: sentence-transformers' (deprecated) ``CachedMultipleNegativesSymmetricRankingLoss``."""
+
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, mini_batch_size: int = 32, **kw):
+        if mini_batch_size is None:
+            raise ValueError(f"{type(self).__name__} needs a mini_batch_size (int)")
         super().__init__(model, scale, similarity_fct, mini_batch_size=mini_batch_size, **kw)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -191,6 +192,42 @@ def test_cached_by_tokens_matches_sentence_transformers(tmp_path):
     value, grads = _st_step(model, loss, features)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
     common.assert_grads_close(grads, ref_grads, "fastcl cached by tokens")
+
+
+@pytest.mark.parametrize("negatives", [0, 2])
+def test_symmetric_classes_equal_sentence_transformers(negatives):
+    """The (deprecated in ST 6) symmetric MNRL classes: the same values and gradients as ST's."""
+    st_sym = getattr(st_losses, "MultipleNegativesSymmetricRankingLoss", None)
+    if st_sym is None:
+        pytest.skip("this sentence-transformers has no MultipleNegativesSymmetricRankingLoss")
+    embs = _columns(5, 8, 2 + negatives)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ref_loss = st_sym(None, scale=10.0)
+    ref = _value_and_grads(lambda e: ref_loss.compute_loss_from_embeddings(e, None), embs)
+    got = _value_and_grads(
+        fst.MultipleNegativesSymmetricRankingLoss(None, scale=10.0).compute_loss_from_embeddings, embs
+    )
+    _assert_same(got, ref)
+    cached = fst.CachedMultipleNegativesSymmetricRankingLoss(None, scale=10.0)
+    assert cached.mini_batch_size == 32 and cached.get_config_dict()["partition_mode"] == "per_direction"
+    with pytest.raises(TypeError, match="fixes"):
+        fst.MultipleNegativesSymmetricRankingLoss(None, directions=("query_to_doc",))
+
+
+def test_cached_symmetric_matches_sentence_transformers_through_a_model(tmp_path):
+    st_cached = getattr(st_losses, "CachedMultipleNegativesSymmetricRankingLoss", None)
+    if st_cached is None:
+        pytest.skip("this sentence-transformers has no CachedMultipleNegativesSymmetricRankingLoss")
+    model = common.tiny_model(tmp_path, dropout=0.0).train()
+    rows = common.sentences(10, seed=12)
+    features = [model.preprocess(rows[:5]), model.preprocess(rows[5:])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ref_value, ref_grads = _st_step(model, st_cached(model, mini_batch_size=2), features)
+    value, grads = _st_step(model, fst.CachedMultipleNegativesSymmetricRankingLoss(model, mini_batch_size=2), features)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_grads_close(grads, ref_grads, "fastcl cached symmetric")
 
 
 def test_cached_loss_under_no_grad_is_the_plain_value(tmp_path):

@@ -620,8 +620,11 @@ class _TemperatureLoss(nn.Module):
         """The loss function's keyword arguments: the temperature and the options."""
         return dict(temperature=self.temperature, **self.options)
 
+    def _temperature_repr(self) -> str:
+        return "learnable" if self.learn_temperature else str(self._fixed_temperature)
+
     def extra_repr(self) -> str:
-        t = "learnable" if self.learn_temperature else self._fixed_temperature
+        t = self._temperature_repr()
         return f"temperature={t}, reduction={self.options['reduction']!r}, backend={self.options['backend']!r}"
 
 
@@ -653,20 +656,14 @@ class SupConLoss(_TemperatureLoss):
                 "SupConLoss(learn_temperature=True) needs a starting temperature: the default depends on the "
                 "form of the call (0.05 structured, 0.1 labels)"
             )
-        super().__init__(0.05 if temperature is None else temperature, **kw)
-        self._form_temperature = temperature is None  # chosen per call by supcon_loss
+        super().__init__(0.05 if temperature is None else temperature, **kw)  # 0.05: checks a value
+        if temperature is None:
+            self._fixed_temperature = None  # each call takes its form's default (supcon_loss)
 
-    def _kw(self) -> dict:
-        kw = super()._kw()
-        if self._form_temperature:
-            kw["temperature"] = None
-        return kw
-
-    def extra_repr(self) -> str:
-        text = super().extra_repr()
-        if self._form_temperature:
-            text = text.replace("temperature=0.05", "temperature=None (0.05 structured, 0.1 labels)", 1)
-        return text
+    def _temperature_repr(self) -> str:
+        if not self.learn_temperature and self._fixed_temperature is None:
+            return "None (0.05 structured, 0.1 labels)"
+        return super()._temperature_repr()
 
     def forward(
         self,

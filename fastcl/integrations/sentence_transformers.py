@@ -247,18 +247,17 @@ class _FastCLSTLoss(nn.Module):
             isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1
         ):
             raise ValueError(f"mini_batch_size must be a positive int or None, got {mini_batch_size!r}")
-        if mini_batch_num_tokens is not None:
-            if isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int):
-                raise ValueError(
-                    f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}"
-                )
-            if mini_batch_num_tokens <= 0:
-                raise ValueError("mini_batch_num_tokens must be a positive integer or None.")
-            if mini_batch_size is None:  # it would be ignored: say so instead
-                raise ValueError(
-                    "mini_batch_num_tokens packs the gradient cache's chunks: give mini_batch_size too "
-                    "(or use CachedMultipleNegativesRankingLoss)"
-                )
+        if mini_batch_num_tokens is not None and (
+            isinstance(mini_batch_num_tokens, bool)
+            or not isinstance(mini_batch_num_tokens, int)
+            or mini_batch_num_tokens < 1
+        ):
+            raise ValueError(f"mini_batch_num_tokens must be a positive int or None, got {mini_batch_num_tokens!r}")
+        if mini_batch_num_tokens is not None and mini_batch_size is None:  # it would be ignored: say so
+            raise ValueError(
+                "mini_batch_num_tokens packs the gradient cache's chunks: give mini_batch_size too "
+                "(or use CachedMultipleNegativesRankingLoss)"
+            )
         if not isinstance(gather_across_devices, bool):
             raise TypeError(f"gather_across_devices must be a bool, got {gather_across_devices!r}")
         self.model = model
@@ -522,18 +521,22 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
         )
 
 
-class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
+class _Cached:
+    """The cached form of the loss class it precedes: ``mini_batch_size=32`` by default, never None."""
+
+    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, mini_batch_size: int = 32, **kw):
+        if mini_batch_size is None:
+            raise ValueError(f"{type(self).__name__} needs a mini_batch_size (int)")
+        super().__init__(model, scale, similarity_fct, mini_batch_size=mini_batch_size, **kw)
+
+
+class CachedMultipleNegativesRankingLoss(_Cached, MultipleNegativesRankingLoss):
     """:class:`MultipleNegativesRankingLoss` with gradient caching, ``mini_batch_size=32`` by default.
 
     Drop-in for ``sentence_transformers.losses.CachedMultipleNegativesRankingLoss``: encoder
     memory is that of one mini-batch, the loss needs no ``B x N`` logits either, and values
     and gradients equal the uncached loss.
     """
-
-    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, mini_batch_size: int = 32, **kw):
-        if mini_batch_size is None:
-            raise ValueError("CachedMultipleNegativesRankingLoss needs a mini_batch_size (int)")
-        super().__init__(model, scale, similarity_fct, mini_batch_size=mini_batch_size, **kw)
 
 
 class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
@@ -556,14 +559,9 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
         )
 
 
-class CachedMultipleNegativesSymmetricRankingLoss(MultipleNegativesSymmetricRankingLoss):
+class CachedMultipleNegativesSymmetricRankingLoss(_Cached, MultipleNegativesSymmetricRankingLoss):
     """:class:`MultipleNegativesSymmetricRankingLoss` with gradient caching, ``mini_batch_size=32`` by
     default: sentence-transformers' (deprecated) ``CachedMultipleNegativesSymmetricRankingLoss``."""
-
-    def __init__(self, model, scale=None, similarity_fct=cos_sim, *, mini_batch_size: int = 32, **kw):
-        if mini_batch_size is None:
-            raise ValueError(f"{type(self).__name__} needs a mini_batch_size (int)")
-        super().__init__(model, scale, similarity_fct, mini_batch_size=mini_batch_size, **kw)
 
 
 class InfoNCELoss(_FastCLSTLoss):

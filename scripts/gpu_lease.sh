@@ -7,8 +7,8 @@
 # Carried with the call (ignored by git; scripts/gpu_data.sh makes them):
 #   .whl/  wheels the GPU image lacks (datasets, dill, multiprocess, pytorch-metric-learning, inf-cl)
 #   .gpu/minilm  all-MiniLM-L6-v2 saved in bf16 (config dtype float32), .gpu/data  staged data
-# Steps, each under its own time limit, logs straight into $OUT (what was written comes back
-# even when the call is cut off):
+# Steps, each under its own time limit (together under 9.5 min), logs straight into $OUT (what
+# was written comes back even when the call is cut off; at most 8 files come back):
 #   1. install; fastcl.info builds the C++ and CUDA backends
 #   2. in parallel: correctness at scale (fastcl.bench correctness) and the test suite on CUDA
 #   3. alone: the headline benchmark cases (bf16, fwd + bwd)
@@ -24,6 +24,10 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 T0=$(date +%s)
 say() { echo "[$(($(date +%s) - T0)) s] $*"; }
+# a step's time limit: its own (T_*), cut to what is left before DEADLINE seconds (the
+# device tool stops a command at 600 s and returns nothing of what it printed since)
+DEADLINE=${DEADLINE:-565}
+lim() { local left=$((DEADLINE - ($(date +%s) - T0))); echo $((left < $1 ? (left > 5 ? left : 5) : $1)); }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FASTCL_DATA_DIR=$PWD/.gpu/data
 DRY=${DRY_RUN:-0}
 
@@ -48,19 +52,23 @@ if [[ $DRY == 1 ]]; then
 else
   DEV=cuda SCALE=1 TESTS=(tests/kernels tests/train/test_gradcache_cuda.py tests/losses tests/ops)
   BACKENDS=torch,triton,cuda REQUIRE=triton,cuda BENCH_K="bfloat16 and (supmpn-B4096 or infonce-B16384)"
-  B=4096 CHUNK=1024 STEPS=20 WORKERS=${WORKERS:-8}
+  B=4096 CHUNK=1024 STEPS=12 WORKERS=${WORKERS:-8}
 fi
 
 if has checks; then
   say "correctness and tests (parallel)"
   # a worker crashed in this cpp test on the first GPU run (torch 2.11): alone, with faulthandler
-  timeout -k 5 40 "$PY" -m pytest tests/ops/test_matryoshka_cpp.py -k bad_prefix -q -p no:cacheprovider >"$OUT/crash.txt" 2>&1
-  timeout -s INT -k 15 ${T_CHECKS:-180} "$PY" -m fastcl.bench correctness --device $DEV --scale $SCALE \
-    --dtypes ${DTYPES:-float32,bfloat16,float16} ${LARGE:+--large} --out "$OUT/correctness.json" \
+  timeout -k 5 $(lim 40) "$PY" -m pytest tests/ops/test_matryoshka_cpp.py -k bad_prefix -q -p no:cacheprovider >>"$OUT/setup.log" 2>&1
+  say "crash check: exit $?"
+  # the losses the first run did not reach come first
+  timeout -s INT -k 15 $(lim ${T_CHECKS:-190}) "$PY" -m fastcl.bench correctness --device $DEV --scale $SCALE \
+    --losses ${LOSSES:-mnrl,supmpn,supcon,infonce} --dtypes ${DTYPES:-float32,bfloat16,float16} ${LARGE:+--large} \
+    --out "$OUT/correctness.json" \
     >"$OUT/correctness.txt" 2>&1 &
   C=$!
-  FASTCL_TEST_DEVICE=$DEV FASTCL_TEST_BACKENDS=$BACKENDS FASTCL_REQUIRE_BACKENDS=$REQUIRE \
-    timeout -s INT -k 15 ${T_CHECKS:-180} "$PY" -m pytest "${TESTS[@]}" -m "not slow" -q -p no:cacheprovider \
+  # the test workers share autotuning results on disk (speed only: the tuners' key is empty)
+  FASTCL_TEST_DEVICE=$DEV FASTCL_TEST_BACKENDS=$BACKENDS FASTCL_REQUIRE_BACKENDS=$REQUIRE TRITON_CACHE_AUTOTUNING=1 \
+    timeout -s INT -k 15 $(lim ${T_CHECKS:-190}) "$PY" -m pytest "${TESTS[@]}" -m "not slow" -q -p no:cacheprovider \
     ${WORKERS:+-n $WORKERS} --timeout 120 -rfE >"$OUT/pytest.txt" 2>&1
   say "tests: exit $? · $(tail -n 1 "$OUT/pytest.txt")"
   wait $C
@@ -69,8 +77,8 @@ fi
 
 if has bench; then
   say "benchmark"
-  FASTCL_BENCH_IMPLS=${IMPLS:-eager,compile,torch,triton,cuda,st-cmnrl,torch-lce,inf-cl} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.5} \
-    timeout -s INT -k 15 ${T_BENCH:-150} "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
+  FASTCL_BENCH_IMPLS=${IMPLS:-eager,compile,torch,triton,cuda,st-cmnrl,torch-lce,inf-cl} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
+    timeout -s INT -k 15 $(lim ${T_BENCH:-95}) "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
     -p no:cacheprovider --benchmark-json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   say "benchmark: exit $?"
 fi
@@ -78,13 +86,11 @@ fi
 if has profile && [[ $DEV == cuda ]]; then
   say "profile"
   {
-    timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton,cuda,compile
+    timeout -s INT -k 10 $(lim ${T_PROFILE0:-30}) "$PY" scripts/gpu_profile.py --backends triton,cuda,compile
     # the backward's dS chunk size sets the launch count (26 us of Python each on the H200)
-    for bytes in 134217728 536870912; do
-      FASTCL_TRITON_DS_BYTES=$bytes timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton --top 4
-    done
+    FASTCL_TRITON_DS_BYTES=134217728 timeout -s INT -k 10 $(lim ${T_PROFILE:-22}) "$PY" scripts/gpu_profile.py --backends triton --top 4
     # dS kept in the input dtype: one MMA per backward product instead of two (docs/triton.md)
-    FASTCL_TRITON_DS=input timeout -s INT -k 10 ${T_PROFILE:-40} "$PY" scripts/gpu_profile.py --backends triton --top 4
+    FASTCL_TRITON_DS=input timeout -s INT -k 10 $(lim ${T_PROFILE:-22}) "$PY" scripts/gpu_profile.py --backends triton --top 4
   } >"$OUT/profile.txt" 2>&1
   say "profile: exit $?"
 fi
@@ -103,20 +109,20 @@ finally:
     print("peak_gib", torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)'
   TRAIN=(--model "$MODEL" --train-file "$NLI" --device $DEV --progress false --log-steps 1 --epochs 100)
   {
-    timeout -s INT -k 10 ${T_SIMCSE:-70} "$PY" -c "$PEAK" train simcse-sup "${TRAIN[@]}" --batch-size $B \
+    timeout -s INT -k 10 $(lim ${T_SIMCSE:-50}) "$PY" -c "$PEAK" train simcse-sup "${TRAIN[@]}" --batch-size $B \
       --chunk-size $CHUNK --precision bf16 --max-steps $STEPS --eval-steps $STEPS --lr 5e-5 --output-dir /tmp/run-simcse
     echo "simcse-sup exit $?"
     cat /tmp/run-simcse/log.jsonl /tmp/run-simcse/summary.json
-    timeout -s INT -k 10 ${T_SUPMPN:-70} "$PY" -c "$PEAK" train supmpn "${TRAIN[@]}" --batch-size $B \
-      --chunk-size $((CHUNK * 2)) --precision bf16 --max-steps $((STEPS / 2)) --eval-steps $((STEPS / 2)) --lr 5e-5 \
+    timeout -s INT -k 10 $(lim ${T_SUPMPN:-45}) "$PY" -c "$PEAK" train supmpn "${TRAIN[@]}" --batch-size $B \
+      --chunk-size $((CHUNK * 2)) --precision bf16 --max-steps $(((STEPS + 2) / 3)) --eval-steps $(((STEPS + 2) / 3)) --lr 5e-5 \
       --output-dir /tmp/run-supmpn
     echo "supmpn exit $?"
     cat /tmp/run-supmpn/log.jsonl /tmp/run-supmpn/summary.json
-    timeout -s INT -k 10 ${T_ST:-50} "$PY" scripts/gpu_train_st.py --model "$MODEL" --train-file "$NLI" \
+    timeout -s INT -k 10 $(lim ${T_ST:-35}) "$PY" scripts/gpu_train_st.py --model "$MODEL" --train-file "$NLI" \
       --batch-size $B --chunk-size 512 --steps 2
     echo "st exit $?"
     if [[ $DEV == cuda ]]; then
-      timeout -s INT -k 10 ${T_FP16:-35} "$PY" -c "$PEAK" train simcse-sup "${TRAIN[@]}" --batch-size 512 \
+      timeout -s INT -k 10 $(lim ${T_FP16:-25}) "$PY" -c "$PEAK" train simcse-sup "${TRAIN[@]}" --batch-size 512 \
         --chunk-size 128 --precision fp16 --max-steps 3 --output-dir /tmp/run-fp16
       echo "fp16 exit $?"
       cat /tmp/run-fp16/log.jsonl

@@ -117,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", default="", help="comma-separated implementations (default: all)")
     p.add_argument("--out", default=None, help="JSON file for the records")
     p.add_argument("--large", action="store_true", help="also the issue's sizes (InfoNCE B=65536, SupMPN B=16384)")
+    p.add_argument(
+        "--losses", default="", help="comma-separated losses, checked in this order (default: all, in table order)"
+    )
 
 
 def _line(r: dict) -> str:
@@ -129,6 +132,12 @@ def _line(r: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     impls = [s for s in args.impls.split(",") if s] or [n for n in peers.IMPLS if n != "compile"]
     workloads = WORKLOADS + (LARGE_WORKLOADS if args.large else [])
+    if args.losses:
+        order = args.losses.split(",")
+        unknown = sorted(set(order) - {w[0] for w in workloads})
+        if unknown:
+            raise SystemExit(f"--losses: no workload for {unknown}; choose from {sorted({w[0] for w in workloads})}")
+        workloads = sorted((w for w in workloads if w[0] in order), key=lambda w: order.index(w[0]))
     jobs = [(w, dt) for w in workloads for dt in args.dtypes.split(",")]
     records = []
     # each workload's lines (and the JSON so far) are written as soon as it is done, so a

@@ -3,6 +3,7 @@ catches one that does not), the correctness-at-scale module, the report generato
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -86,6 +87,22 @@ def test_correctness_beyond_the_oracle_uses_torch_in_float64(monkeypatch):
     monkeypatch.setattr(peers, "build", one_percent_off)
     recs = correctness.check_workload("supmpn", 12, 2, 1, 8, "float32", "cpu", ["cpp"])
     assert recs[0]["status"] == "FAIL"
+
+
+def test_correctness_losses_pick_and_order_the_workloads(tmp_path):
+    """--losses keeps the named losses in the given order (a GPU run checks the ones an
+    earlier, cut-off run did not reach first) and refuses a name with no workload."""
+    parser = argparse.ArgumentParser()
+    correctness.add_arguments(parser)
+    out = tmp_path / "c.json"
+    args = parser.parse_args(
+        ["--device", "cpu", "--scale", "0.001", "--dtypes", "float32", "--impls", "cpp", "--losses", "supcon,mnrl"]
+    )
+    args.out = str(out)
+    assert correctness.main(args) == 0
+    assert [r["loss"] for r in json.loads(out.read_text())["records"]] == ["supcon", "mnrl"]
+    with pytest.raises(SystemExit, match="no workload for"):
+        correctness.main(parser.parse_args(["--device", "cpu", "--losses", "gclsr"]))
 
 
 def _fake_run(tmp_path, threads=2, name="run.json", interleaved=True, speed=1.0):

@@ -7,8 +7,16 @@ For each workload (loss, B, P, Q, d) and dtype, the float64 oracle on the same (
 inputs gives the reference loss and gradients; each available implementation of
 ``fastcl.bench.peers`` is compared with it. fastcl backends must match the value within
 ``VALUE_TOL`` and every gradient within ``GRAD_RTOL`` (``fastcl.testing``; relative Frobenius
-error); peers must match the value (their gradients are reported, not asserted: they are
-not ours to fix). Exit status 1 if anything fails; the JSON lists every comparison.
+error) beyond the error of the reference gradient itself rounded to the input dtype (its
+storage floor); peers must match the value (their gradients are reported, not asserted:
+they are not ours to fix). Exit status 1 if anything fails; the JSON lists every comparison.
+
+Why the storage floor: gradients come back in the input dtype, and those of a mean over
+thousands of anchors are ~1e-8 to 1e-6, below fp16's normal range (6e-5), where fp16 keeps
+few digits or none. The first fp16 run on a GPU measured relative errors up to 0.7 for
+every implementation alike, sentence-transformers' (which computes in fp32) included; the
+exact gradient rounded to fp16 has the same error. No implementation can beat the floor,
+so the tolerance is counted above it (bf16's floor is its rounding, ~1.7e-3; fp32's ~3e-8).
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ def check_workload(loss: str, B: int, P: int, Q: int, d: int, dtype: str, device
     del t64
     dt = inputs["anchor"].dtype
     atol, rtol = VALUE_TOL[dt]
+    floors = {k: rel_err(g.to(dt), g) for k, g in ref_grads.items()}
     out = []
     for name in impls:
         rec = {
@@ -80,6 +89,7 @@ def check_workload(loss: str, B: int, P: int, Q: int, d: int, dtype: str, device
             "impl": name,
             "family": peers.IMPLS[name].family,
             "reference_impl": reference,
+            "grad_storage_floor": floors,
         }
         why = peers.unavailable(name, loss, device)
         if why:
@@ -94,7 +104,7 @@ def check_workload(loss: str, B: int, P: int, Q: int, d: int, dtype: str, device
             continue
         errs = {k: rel_err(g, ref_grads[k]) for k, g in grads.items()}
         value_ok = abs(value - ref_value) <= atol + rtol * abs(ref_value)
-        grads_ok = all(e <= GRAD_RTOL[dt] for e in errs.values())
+        grads_ok = all(e <= GRAD_RTOL[dt] + floors[k] for k, e in errs.items())
         ok = value_ok and (grads_ok or rec["family"] != "fastcl")
         out.append(
             {
@@ -124,7 +134,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _line(r: dict) -> str:
     extra = r.get("reason") or (
-        f"|dvalue| {r['abs_err']:.2e}, grad rel err " + ", ".join(f"{k} {v:.1e}" for k, v in r["grad_rel_err"].items())
+        f"|dvalue| {r['abs_err']:.2e}, grad rel err (storage floor) "
+        + ", ".join(f"{k} {v:.1e} ({r['grad_storage_floor'][k]:.1e})" for k, v in r["grad_rel_err"].items())
     )
     return f"{r['status']:>7}  {r['loss']:<7} B={r['B']:<6} {r['dtype']:<8} {r['impl']:<10} {extra}"
 

@@ -89,6 +89,36 @@ def test_correctness_beyond_the_oracle_uses_torch_in_float64(monkeypatch):
     assert recs[0]["status"] == "FAIL"
 
 
+def test_correctness_counts_the_gradients_storage_floor(monkeypatch):
+    """fp16 gradients of a large mean fall below fp16's normal range (the first GPU run: 0.7
+    relative error for every implementation at B = 8192). Here huge rows give the same
+    subnormal gradients at B = 64: the floor (the exact gradient rounded to fp16) exceeds the
+    tolerance, cpp sits on it and passes; gradients 1.5x too large still fail."""
+    make = correctness.make_inputs
+
+    def huge_rows(*args):
+        return {k: None if v is None else (v.detach() * 2.0**13).requires_grad_() for k, v in make(*args).items()}
+
+    monkeypatch.setattr(correctness, "make_inputs", huge_rows)
+    (rec,) = correctness.check_workload("mnrl", 64, 1, 1, 16, "float16", "cpu", ["cpp"])
+    assert rec["status"] == "ok", rec
+    assert max(rec["grad_storage_floor"].values()) > correctness.GRAD_RTOL[torch.float16]
+    build = peers.build
+
+    def grads_too_large(*args):
+        fn = build(*args)
+
+        def run():
+            loss = fn()
+            return loss + 0.5 * (loss - loss.detach())  # same value, gradients x 1.5
+
+        return run
+
+    monkeypatch.setattr(peers, "build", grads_too_large)
+    (rec,) = correctness.check_workload("mnrl", 64, 1, 1, 16, "float16", "cpu", ["cpp"])
+    assert rec["status"] == "FAIL" and abs(rec["abs_err"]) < 1e-2, rec
+
+
 def test_correctness_losses_pick_and_order_the_workloads(tmp_path):
     """--losses keeps the named losses in the given order (a GPU run checks the ones an
     earlier, cut-off run did not reach first) and refuses a name with no workload."""

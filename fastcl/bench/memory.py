@@ -54,16 +54,20 @@ def measure_extra_rss(run, warmup: bool = True) -> int:
 _PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "FASTCL_CPP_KEEP_BYTES": "0"}
 
 
-def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600) -> int:
+def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600, threads: int | None = None) -> int:
     """Run ``factory(**kwargs)()`` in a fresh Python process and return its extra peak RSS.
 
     ``factory`` is ``"module:function"``; the function builds its inputs and returns the
-    zero-argument callable to measure.
+    zero-argument callable to measure. ``threads``: the probe's intra-op thread count
+    (default inherited; the cpp backend's tile budget has a per-thread floor, docs/csrc.md).
     """
     import os
 
     cmd = [sys.executable, "-m", "fastcl.bench.memory", factory, json.dumps(kwargs)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **_PROBE_ENV})
+    env = {**os.environ, **_PROBE_ENV}
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"memory probe failed ({' '.join(cmd)}):\n{out.stderr[-4000:]}")
     return int(json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"])

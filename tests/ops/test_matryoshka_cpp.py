@@ -240,13 +240,17 @@ def prefix_step(B: int, N: int, d: int, dims: list[int]):
 
 def test_memory_has_no_bxn_buffer_and_does_not_grow_with_k():
     """Extra peak RSS of a fresh process: far below one [B, N] float32 buffer, about the same
-    for one prefix and five (the tiles share one element budget)."""
+    for one prefix and five (the tiles share one element budget).
+
+    Two threads: the block budget has a floor of 2^21 elements (8 MiB) per thread, constant
+    in B and N, which on a 16-thread host is 128 MiB, this shape's whole [B, N] (the H100
+    machine's host failed this test unpinned, 129 MiB; docs/csrc.md)."""
     from fastcl.bench.memory import cpu_extra_peak_bytes
 
     B, N, d = 2048, 14336, 32  # N = 16384 with the own positives
     bxn = B * (N + B) * 4
     extra = {
-        K: cpu_extra_peak_bytes(f"{__name__}:prefix_step", dict(B=B, N=N, d=d, dims=[32, 16, 8, 4, 2][:K]))
+        K: cpu_extra_peak_bytes(f"{__name__}:prefix_step", dict(B=B, N=N, d=d, dims=[32, 16, 8, 4, 2][:K]), threads=2)
         for K in (1, 5)
     }
     assert extra[5] < bxn / 4, f"extra peak {extra[5] / 2**20:.0f} MiB against a B x N buffer of {bxn / 2**20:.0f}"

@@ -10,7 +10,7 @@ imported). The matrix covers the losses end to end on small shapes; this file co
 it cannot reach cheaply: the primitive on shapes that cross every tile, split and chunk
 edge of the launchers (interpreter tiles are 16 wide, chunks 32), the own-positive fold,
 ``d = 1024``, the structural-mask rule against ``contract.excluded``,
-the ``FASTCL_TRITON_DS=input`` mode, the custom-op registration, and that every launch is in the AOT list.
+both ``FASTCL_TRITON_DS`` modes, the custom-op registration, and that every launch is in the AOT list.
 """
 
 from __future__ import annotations
@@ -165,9 +165,11 @@ def test_empty_problems():
         assert all((x == 0).all() for x in (da, d0, d1))
 
 
-def test_input_precision_ds_mode(monkeypatch):
-    """``FASTCL_TRITON_DS=input`` (dS rounded to bf16, one MMA) stays within bf16 bounds."""
-    monkeypatch.setenv(_triton.DS_ENV, "input")
+@pytest.mark.parametrize("mode", ["input", "fp32"])
+def test_ds_precision_modes(monkeypatch, mode):
+    """Both dS precisions of bf16 (``input``: rounded to bf16, one MMA, the default for bf16;
+    ``fp32``: two MMAs) stay within bf16 bounds."""
+    monkeypatch.setenv(_triton.DS_ENV, mode)
     gen = torch.Generator().manual_seed(5)
     a, p, n = (torch.randn(*s, generator=gen).bfloat16() for s in ((19, 24), (19, 2, 24), (19, 3, 24)))
     leaves = [x.clone().requires_grad_() for x in (a, p, n)]
@@ -177,6 +179,18 @@ def test_input_precision_ds_mode(monkeypatch):
     R.supcon(*ref, temperature=0.1).backward()
     for x, y in zip(leaves, ref):
         assert_close("grad", x.grad, y.grad, torch.bfloat16)
+
+
+def test_ds_precision_default_and_choices(monkeypatch):
+    """``auto`` (default): bf16 keeps dS in bf16, fp16 in fp32 (its range); the explicit modes
+    apply to both; anything else is refused."""
+    monkeypatch.delenv(_triton.DS_ENV, raising=False)
+    assert _triton.ds_precision() == "auto"
+    assert not _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
+    monkeypatch.setenv(_triton.DS_ENV, "input")
+    assert not _triton.fp32_ds(torch.bfloat16) and not _triton.fp32_ds(torch.float16)
+    monkeypatch.setenv(_triton.DS_ENV, "fp32")
+    assert _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
     monkeypatch.setenv(_triton.DS_ENV, "bogus")
     with pytest.raises(ValueError, match="FASTCL_TRITON_DS"):
         _triton.ds_precision()

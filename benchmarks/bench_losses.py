@@ -217,7 +217,13 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             check = peers.check_value(impl, loss, forward, inputs, expected=reference)
             check_s = time.perf_counter() - t0
             step = _make_step(forward, leaves, device)
-            # CUDA: measured on one step here; CPU: probed earlier, in fresh processes
+            # CUDA: measured on one step here, after a first one (as the CPU probes do): the
+            # first backward autotunes the Triton kernels, and Triton's benchmarking allocates
+            # a 256 MB cache-flush buffer (H100 run, 2026-11-27, SupMPN B=4096: 314 MiB on
+            # the first step, ~112 MiB on a warm one by the profile, 66 of them the gradients);
+            # CPU: probed earlier, in fresh processes
+            if device == "cuda":
+                step()
             peak = cuda_extra_peak_bytes(step) / 2**20 if device == "cuda" else cpu_memory.get(f"{workload}|{impl}")
         except Exception as exc:  # noqa: BLE001 - each implementation's item reports its own outcome
             traceback.clear_frames(exc.__traceback__)  # no frame keeps (possibly huge) tensors alive

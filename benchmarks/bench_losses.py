@@ -68,13 +68,16 @@ CPU_TARGET_GRID = [
     ("supmpn", 5, 5, 128, "float32", (8192,)),
 ]
 TARGET_IMPLS = ("eager", "compile", "torch", "cpp")
-# GPU: bf16 at BERT-base width, B up to 65536 and beyond (eager runs out of memory first:
-# such cases are skipped as "out of memory" and reported).
+# GPU: bf16 at BERT-base width (768) and BERT-large width (1024, issue #15), B up to 65536
+# and beyond (eager runs out of memory first: such cases are skipped as "out of memory"
+# and reported).
 GPU_GRID = [
     ("infonce", 1, 0, 768, "bfloat16", (4096, 16384, 65536, 131072)),
     ("mnrl", 1, 1, 768, "bfloat16", (4096, 16384, 65536)),
     ("supmpn", 5, 5, 768, "bfloat16", (1024, 4096, 16384)),
     ("supcon", 5, 5, 768, "bfloat16", (1024, 4096, 16384)),
+    ("infonce", 1, 0, 1024, "bfloat16", (4096, 16384, 65536)),
+    ("supmpn", 5, 5, 1024, "bfloat16", (4096, 16384)),
     ("infonce", 1, 0, 768, "float32", (4096, 16384, 65536)),
 ]
 SELECTED = [s for s in os.environ.get("FASTCL_BENCH_IMPLS", "").split(",") if s]

@@ -56,7 +56,7 @@ if [[ $DRY == 1 ]]; then
   BACKENDS=torch,cpp REQUIRE="" BENCH_K="cpu-infonce-B1024 and (eager or torch)" B=64 CHUNK=16 STEPS=2
 else
   DEV=cuda SCALE=1 TESTS=(tests/kernels tests/train/test_gradcache_cuda.py tests/losses tests/ops)
-  BACKENDS=torch,triton,cuda REQUIRE=triton,cuda BENCH_K="bfloat16 and (supmpn-B4096 or infonce-B16384)"
+  BACKENDS=torch,triton,cuda REQUIRE=triton,cuda BENCH_K="bfloat16 and (supmpn-B4096-P5-Q5-d768 or infonce-B16384-P1-Q0-d768)"
   B=4096 CHUNK=1024 STEPS=12 WORKERS=${WORKERS:-8}
 fi
 

@@ -92,7 +92,7 @@ fi
 
 if has bench; then
   say "benchmark"
-  FASTCL_BENCH_IMPLS=${IMPLS:-eager,compile,torch,triton,cuda,st-cmnrl,torch-lce,inf-cl} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
+  FASTCL_BENCH_IMPLS=${IMPLS:-eager,compile,torch,triton,triton-graphs,cuda,st-cmnrl,torch-lce,inf-cl} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
     timeout -s INT -k 15 $(lim ${T_BENCH:-150}) "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
     -p no:cacheprovider --benchmark-json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   say "benchmark: exit $?"
@@ -101,7 +101,7 @@ fi
 if has profile && [[ $DEV == cuda ]]; then
   say "profile"
   {
-    timeout -s INT -k 10 $(lim ${T_PROFILE0:-55}) "$PY" scripts/gpu_profile.py --backends triton,cuda,compile
+    timeout -s INT -k 10 $(lim ${T_PROFILE0:-70}) "$PY" scripts/gpu_profile.py --backends triton,cuda,compile,triton-graphs
     # the backward's dS chunk size sets the launch count (~30 us each on the H100)
     FASTCL_TRITON_DS_BYTES=67108864 timeout -s INT -k 10 $(lim ${T_PROFILE:-25}) "$PY" scripts/gpu_profile.py --backends triton --top 4
     # fp32 dS (the default before 2026-11-27; two MMAs per backward product), for comparison

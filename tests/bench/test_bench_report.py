@@ -64,6 +64,26 @@ def test_unavailable_says_why():
     assert peers.unavailable("eager", "supcon", "cpu") is None
 
 
+def test_graphs_builder_computes_the_loss_and_its_gradients():
+    """``triton-graphs`` is ``triton`` under ``torch.compile(mode="reduce-overhead")``, CUDA
+    only; the same builder around the ``torch`` backend runs here (no graphs on the CPU) and
+    must give eager's loss and gradients."""
+    assert "CUDA only" in peers.unavailable("triton-graphs", "supmpn", "cpu")
+    assert peers.IMPLS["triton-graphs"].backend == "triton"
+    t = make_inputs("supmpn", 16, 2, 1, 8, "float32", "cpu")
+    leaves = {k: v for k, v in t.items() if v is not None}
+    runs = []
+    for build in (peers._graphs_builder("torch"), peers.IMPLS["eager"].build):
+        for v in leaves.values():
+            v.grad = None
+        loss = build("supmpn", t)()
+        loss.backward()
+        runs.append((loss.detach(), {k: v.grad.clone() for k, v in leaves.items()}))
+    (l0, g0), (l1, g1) = runs
+    assert torch.allclose(l0, l1, rtol=1e-5)
+    assert all(torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-7) for k in leaves)
+
+
 def test_correctness_module_on_tiny_workload():
     recs = correctness.check_workload("mnrl", 16, 1, 2, 8, "float32", "cpu", ["eager", "torch", "st-cmnrl", "inf-cl"])
     status = {r["impl"]: r["status"] for r in recs}

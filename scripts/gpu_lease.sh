@@ -101,7 +101,7 @@ fi
 if has profile && [[ $DEV == cuda ]]; then
   say "profile"
   {
-    timeout -s INT -k 10 $(lim ${T_PROFILE0:-70}) "$PY" scripts/gpu_profile.py --backends triton,cuda,compile,triton-graphs
+    TRITON_PRINT_AUTOTUNING=1 timeout -s INT -k 10 $(lim ${T_PROFILE0:-70}) "$PY" scripts/gpu_profile.py --backends triton,cuda,compile,triton-graphs
     # the backward's dS chunk size sets the launch count (~30 us each on the H100)
     FASTCL_TRITON_DS_BYTES=67108864 timeout -s INT -k 10 $(lim ${T_PROFILE:-25}) "$PY" scripts/gpu_profile.py --backends triton --top 4
     # fp32 dS (the default before 2026-11-27; two MMAs per backward product), for comparison

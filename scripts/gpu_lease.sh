@@ -20,8 +20,10 @@
 # All of it does not fit one call: the H100 run of 2026-11-27 took 50 s to set up, 200 s for
 # the checks, 105 s for the benchmark once Triton's cache was warm (a cold first try got
 # nothing done in 95 s), 85 s for the profile, 125 s for training (cut before the ST step and
-# fp16). With 15 minutes of device time, make two calls back to back (the machine stays warm
-# for 30 s; setup then takes ~15 s):  PARTS=checks, then PARTS="bench profile train".
+# fp16). With 15 minutes of device time (the machine's start included, ~1-2 min), make two
+# calls back to back (the machine stays warm for 30 s; setup then takes ~15 s):
+#   PARTS=checks DEADLINE=330, then PARTS="bench profile train" DEADLINE=460
+# (steps cut short by DEADLINE still return what they wrote).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
@@ -95,7 +97,7 @@ if has bench; then
   # every bf16 case so far, its GEMMs being fp32 SIMT by design)
   say "benchmark"
   FASTCL_BENCH_IMPLS=${IMPLS:-eager,compile,torch,triton,triton-graphs,cuda,st-cmnrl,torch-lce,inf-cl} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
-    timeout -s INT -k 15 $(lim ${T_BENCH:-150}) "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
+    timeout -s INT -k 15 $(lim ${T_BENCH:-180}) "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
     -p no:cacheprovider --benchmark-json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   say "benchmark: exit $?"
 fi

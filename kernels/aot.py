@@ -91,13 +91,19 @@ class Result:
     shared: int = 0  # bytes
     mma: str = ""  # the tensor-core instruction found, "" if none
     error: str = ""
+    aligned: bool = False  # compiled with every integer argument a multiple of 16
 
     @property
     def ok(self) -> bool:
         return not self.error and self.shared <= self.shared_limit and (bool(self.mma) or not self.needs_mma)
 
 
-def _ast_source(launch: Launch, cfg):
+def _ast_source(launch: Launch, cfg, aligned: bool = False):
+    """The launch's source for ``triton.compile``. Pointers are 16-byte aligned (torch's
+    allocations are). ``aligned``: every integer argument too is a multiple of 16, as Triton
+    specialises them at run time when they are (d = 768, B and N multiples of 16). Only then
+    can the loads be multi-buffered, so registers and shared memory differ: unaligned is the
+    worst case for registers, aligned for shared memory."""
     import triton
     from triton.compiler import ASTSource
 
@@ -110,8 +116,11 @@ def _ast_source(launch: Launch, cfg):
         if name not in types and name not in constexprs:
             raise KeyError(f"{launch.kernel}: argument {name} is in neither the launch nor the config")
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    divisible = ("*", "i32", "i64") if aligned else ("*",)
     attrs = {
-        (i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if types.get(name, "").startswith("*")
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if types.get(name, "").startswith(divisible)
     }
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
@@ -123,7 +132,7 @@ def _ptxas_usage(log: str) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), (int(spills.group(1)) + int(spills.group(2)) if spills else -1)
 
 
-def _compile(launch: Launch, arch: str, cfg, frontend_only: bool):
+def _compile(launch: Launch, arch: str, cfg, frontend_only: bool, aligned: bool = False):
     """``(compiled or None, ptxas log)``: the full pipeline, or only the frontend to TTIR."""
     import triton
     from triton import knobs
@@ -132,7 +141,7 @@ def _compile(launch: Launch, arch: str, cfg, frontend_only: bool):
     target = GPUTarget("cuda", CAPABILITY[arch], 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    src = _ast_source(launch, cfg)
+    src = _ast_source(launch, cfg, aligned)
     if frontend_only:
         from triton._C.libtriton import ir
 
@@ -156,8 +165,9 @@ def _compile(launch: Launch, arch: str, cfg, frontend_only: bool):
     return compiled, log.getvalue()
 
 
-def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False) -> Result:
-    """Compile one pair for one arch; compile errors come back in ``Result.error``."""
+def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False, aligned: bool = False) -> Result:
+    """Compile one pair for one arch (``aligned``: see :func:`_ast_source`); compile errors
+    come back in ``Result.error``."""
     config = " ".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f" w{cfg.num_warps} s{cfg.num_stages}"
     common = dict(
         kernel=launch.kernel,
@@ -166,9 +176,10 @@ def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False) -> 
         config=config.strip(),
         shared_limit=SMEM_LIMIT[arch],
         needs_mma=uses_dot(launch) and not frontend_only,
+        aligned=aligned,
     )
     try:
-        compiled, log = _compile(launch, arch, cfg, frontend_only)
+        compiled, log = _compile(launch, arch, cfg, frontend_only, aligned)
     except Exception as exc:  # reported per row; the test fails on any
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
         return Result(**common, error=f"{type(exc).__name__}: {' | '.join(lines[:3])}"[:400])
@@ -207,26 +218,32 @@ def representatives(launches: list[Launch] | None = None) -> list[Launch]:
 
 
 def _run_job(job) -> Result:
-    launch, arch, index, frontend_only = job
-    return compile_one(launch, arch, configs(launch, arch)[index], frontend_only)
+    launch, arch, index, frontend_only, aligned = job
+    return compile_one(launch, arch, configs(launch, arch)[index], frontend_only, aligned)
 
 
 def compile_all(
-    archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True, every_spec: bool = False
+    archs=ARCHS,
+    kernel: str | None = None,
+    workers: int = 1,
+    progress: bool = True,
+    every_spec: bool = False,
+    alignments=(False, True),
 ) -> list[Result]:
     """Fully compile every config of :func:`representatives` (or of every launch) for each
-    arch, and run every other launch's first config through the frontend, in ``workers``
-    processes; one :class:`Result` each, in order."""
+    arch and each of ``alignments`` (:func:`_ast_source`), and run every other launch's first
+    config through the frontend, in ``workers`` processes; one :class:`Result` each, in order."""
     from tqdm import tqdm
 
     launches = all_launches()
     full = set(launches if every_spec else representatives(launches))
     todo = [
-        (launch, arch, i, launch not in full)
+        (launch, arch, i, launch not in full, aligned)
         for launch in launches
         if not kernel or launch.kernel == kernel
         for arch in archs
         for i in range(len(configs(launch, arch)) if launch in full else 1)
+        for aligned in (alignments if launch in full else alignments[:1])
     ]
     with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
         results = pool.map(_run_job, todo) if pool else map(_run_job, todo)
@@ -235,15 +252,14 @@ def compile_all(
 
 def table(results: list[Result]) -> str:
     """Markdown table of the results."""
-    head = (
-        "| kernel | specialisation | arch | config | regs | spill B | ld/st.local | smem KiB (limit) | mma | status |"
-    )
-    rows = [head, "|" + "---|" * 10]
+    head = "| kernel | specialisation | arch | sizes | config | regs | spill B | ld/st.local | smem KiB (limit) | mma | status |"
+    rows = [head, "|" + "---|" * 11]
     results = [r for r in results if r.registers >= 0 or r.error]  # frontend-only rows have no facts
     for r in results:
         status = "ok" if r.ok else ("ERROR " + r.error if r.error else "FAIL")
         rows.append(
-            f"| {r.kernel} | {r.spec} | {r.arch} | {r.config} | {r.registers} | {r.spill_bytes} | "
+            f"| {r.kernel} | {r.spec} | {r.arch} | {'x16' if r.aligned else 'any'} | {r.config} | {r.registers} | "
+            f"{r.spill_bytes} | "
             f"{r.local_ptx} | {r.shared / 1024:.1f} ({r.shared_limit // 1024}) | {r.mma or '-'} | {status} |"
         )
     return "\n".join(rows)
@@ -256,6 +272,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     every = "fully compile every specialisation, not one per kernel and dtype class (hours on a small CPU)"
     parser.add_argument("--every-spec", action="store_true", help=every)
+    sizes = "integer arguments of any value (worst case for registers), multiples of 16 (x16: pipelined loads, "
+    parser.add_argument("--sizes", choices=("any", "x16", "both"), default="both", help=sizes + "most shared memory)")
     args = parser.parse_args(argv)
     if INTERPRET:
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the kernels AOT compiles")
@@ -263,7 +281,8 @@ def main(argv=None) -> int:
     unknown = set(archs) - set(ARCHS)
     if unknown:
         parser.error(f"unknown arch {sorted(unknown)}; choose from {ARCHS}")
-    results = compile_all(archs, args.kernel, args.jobs, every_spec=args.every_spec)
+    alignments = {"any": (False,), "x16": (True,), "both": (False, True)}[args.sizes]
+    results = compile_all(archs, args.kernel, args.jobs, every_spec=args.every_spec, alignments=alignments)
     print(table(results))
     bad = [r for r in results if not r.ok]
     print(f"\n{len(results)} compiled, {len(bad)} failed", file=sys.stderr)

@@ -22,7 +22,7 @@ flag, ``floor_s`` and ``floor_share`` (floor / time), peak memory (CPU: extra pe
 of a fresh process running one step, forked per case from a probe server that imported
 the libraries once, ``fastcl.bench.memory``; CUDA: max allocated beyond the inputs),
 achieved TFLOP/s on ``8 * B * N * d`` and its share of a GEMM of the same shape,
-``threads``, ``compile_s`` (``compile``, ``triton-graphs``: seconds of its first calls beyond a step),
+``threads``, ``compile_s`` (implementations that compile: seconds of their first calls beyond a step),
 ``cold_s`` (first value check + first step), the load average before and after the case.
 
     pytest benchmarks --benchmark-only                       # CPU grid (a few minutes)
@@ -290,7 +290,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             cold_s=info["check_s"] + result.first_s[impl],
             floor_share=share_of_floor(floor_s, best),
         )
-        if impl in ("compile", "triton-graphs"):  # first calls compile (the check's forward, then fwd + bwd)
+        if peers.IMPLS[impl].compiles:  # its first calls compile (the check's forward, then fwd + bwd)
             info["compile_s"] = max(0.0, info["cold_s"] - best)
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -54,6 +54,17 @@ def measure_extra_rss(run, warmup: bool = True) -> int:
 _PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "FASTCL_CPP_KEEP_BYTES": "0"}
 
 
+def _probe_env(threads: int | None) -> dict:
+    """A probe's environment: ours, ``_PROBE_ENV`` and, if given, its intra-op thread count
+    (OMP/MKL_NUM_THREADS, read when torch starts)."""
+    import os
+
+    env = {**os.environ, **_PROBE_ENV}
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
 def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600, threads: int | None = None) -> int:
     """Run ``factory(**kwargs)()`` in a fresh Python process and return its extra peak RSS.
 
@@ -61,13 +72,8 @@ def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600, threa
     zero-argument callable to measure. ``threads``: the probe's intra-op thread count
     (default inherited; the cpp backend's tile budget has a per-thread floor, docs/csrc.md).
     """
-    import os
-
     cmd = [sys.executable, "-m", "fastcl.bench.memory", factory, json.dumps(kwargs)]
-    env = {**os.environ, **_PROBE_ENV}
-    if threads is not None:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_probe_env(threads))
     if out.returncode != 0:
         raise RuntimeError(f"memory probe failed ({' '.join(cmd)}):\n{out.stderr[-4000:]}")
     return int(json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"])
@@ -85,14 +91,9 @@ def cpu_extra_peak_bytes_many(
     ``threads``: the intra-op thread count of the probes (OMP/MKL_NUM_THREADS, read when
     torch starts; per-thread scratch buffers make memory depend on it), default inherited.
     """
-    import os
-
     payload = json.dumps({"factory": factory, "cases": cases, "preload": list(preload)})
     cmd = [sys.executable, "-m", "fastcl.bench.memory", "--many"]
-    env = {**os.environ, **_PROBE_ENV}
-    if threads is not None:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout, env=env)
+    out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout, env=_probe_env(threads))
     if out.returncode != 0:
         raise RuntimeError(f"memory probe server failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_bytes"]

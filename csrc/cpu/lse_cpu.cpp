@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "gemm_tile.h"
 #include "head.h"
 #include "prepare.h"
 #include "rows.h"
@@ -315,6 +316,90 @@ void zero_padded_rows(const Prepared<T>& p, const Sweep<T>& sw) {
   }
 }
 
+// ------------------------------------------------------------------ step 1 by fastcl's GEMM tile
+
+// Whether step 1 (S = A_blk C^T) of B anchors uses fastcl's GEMM tile (gemm_tile.h) instead of
+// MKL: FASTCL_CPP_GEMM=own, or by default from kMinTileAnchors anchors on CPUs other than
+// Intel's, where MKL runs its generic kernels (docs/csrc.md, "Own GEMM tile": fewer anchors do
+// not repay packing the candidates); FASTCL_CPP_GEMM=mkl: MKL everywhere.
+constexpr int64_t kMinTileAnchors = 512;
+bool own_gemm_wanted(int64_t B) {
+  const char* env = std::getenv("FASTCL_CPP_GEMM");
+  const std::string_view v = env ? env : "";
+  TORCH_CHECK(v.empty() || v == "auto" || v == "own" || v == "mkl", "fastcl: FASTCL_CPP_GEMM=", v,
+              "; expected auto, own or mkl");
+  TORCH_CHECK(v != "own" || gemm::kAvailable, "fastcl: FASTCL_CPP_GEMM=own needs the AVX-512 build of the cpp "
+              "backend (this one targets ", FASTCL_CPU_TARGET, ")");
+  if (v == "own" || v == "mkl") return v == "own";
+  static const bool intel = gemm::cpu_vendor_is_intel();
+  return gemm::kAvailable && !intel && B >= kMinTileAnchors;
+}
+
+// The candidates packed once per sweep (the MKL path packs them again for every block), the
+// block's anchors packed once per block, and a tile per thread.
+struct Tiles {
+  int64_t panels = 0, threads = 0;
+  at::Tensor packed;   // [panels, d, kCols] (gemm::pack_panel)
+  at::Tensor rows;     // [tiles(H), d, kRows] the block's anchors (gemm::pack_rows)
+  at::Tensor scratch;  // [threads, kRows, kCols] a tile that does not fit the block's edges
+};
+
+// Tiles for a float sweep of one prefix (Matryoshka slices keep MKL's addmm), or none.
+template <typename T>
+Tiles make_tiles(const Prepared<T>& p, int64_t threads, int64_t H) {
+  Tiles tl;
+  if (!own_gemm_wanted(p.B) || !std::is_same_v<T, float> || p.ends.size() != 1 || p.N == 0 || p.d == 0) return tl;
+  tl.panels = gemm::num_panels(p.N), tl.threads = threads;
+  const auto opt = p.a.options();
+  const int64_t d = p.d;
+  tl.packed = at::empty({tl.panels, d, gemm::kCols}, opt);
+  const T *c0 = p.c0.template data_ptr<T>(), *c1 = p.c1.template data_ptr<T>();
+  T* packed = tl.packed.template data_ptr<T>();
+  parallel(0, tl.panels, 8, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      gemm::pack_panel(packed, q, p.N, d, [&](int64_t c) { return c < p.N0 ? c0 + c * d : c1 + (c - p.N0) * d; });
+    }
+  });
+  tl.rows = at::empty({gemm::num_tiles(H), d, gemm::kRows}, opt);
+  tl.scratch = at::empty({threads, gemm::kRows, gemm::kCols}, opt);
+  return tl;
+}
+
+// Step 1 of a block of h anchors at r0 by the tile: S [h, N] (row stride N). Thread t takes
+// panels [t P / T, (t + 1) P / T) in groups of ~64 KB, each group under every row tile, so that
+// S is written row by row in spans of the group's width (a column strip of S would touch a
+// page per row) while the group stays in L2.
+template <typename T>
+void tiled_raw_dots(const Prepared<T>& p, const Tiles& tl, T* s, int64_t r0, int64_t h) {
+  const int64_t d = p.d, N = p.N, R = gemm::kRows, C = gemm::kCols;
+  const T* a_blk = p.a.template data_ptr<T>() + r0 * d;
+  const T* packed = tl.packed.template data_ptr<T>();
+  const int64_t group = std::max<int64_t>(1, (int64_t(1) << 14) / (d * C));
+  T* rows = tl.rows.template data_ptr<T>();
+  parallel(0, gemm::num_tiles(h), 8, [&](int64_t t0, int64_t t1) { gemm::pack_rows(rows, a_blk, h, d, t0, t1); });
+  parallel(0, tl.threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      T* scratch = tl.scratch[t].template data_ptr<T>();
+      const int64_t q0 = tl.panels * t / tl.threads, q1 = tl.panels * (t + 1) / tl.threads;
+      for (int64_t g = q0; g < q1; g += group) {
+        for (int64_t i = 0; i < h; i += R) {
+          const int64_t n = std::min(R, h - i);
+          for (int64_t q = g; q < std::min(g + group, q1); ++q) {
+            const int64_t c = q * C, w = std::min(C, N - c);
+            T* out = s + i * N + c;
+            if (n == R && w == C) {
+              gemm::tile(rows + (i / R) * d * R, packed + q * d * C, d, out, N);
+            } else {  // an edge: the tile's rows or columns beyond the block are not written
+              gemm::tile(rows + (i / R) * d * R, packed + q * d * C, d, scratch, C);
+              for (int64_t r = 0; r < n; ++r) std::copy_n(scratch + r * C, w, out + r * N);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 // One block of H anchor rows at a time, every thread working on it, each GEMM split along
 // a dimension of C so that a thread reads (and MKL packs) only its share per block:
 //   1. S = A_blk C^T by candidate shares   2. row passes by rows
@@ -342,6 +427,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
   at::Tensor buf = block_buffer({tiles, H, p.N}, p.a.options());
   const at::Tensor a_scaled = sw.row_factor ? at::empty({H, d}, p.a.options()) : at::Tensor();
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
+  const Tiles tiles_1 = make_tiles(p, T_, H);  // step 1 by fastcl's GEMM tile (or MKL: none)
   // radial sums of the candidates, one [K, N] partial per row task (summed in task order)
   at::Tensor col_rad = sw.row_rad ? at::zeros({T_, K, p.N}, p.a.options()) : at::Tensor();
   auto slice = [&](int64_t k) { return std::make_pair(k ? p.ends[k - 1] : 0, p.ends[k] - (k ? p.ends[k - 1] : 0)); };
@@ -366,7 +452,8 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
         }
       });
     };
-    raw_dots(0);
+    if (tiles_1.packed.defined()) tiled_raw_dots(p, tiles_1, tile(0).template data_ptr<T>(), r0, h);
+    else raw_dots(0);
     for (int64_t k = 0; k < K; ++k) {
       if (k + 1 < K) raw_dots(k + 1);
       T* s = tile(k).template data_ptr<T>();

@@ -1,0 +1,167 @@
+"""fastcl's GEMM tile (``csrc/cpu/gemm_tile.h``): step 1 of a float32 sweep, ``S = A C^T``, by the
+tile instead of MKL (``FASTCL_CPP_GEMM``; docs/csrc.md, "Own GEMM tile").
+
+The tile computes ``kRows x kCols = 12 x 32`` outputs at a time from candidates packed once per
+sweep, so the cases put block and panel edges everywhere: anchors and candidates not multiples
+of 12 or 32, forced block heights, two candidate blocks, padding, owner tags, folded own
+positives, non-finite rows, one and two threads. Each is checked against the ``torch``
+backend in float64 on the same float32 inputs, and against the MKL path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastcl.losses import infonce_loss
+from fastcl.ops import _cpp
+from fastcl.ops._torch_impl import TorchLSE
+from fastcl.ops.contract import TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
+from tests.helpers.backends import require
+from tests.kernels.test_cpp import _head, _problem
+
+TILE = _cpp._capability == "AVX512"
+needs_tile = pytest.mark.skipif(not TILE, reason=f"the GEMM tile needs the AVX-512 build (this is {_cpp._capability})")
+
+
+@pytest.fixture(autouse=True)
+def cpp_backend():
+    require("cpp")
+
+
+def _as(prob: LSEProblem, dtype) -> LSEProblem:
+    return LSEProblem(
+        prob.anchor.to(dtype), tuple(b.to(dtype) for b in prob.blocks), prob.tags, prob.cosine, positives=prob.positives
+    )
+
+
+def _fused(monkeypatch, gemm: str, prob, head, tau):
+    monkeypatch.setenv("FASTCL_CPP_GEMM", gemm)
+    with poison_outputs():
+        return _cpp.CppLSE().fused(prob, tau, head)
+
+
+def _close(got, want, tol):
+    for name in ("lse", "mean_logit", "loss_rows", "d_pos", "d_anchor", "g_dot_mean_logit"):
+        torch.testing.assert_close(getattr(got, name).double(), getattr(want, name).double(), rtol=tol, atol=tol, msg=name)
+    for g, w in zip(got.d_blocks, want.d_blocks):
+        torch.testing.assert_close(g.double(), w.double(), rtol=tol, atol=tol)
+
+
+@needs_tile
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", ["", "5"])
+@pytest.mark.parametrize(
+    "B, N1, d, folded",
+    [(1, 0, 1, False), (13, 7, 5, True), (37, 29, 33, True), (50, 0, 130, False), (64, 40, 128, True)],
+)
+def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
+    """The fused step with step 1 by the tile matches the float64 torch backend on the same
+    float32 inputs (and the MKL path) across block, row-tile and panel edges."""
+    monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
+    g = torch.Generator().manual_seed(B * 31 + d)
+    P = 2
+    prob64 = _problem(B, 3 + P * B + 4, N1, d, gen=g, positives=OwnPositives(3, P) if folded else None)
+    head64 = _head(B, P, "supmpn", g)
+    prob = _as(prob64, torch.float32)
+    head = head64.__class__(head64.kind, head64.pos_logits.float(), head64.pos_mask, None, head64.weights.float())
+    tau = torch.tensor(0.05)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        own = _fused(monkeypatch, "own", prob, head, tau)
+        mkl = _fused(monkeypatch, "mkl", prob, head, tau)
+    finally:
+        torch.set_num_threads(before)
+    want = TorchLSE().fused(_as(prob, torch.float64), tau.double(), head64.__class__(
+        head.kind, head.pos_logits.double(), head.pos_mask, None, head.weights.double()))
+    _close(own, want, 2e-4)
+    _close(own, mkl, 2e-4)
+
+
+@needs_tile
+def test_forward_and_recompute_backward_by_the_tile(monkeypatch):
+    """Step 1 is shared by every mode: the forward and the recompute backward take the tile too."""
+    prob = _as(_problem(29, 2 * 29 + 5, 11, 37, positives=OwnPositives(1, 2)), torch.float32)
+    tau = torch.tensor(0.1)
+    g = torch.randn(29)
+    d_pos = torch.randn(29, 2)
+    out = {}
+    for gemm in ("own", "mkl"):
+        monkeypatch.setenv("FASTCL_CPP_GEMM", gemm)
+        with poison_outputs():
+            lse, ml = _cpp.CppLSE().forward(prob, tau)
+            grads = _cpp.CppLSE().backward(prob, tau, lse, g, d_pos)
+        out[gemm] = (lse, ml, grads[0], *grads[1])
+    for x, y in zip(out["own"], out["mkl"]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@needs_tile
+def test_nonfinite_rows_by_the_tile(monkeypatch):
+    """A NaN anchor row makes its row NaN and nothing else; a NaN in a padded candidate has no
+    influence; a NaN in a valid candidate reaches every row that sees it."""
+    monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
+    g = torch.Generator().manual_seed(4)
+    B, N, d = 25, 70, 20
+    a, c = torch.randn(B, d, generator=g), torch.randn(N, d, generator=g)
+    tags = torch.full((N,), -1, dtype=torch.int32)
+    tags[40] = TAG_PADDING
+    empty = (torch.empty(0, d), torch.empty(0, dtype=torch.int32))
+    head = _head(B, 1, "supcon", g, torch.float32, masks=False)
+    tau = torch.tensor(0.05)
+
+    def run(a, c):
+        prob = LSEProblem(a, (c, empty[0]), (tags, empty[1]))
+        with poison_outputs():
+            return _cpp.CppLSE().fused(prob, tau, head)
+
+    clean = run(a, c)
+    padded = c.clone()
+    padded[40] = float("nan")
+    got = run(a, padded)
+    assert torch.equal(got.lse, clean.lse) and torch.equal(got.d_blocks[0], clean.d_blocks[0])
+    bad_anchor = a.clone()
+    bad_anchor[7, 3] = float("nan")
+    got = run(bad_anchor, c)
+    assert torch.isnan(got.lse[7]) and torch.isfinite(got.lse[torch.arange(B) != 7]).all()
+    bad_candidate = c.clone()
+    bad_candidate[65, 0] = float("nan")
+    assert torch.isnan(run(a, bad_candidate).lse).all()
+
+
+@needs_tile
+def test_tile_is_deterministic(monkeypatch):
+    monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
+    prob = _as(_problem(150, 300, 200, 24), torch.float32)
+    head = _head(150, 2, "supcon", torch.Generator().manual_seed(1), torch.float32)
+    runs = [_cpp.CppLSE().fused(prob, torch.tensor(0.05), head) for _ in range(2)]
+    assert torch.equal(runs[0].d_anchor, runs[1].d_anchor) and torch.equal(runs[0].d_blocks[0], runs[1].d_blocks[0])
+
+
+def test_gemm_choice_is_checked(monkeypatch):
+    prob = _as(_problem(3, 4, 2, 5), torch.float32)
+    monkeypatch.setenv("FASTCL_CPP_GEMM", "blas")
+    with pytest.raises(RuntimeError, match="FASTCL_CPP_GEMM=blas; expected auto, own or mkl"):
+        _cpp.CppLSE().forward(prob, torch.tensor(0.1))
+    if not TILE:
+        monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
+        with pytest.raises(RuntimeError, match="needs the AVX-512 build"):
+            _cpp.CppLSE().forward(prob, torch.tensor(0.1))
+
+
+def test_loss_on_the_default_path_matches_the_reference(monkeypatch):
+    """B = 600 >= the tile's threshold: the automatic choice (the tile on non-Intel AVX-512 CPUs,
+    MKL elsewhere) through the public loss, against the float64 reference."""
+    monkeypatch.delenv("FASTCL_CPP_GEMM", raising=False)
+    g = torch.Generator().manual_seed(9)
+    a, p = torch.randn(600, 64, generator=g), torch.randn(600, 64, generator=g)
+    a64, p64 = a.double().requires_grad_(), p.double().requires_grad_()
+    a, p = a.requires_grad_(), p.requires_grad_()
+    got = infonce_loss(a, p, backend="cpp")
+    got.backward()
+    want = infonce_loss(a64, p64, backend="reference")
+    want.backward()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.grad.double(), a64.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-4, atol=1e-7)

@@ -43,7 +43,9 @@ def _fused(monkeypatch, gemm: str, prob, head, tau):
 
 def _close(got, want, tol):
     for name in ("lse", "mean_logit", "loss_rows", "d_pos", "d_anchor", "g_dot_mean_logit"):
-        torch.testing.assert_close(getattr(got, name).double(), getattr(want, name).double(), rtol=tol, atol=tol, msg=name)
+        torch.testing.assert_close(
+            getattr(got, name).double(), getattr(want, name).double(), rtol=tol, atol=tol, msg=name
+        )
     for g, w in zip(got.d_blocks, want.d_blocks):
         torch.testing.assert_close(g.double(), w.double(), rtol=tol, atol=tol)
 
@@ -73,8 +75,11 @@ def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
         mkl = _fused(monkeypatch, "mkl", prob, head, tau)
     finally:
         torch.set_num_threads(before)
-    want = TorchLSE().fused(_as(prob, torch.float64), tau.double(), head64.__class__(
-        head.kind, head.pos_logits.double(), head.pos_mask, None, head.weights.double()))
+    want = TorchLSE().fused(
+        _as(prob, torch.float64),
+        tau.double(),
+        head64.__class__(head.kind, head.pos_logits.double(), head.pos_mask, None, head.weights.double()),
+    )
     _close(own, want, 2e-4)
     _close(own, mkl, 2e-4)
 

@@ -335,13 +335,12 @@ bool own_gemm_wanted(int64_t B) {
   return gemm::kAvailable && !intel && B >= kMinTileAnchors;
 }
 
-// The candidates packed once per sweep (the MKL path packs them again for every block), the
-// block's anchors packed once per block, and a tile per thread.
+// Per-thread buffers: a group of packed candidate panels and a tile at the block's edges.
 struct Tiles {
-  int64_t panels = 0, threads = 0;
-  at::Tensor packed;   // [panels, d, kCols] (gemm::pack_panel)
-  at::Tensor rows;     // [tiles(H), d, kRows] the block's anchors (gemm::pack_rows)
-  at::Tensor scratch;  // [threads, kRows, kCols] a tile that does not fit the block's edges
+  int64_t group = 0, threads = 0;  // panels per group (~64 KB), threads
+  at::Tensor panels;               // [threads, group, d, kCols] (gemm::pack_panel)
+  at::Tensor rows;                 // [tiles(H), d, kRows] the block's anchors (gemm::pack_rows)
+  at::Tensor scratch;              // [threads, kRows, kCols]
 };
 
 // Tiles for a float sweep of one prefix (Matryoshka slices keep MKL's addmm), or none.
@@ -349,48 +348,48 @@ template <typename T>
 Tiles make_tiles(const Prepared<T>& p, int64_t threads, int64_t H) {
   Tiles tl;
   if (!own_gemm_wanted(p.B) || !std::is_same_v<T, float> || p.ends.size() != 1 || p.N == 0 || p.d == 0) return tl;
-  tl.panels = gemm::num_panels(p.N), tl.threads = threads;
+  tl.group = std::max<int64_t>(1, (int64_t(1) << 14) / (p.d * gemm::kCols)), tl.threads = threads;
   const auto opt = p.a.options();
-  const int64_t d = p.d;
-  tl.packed = at::empty({tl.panels, d, gemm::kCols}, opt);
-  const T *c0 = p.c0.template data_ptr<T>(), *c1 = p.c1.template data_ptr<T>();
-  T* packed = tl.packed.template data_ptr<T>();
-  parallel(0, tl.panels, 8, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) {
-      gemm::pack_panel(packed, q, p.N, d, [&](int64_t c) { return c < p.N0 ? c0 + c * d : c1 + (c - p.N0) * d; });
-    }
-  });
-  tl.rows = at::empty({gemm::num_tiles(H), d, gemm::kRows}, opt);
+  tl.panels = at::empty({threads, tl.group, p.d, gemm::kCols}, opt);
+  tl.rows = at::empty({gemm::num_tiles(H), p.d, gemm::kRows}, opt);
   tl.scratch = at::empty({threads, gemm::kRows, gemm::kCols}, opt);
   return tl;
 }
 
-// Step 1 of a block of h anchors at r0 by the tile: S [h, N] (row stride N). Thread t takes
-// panels [t P / T, (t + 1) P / T) in groups of ~64 KB, each group under every row tile, so that
-// S is written row by row in spans of the group's width (a column strip of S would touch a
-// page per row) while the group stays in L2.
+// Step 1 of a block of h anchors at r0 by the tile: S [h, N] (row stride N). The block's anchors
+// are packed once (shared); thread t takes panels [t P / T, (t + 1) P / T) in groups of ~64 KB,
+// packs each group (once per block, as MKL does: no packed copy of all candidates) and runs
+// every row tile over it, so that S is written row by row in spans of the group's width (a
+// column strip of S would touch a page per row) while the group stays in L2.
 template <typename T>
 void tiled_raw_dots(const Prepared<T>& p, const Tiles& tl, T* s, int64_t r0, int64_t h) {
-  const int64_t d = p.d, N = p.N, R = gemm::kRows, C = gemm::kCols;
+  const int64_t d = p.d, N = p.N, R = gemm::kRows, C = gemm::kCols, panels = gemm::num_panels(N);
   const T* a_blk = p.a.template data_ptr<T>() + r0 * d;
-  const T* packed = tl.packed.template data_ptr<T>();
-  const int64_t group = std::max<int64_t>(1, (int64_t(1) << 14) / (d * C));
+  const T *c0 = p.c0.template data_ptr<T>(), *c1 = p.c1.template data_ptr<T>();
   T* rows = tl.rows.template data_ptr<T>();
   parallel(0, gemm::num_tiles(h), 8, [&](int64_t t0, int64_t t1) { gemm::pack_rows(rows, a_blk, h, d, t0, t1); });
   parallel(0, tl.threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
+      T* group = tl.panels[t].template data_ptr<T>();
       T* scratch = tl.scratch[t].template data_ptr<T>();
-      const int64_t q0 = tl.panels * t / tl.threads, q1 = tl.panels * (t + 1) / tl.threads;
-      for (int64_t g = q0; g < q1; g += group) {
+      const int64_t q0 = panels * t / tl.threads, q1 = panels * (t + 1) / tl.threads;
+      for (int64_t g = q0; g < q1; g += tl.group) {
+        const int64_t gn = std::min(tl.group, q1 - g);
+        for (int64_t q = 0; q < gn; ++q) {  // candidate c of the group is candidate g C + c
+          gemm::pack_panel(group, q, N - g * C, d, [&](int64_t c) {
+            c += g * C;
+            return c < p.N0 ? c0 + c * d : c1 + (c - p.N0) * d;
+          });
+        }
         for (int64_t i = 0; i < h; i += R) {
           const int64_t n = std::min(R, h - i);
-          for (int64_t q = g; q < std::min(g + group, q1); ++q) {
-            const int64_t c = q * C, w = std::min(C, N - c);
+          for (int64_t q = 0; q < gn; ++q) {
+            const int64_t c = (g + q) * C, w = std::min(C, N - c);
             T* out = s + i * N + c;
             if (n == R && w == C) {
-              gemm::tile(rows + (i / R) * d * R, packed + q * d * C, d, out, N);
+              gemm::tile(rows + (i / R) * d * R, group + q * d * C, d, out, N);
             } else {  // an edge: the tile's rows or columns beyond the block are not written
-              gemm::tile(rows + (i / R) * d * R, packed + q * d * C, d, scratch, C);
+              gemm::tile(rows + (i / R) * d * R, group + q * d * C, d, scratch, C);
               for (int64_t r = 0; r < n; ++r) std::copy_n(scratch + r * C, w, out + r * N);
             }
           }
@@ -452,7 +451,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
         }
       });
     };
-    if (tiles_1.packed.defined()) tiled_raw_dots(p, tiles_1, tile(0).template data_ptr<T>(), r0, h);
+    if (tiles_1.rows.defined()) tiled_raw_dots(p, tiles_1, tile(0).template data_ptr<T>(), r0, h);
     else raw_dots(0);
     for (int64_t k = 0; k < K; ++k) {
       if (k + 1 < K) raw_dots(k + 1);

@@ -170,3 +170,16 @@ def test_loss_on_the_default_path_matches_the_reference(monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(a.grad.double(), a64.grad, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-4, atol=1e-7)
+
+
+@needs_tile
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_take_the_tile_through_their_float32_copy(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(6)
+    prob = _as(_problem(40, 90, 13, 48, gen=g), dtype)
+    head = _head(40, 2, "supcon", g, torch.float32)
+    tau = torch.tensor(0.05)
+    own = _fused(monkeypatch, "own", prob, head, tau)
+    mkl = _fused(monkeypatch, "mkl", prob, head, tau)
+    assert own.d_anchor.dtype == torch.float32
+    _close(own, mkl, 1e-5)

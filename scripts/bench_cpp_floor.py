@@ -7,6 +7,7 @@ with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_*``, read per ca
 loaded machine hits all of them alike. Prints min time and share of the floor.
 
     python scripts/bench_cpp_floor.py --B 512 --N 40960 --d 768 --env base= --env R128=FASTCL_CPP_ROWS=128
+    python scripts/bench_cpp_floor.py --loss infonce --B 1024 --P 1 --Q 0 --d 128 --impl cpp --around
 """
 
 from __future__ import annotations
@@ -50,6 +51,45 @@ def fused_step(B: int, N: int, d: int, n1: int = 0, seed: int = 0):
     return step
 
 
+def around_the_op(step):
+    """``(op, minimal)`` for a ``cpp`` loss step: its own ``lse_fused`` call with the arguments
+    it passed (outputs reused), and that call inside a minimal ``torch.autograd.Function`` (fresh
+    outputs, ``loss_rows.sum()``, the stored gradients handed back): what any autograd loss
+    around the op costs, without fastcl's Python (docs/csrc.md, "Fifth look")."""
+    ns, real, seen = torch.ops.fastcl, torch.ops.fastcl.lse_fused, {}
+
+    def spy(*a, **k):
+        seen.update(a=a, k=k)
+        return real(*a, **k)
+
+    ns.lse_fused = spy
+    try:
+        step()
+    finally:
+        ns.lse_fused = real
+    args, out = [x.detach() if isinstance(x, torch.Tensor) else x for x in seen["a"]], seen["k"]
+
+    class Minimal(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, c0):
+            fresh = {n: torch.empty_like(v) for n, v in out.items()}
+            real(a, c0, *args[2:], **fresh)
+            ctx.save_for_backward(fresh["d_anchor"], fresh["d_block0"])
+            return fresh["loss_rows"].sum()
+
+        @staticmethod
+        def backward(ctx, _):
+            return ctx.saved_tensors
+
+    a, c0 = (t.clone().requires_grad_() for t in args[:2])
+
+    def minimal():
+        a.grad = c0.grad = None
+        Minimal.apply(a, c0).backward()
+
+    return (lambda: real(*args, **out)), minimal
+
+
 def with_env(step, env: dict[str, str]):
     def run():
         saved = {k: os.environ.get(k) for k in env}
@@ -88,6 +128,11 @@ def main() -> None:
         default=[],
         help="name=VAR=value[,VAR=value] (name= for defaults): variants of the op, or with --loss of the first --impl",
     )
+    ap.add_argument(
+        "--around",
+        action="store_true",
+        help="with --loss: also the op alone with the loss's arguments and inside a minimal autograd Function",
+    )
     ap.add_argument("--budget", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument(
@@ -109,6 +154,8 @@ def main() -> None:
 
         for impl in args.impl or ["cpp", "torch"]:
             steps[impl] = loss_step(args.loss, impl, args.B, args.P, args.Q, args.d)
+        if args.around:  # a single-block loss (one candidate block): infonce, supcon without negatives
+            steps["op"], steps["minimal"] = around_the_op(loss_step(args.loss, "cpp", args.B, args.P, args.Q, args.d))
     # --env variants wrap the op call, or with --loss the first implementation's step
     base = steps[(args.impl or ["cpp"])[0]] if args.loss else fused_step(args.B, args.N, args.d, args.N1)
     for spec in args.env or ([] if args.loss else ["cpp="]):

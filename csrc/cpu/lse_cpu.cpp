@@ -343,11 +343,13 @@ struct Tiles {
   at::Tensor scratch;              // [threads, kRows, kCols]
 };
 
-// Tiles for a float sweep of one prefix (Matryoshka slices keep MKL's addmm), or none.
+// Tiles for a float sweep of a plain problem, or none: Matryoshka prefixes keep MKL, a single
+// prefix shorter than d included (the tile multiplies whole rows).
 template <typename T>
 Tiles make_tiles(const Prepared<T>& p, int64_t threads, int64_t H) {
   Tiles tl;
-  if (!own_gemm_wanted(p.B) || !std::is_same_v<T, float> || p.ends.size() != 1 || p.N == 0 || p.d == 0) return tl;
+  const bool plain = p.ends.size() == 1 && p.ends[0] == p.d;
+  if (!own_gemm_wanted(p.B) || !std::is_same_v<T, float> || !plain || p.N == 0 || p.d == 0) return tl;
   tl.group = std::max<int64_t>(1, (int64_t(1) << 14) / (p.d * gemm::kCols)), tl.threads = threads;
   const auto opt = p.a.options();
   tl.panels = at::empty({threads, tl.group, p.d, gemm::kCols}, opt);

@@ -10,6 +10,11 @@ backend in float64 on the same float32 inputs, and against the MKL path.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,6 +25,7 @@ from fastcl.ops.contract import TAG_PADDING, LSEProblem, OwnPositives, poison_ou
 from tests.helpers.backends import require
 from tests.kernels.test_cpp import _head, _problem
 
+ROOT = Path(__file__).resolve().parents[2]
 TILE = _cpp._capability == "AVX512"
 needs_tile = pytest.mark.skipif(not TILE, reason=f"the GEMM tile needs the AVX-512 build (this is {_cpp._capability})")
 
@@ -183,3 +189,34 @@ def test_16_bit_inputs_take_the_tile_through_their_float32_copy(monkeypatch, dty
     mkl = _fused(monkeypatch, "mkl", prob, head, tau)
     assert own.d_anchor.dtype == torch.float32
     _close(own, mkl, 1e-5)
+
+
+@needs_tile
+def test_a_single_matryoshka_prefix_keeps_mkl(monkeypatch):
+    """dims = (m,) with m < d is one prefix but not the whole row: the tile (whole rows) must
+    not take it. Forced "own" must give the prefix's values, as "mkl" and the plain problem on
+    the first m coordinates do."""
+    g = torch.Generator().manual_seed(12)
+    a, b0, b1 = torch.randn(9, 40, generator=g), torch.randn(14, 40, generator=g), torch.randn(3, 40, generator=g)
+    tags = (torch.full((14,), -1, dtype=torch.int32), torch.full((3,), -1, dtype=torch.int32))
+    tau = torch.tensor(0.1)
+    prefix = LSEProblem(a, (b0, b1), tags, dims=(17,))
+    plain = LSEProblem(a[:, :17].contiguous(), (b0[:, :17].contiguous(), b1[:, :17].contiguous()), tags)
+    monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
+    lse, _ = _cpp.CppLSE().forward(prefix, tau)
+    want, _ = _cpp.CppLSE().forward(plain, tau)
+    torch.testing.assert_close(lse[0], want, rtol=1e-6, atol=1e-6)
+
+
+@needs_tile
+@pytest.mark.slow
+def test_cpp_contract_suites_with_the_tile_forced():
+    """The shared contract suites (values, gradients, masks, non-finite rows, Matryoshka,
+    memory) on the cpp backend with the tile forced: their small shapes otherwise take MKL
+    (the automatic rule starts at B = 512). A single Matryoshka prefix shorter than d was
+    found wrong this way before it shipped."""
+    env = dict(os.environ, FASTCL_CPP_GEMM="own", FASTCL_TEST_BACKENDS="cpp")
+    suites = ["tests/ops", "tests/kernels/test_cpp.py", "tests/losses"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *suites]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

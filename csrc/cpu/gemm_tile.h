@@ -1,11 +1,10 @@
-// fastcl's own float32 GEMM tile for step 1 of the fused sweep (lse_cpu.cpp): S = A C^T one
-// [kRows, kCols] tile at a time into a small buffer, so that the exp pass runs on each tile
-// while it is in L1 instead of on the whole [H, N] block from L3 (docs/csrc.md, "Own GEMM
-// tile"). AVX-512 builds only; elsewhere available() is false and the sweep calls MKL.
+// fastcl's own float32 GEMM tile for step 1 of the cpp sweep (lse_cpu.cpp, tiled_raw_dots):
+// S = A C^T, kRows x kCols outputs per call, where MKL runs generic kernels (docs/csrc.md,
+// "Own GEMM tile"). AVX-512 builds only; elsewhere kAvailable is false and the sweep calls MKL.
 //
-// Candidates are packed once per sweep into panels of kCols columns, k-major (a panel of
-// d = 128 is 16 KB: it stays in L1 while every row tile of the block passes over it); the
-// anchors of a block into row tiles of kRows, k-major. Each output is the plain sum
+// A block's anchors are packed into row tiles of kRows, k-major; each thread packs its
+// candidates into panels of kCols columns, k-major, a group of panels (~64 KB) at a time, and
+// runs every row tile over the group while it is in L2. Each output is the plain sum
 // a_0 c_0 + a_1 c_1 + ... in k order with one fused multiply-add per term.
 #pragma once
 
@@ -55,8 +54,8 @@ inline bool cpu_vendor_is_intel() {
 inline int64_t num_panels(int64_t n) { return (n + kCols - 1) / kCols; }
 inline int64_t num_tiles(int64_t rows) { return (rows + kRows - 1) / kRows; }
 
-// Panel q of `out` ([num_panels(N), d, kCols]) from candidates [q kCols, (q + 1) kCols) of the
-// two blocks side by side (row(c) gives candidate c's [d] row); columns beyond N are zero.
+// Panel q of `out` ([panels, d, kCols]) from candidates [q kCols, (q + 1) kCols) (row(c) gives
+// candidate c's [d] row); columns beyond N are zero.
 template <typename T, typename RowOf>
 void pack_panel(T* out, int64_t q, int64_t N, int64_t d, const RowOf& row) {
   T* dst = out + q * d * kCols;

@@ -1,8 +1,8 @@
 """fastcl's GEMM tile (``csrc/cpu/gemm_tile.h``): step 1 of a float32 sweep, ``S = A C^T``, by the
 tile instead of MKL (``FASTCL_CPP_GEMM``; docs/csrc.md, "Own GEMM tile").
 
-The tile computes ``kRows x kCols = 12 x 32`` outputs at a time from candidates packed once per
-sweep, so the cases put block and panel edges everywhere: anchors and candidates not multiples
+The tile computes ``kRows x kCols = 12 x 32`` outputs at a time from packed anchors and
+candidate panels, so the cases put block and panel edges everywhere: anchors and candidates not multiples
 of 12 or 32, forced block heights, two candidate blocks, padding, owner tags, folded own
 positives, non-finite rows, one and two threads. Each is checked against the ``torch``
 backend in float64 on the same float32 inputs, and against the MKL path.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,12 @@ def cpp_backend():
 
 
 def _as(prob: LSEProblem, dtype) -> LSEProblem:
-    return LSEProblem(
-        prob.anchor.to(dtype), tuple(b.to(dtype) for b in prob.blocks), prob.tags, prob.cosine, positives=prob.positives
-    )
+    """The same problem in ``dtype`` (the reference's float64 copy of float32 inputs)."""
+    return replace(prob, anchor=prob.anchor.to(dtype), blocks=tuple(b.to(dtype) for b in prob.blocks))
+
+
+def _head_as(head, dtype):
+    return replace(head, pos_logits=head.pos_logits.to(dtype), weights=head.weights.to(dtype))
 
 
 def _fused(monkeypatch, gemm: str, prob, head, tau):
@@ -69,10 +73,8 @@ def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
     monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
     g = torch.Generator().manual_seed(B * 31 + d)
     P = 2
-    prob64 = _problem(B, 3 + P * B + 4, N1, d, gen=g, positives=OwnPositives(3, P) if folded else None)
-    head64 = _head(B, P, "supmpn", g)
-    prob = _as(prob64, torch.float32)
-    head = head64.__class__(head64.kind, head64.pos_logits.float(), head64.pos_mask, None, head64.weights.float())
+    prob = _problem(B, 3 + P * B + 4, N1, d, torch.float32, gen=g, positives=OwnPositives(3, P) if folded else None)
+    head = _head_as(_head(B, P, "supmpn", g), torch.float32)
     tau = torch.tensor(0.05)
     before = torch.get_num_threads()
     try:
@@ -81,11 +83,7 @@ def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
         mkl = _fused(monkeypatch, "mkl", prob, head, tau)
     finally:
         torch.set_num_threads(before)
-    want = TorchLSE().fused(
-        _as(prob, torch.float64),
-        tau.double(),
-        head64.__class__(head.kind, head.pos_logits.double(), head.pos_mask, None, head.weights.double()),
-    )
+    want = TorchLSE().fused(_as(prob, torch.float64), tau.double(), _head_as(head, torch.float64))
     _close(own, want, 2e-4)
     _close(own, mkl, 2e-4)
 
@@ -93,7 +91,7 @@ def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
 @needs_tile
 def test_forward_and_recompute_backward_by_the_tile(monkeypatch):
     """Step 1 is shared by every mode: the forward and the recompute backward take the tile too."""
-    prob = _as(_problem(29, 2 * 29 + 5, 11, 37, positives=OwnPositives(1, 2)), torch.float32)
+    prob = _problem(29, 2 * 29 + 5, 11, 37, torch.float32, positives=OwnPositives(1, 2))
     tau = torch.tensor(0.1)
     g = torch.randn(29)
     d_pos = torch.randn(29, 2)
@@ -144,14 +142,14 @@ def test_nonfinite_rows_by_the_tile(monkeypatch):
 @needs_tile
 def test_tile_is_deterministic(monkeypatch):
     monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
-    prob = _as(_problem(150, 300, 200, 24), torch.float32)
+    prob = _problem(150, 300, 200, 24, torch.float32)
     head = _head(150, 2, "supcon", torch.Generator().manual_seed(1), torch.float32)
     runs = [_cpp.CppLSE().fused(prob, torch.tensor(0.05), head) for _ in range(2)]
     assert torch.equal(runs[0].d_anchor, runs[1].d_anchor) and torch.equal(runs[0].d_blocks[0], runs[1].d_blocks[0])
 
 
 def test_gemm_choice_is_checked(monkeypatch):
-    prob = _as(_problem(3, 4, 2, 5), torch.float32)
+    prob = _problem(3, 4, 2, 5, torch.float32)
     monkeypatch.setenv("FASTCL_CPP_GEMM", "blas")
     with pytest.raises(RuntimeError, match="FASTCL_CPP_GEMM=blas; expected auto, own or mkl"):
         _cpp.CppLSE().forward(prob, torch.tensor(0.1))
@@ -182,7 +180,7 @@ def test_loss_on_the_default_path_matches_the_reference(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_inputs_take_the_tile_through_their_float32_copy(monkeypatch, dtype):
     g = torch.Generator().manual_seed(6)
-    prob = _as(_problem(40, 90, 13, 48, gen=g), dtype)
+    prob = _problem(40, 90, 13, 48, dtype, gen=g)
     head = _head(40, 2, "supcon", g, torch.float32)
     tau = torch.tensor(0.05)
     own = _fused(monkeypatch, "own", prob, head, tau)

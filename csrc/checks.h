@@ -1,4 +1,4 @@
-// Host code shared by the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) ops: argument
+// Host code of the CPU ops (cpu/lse_cpu.cpp): argument
 // checks (every op validates shapes, dtypes and devices before any compute), the compute
 // dtype, the head's inputs and the FASTCL_* size options.
 #pragma once
@@ -114,7 +114,7 @@ struct HeadTensors {
 };
 
 // The whole argument check of each op (inputs, then the outputs it overwrites), one
-// definition for the CPU (cpu/lse_cpu.cpp) and CUDA (cuda/lse_cuda.cpp) kernels.
+// definition for the CPU kernels (cpu/lse_cpu.cpp).
 inline void check_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                           const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
                           const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev,

@@ -1,5 +1,5 @@
-// Every op schema of fastcl, in one place: TORCH_LIBRARY(fastcl, m). Kernels: cpu/lse_cpu.cpp
-// and cuda/lse_cuda.cpp; fakes: fastcl/ops/_cpp.py. Semantics: fastcl/ops/contract.py and
+// Every op schema of fastcl, in one place: TORCH_LIBRARY(fastcl, m). Kernels: cpu/lse_cpu.cpp;
+// fakes: fastcl/ops/_cpp.py. Semantics: fastcl/ops/contract.py and
 // head.py; the conventions shared by every op (shapes, tags, outputs passed in, in the
 // compute dtype, every element written) are in docs/csrc.md, "Op conventions".
 

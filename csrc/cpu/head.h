@@ -1,17 +1,11 @@
 // The loss head of fastcl/ops/head.py for one anchor row (head_rows() and HeadInputs.rows(),
-// transcribed line by line; formulas in docs/csrc.md), used by lse_fused on CPU and, compiled
-// by nvcc as host-device code, by the CUDA row kernel.
+// transcribed line by line; formulas in docs/csrc.md), used by lse_fused.
 #pragma once
 
 #include <math.h>  // the float and double overloads of exp/log1p in the global namespace
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FASTCL_HD __host__ __device__
-#else
-#define FASTCL_HD
-#endif
 
 namespace fastcl::cpu {
 
@@ -34,22 +28,22 @@ struct Head {
   T* loss_rows;        // [B] out
   T* d_pos;            // [B, P] out
 
-  FASTCL_HD static T inf() { return static_cast<T>(HUGE_VAL); }
-  FASTCL_HD static T logaddexp(T a, T b) {
+  static T inf() { return static_cast<T>(HUGE_VAL); }
+  static T logaddexp(T a, T b) {
     const T m = a > b ? a : b;
     if (m == -inf()) return m;
     return m + ::log1p(::exp(-(a > b ? a - b : b - a)));
   }
   // exact for every x (no threshold): max(x, 0) + log1p(exp(-|x|)), as head.py's
   // logaddexp(x, 0); NaN stays NaN
-  FASTCL_HD static T softplus(T x) {
+  static T softplus(T x) {
     if (x != x) return x;
     return (x > T(0) ? x : T(0)) + ::log1p(::exp(x > T(0) ? -x : x));
   }
-  FASTCL_HD static T sigmoid(T x) { return T(1) / (T(1) + ::exp(-x)); }
+  static T sigmoid(T x) { return T(1) / (T(1) + ::exp(-x)); }
 
   // Writes loss_rows[i] and d_pos[i, :]; returns w_i * dloss_i/dlse_i.
-  FASTCL_HD T row(int64_t i, T lse) const {
+  T row(int64_t i, T lse) const {
     const T* p = pos + i * num_pos;
     const bool* m = mask ? mask + i * num_pos : nullptr;
     T* dp = d_pos + i * num_pos;

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 TEMPERATURE = 0.1
-SUPCON_IMPLS = ("pml-supcon", "reference", "torch", "cpp", "triton", "cuda")
-MNRL_IMPLS = ("st-mnrl", "reference", "torch", "cpp", "triton", "cuda")
+SUPCON_IMPLS = ("pml-supcon", "reference", "torch", "cpp", "triton")
+MNRL_IMPLS = ("st-mnrl", "reference", "torch", "cpp", "triton")
 
 
 def _leaf(gen, *shape, dtype, device):

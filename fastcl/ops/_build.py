@@ -1,4 +1,4 @@
-"""Lazy, cached ninja builds of fastcl's C++/CUDA sources (``csrc/``, shipped as ``fastcl._csrc``).
+"""Lazy, cached ninja builds of fastcl's C++ sources (``csrc/``, shipped as ``fastcl._csrc``).
 
 A backend builds on its first ``unavailable()`` call, never at import; the outcome (the
 loaded library or why it failed) is kept for the process. Cache directory, key and
@@ -22,7 +22,7 @@ CACHE_ENV = "FASTCL_CACHE_DIR"
 
 
 def csrc_dir() -> Path:
-    """Directory of the C++/CUDA sources (the ``fastcl._csrc`` package)."""
+    """Directory of the C++ sources (the ``fastcl._csrc`` package)."""
     import fastcl._csrc
 
     return Path(fastcl._csrc.__file__).resolve().parent
@@ -66,7 +66,6 @@ class Extension:
     name: str
     sources: list[str]  # relative to csrc_dir()
     cflags: list[str] = field(default_factory=list)
-    cuda_cflags: list[str] = field(default_factory=list)
     ldflags: list[str] = field(default_factory=list)
     describe: str = "C++"
     key_extra: str = ""  # what else the binary depends on (the CUDA architectures)
@@ -78,11 +77,11 @@ class Extension:
     def key(self) -> str:
         h = hashlib.sha256()
         root = csrc_dir()
-        headers = (str(p.relative_to(root)) for ext in ("*.h", "*.cuh") for p in root.rglob(ext))
+        headers = (str(p.relative_to(root)) for ext in ("*.h",) for p in root.rglob(ext))
         for src in sorted(self.sources) + sorted(headers):
             h.update(src.encode())
             h.update((root / src).read_bytes())
-        for part in (self.cflags, self.cuda_cflags, self.ldflags):
+        for part in (self.cflags, self.ldflags):
             h.update(repr(part).encode())
         h.update(f"{sys.version_info[:2]} {torch.__version__} {torch.version.cuda} {self.key_extra}".encode())
         # ninja's build file names the sources by absolute path: two checkouts sharing one
@@ -122,7 +121,6 @@ class Extension:
                 name=self.name,
                 sources=[str(root / s) for s in self.sources],
                 extra_cflags=self.cflags,
-                extra_cuda_cflags=self.cuda_cflags,
                 extra_ldflags=self.ldflags,
                 extra_include_paths=[str(root)],
                 build_directory=str(build_dir),

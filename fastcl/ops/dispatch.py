@@ -9,10 +9,10 @@ import os
 from .backend import Backend
 from .contract import LSEProblem
 
-NAMES = ("reference", "torch", "cpp", "triton", "cuda")
+NAMES = ("reference", "torch", "cpp", "triton")
 
 # Preference per device type when the caller says "auto".
-AUTO_ORDER = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp", "torch")}
+AUTO_ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}
 
 ENV_VAR = "FASTCL_BACKEND"
 
@@ -33,8 +33,6 @@ def get(name: str) -> Backend:
         from ._cpp import BACKEND
     elif name == "triton":
         from ._triton import BACKEND
-    elif name == "cuda":
-        from ._cuda import BACKEND
     else:
         raise KeyError(name)
     return BACKEND

@@ -31,6 +31,7 @@ Every check here reads files only; a refused start changes nothing on disk.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import secrets
@@ -189,17 +190,12 @@ def _check_against_config_file(output_dir: Path, cfg) -> None:
     except (OSError, ValueError) as e:
         raise SetupError(f"{path} is unreadable or malformed ({type(e).__name__}: {e}): move it away") from e
     now = json.loads(json.dumps(vars(cfg), default=str))  # compare as config.json records values
-    diffs = ckpt.config_differences(saved if isinstance(saved, dict) else {}, _Namespace(now))
+    diffs = ckpt.config_differences(saved if isinstance(saved, dict) else {}, argparse.Namespace(**now))
     if diffs and not getattr(cfg, "allow_config_change", False):
         raise ckpt.CheckpointError(
             f"--resume auto: the run in {output_dir} was started with different options ({'; '.join(diffs)}); "
             "resume with its values, or pass --allow-config-change"
         )
-
-
-class _Namespace:
-    def __init__(self, values: dict):
-        self.__dict__.update(values)
 
 
 def _steps_phrase(cfg, total: int) -> str:

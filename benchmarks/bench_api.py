@@ -19,8 +19,12 @@ inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summ
 fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
 (``fastcl.bench.memory``), every selected case probed before the first is timed, by
 ``FASTCL_BENCH_MEMORY_WORKERS`` probe servers (default: cores // threads) that import the
-libraries once and fork a child per case. Time: pytest-benchmark, 3 rounds after a warm-up, on
-``FASTCL_BENCH_THREADS`` intra-op threads (default: all cores, as in ``bench_losses.py``).
+libraries once and fork a child per case. Time: the loss grid's interleaved rounds
+(``fastcl.bench.harness``): the first item of a workload times every selected
+implementation of it together, round by round in a rotating order after a warm-up, until
+their fastest rounds agree or the case's budget ends; the record has the minimum over
+rounds (``min_s``), its spread and the case's ``noisy`` flag. On ``FASTCL_BENCH_THREADS``
+intra-op threads (default: all cores, as in ``bench_losses.py``).
 
     pytest benchmarks/bench_api.py --benchmark-only
     FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_api.py --benchmark-only   # skip the memory probes
@@ -35,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastcl.bench import api_cases
+from fastcl.bench import api_cases, harness, timing
 from fastcl.bench.memory import cpu_extra_peak_mib_parallel
 from fastcl.ops import dispatch
 
@@ -60,6 +64,7 @@ MNRL_IMPLS = ["st-mnrl", "torch", "cpp"]
 MATRYOSHKA_GRID = [(1024, 1, 768), (2048, 1, 768)]
 MATRYOSHKA_IMPLS = ["st-matryoshka-cmnrl", "torch", "cpp", "cpp-per-prefix"]
 PEERS = ("pml-supcon", "st-mnrl", "st-matryoshka-cmnrl")
+TIMING = timing.settings()  # the interleaved loop's knobs, as in bench_losses.py
 
 
 def _name(impl: str) -> str:
@@ -157,43 +162,68 @@ def _peer_value(key: tuple, peer) -> torch.Tensor:
     return _PEER_VALUES[key]
 
 
-def _run(benchmark, bench_record, cpu_memory, step: str, case: dict, impl: str, workload: str) -> None:
-    """Time ``api_cases.<step>(**case)`` and record it with its probed peak memory."""
-    peak = _peak_mib(cpu_memory, step, case)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        benchmark.pedantic(getattr(api_cases, step)(**case), rounds=3, iterations=1, warmup_rounds=1)
-    finally:
-        torch.set_num_threads(threads)
-    bench_record(benchmark, workload=workload, impl=_name(impl), peak_mib=peak, threads=THREADS)
+class _Unavailable(Exception):
+    pass
 
 
-@pytest.mark.parametrize("impl", SUPCON_IMPLS)
-@pytest.mark.parametrize("N, d, labels", SUPCON_GRID, ids=lambda v: str(v))
-def test_supcon_labels_fwd_bwd(benchmark, bench_record, cpu_memory, N, d, labels, impl):
-    _available(impl)
-    features, y = api_cases.supcon_labels_inputs(N, d, labels)
-    with torch.no_grad():  # like with like: fastcl's value equals PML's before timing
-        got = api_cases.supcon_labels_fn(impl, features, y)()
-        want = _peer_value(("supcon", N, d, labels), api_cases.supcon_labels_fn("pml-supcon", features, y))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    case = _supcon_case(N, d, labels, impl)
-    _run(
-        benchmark,
-        bench_record,
-        cpu_memory,
-        "supcon_labels_step",
-        case,
-        impl,
-        f"SupCon labels N={N} V=2 d={d} labels={labels} fp32 (eager = PML SupConLoss)",
+def run_case(test: str, params: dict, impls: list[str], settings: dict | None = None) -> harness.CaseRun:
+    """Every implementation of one workload of ``test`` (its parameters but ``impl``):
+    each value-checked against the peer, then all timed in one interleaved loop."""
+    step, case_of = STEP_OF_TEST[test]
+    check = VALUE_CHECKS[test]
+
+    def builder(impl):
+        def build():
+            why = _unavailable(impl)
+            if why:
+                raise _Unavailable(why)
+            check(impl, **params)
+            return getattr(api_cases, step)(**case_of(**params, impl=impl))
+
+        return build
+
+    return harness.run_case(
+        {impl: builder(impl) for impl in impls},
+        settings=TIMING if settings is None else settings,
+        threads=THREADS,
+        skip_reason=lambda exc: str(exc) if isinstance(exc, _Unavailable) else None,
     )
 
 
-@pytest.mark.parametrize("impl", MNRL_IMPLS)
-@pytest.mark.parametrize("B, Q, d, hardness", MNRL_GRID, ids=lambda v: str(v))
-def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, cpu_memory, B, Q, d, hardness, impl):
+_RUNS = harness.CaseRuns()
+
+
+def _run(benchmark, bench_record, cpu_memory, request, test: str, params: dict, impl: str, workload: str) -> None:
+    """Time ``impl`` in its workload's interleaved run and record it with its probed peak memory."""
     _available(impl)
+    step, case_of = STEP_OF_TEST[test]
+    peak = _peak_mib(cpu_memory, step, case_of(**params, impl=impl))
+
+    def members() -> list[str]:  # the selected implementations of this workload
+        chosen = harness.selected_params(request.session, Path(__file__).name, test)
+        same = [p for p in chosen if {k: v for k, v in p.items() if k != "impl"} == params]
+        return [p["impl"] for p in same if not _unavailable(p["impl"])]
+
+    disabled = dict(warmup=0, min_rounds=1, max_rounds=1) if benchmark.disabled else None
+    key = (test, tuple(sorted(params.items(), key=lambda kv: kv[0])))
+    run = _RUNS.get(key, lambda: run_case(test, params, members(), disabled))
+    fields = harness.record_fields(benchmark, run, impl)
+    bench_record(benchmark, workload=workload, impl=_name(impl), peak_mib=peak, **fields)
+
+
+# --------------------------------------------------------------------------- value checks
+# like with like: each implementation's loss equals the peer's on the same inputs before timing
+
+
+def _check_supcon(impl, N, d, labels):
+    features, y = api_cases.supcon_labels_inputs(N, d, labels)
+    with torch.no_grad():
+        got = api_cases.supcon_labels_fn(impl, features, y)()
+        want = _peer_value(("supcon", N, d, labels), api_cases.supcon_labels_fn("pml-supcon", features, y))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _check_mnrl(impl, B, Q, d, hardness):
     columns = api_cases.mnrl_directions_inputs(B, d, Q)
     strength = 5.0 if hardness else 0.0
     with torch.no_grad():
@@ -201,13 +231,48 @@ def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, cpu_memory, B, Q, d, ha
         peer = api_cases.mnrl_directions_fn("st-mnrl", columns, hardness_mode=hardness, hardness_strength=strength)
         want = _peer_value(("mnrl", B, Q, d, hardness), peer)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    case = _mnrl_case(B, Q, d, hardness, impl)
+
+
+def _check_matryoshka(impl, B, Q, d):
+    columns = api_cases.mnrl_directions_inputs(B, d, Q)
+    with torch.no_grad():
+        got = api_cases.matryoshka_fn(impl, columns)()
+        want = _peer_value(("matryoshka", B, Q, d), api_cases.matryoshka_fn("st-matryoshka-cmnrl", columns))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+VALUE_CHECKS = {
+    "test_supcon_labels_fwd_bwd": _check_supcon,
+    "test_mnrl_gte_joint_fwd_bwd": _check_mnrl,
+    "test_matryoshka_mnrl_fwd_bwd": _check_matryoshka,
+}
+
+
+@pytest.mark.parametrize("impl", SUPCON_IMPLS)
+@pytest.mark.parametrize("N, d, labels", SUPCON_GRID, ids=lambda v: str(v))
+def test_supcon_labels_fwd_bwd(benchmark, bench_record, cpu_memory, request, N, d, labels, impl):
     _run(
         benchmark,
         bench_record,
         cpu_memory,
-        "mnrl_directions_step",
-        case,
+        request,
+        "test_supcon_labels_fwd_bwd",
+        dict(N=N, d=d, labels=labels),
+        impl,
+        f"SupCon labels N={N} V=2 d={d} labels={labels} fp32 (eager = PML SupConLoss)",
+    )
+
+
+@pytest.mark.parametrize("impl", MNRL_IMPLS)
+@pytest.mark.parametrize("B, Q, d, hardness", MNRL_GRID, ids=lambda v: str(v))
+def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, cpu_memory, request, B, Q, d, hardness, impl):
+    _run(
+        benchmark,
+        bench_record,
+        cpu_memory,
+        request,
+        "test_mnrl_gte_joint_fwd_bwd",
+        dict(B=B, Q=Q, d=d, hardness=hardness),
         impl,
         f"MNRL GTE joint B={B} Q={Q} d={d} hardness={hardness} fp32 (eager = ST 6 MNRL)",
     )
@@ -215,21 +280,15 @@ def test_mnrl_gte_joint_fwd_bwd(benchmark, bench_record, cpu_memory, B, Q, d, ha
 
 @pytest.mark.parametrize("impl", MATRYOSHKA_IMPLS)
 @pytest.mark.parametrize("B, Q, d", MATRYOSHKA_GRID, ids=lambda v: str(v))
-def test_matryoshka_mnrl_fwd_bwd(benchmark, bench_record, cpu_memory, B, Q, d, impl):
-    _available(impl)
-    columns = api_cases.mnrl_directions_inputs(B, d, Q)
-    with torch.no_grad():
-        got = api_cases.matryoshka_fn(impl, columns)()
-        want = _peer_value(("matryoshka", B, Q, d), api_cases.matryoshka_fn("st-matryoshka-cmnrl", columns))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    case = _matryoshka_case(B, Q, d, impl)
+def test_matryoshka_mnrl_fwd_bwd(benchmark, bench_record, cpu_memory, request, B, Q, d, impl):
     dims = ",".join(map(str, api_cases.MATRYOSHKA_DIMS))
     _run(
         benchmark,
         bench_record,
         cpu_memory,
-        "matryoshka_step",
-        case,
+        request,
+        "test_matryoshka_mnrl_fwd_bwd",
+        dict(B=B, Q=Q, d=d),
         impl,
         f"Matryoshka MNRL B={B} Q={Q} d={d} dims=({dims}) fp32 (eager = ST MatryoshkaLoss(CachedMNRL))",
     )

@@ -4,7 +4,11 @@ One step is SimCSE-unsupervised: ``B`` sentences encoded twice (two dropout view
 ``infonce_loss`` (fastcl, torch backend), backward. *Uncached* encodes each view in one
 forward with grad; *cached* uses ``GradCache`` with ``CHUNK`` rows per chunk.
 
-- Time: pytest-benchmark, in this process, fastest of two steps, on ``THREADS`` intra-op
+- Time: the loss grid's interleaved rounds (``fastcl.bench.harness``): per batch size, the
+  first item times the uncached and the cached step together, round by round in a rotating
+  order after a warm-up step, until their fastest rounds agree or the budget ends
+  (``FASTCL_BENCH_BUDGET_S`` ...); the record has ``min_s``, its ``spread`` and the case's
+  ``noisy`` flag. On ``THREADS`` intra-op
   threads (``FASTCL_BENCH_THREADS``, default all cores as in ``bench_losses.py``; on a
   shared machine two OpenMP threads spend much of a step waiting for each other whenever
   another process takes a core, so ``FASTCL_BENCH_THREADS=1`` is steadier there).
@@ -33,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from fastcl.bench import harness, timing
 from fastcl.bench.timing import configured_threads
 
 BATCHES = [int(b) for b in os.environ.get("FASTCL_BENCH_GC_BATCHES", "64,256,1024").split(",")]
@@ -41,6 +46,7 @@ THREADS = configured_threads() or torch.get_num_threads()
 SEQ_LEN = 32
 PAIRED_BATCH = int(os.environ.get("FASTCL_BENCH_GC_PAIRED_BATCH", "256"))
 MODES = ("uncached", "cached")
+TIMING = timing.settings()  # the interleaved loop's knobs, as in bench_losses.py
 
 
 def small_bert():
@@ -134,16 +140,28 @@ def threads():
     torch.set_num_threads(old)
 
 
+def run_case(batch: int, modes: list[str], settings: dict | None = None) -> harness.CaseRun:
+    """The steps of ``modes`` at one batch size (each on its own, identically initialised
+    encoder), timed together in interleaved rounds."""
+    inputs = make_batch(batch)
+    builders = {mode: (lambda mode=mode: make_step(mode, small_bert(), inputs)) for mode in modes}
+    return harness.run_case(builders, settings=TIMING if settings is None else settings, threads=THREADS)
+
+
+_RUNS = harness.CaseRuns()
+
+
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("mode", MODES)
-def test_gradcache_step(benchmark, memory_records, threads, mode, batch):
+def test_gradcache_step(benchmark, memory_records, request, mode, batch):
     benchmark.group = f"gradcache B={batch}"
     benchmark.extra_info.update(memory_records[mode, batch])
-    benchmark.extra_info.update({"chunk": CHUNK, "seq_len": SEQ_LEN, "threads": threads, "torch": torch.__version__})
-    enc = small_bert()
-    step = make_step(mode, enc, make_batch(batch))
-    # No warm-up round: the min of two rounds already leaves out first-call costs.
-    benchmark.pedantic(step, rounds=2, iterations=1)
+    benchmark.extra_info.update({"chunk": CHUNK, "seq_len": SEQ_LEN, "torch": torch.__version__})
+    chosen = harness.selected_params(request.session, "bench_gradcache.py", "test_gradcache_step")
+    modes = [p["mode"] for p in chosen if p["batch"] == batch]
+    disabled = dict(warmup=0, min_rounds=1, max_rounds=1) if benchmark.disabled else None
+    run = _RUNS.get(batch, lambda: run_case(batch, modes, disabled))
+    benchmark.extra_info.update(harness.record_fields(benchmark, run, mode))
 
 
 def test_gradcache_overhead_paired(benchmark, threads):

@@ -9,10 +9,14 @@ and the peers (sentence-transformers MNRL and CachedMNRL, pytorch-metric-learnin
 and SupCon, PyTorch's chunked ``linear_cross_entropy``, Inf-CL on CUDA). Before timing,
 each implementation's loss value is asserted equal to the float64 reference.
 
-Timing (``fastcl.bench.timing``): all implementations of a case and its GEMM **floor**
-(the three GEMMs of a gradient-in-forward step at that shape, ``fastcl.bench.floor``)
-are timed together, round by round in a rotating order, after a warm-up round, until
-their fastest rounds agree or the case's time budget ends. The first test item of a case
+Timing (``fastcl.bench.timing``): all implementations of a case, its GEMM **floor**
+(the three GEMMs of a gradient-in-forward step at that shape, ``fastcl.bench.floor``) and
+one ``[B, d] @ [d, N]`` GEMM (the rate "share of GEMM" divides by) are timed together,
+round by round in a rotating order, after a warm-up round, until their fastest rounds
+agree or the case's time budget ends. The two references are repeated within their turn
+until a sample lasts ``fastcl.bench.shares.MIN_REFERENCE_SAMPLE_S``; a share of either is
+recorded only where it was measured soundly (``fastcl.bench.shares``), else ``None`` with
+``floor_share_problem`` / ``gemm_share_problem`` saying why. The first test item of a case
 runs that loop for every selected implementation of the case; each item then hands its
 own rounds to pytest-benchmark (``timing.replay``), so the JSON, the table and
 ``python -m fastcl.bench report`` keep one record per (case, implementation).
@@ -21,7 +25,7 @@ Per record (``extra_info``): ``min_s`` (the time), ``spread`` and the case's ``n
 flag, ``floor_s`` and ``floor_share`` (floor / time), peak memory (CPU: extra peak RSS
 of a fresh process running one step, forked per case from a probe server that imported
 the libraries once, ``fastcl.bench.memory``; CUDA: max allocated beyond the inputs),
-achieved TFLOP/s on ``8 * B * N * d`` and its share of a GEMM of the same shape,
+achieved TFLOP/s on ``8 * B * N * d`` and its share of the GEMM rate of the same rounds,
 ``threads``, ``compile_s`` (implementations that compile: seconds of their first calls beyond a step),
 ``cold_s`` (first value check + first step), the load average before and after the case.
 
@@ -49,7 +53,8 @@ from fastcl.bench import peers, timing
 from fastcl.bench.cases import make_inputs
 from fastcl.bench.floor import FLOOR_LIMITS, fastest_floor, floor_step, named_floor_plans, share_of_floor
 from fastcl.bench.memory import cpu_extra_peak_mib_parallel, cuda_extra_peak_bytes
-from fastcl.bench.metrics import gemm_tflops, loss_flops, num_candidates, synchronize
+from fastcl.bench.metrics import gemm_step, loss_flops, num_candidates, synchronize, tflops
+from fastcl.bench.shares import MIN_REFERENCE_SAMPLE_S, floor_share_problem, gemm_share_problem
 from fastcl.ops.dispatch import BackendUnavailableError
 
 # (loss, P, Q, d, dtype, batch sizes). SupMPN's setting P = Q = 5; SimCSE-sup (MNRL with
@@ -84,14 +89,10 @@ SELECTED = [s for s in os.environ.get("FASTCL_BENCH_IMPLS", "").split(",") if s]
 IMPLS = [name for name in peers.IMPLS if not SELECTED or name in SELECTED]
 MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
 MEMORY_WORKERS = int(os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "2"))
-# the interleaved loop of fastcl.bench.timing, per case
-TIMING = dict(
-    warmup=timing.WARMUP_ROUNDS,
-    min_rounds=int(os.environ.get("FASTCL_BENCH_MIN_ROUNDS", timing.MIN_ROUNDS)),
-    max_rounds=int(os.environ.get("FASTCL_BENCH_MAX_ROUNDS", timing.MAX_ROUNDS)),
-    budget_s=float(os.environ.get("FASTCL_BENCH_BUDGET_S", timing.BUDGET_S)),
-)
+# the interleaved loop of fastcl.bench.timing, per case (the same knobs in every benchmark file)
+TIMING = timing.settings()
 FLOOR = "floor"  # the tall blocking's name in the interleaved loop (fastcl.bench.floor.named_floor_plans)
+GEMM = "gemm"  # one [B, d] @ [d, N] product: the GEMM rate, timed in the same rounds (fastcl.bench.metrics)
 # imported once by the memory probe server, before it forks a child per case (dynamo and
 # inductor: about a second of imports in every "compile" child otherwise)
 PRELOAD = (
@@ -243,55 +244,86 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             abs_err=check["abs_err"],
             check_s=check_s,
         )
-    floors = named_floor_plans(B, num_candidates(loss, B, P, Q), d, **FLOOR_LIMITS[torch.device(device).type])
+    N = num_candidates(loss, B, P, Q)
+    floors = named_floor_plans(B, N, d, **FLOOR_LIMITS[torch.device(device).type])
+    gemm = gemm_step(B, N, d, dtype, device)
+    references = [*floors, GEMM]
     if steps:
         steps.update({name: floor_step(plan, dtype, device) for name, plan in floors.items()})
+        steps[GEMM] = gemm
     settings = dict(warmup=0, min_rounds=1, max_rounds=1) if disabled else TIMING
+    # the references (floor, GEMM) are short at small shapes: repeated within their turn
+    min_sample = {name: MIN_REFERENCE_SAMPLE_S for name in references}
     load_before = list(os.getloadavg())
-    result = timing.interleave(steps, **settings) if steps else None
+    result = timing.interleave(steps, **settings, min_sample_s=min_sample) if steps else None
     load_after = list(os.getloadavg())
     steps = inputs = leaves = forward = step = None  # free the case's tensors before the next one
     if result is None:
         return run
     for impl, exc in result.errors.items():
-        if impl in floors:  # reported as floor_error below; the implementations still count
+        if impl in references:  # reported as floor_error / gemm_error below; the implementations still count
             continue
         why = _why_skipped(exc, B)
         run.outcomes[impl] = ("skip", why) if why else ("error", exc)
+    impls = [n for n in result.samples if n not in references]
+
+    def sample_s(name):  # how long one timed sample of a reference lasted
+        return min(result.samples[name]) * result.repeats[name] if result.samples.get(name) else None
+
     # the floor: the fastest of its blockings (fastcl.bench.floor.floor_plans)
     best, floor_s = fastest_floor(floors, result.samples) or (FLOOR, None)
     floor_samples, plan = result.samples.get(best), floors[best]
+    floor_spread = timing.spread(floor_samples) if floor_samples else None
+    gemm_samples = result.samples.get(GEMM)
+    gemm_rate = tflops(gemm.flops, min(gemm_samples)) if gemm_samples else None
+    gemm_spread = timing.spread(gemm_samples) if gemm_samples else None
     run.case_info = dict(
-        noisy=result.noisy(),
-        rounds=result.rounds,
-        stopped=result.stopped,
-        timed_s=round(result.elapsed_s, 3),
-        loadavg_before=load_before,
-        loadavg_after=load_after,
+        **timing.case_fields(
+            result, impls, threads=torch.get_num_threads(), loadavg_before=load_before, loadavg_after=load_after
+        ),
         floor_s=floor_s,
-        floor_spread=timing.spread(floor_samples) if floor_samples else None,
+        floor_spread=floor_spread,
         floor_rows=plan.rows,
         floor_scale=plan.scale,
+        floor_repeats=result.repeats.get(best),
+        floor_sample_s=sample_s(best),
         floor_error="; ".join(repr(result.errors[n]) for n in floors if n in result.errors) or None,
-        noisy_threshold=timing.NOISY_SPREAD,
-        threads=torch.get_num_threads(),
+        gemm_tflops=gemm_rate,
+        gemm_spread=gemm_spread,
+        gemm_repeats=result.repeats.get(GEMM),
+        gemm_sample_s=sample_s(GEMM),
+        gemm_in_rounds=True,
+        gemm_error=repr(result.errors[GEMM]) if GEMM in result.errors else None,
     )
-    for impl, samples in result.samples.items():
-        if impl in floors:
-            continue
+    for impl in impls:
+        samples = result.samples[impl]
         run.outcomes[impl] = ("ok", None)
         run.samples[impl] = samples
-        best = min(samples)
+        fields = timing.impl_fields(result, impl)
+        best_s = fields["min_s"]
         info = run.info[impl]
+        achieved = tflops(loss_flops(loss, B, P, Q, d), best_s)
+        floor_share = share_of_floor(floor_s, best_s)
+        floor_problem = floor_share_problem(floor_share, spread=floor_spread, sample_s=sample_s(best))
+        gemm_share = achieved / gemm_rate if achieved and gemm_rate else None
+        gemm_problem = gemm_share_problem(gemm_share, spread=gemm_spread, sample_s=sample_s(GEMM), in_rounds=True)
         info.update(
-            min_s=best,
-            median_s=sorted(samples)[len(samples) // 2],
-            spread=timing.spread(samples),
+            min_s=best_s,
+            median_s=fields["median_s"],
+            spread=fields["spread"],
             cold_s=info["check_s"] + result.first_s[impl],
-            floor_share=share_of_floor(floor_s, best),
+            tflops=achieved,
+            # a share is recorded only where its reference was measured soundly (fastcl.bench.shares);
+            # the measured ratio and the reason stay in the record
+            floor_share=None if floor_problem else floor_share,
+            floor_share_measured=floor_share,
+            floor_share_problem=floor_problem,
+            gemm_share=None if gemm_problem else gemm_share,
+            gemm_share_measured=gemm_share,
+            gemm_share_problem=gemm_problem,
         )
         if peers.IMPLS[impl].compiles:  # its first calls compile (the check's forward, then fwd + bwd)
-            info["compile_s"] = max(0.0, info["cold_s"] - best)
+            info["compile_s"] = max(0.0, info["cold_s"] - best_s)
     if device == "cuda":
         torch.cuda.empty_cache()
     return run
@@ -320,9 +352,6 @@ def test_loss_fwd_bwd(benchmark, bench_record, bench_skip, cpu_memory, request, 
         raise what
     timing.replay(benchmark, run.samples[impl])
     B, P, Q, d = case["B"], case["P"], case["Q"], case["d"]
-    info = run.info[impl]
-    tflops = loss_flops(case["loss"], B, P, Q, d) / info["min_s"] / 1e12
-    gemm = gemm_tflops(B, num_candidates(case["loss"], B, P, Q), d, case["dtype"], case["device"])
     bench_record(
         benchmark,
         workload=workload,
@@ -335,9 +364,6 @@ def test_loss_fwd_bwd(benchmark, bench_record, bench_skip, cpu_memory, request, 
         d=d,
         dtype=case["dtype"],
         device=case["device"],
-        tflops=tflops,
-        gemm_tflops=gemm,
-        gemm_share=tflops / gemm,
-        **info,
+        **run.info[impl],
         **run.case_info,
     )

@@ -12,8 +12,13 @@ loss contributes to a training step (the encoder is the same for every implement
 * ``fastcl-<backend>``: ``fastcl.integrations.sentence_transformers.MultipleNegativesRankingLoss``
   (the same class serves the cached variant: gradient caching changes only the encoder side).
 
-Time: pytest-benchmark in this process, median of 3 rounds after a warm-up, on
-``FASTCL_BENCH_THREADS`` intra-op threads (default all cores). Peak memory: ``fastcl.bench.memory``'s
+Time: the loss grid's interleaved rounds (``fastcl.bench.harness``, ``fastcl.bench.timing``):
+the first item of a (B, Q, d) case times every selected implementation of it together,
+round by round in a rotating order after a warm-up round, until their fastest rounds agree
+or the case's budget ends; each item then hands its rounds to pytest-benchmark. The record
+has the minimum over rounds (``min_s``), its spread and the case's ``noisy`` flag. On
+``FASTCL_BENCH_THREADS`` intra-op threads (default all cores). Before timing, each
+implementation's loss value is checked against ``eager``'s. Peak memory: ``fastcl.bench.memory``'s
 meter (extra peak RSS of one step in a fresh process, after a warm-up step), with two
 changes. The fresh processes fork from a ``forkserver`` that imported sentence-transformers
 once (a cold import costs 5-30 s on the shared CPU, per probe). And they run with
@@ -36,6 +41,7 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 
+from fastcl.bench import harness, timing  # noqa: E402
 from fastcl.bench.memory import measure_extra_rss  # noqa: E402
 from fastcl.bench.timing import configured_threads  # noqa: E402
 from fastcl.ops import dispatch  # noqa: E402
@@ -50,12 +56,16 @@ if os.environ.get("FASTCL_BENCH_ST_GRID"):  # e.g. "8192,0,64;2048,3,384"
 MINI_BATCH_SIZE = 32
 IMPLS = ["eager", "st_cached", "fastcl-torch", "fastcl-cpp"]
 THREADS = configured_threads() or torch.get_num_threads()
+TIMING = timing.settings()  # the interleaved loop's knobs, as in bench_losses.py
 
 
-def st_step(impl: str, B: int, Q: int, d: int, mini_batch_size: int = MINI_BATCH_SIZE, seed: int = 0):
+def st_step(
+    impl: str, B: int, Q: int, d: int, mini_batch_size: int = MINI_BATCH_SIZE, seed: int = 0, value: bool = False
+):
     """One forward + backward of ``impl``'s MNRL on fresh ``(2 + Q)`` columns of ``[B, d]``.
 
-    Returns the zero-argument step (also the factory of the memory probe).
+    Returns the zero-argument step (also the factory of the memory probe); with
+    ``value=True`` a zero-argument function returning the loss value instead (no backward).
     """
     from torch import nn
 
@@ -69,19 +79,25 @@ def st_step(impl: str, B: int, Q: int, d: int, mini_batch_size: int = MINI_BATCH
         from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
         loss = MultipleNegativesRankingLoss(model=None)
-        return lambda: loss.compute_loss_from_embeddings(leaves(), None).backward()
-    if impl == "st_cached":
+        forward = lambda: loss.compute_loss_from_embeddings(leaves(), None)  # noqa: E731
+    elif impl == "st_cached":
         from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
         # The model is only inspected at construction (it must not be a StaticEmbedding).
         loss = CachedMultipleNegativesRankingLoss(nn.Sequential(nn.Identity()), mini_batch_size=mini_batch_size)
+        if value:
+            return lambda: loss.calculate_loss([list(c.split(mini_batch_size)) for c in leaves()], None)
         return lambda: loss.calculate_loss([list(c.split(mini_batch_size)) for c in leaves()], None, with_backward=True)
-    if impl.startswith("fastcl-"):
+    elif impl.startswith("fastcl-"):
         from fastcl.integrations.sentence_transformers import MultipleNegativesRankingLoss
 
         loss = MultipleNegativesRankingLoss(nn.Identity(), backend=impl.removeprefix("fastcl-"))
-        return lambda: loss.compute_loss_from_embeddings(leaves()).backward()
-    raise ValueError(f"unknown impl {impl!r}")
+        forward = lambda: loss.compute_loss_from_embeddings(leaves())  # noqa: E731
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+    if value:
+        return forward
+    return lambda: forward().backward()
 
 
 _FORKSERVER = None
@@ -113,29 +129,73 @@ def peak_bytes(case: dict) -> int:
         return pool.apply(_probe, (case,))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("B, Q, d", CPU_GRID, ids=lambda v: str(v))
-def test_st_mnrl_fwd_bwd(benchmark, bench_record, B, Q, d, impl):
+def _unavailable(impl: str) -> str | None:
     if impl.startswith("fastcl-"):
         status = dispatch.describe()[impl.removeprefix("fastcl-")]
         if status != "available":
-            pytest.skip(f"backend {impl!r}: {status}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        case = dict(impl=impl, B=B, Q=Q, d=d)
-        step = st_step(**case)
-        peak = None
-        if os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1":
-            peak = peak_bytes(case) / 2**20
-        benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=1)
-    finally:
-        torch.set_num_threads(threads)
+            return f"backend {impl!r}: {status}"
+    return None
+
+
+def _builder(case: dict, expected: float | None):
+    """Checks ``case``'s loss value against eager's (``expected``), then gives its step."""
+
+    def build():
+        why = _unavailable(case["impl"])
+        if why:
+            raise _Unavailable(why)
+        if expected is not None:  # like with like: the same loss as eager's before timing
+            with torch.no_grad():
+                got = float(st_step(**case, value=True)())
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        return st_step(**case)
+
+    return build
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def run_case(B: int, Q: int, d: int, impls: list[str], settings: dict | None = None) -> harness.CaseRun:
+    """Every implementation of one (B, Q, d) case, value-checked, then timed interleaved."""
+    with torch.no_grad():
+        expected = float(st_step("eager", B, Q, d, value=True)())
+    builders = {impl: _builder(dict(impl=impl, B=B, Q=Q, d=d), None if impl == "eager" else expected) for impl in impls}
+    return harness.run_case(
+        builders,
+        settings=TIMING if settings is None else settings,
+        threads=THREADS,
+        skip_reason=lambda exc: str(exc) if isinstance(exc, _Unavailable) else None,
+    )
+
+
+_RUNS = harness.CaseRuns()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("B, Q, d", CPU_GRID, ids=lambda v: str(v))
+def test_st_mnrl_fwd_bwd(benchmark, bench_record, request, B, Q, d, impl):
+    why = _unavailable(impl)
+    if why:
+        pytest.skip(why)
+    case = dict(impl=impl, B=B, Q=Q, d=d)
+    peak = None
+    if os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1":
+        peak = peak_bytes(case) / 2**20
+
+    def members() -> list[str]:  # the selected implementations of this (B, Q, d)
+        chosen = harness.selected_params(request.session, "bench_st.py", "test_st_mnrl_fwd_bwd")
+        return [p["impl"] for p in chosen if (p["B"], p["Q"], p["d"]) == (B, Q, d) and not _unavailable(p["impl"])]
+
+    disabled = dict(warmup=0, min_rounds=1, max_rounds=1) if benchmark.disabled else None
+    run = _RUNS.get((B, Q, d), lambda: run_case(B, Q, d, members(), disabled))
+    fields = harness.record_fields(benchmark, run, impl)
     bench_record(
         benchmark,
         workload=f"ST MNRL B={B} Q={Q} d={d} fp32 (eager = sentence-transformers MNRL)",
         impl=impl,
         peak_mib=peak,
-        threads=THREADS,
         mini_batch_size=MINI_BATCH_SIZE if impl == "st_cached" else None,
+        **fields,
     )

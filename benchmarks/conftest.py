@@ -4,7 +4,8 @@ Every case records ``extra_info["workload"]`` and ``extra_info["impl"]`` (``benc
 the terminal summary prints each implementation's time (the minimum of interleaved rounds
 where the record has one, ``min_s``, with its spread), its share of the GEMM floor and
 peak memory, as ratios of the eager reference measured in the same run, and marks a case
-**NOISY** when a spread exceeds ``fastcl.bench.timing.NOISY_SPREAD``. Implementations that
+**NOISY** when a spread exceeds ``fastcl.bench.timing.NOISY_SPREAD``. A share whose
+reference was not measured soundly prints as "–" with the reason (``fastcl.bench.shares``). Implementations that
 cannot run are skipped through ``bench_skip`` so the reason reaches the JSON
 (``fastcl_skipped``) and the report.
 
@@ -167,6 +168,8 @@ def pytest_terminal_summary(terminalreporter):
                 line += f"  ({_seconds(base) / t:5.2f}x eager speed)"
             if r.get("floor_share") is not None:
                 line += f"  {100 * r['floor_share']:4.0f}% of floor"
+            elif r.get("floor_share_problem"):
+                line += "     – of floor"
             mem = r.get("peak_mib")
             if mem is not None:
                 line += f"  peak {mem:8.1f} MiB"
@@ -176,8 +179,14 @@ def pytest_terminal_summary(terminalreporter):
                 line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"
                 if r.get("gemm_share") is not None:
                     line += f" ({100 * r['gemm_share']:.0f}% of GEMM)"
+                elif r.get("gemm_share_problem"):
+                    line += " (– of GEMM)"
             if r.get("compile_s") is not None:
                 line += f"  compile {r['compile_s']:.1f} s"
             tr.write_line(line)
+        # shares printed as "–": their reference was not measured soundly (fastcl.bench.shares)
+        for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "gemm")):
+            if why:
+                tr.write_line(f"  – share not shown: {why}")
         for s in skipped.get(workload, []):
             tr.write_line(f"  {s['impl']:<11} skipped: {s['reason'][:110]}")

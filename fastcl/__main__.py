@@ -5,7 +5,6 @@ Each command lives in its own module and registers a sub-parser through ``COMMAN
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -20,7 +19,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastcl", description="fused contrastive losses for sentence embeddings")
+    from fastcl.cli import OneLineErrorParser  # usage errors: one line, exit status 2
+
+    parser = OneLineErrorParser(prog="fastcl", description="fused contrastive losses for sentence embeddings")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, path in COMMANDS.items():

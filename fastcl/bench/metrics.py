@@ -2,14 +2,13 @@
 
 A fused loss does four ``B x N x d`` matrix products per forward + backward (forward,
 recompute, d anchor, d candidates; docs/design.md): ``8 * B * N * d`` FLOPs. The GEMM rate is
-measured in the same run on the same device and dtype (one ``[B, d] @ [d, N]`` product,
-best of a few), so "share of GEMM" = achieved / measured, not a datasheet peak.
+measured in the same interleaved rounds as the implementations, on the same device and
+dtype (one ``[B, d] @ [d, N]`` product into a preallocated output, :func:`gemm_step`), so
+"share of GEMM" = achieved / measured, not a datasheet peak; see ``fastcl.bench.shares``
+for when that share is sound enough to print.
 """
 
 from __future__ import annotations
-
-import time
-from functools import cache
 
 import torch
 
@@ -36,24 +35,37 @@ def synchronize(device: str | torch.device) -> None:
 _MAX_GEMM_ELEMENTS = 2**26
 
 
-@cache
-def gemm_tflops(B: int, N: int, d: int, dtype: str = "float32", device: str = "cpu", repeats: int = 5) -> float:
-    """Measured TFLOP/s of ``[B, d] @ [d, N]`` in ``dtype`` on ``device`` (best of ``repeats``).
+def gemm_columns(B: int, N: int) -> int:
+    """Columns of the GEMM timed for a ``[B, d] @ [d, N]`` rate (a slice of N when large)."""
+    return max(1, min(N, _MAX_GEMM_ELEMENTS // max(B, 1)))
 
-    Cached per shape for the process. On CUDA, bf16/fp16 use tensor cores and float32 uses
-    whatever ``torch.backends.cuda.matmul.allow_tf32`` says (tf32 when set).
+
+def gemm_step(B: int, N: int, d: int, dtype: str = "float32", device: str = "cpu", seed: int = 0):
+    """A zero-argument callable computing ``[B, d] @ [d, n]`` once into a preallocated
+    output (``n = gemm_columns(B, N)``), for the case's interleaved rounds; ``step.flops``
+    is its ``2 B n d``. The output is allocated once: a fresh ``[B, n]`` per call would time
+    the allocator and first-touch page faults too.
+
+    On CUDA, bf16/fp16 use tensor cores and float32 uses whatever
+    ``torch.backends.cuda.matmul.allow_tf32`` says (tf32 when set).
     """
     dt = DTYPES[dtype]
-    n = max(1, min(N, _MAX_GEMM_ELEMENTS // max(B, 1)))
-    g = torch.Generator(device=device).manual_seed(0)
+    n = gemm_columns(B, N)
+    g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(B, d, device=device, dtype=torch.float32, generator=g).to(dt)
     c = torch.randn(d, n, device=device, dtype=torch.float32, generator=g).to(dt)
-    a @ c  # warm-up: library load, kernel choice
-    best = float("inf")
-    for _ in range(repeats):
+    out = torch.empty(B, n, device=device, dtype=dt)
+
+    def step():
+        torch.mm(a, c, out=out)
         synchronize(device)
-        t0 = time.perf_counter()
-        a @ c
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * B * n * d / best / 1e12
+        return out
+
+    step.flops = 2 * B * n * d
+    step.inputs = (a, c)  # for tests
+    return step
+
+
+def tflops(flops: float, seconds: float | None) -> float | None:
+    """``flops / seconds`` in TFLOP/s (None when the time is unknown)."""
+    return None if not seconds else flops / seconds / 1e12

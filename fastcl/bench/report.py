@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastcl.bench.shares import floor_share_problem, gemm_share_problem
 from fastcl.bench.timing import NOISY_SPREAD
 
 FAMILY_ORDER = {"reference": 0, "fastcl": 1, "peer": 2}
@@ -39,18 +40,35 @@ class Row:
     seconds: float
     peak_mib: float | None
     tflops: float | None
-    gemm_share: float | None
+    gemm_share: float | None  # printed only where sound (None otherwise: see gemm_problem)
     abs_err: float | None
     spread: float | None = None
-    floor_share: float | None = None
+    floor_share: float | None = None  # printed only where sound (None otherwise: see floor_problem)
     compile_s: float | None = None
     noisy: bool = False
     threads: int | None = None
+    floor_problem: str | None = None  # why the measured floor share is not printed
+    gemm_problem: str | None = None  # why the measured GEMM share is not printed
 
     @classmethod
     def from_record(cls, b: dict) -> Row:
         e = b["extra_info"]
         seconds = e["min_s"] if e.get("min_s") is not None else b["stats"]["median"]
+        floor_share, floor_problem = _sound_share(
+            e,
+            "floor",
+            lambda share: floor_share_problem(share, spread=e.get("floor_spread"), sample_s=e.get("floor_sample_s")),
+        )
+        gemm_share, gemm_problem = _sound_share(
+            e,
+            "gemm",
+            lambda share: gemm_share_problem(
+                share,
+                spread=e.get("gemm_spread"),
+                sample_s=e.get("gemm_sample_s"),
+                in_rounds=bool(e.get("gemm_in_rounds")),
+            ),
+        )
         return cls(
             e["impl"],
             e.get("family", "?"),
@@ -58,14 +76,25 @@ class Row:
             seconds,
             e.get("peak_mib"),
             e.get("tflops"),
-            e.get("gemm_share"),
+            gemm_share,
             e.get("abs_err"),
             e.get("spread"),
-            e.get("floor_share"),
+            floor_share,
             e.get("compile_s"),
             bool(e.get("noisy")),
             e.get("threads"),
+            floor_problem,
+            gemm_problem,
         )
+
+
+def _sound_share(e: dict, ref: str, problem_of) -> tuple[float | None, str | None]:
+    """``(share, problem)`` of a record: the share only where ``fastcl.bench.shares`` finds
+    its reference sound. Records since issue 32 carry the measured ratio and the verdict;
+    older ones only the ratio, judged here by the same rules from what they recorded."""
+    measured = e.get(f"{ref}_share_measured", e.get(f"{ref}_share"))
+    problem = e[f"{ref}_share_problem"] if f"{ref}_share_problem" in e else problem_of(measured)
+    return (None if problem else measured), problem
 
 
 @dataclass
@@ -161,6 +190,19 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
+
+
+SHARE_NAMES = {"floor": "share of floor", "gemm": "share of GEMM"}
+
+
+def share_notes(g: Group) -> list[str]:
+    """One line per reason a share was not printed, naming the rows it applies to."""
+    by_reason: dict[tuple[str, str], list[str]] = {}
+    for r in g.rows:
+        for kind, problem in (("floor", r.floor_problem), ("gemm", r.gemm_problem)):
+            if problem:
+                by_reason.setdefault((kind, problem), []).append(f"B={r.B} `{r.impl}`")
+    return [f"- {SHARE_NAMES[kind]} not shown ({', '.join(rows)}): {why}." for (kind, why), rows in by_reason.items()]
 
 
 def table(g: Group) -> str:
@@ -346,11 +388,15 @@ def render(
         "interleaved (older runs: median); spread: how far the third-fastest round lies above the "
         f"fastest; a case is *noisy* when a spread exceeds {100 * NOISY_SPREAD:.0f}% (its ratios are "
         "uncertain). Floor: the three GEMMs of a gradient-in-forward step at the case's shape "
-        "(A·Cᵀ, X·C, Xᵀ·A), same run; share of floor = floor / time. Peak memory: CPU, extra peak RSS "
+        "(A·Cᵀ, X·C, Xᵀ·A), timed in the same rounds; share of floor = floor / time. Peak memory: CPU, extra peak RSS "
         "of a fresh process running one step; CUDA, max allocated beyond the inputs in a second step, "
         "the input gradients included (runs up to 2026-11-27 measured the first step, Triton's "
         "autotuning included). FLOP rate on "
-        "8·B·N·d, and its share of the rate of one GEMM of the same shape measured in the same run. "
+        "8·B·N·d, and its share of the rate of one GEMM of the same shape timed in the same rounds "
+        "(earlier runs timed it apart: not shown). A share is printed only where its reference was "
+        "measured soundly (in the same rounds, its own spread within the threshold, samples of at least "
+        "a few milliseconds, and a share a step doing its work can reach); otherwise it shows as – "
+        "and the reason is listed under the table. "
         "Compile: seconds the first calls of `torch.compile` took beyond one step. Each "
         "implementation's loss value was checked against the float64 reference before timing (last "
         "column: absolute error). fastcl backends in bold.",
@@ -384,6 +430,9 @@ def render(
             lines += [table(g), "", f"![{g.title}]({os.path.relpath(png, out.parent)})"]
         else:
             lines.append("No implementation ran.")
+        notes = share_notes(g)
+        if notes:
+            lines += ["", "Shares shown as –, measured but not sound (`fastcl.bench.shares`):"] + notes
         if g.skipped:
             lines += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in sorted(g.skipped.items())]
     return "\n".join(lines) + "\n"

@@ -16,12 +16,23 @@ spread of at most :data:`NOISY_SPREAD` is marked **noisy**: a ratio between two 
 times can then be off by more than the 5 % that the decisions these benchmarks support
 (share of the floor, faster than ``torch.compile`` or not) need.
 
+A step shorter than a scheduler tick says little per call; a *reference* step (the GEMM
+floor, one GEMM: ``min_sample_s``) is therefore repeated back to back within its turn of a
+round until one sample lasts ``min_sample_s``, the sample being the mean of those calls
+(:func:`repeats_for`, calibrated on the last warm-up call). Repeats keep the inputs in
+cache, so they can only make a reference faster: a share of it errs low, never high.
+
+Every benchmark file uses this loop and records the same fields (:func:`impl_fields`,
+:func:`case_fields`): ``min_s``, ``spread``, the case's ``noisy`` flag, rounds, how the
+loop stopped, the load average around the case.
+
 The thread count benchmarks run on is :func:`configured_threads`: ``FASTCL_BENCH_THREADS``
 when set, else PyTorch's default (all cores: what users run).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +45,7 @@ MIN_ROUNDS = 3
 MAX_ROUNDS = 30
 WARMUP_ROUNDS = 1
 BUDGET_S = 5.0  # seconds of timed rounds per case, after the warm-up (the main job: ~5 min)
+MAX_REPEATS = 64  # calls of one reference step per sample, at most
 
 
 def configured_threads() -> int | None:
@@ -48,6 +60,18 @@ def configured_threads() -> int | None:
     if n < 1:
         raise ValueError(f"FASTCL_BENCH_THREADS={raw!r}: expected a positive integer")
     return n
+
+
+def settings() -> dict:
+    """The interleaved loop's knobs for a benchmark run (``interleave``'s keyword arguments),
+    the same for every benchmark file: ``FASTCL_BENCH_MIN_ROUNDS``, ``FASTCL_BENCH_MAX_ROUNDS``
+    and ``FASTCL_BENCH_BUDGET_S`` when set, else the defaults above."""
+    return dict(
+        warmup=WARMUP_ROUNDS,
+        min_rounds=int(os.environ.get("FASTCL_BENCH_MIN_ROUNDS", MIN_ROUNDS)),
+        max_rounds=int(os.environ.get("FASTCL_BENCH_MAX_ROUNDS", MAX_ROUNDS)),
+        budget_s=float(os.environ.get("FASTCL_BENCH_BUDGET_S", BUDGET_S)),
+    )
 
 
 def spread(samples: list[float], rank: int = SPREAD_RANK) -> float:
@@ -69,6 +93,14 @@ def is_noisy(spreads: list[float], threshold: float = NOISY_SPREAD) -> bool:
     return any(not s <= threshold for s in spreads)  # NaN counts as noisy
 
 
+def repeats_for(call_s: float | None, min_sample_s: float, max_repeats: int = MAX_REPEATS) -> int:
+    """Calls per sample so that a sample of calls of ``call_s`` seconds lasts ``min_sample_s``
+    (1 for an unknown or long call, at most ``max_repeats``)."""
+    if not call_s or call_s <= 0 or call_s >= min_sample_s:
+        return 1
+    return max(1, min(max_repeats, math.ceil(min_sample_s / call_s)))
+
+
 def round_order(names: list[str], r: int) -> list[str]:
     """Round ``r``'s order: ``names`` rotated left by ``r`` places."""
     if not names:
@@ -88,6 +120,7 @@ class Interleaved:
     stopped: str = ""  # "settled" | "budget" | "max_rounds" | "disabled"
     order: list[list[str]] = field(default_factory=list)  # the order each timed round ran in
     elapsed_s: float = 0.0
+    repeats: dict[str, int] = field(default_factory=dict)  # calls per sample (1 unless min_sample_s)
 
     def minimum(self, name: str) -> float:
         return min(self.samples[name])
@@ -107,6 +140,8 @@ def interleave(
     max_rounds: int = MAX_ROUNDS,
     budget_s: float = BUDGET_S,
     settle: float = SETTLE_SPREAD,
+    min_sample_s: dict[str, float] | None = None,
+    max_repeats: int = MAX_REPEATS,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Interleaved:
     """Time every step of ``steps`` round by round (see the module docstring).
@@ -114,34 +149,43 @@ def interleave(
     Each round runs every step once in :func:`round_order`. A step that raises is dropped
     from the rotation and its exception kept in ``errors`` (the others go on). Warm-up
     rounds run in the same rotation and are not timed, except that each step's very first
-    call is kept in ``first_s``.
+    call is kept in ``first_s``. ``min_sample_s``: for the steps it names, the calls per
+    sample (:func:`repeats_for` of the last warm-up call; 1 without a warm-up); a sample is
+    their mean.
     """
     names = list(steps)
-    out = Interleaved(samples={n: [] for n in names}, first_s={})
+    out = Interleaved(samples={n: [] for n in names}, first_s={}, repeats={n: 1 for n in names})
+    last_warm: dict[str, float] = {}
 
-    def call(name: str) -> float | None:
+    def call(name: str, times: int = 1) -> float | None:
         t0 = clock()
         try:
-            steps[name]()
+            for _ in range(times):
+                steps[name]()
         except Exception as exc:  # noqa: BLE001 - reported per implementation by the caller
             out.errors[name] = exc
             names.remove(name)
             out.samples.pop(name, None)
+            out.repeats.pop(name, None)
             return None
-        return clock() - t0
+        return (clock() - t0) / times
 
     for r in range(warmup):
         for name in round_order(list(names), r):
             seconds = call(name)
-            if seconds is not None and name not in out.first_s:
-                out.first_s[name] = seconds
+            if seconds is not None:
+                out.first_s.setdefault(name, seconds)
+                last_warm[name] = seconds
+    for name, target in (min_sample_s or {}).items():
+        if name in out.repeats:
+            out.repeats[name] = repeats_for(last_warm.get(name), target, max_repeats)
     start = clock()
     r = 0
     while names:
         order = round_order(list(names), warmup + r)
         out.order.append(order)
         for name in order:
-            seconds = call(name)
+            seconds = call(name, out.repeats[name])
             if seconds is not None:
                 out.samples[name].append(seconds)
                 out.first_s.setdefault(name, seconds)
@@ -160,6 +204,35 @@ def interleave(
     out.rounds = r
     out.elapsed_s = clock() - start
     return out
+
+
+def impl_fields(result: Interleaved, name: str) -> dict:
+    """One implementation's record fields from an interleaved run: ``min_s`` (the time),
+    ``median_s``, ``spread``, ``first_s`` (its first, cold call)."""
+    samples = result.samples[name]
+    return dict(
+        min_s=min(samples),
+        median_s=sorted(samples)[len(samples) // 2],
+        spread=spread(samples),
+        first_s=result.first_s.get(name),
+    )
+
+
+def case_fields(result: Interleaved, names: list[str], *, threads: int, loadavg_before, loadavg_after) -> dict:
+    """Fields every record of a case shares: its ``noisy`` flag (over ``names``: the
+    implementations, not the references), rounds, how the loop stopped, timed seconds, the
+    threshold, the thread count and the load average before and after the case."""
+    timed = [n for n in names if result.samples.get(n)]
+    return dict(
+        noisy=is_noisy([result.spread(n) for n in timed]),
+        rounds=result.rounds,
+        stopped=result.stopped,
+        timed_s=round(result.elapsed_s, 3),
+        noisy_threshold=NOISY_SPREAD,
+        threads=threads,
+        loadavg_before=list(loadavg_before),
+        loadavg_after=list(loadavg_after),
+    )
 
 
 class ReplayTimer:

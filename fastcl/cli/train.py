@@ -1,7 +1,8 @@
 """``fastcl train METHOD --model PATH_OR_NAME [options]``: train with one of the recipes.
 
-Options are validated (and the training data read) before the model loads; errors print
-one line and exit with status 2.
+Options, the training data, the devices and the output folder (which run it holds, which
+checkpoint to continue) are checked before the model loads; each error prints one line on
+stderr and exits with status 2 (docs/training.md, "Bad input").
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import argparse
 import json
 import sys
 
-from fastcl.trainers.config import add_shared_arguments, resolve
+from fastcl.cli import OneLineErrorParser
+from fastcl.trainers.config import SetupError, add_shared_arguments, resolve
 from fastcl.trainers.registry import RECIPES, get_recipe
 
 
@@ -34,7 +36,7 @@ def _add_methods(parser: argparse.ArgumentParser) -> None:
 
 def parse(argv: list[str]):
     """``(recipe, cfg)`` from ``METHOD --option ...`` (what follows ``fastcl train``)."""
-    parser = argparse.ArgumentParser(prog="fastcl train")
+    parser = OneLineErrorParser(prog="fastcl train")
     _add_methods(parser)
     args = parser.parse_args(argv)
     recipe = get_recipe(args.method)
@@ -43,6 +45,10 @@ def parse(argv: list[str]):
 
 def _list_presets(recipe) -> None:
     print(json.dumps(recipe.presets, indent=2))
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def run(args) -> int:
@@ -54,15 +60,14 @@ def run(args) -> int:
         cfg = resolve(args, recipe)
         recipe.validate(cfg)
     except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"fastcl train {args.method}: error: {e}", file=sys.stderr)
+        print(f"fastcl train {args.method}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    from fastcl.trainers.checkpoint import CheckpointError
     from fastcl.trainers.loop import train
 
     try:
         summary = train(recipe, cfg)
-    except CheckpointError as e:  # raised while choosing the checkpoint, before any compute
-        print(f"fastcl train {args.method}: error: {e}", file=sys.stderr)
+    except SetupError as e:  # raised by the checks before the model loads (or by a checkpoint's files)
+        print(f"fastcl train {args.method}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
     return 0

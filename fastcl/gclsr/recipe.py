@@ -30,6 +30,7 @@ from fastcl.gclsr.model import GCLSRModel
 from fastcl.gclsr.optim import build_sgd, gclsr_scheduler, scaled_lr, set_momentum
 from fastcl.gclsr.vectors import WordVectors
 from fastcl.losses import gclsr_loss
+from fastcl.trainers.config import finite_float
 from fastcl.trainers.recipe import Recipe, StepContext
 
 WIKI = Path("wiki") / "wiki1m_for_simcse.partial.txt.gz"
@@ -132,12 +133,12 @@ class GCLSRRecipe(Recipe):
         g.add_argument("--proj-dim", type=int, help="projector / predictor output width (paper 4096)")
         g.add_argument("--pred-hidden", type=int, help="predictor bottleneck (paper 1024)")
         g.add_argument("--group-size", type=int, help="features per cosine group (paper 16; = proj-dim: SimSiam)")
-        g.add_argument("--pwva-p", type=float, help="probability that a word is augmented (0.5)")
+        g.add_argument("--pwva-p", type=finite_float, help="probability that a word is augmented (0.5)")
         g.add_argument("--pwva-operators", choices=tuple(PWVA_PRESETS), help="PWVA operators: authors' code or paper")
         g.add_argument("--attention", type=_bool, help="word-importance attention in training (true)")
-        g.add_argument("--pred-lr", type=float, help="predictor lr, constant and not batch-scaled (paper 1.0)")
-        g.add_argument("--momentum", type=float, help="SGD momentum during warm-up (0.9)")
-        g.add_argument("--momentum-after-warmup", type=float, help="SGD momentum after warm-up (0.8)")
+        g.add_argument("--pred-lr", type=finite_float, help="predictor lr, constant and not batch-scaled (paper 1.0)")
+        g.add_argument("--momentum", type=finite_float, help="SGD momentum during warm-up (0.9)")
+        g.add_argument("--momentum-after-warmup", type=finite_float, help="SGD momentum after warm-up (0.8)")
 
     def option_defaults(self) -> dict:
         keys = (
@@ -195,6 +196,12 @@ class GCLSRRecipe(Recipe):
         if self._vectors is None:
             self._vectors = load_word_vectors(self._source(cfg), seed=cfg.seed)
         return self._vectors
+
+    def num_examples(self, cfg: argparse.Namespace) -> int:
+        """The training sentences, counted without loading the word vectors."""
+        from fastcl.data.sentences import read_sentences
+
+        return len(read_sentences(cfg.train_file or _data_dir(cfg.data_dir) / WIKI))
 
     def build_dataset(self, cfg: argparse.Namespace) -> list[list[int]]:
         """The training sentences as word-id lists (tokenised once, up front)."""

@@ -7,6 +7,8 @@ summary = train_method("supmpn", model="path/to/model", max_steps=100, output_di
 from fastcl.trainers.recipe import Recipe, StepContext, warmup_schedule
 from fastcl.trainers.registry import RECIPES, get_recipe
 
+_FLAGS = frozenset({"overwrite", "allow_config_change"})
+
 
 def train_method(method: str, **options) -> dict:
     """Python twin of ``fastcl train METHOD --option value ...``: resolve, validate, train."""
@@ -14,7 +16,11 @@ def train_method(method: str, **options) -> dict:
 
     argv = [method]
     for key, value in options.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if key in _FLAGS:  # on/off switches without a value (overwrite=True -> --overwrite)
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
     recipe, cfg = parse(argv)
     from fastcl.trainers.loop import train
 

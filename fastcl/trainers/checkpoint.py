@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fastcl._fsio import atomic_write, atomic_write_text, file_digest, fsync_dir
+from fastcl.trainers.config import SetupError
 
 PREFIX = "checkpoint-"
 MANIFEST = "complete.json"
@@ -61,13 +62,14 @@ RESUME_MAY_CHANGE = frozenset(
         "preset",
         "list_presets",
         "allow_config_change",
+        "overwrite",
         "command",
     }
 )
 _PATH_OPTIONS = ("model", "train_file")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SetupError):
     """A checkpoint cannot be resumed from; the message names the file and what is wrong."""
 
 
@@ -93,8 +95,12 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------- writing
 
 
-def save_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, scaler, progress: dict, cfg) -> dict:
+def save_checkpoint(
+    folder: Path, *, rank: int, model, optimizer, scheduler, scaler, progress: dict, cfg, run_id: str | None = None
+) -> dict:
     """Write this rank's files of a checkpoint (call on every rank; rank 0 writes the model).
+
+    ``run_id``: the run it belongs to (:mod:`fastcl.trainers.run`), kept in ``state.pt``.
 
     Returns ``{file name: {"size", "sha256"}}`` of what was written, for :func:`mark_complete`
     (which rank 0 calls once every rank has returned from here).
@@ -116,16 +122,20 @@ def save_checkpoint(folder: Path, *, rank: int, model, optimizer, scheduler, sca
             "scaler": scaler.state_dict() if scaler is not None else None,
             "progress": progress,
             "config": vars(cfg),
+            "run_id": run_id,
         }
         written[STATE] = atomic_write(folder / STATE, lambda f: torch.save(state, f))
     return written
 
 
-def mark_complete(folder: Path, *, world_size: int, step: int, written: dict | None = None) -> None:
+def mark_complete(
+    folder: Path, *, world_size: int, step: int, written: dict | None = None, run_id: str | None = None
+) -> None:
     """Rank 0, after every rank's :func:`save_checkpoint`: list the files, making the folder complete.
 
     ``written``: the digests :func:`save_checkpoint` returned (under DDP, gathered from every
-    rank); a file without one is hashed from disk.
+    rank); a file without one is hashed from disk. ``run_id``: the run the checkpoint belongs
+    to, recorded in the manifest (:func:`manifest_run_id`).
     """
     folder = Path(folder)
     written = written or {}
@@ -138,7 +148,7 @@ def mark_complete(folder: Path, *, world_size: int, step: int, written: dict | N
         if not path.is_file():
             raise RuntimeError(f"{path} was not written; checkpoint {folder} stays incomplete")
         files[name] = file_digest(path)
-    manifest = {"format": _FORMAT, "step": step, "world_size": world_size, "files": files}
+    manifest = {"format": _FORMAT, "step": step, "world_size": world_size, "run_id": run_id, "files": files}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -159,6 +169,17 @@ def _folders(output_dir: Path) -> list[Path]:
 def checkpoints(output_dir: Path) -> list[Path]:
     """Checkpoints marked complete in ``output_dir``, oldest first (files not re-hashed)."""
     return [p for p in _folders(output_dir) if (p / MANIFEST).is_file()]
+
+
+def manifest_run_id(folder: Path) -> str | None:
+    """The run id recorded in ``folder``'s ``complete.json`` (None: written before checkpoints
+    carried one). Raises :class:`CheckpointError` when the manifest is missing or unreadable."""
+    path = Path(folder) / MANIFEST
+    try:
+        run_id = json.loads(path.read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is missing, unreadable or malformed: {e}") from e
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def problem(folder: Path) -> str | None:
@@ -222,7 +243,7 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
             raise CheckpointError(
                 f"--resume auto: no complete checkpoint in {output_dir}: "
                 + "; ".join(skipped)
-                + ". Move these folders away to start over."
+                + ". Move these folders away, or start over with --overwrite."
             )
         return None
     folder = Path(resume).expanduser()
@@ -330,15 +351,21 @@ def load_rng(folder: Path, rank: int) -> None:
     set_rng_state(_load(path))
 
 
-def prune(output_dir: Path, keep: int) -> None:
+def prune(output_dir: Path, keep: int, run_id: str | None = None) -> None:
     """Keep the last ``keep`` complete checkpoints (``keep=0`` keeps all); delete every
-    checkpoint folder older than those, complete or not."""
+    checkpoint folder older than those, complete or not. With ``run_id``, only that run's
+    complete checkpoints count and a complete checkpoint of another run is never deleted."""
     if keep <= 0:
         return
     complete = checkpoints(output_dir)
+    if run_id is not None:
+        complete = [c for c in complete if manifest_run_id(c) == run_id]
     if len(complete) <= keep:
         return
     oldest_kept = _step_of(complete[-keep])
     for folder in _folders(output_dir):
-        if _step_of(folder) < oldest_kept:
-            shutil.rmtree(folder, ignore_errors=True)
+        if _step_of(folder) >= oldest_kept:
+            continue
+        if run_id is not None and (folder / MANIFEST).is_file() and manifest_run_id(folder) != run_id:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)

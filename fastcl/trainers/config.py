@@ -8,6 +8,7 @@ All options are added with ``default=None`` so that "not given" can be told apar
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING, Any
 
 from fastcl._fsio import check_output_dir
@@ -17,6 +18,12 @@ if TYPE_CHECKING:
     import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+
+
+class SetupError(ValueError):
+    """Bad options, data or output folder, found before any model is loaded or anything is
+    written. ``fastcl train`` prints its message as one line and exits with status 2."""
+
 
 SHARED_DEFAULTS: dict[str, Any] = {
     "model": None,
@@ -42,6 +49,7 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "save_total_limit": 2,
     "log_steps": 10,
     "resume": None,
+    "overwrite": False,
     "allow_config_change": False,
     "device": None,
     "progress": True,
@@ -58,6 +66,17 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def finite_float(text: str) -> float:
+    """argparse type: a float that is neither infinite nor NaN (``float`` accepts both)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("shared training options")
     g.add_argument("--model", help="Hugging Face model path or hub id (AutoModel)")
@@ -69,11 +88,11 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int)
     g.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
     g.add_argument("--max-examples", type=int, help="use only the first N training examples")
-    g.add_argument("--lr", type=float)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--warmup-ratio", type=float)
+    g.add_argument("--lr", type=finite_float)
+    g.add_argument("--weight-decay", type=finite_float)
+    g.add_argument("--warmup-ratio", type=finite_float)
     g.add_argument("--schedule", choices=SCHEDULES)
-    g.add_argument("--max-grad-norm", type=float, help="clip the gradient norm (off by default)")
+    g.add_argument("--max-grad-norm", type=finite_float, help="clip the gradient norm (off by default)")
     g.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -88,7 +107,17 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-steps", type=int, help="checkpoint every N steps (0 = only at the end)")
     g.add_argument("--save-total-limit", type=int, help="keep the last N checkpoints")
     g.add_argument("--log-steps", type=int)
-    g.add_argument("--resume", help="checkpoint folder to resume from, or 'auto' (latest in --output-dir)")
+    g.add_argument(
+        "--resume",
+        help="'auto' (continue the run in --output-dir from its newest checkpoint) or a checkpoint folder",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="replace the run already in --output-dir (its checkpoints, log, models); "
+        "without it a fresh start there is refused",
+    )
     g.add_argument(
         "--allow-config-change",
         action="store_true",
@@ -153,6 +182,40 @@ def _positive_int(cfg, name: str, allow_none=False, allow_zero=False) -> None:
         raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
 
 
+def _finite(cfg, name: str) -> None:
+    value = getattr(cfg, name)
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+
+
+def _nonempty_path(cfg, name: str) -> None:
+    value = getattr(cfg, name, None)
+    if value is not None and not str(value).strip():
+        what = "the working directory" if name == "output_dir" else "a default"
+        raise ValueError(f"--{name.replace('_', '-')} is empty (it would silently mean {what}): give a path")
+
+
+def device_type(device: str | None) -> str:
+    """``cpu`` / ``cuda``: where ``--device`` (None: CUDA when available) puts the model.
+    Raises ``ValueError`` for a device this machine does not have."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r}: not a device; use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: fastcl trains on cpu or cuda / cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev.type
+
+
 def check_shared(cfg: argparse.Namespace) -> None:
     """Validate the shared options (clear errors before any model or data is loaded)."""
     for name in ("batch_size", "epochs", "eval_batch_size", "log_steps", "seed"):
@@ -161,6 +224,8 @@ def check_shared(cfg: argparse.Namespace) -> None:
         _positive_int(cfg, name, allow_none=True)
     for name in ("eval_steps", "save_steps", "save_total_limit"):
         _positive_int(cfg, name, allow_zero=True)
+    for name in ("lr", "weight_decay", "warmup_ratio", "max_grad_norm"):
+        _finite(cfg, name)
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.weight_decay < 0:
@@ -173,4 +238,15 @@ def check_shared(cfg: argparse.Namespace) -> None:
         raise ValueError(f"--precision must be one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    for name in ("output_dir", "model", "train_file", "data_dir", "resume"):
+        _nonempty_path(cfg, name)
+    kind = device_type(getattr(cfg, "device", None))
+    if cfg.precision == "fp16" and kind != "cuda":
+        raise ValueError(
+            "--precision fp16 needs a CUDA device (loss scaling with a GradScaler); on the CPU use bf16 or auto"
+        )
+    if getattr(cfg, "overwrite", False) and cfg.resume == "auto":
+        raise ValueError(
+            "--overwrite replaces the run in --output-dir and --resume auto continues it: give one of them"
+        )
     check_output_dir(cfg.output_dir, "--output-dir")

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from fastcl._paths import require_data_dir
 from fastcl.pooling import POOLINGS
+from fastcl.trainers.config import finite_float
 from fastcl.trainers.model import MLP_MODES, EvalEncoder, SentenceEncoder, save_pretrained
 from fastcl.trainers.recipe import Recipe
 
@@ -44,7 +45,7 @@ class HFRecipe(Recipe):
             "--mlp", choices=MLP_MODES, help="SimCSE MLP head over the pooled embedding: none / train only / always"
         )
         g.add_argument("--max-length", type=int, help="truncation length in tokens for training texts")
-        g.add_argument("--temperature", type=float, help="softmax temperature tau (logit = similarity / tau)")
+        g.add_argument("--temperature", type=finite_float, help="softmax temperature tau (logit = similarity / tau)")
         g.add_argument("--train-split", help="split of a SentEval-format NLI folder (s1.SPLIT) or hub dataset")
         self.add_method_arguments(g)
 

@@ -15,7 +15,9 @@ import contextlib
 import json
 import os
 import random
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,8 +25,9 @@ import torch.distributed as dist
 
 from fastcl._fsio import atomic_write_text
 from fastcl.trainers import checkpoint as ckpt
-from fastcl.trainers.config import resolve_precision
+from fastcl.trainers.config import SetupError, resolve_precision
 from fastcl.trainers.recipe import Recipe, StepContext
+from fastcl.trainers.run import SUMMARY_FILE, RunPlan, plan_run
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,9 +68,9 @@ def _to_device(batch, device):
     return batch
 
 
-def _truncate_log(path: Path, last_step: int) -> None:
-    """Keep the records of steps <= ``last_step`` (a resumed run logs the later ones again);
-    a partial last line left by a kill is dropped too."""
+def _truncate_log(path: Path, last_step: int, run_id: str | None = None) -> None:
+    """Keep the records of steps <= ``last_step`` (a resumed run logs the later ones again)
+    of run ``run_id`` (when given); a partial last line left by a kill is dropped too."""
     if not path.is_file():
         return
     kept = []
@@ -76,8 +79,11 @@ def _truncate_log(path: Path, last_step: int) -> None:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and record.get("step", 0) <= last_step:
-            kept.append(line + "\n")
+        if not isinstance(record, dict) or record.get("step", 0) > last_step:
+            continue
+        if run_id is not None and record.get("run_id") != run_id:
+            continue
+        kept.append(line + "\n")
     atomic_write_text(path, "".join(kept))
 
 
@@ -86,12 +92,14 @@ class _Logger:
 
     ``start_step``: the step training starts from (0, or the resumed checkpoint's): records
     of later steps, from the run that was interrupted, are removed so none appears twice.
+    Every record carries ``run_id``.
     """
 
-    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, start_step: int = 0):
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, start_step: int = 0, run_id=None):
         self.enabled = enabled
+        self.run_id = run_id
         if enabled:
-            _truncate_log(output_dir / "log.jsonl", start_step)
+            _truncate_log(output_dir / "log.jsonl", start_step, run_id)
         self.file = open(output_dir / "log.jsonl", "a") if enabled else None
         self.tb = None
         if enabled and tensorboard:
@@ -106,6 +114,8 @@ class _Logger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self.run_id is not None:
+            record = {**record, "run_id": self.run_id}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -134,32 +144,95 @@ def evaluate_dev(recipe: Recipe, model, task) -> float:
     return evaluate_task(recipe.encoder(model), task).score
 
 
-def train(recipe: Recipe, cfg) -> dict:
-    """Train ``recipe`` with the resolved options ``cfg``; returns a summary dict (rank 0)."""
+@dataclass
+class Prepared:
+    """Everything :func:`prepare` found out, before any model is loaded or file written."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: object
+    n: int  # training examples used (--max-examples applied)
+    steps_per_epoch: int
+    total: int
+    plan: RunPlan
+    dev_task: object = None
+
+
+def _say(rank: int, line: str) -> None:
+    if rank == 0:
+        print(f"fastcl train: {line}", file=sys.stderr, flush=True)
+
+
+def prepare(recipe: Recipe, cfg) -> Prepared:
+    """Every check of a start that needs no model: devices and precision, the data's size
+    against the batch, the output folder and its run (:func:`fastcl.trainers.run.plan_run`:
+    which checkpoint, if any, and whether another run's files are in the way), the dev
+    data. Raises :class:`SetupError` (one line for the CLI); reads files, writes none."""
     recipe.validate(cfg)
     rank, world, device, group = _setup_distributed(cfg)
     cfg.precision = resolve_precision(cfg.precision, device)  # "auto" -> bf16/fp16 on CUDA, fp32 on CPU
     if cfg.batch_size % world:
-        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the {world} processes")
+        raise SetupError(f"--batch-size {cfg.batch_size} is not divisible by the {world} processes")
     if cfg.precision == "fp16" and device.type != "cuda":
-        raise ValueError("--precision fp16 needs a CUDA device (loss scaling); use bf16 on CPU")
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    # Before any compute: pick an intact checkpoint and refuse one trained with other options.
-    resume_from = ckpt.resolve_resume(cfg.resume, output_dir)
-    resume_state = None
-    if resume_from is not None:
-        resume_state = ckpt.read_state(resume_from)
-        ckpt.check_config(resume_from, resume_state, cfg)
+        raise SetupError("--precision fp16 needs a CUDA device (loss scaling); on the CPU use bf16 or auto")
+    available = recipe.num_examples(cfg)
+    n = available if cfg.max_examples is None else min(cfg.max_examples, available)
+    steps_per_epoch = n // cfg.batch_size
+    if steps_per_epoch == 0:
+        capped = f" (--max-examples {cfg.max_examples} of {available})" if n < available else ""
+        raise SetupError(
+            f"--batch-size {cfg.batch_size} is larger than the {n} training examples{capped}: "
+            "no full batch; lower --batch-size"
+        )
+    total = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+    plan = plan_run(cfg, Path(cfg.output_dir), total)
+    if world > 1:  # a new run's id is drawn at random: rank 0's is everyone's
+        chosen = [plan.run_id]
+        dist.broadcast_object_list(chosen, src=0)
+        plan.run_id = chosen[0]
+    dev_task = None
+    if cfg.eval_steps and rank == 0 and not plan.finished:
+        try:
+            dev_task = _dev_task(cfg)
+        except (FileNotFoundError, ValueError) as e:
+            raise SetupError(f"--eval-steps {cfg.eval_steps}: STS-B dev data: {e}") from e
+    return Prepared(rank, world, device, group, n, steps_per_epoch, total, plan, dev_task)
+
+
+def _finished_summary(output_dir: Path, run_id: str, total: int) -> dict | None:
+    """The summary of run ``run_id`` when it finished all ``total`` steps and saved ``final/``."""
+    try:
+        summary = json.loads((output_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    done = isinstance(summary, dict) and summary.get("run_id") == run_id and summary.get("steps") == total
+    return summary if done and (output_dir / "final").is_dir() else None
+
+
+def train(recipe: Recipe, cfg) -> dict:
+    """Train ``recipe`` with the resolved options ``cfg``; returns a summary dict (rank 0).
+
+    Every check runs first (:func:`prepare`); a :class:`SetupError` means nothing was loaded
+    or written. Then the model is built, the run's folder is (re)claimed (``--overwrite``
+    removes another run's files only now) and training goes from the plan's step.
+    """
+    ready = prepare(recipe, cfg)
+    rank, world, device, group, plan = ready.rank, ready.world, ready.device, ready.group, ready.plan
+    n, steps_per_epoch, total = ready.n, ready.steps_per_epoch, ready.total
+    output_dir = plan.output_dir
+    for line in plan.notes:
+        _say(rank, line)
+    if plan.finished:
+        done = _finished_summary(output_dir, plan.run_id, total)
+        if done is not None:
+            return done
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
 
     dataset = recipe.build_dataset(cfg)
-    n = len(dataset) if cfg.max_examples is None else min(cfg.max_examples, len(dataset))
-    steps_per_epoch = n // cfg.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(f"{n} training examples give no full batch of {cfg.batch_size}; lower --batch-size")
-    total = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * steps_per_epoch
+    if len(dataset) < n:
+        raise RuntimeError(f"{recipe.name}: build_dataset gave {len(dataset)} examples, num_examples said {n}")
     per_rank = cfg.batch_size // world
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -169,12 +242,18 @@ def train(recipe: Recipe, cfg) -> dict:
     scheduler = recipe.build_scheduler(cfg, optimizer, total)
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     progress = {"step": 0, "best_score": None, "best_step": None}
+    resume_from = plan.resume_from
     if resume_from is not None:
         progress = ckpt.apply_state(
-            resume_state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, cfg=cfg
+            plan.resume_state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, cfg=cfg
         )
-        resume_state = None
+        plan.resume_state = None
         ckpt.load_rng(resume_from, rank)
+    if rank == 0:
+        plan.apply()  # --overwrite: the other run's files go now, once the model has loaded
+    if world > 1:
+        dist.barrier()
+    output_dir.mkdir(parents=True, exist_ok=True)
 
     step_model = model
     if world > 1:
@@ -194,8 +273,8 @@ def train(recipe: Recipe, cfg) -> dict:
             gc = caches[id(module)] = GradCache(module, cfg.chunk_size, ddp=ddp)
         return gc(**inputs)
 
-    dev_task = _dev_task(cfg) if cfg.eval_steps and rank == 0 else None
-    logger = _Logger(output_dir, rank == 0, cfg.tensorboard, start_step=progress["step"])
+    dev_task = ready.dev_task
+    logger = _Logger(output_dir, rank == 0, cfg.tensorboard, start_step=progress["step"], run_id=plan.run_id)
     autocast_dtype = _AUTOCAST[cfg.precision]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if rank == 0:
@@ -297,18 +376,22 @@ def train(recipe: Recipe, cfg) -> dict:
                 scaler=scaler,
                 progress=dict(progress),
                 cfg=cfg,
+                run_id=plan.run_id,
             )
             if world > 1:  # returns once every rank's files are on disk; rank 0 gets their digests
                 everyone = [None] * world
                 dist.all_gather_object(everyone, written)
                 written = {name: d for part in everyone for name, d in part.items()}
             if rank == 0:
-                ckpt.mark_complete(folder, world_size=world, step=step, written=written)
-                ckpt.prune(output_dir, cfg.save_total_limit)
+                ckpt.mark_complete(folder, world_size=world, step=step, written=written, run_id=plan.run_id)
+                ckpt.prune(output_dir, cfg.save_total_limit, run_id=plan.run_id)
     bar.close()
     summary = {
         "method": recipe.name,
+        "run_id": plan.run_id,
         "steps": step,
+        "start_step": plan.start_step,
+        "resumed_from": None if resume_from is None else str(resume_from),
         "wall_s": round(time.perf_counter() - start, 2),
         "best_stsb_dev": progress["best_score"],
         "best_step": progress["best_step"],
@@ -316,6 +399,6 @@ def train(recipe: Recipe, cfg) -> dict:
     }
     if rank == 0:
         recipe.save_pretrained(model, output_dir / "final", cfg)
-        atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(output_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     logger.close()
     return summary

@@ -12,6 +12,7 @@ evaluation with best-checkpoint selection, logs and progress. A recipe owns what
 ``validate(cfg)``          raise ``ValueError``/``FileNotFoundError`` before any compute
 ``build_model(cfg)``       an ``nn.Module``; everything trainable lives in it
 ``build_dataset(cfg)``     a sequence of examples (``len`` + ``[i]``), the epoch unit
+``num_examples(cfg)``      its length, before the model loads (default: ``len(build_dataset)``)
 ``collate(examples, ctx)`` one rank's batch (a dict of tensors); tokenise here, once
 ``loss(model, batch, ctx)`` ``(loss, {name: float})`` for one optimiser step
 ``build_optimizer``        default AdamW over parameters that require grad
@@ -99,6 +100,11 @@ class Recipe:
 
     def build_dataset(self, cfg: argparse.Namespace) -> Sequence:
         raise NotImplementedError
+
+    def num_examples(self, cfg: argparse.Namespace) -> int:
+        """How many training examples ``build_dataset`` gives (before ``--max-examples``),
+        known before the model loads; override where building the dataset is costly."""
+        return len(self.build_dataset(cfg))
 
     def collate(self, examples: list, ctx: StepContext) -> dict[str, Any]:
         raise NotImplementedError

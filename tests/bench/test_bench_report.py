@@ -187,6 +187,8 @@ def _fake_run(tmp_path, threads=2, name="run.json", interleaved=True, speed=1.0)
                 floor_spread=0.02,
                 floor_share=0.05 / seconds / speed,
                 rounds=4,
+                gemm_in_rounds=True,
+                gemm_spread=0.01,
                 **more,
             )
         return {
@@ -254,6 +256,41 @@ def test_report_tables_plots_and_cli(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "](plots/cpu-supmpn-P5-Q5-d64-float32.png)" in text
     assert "Thread scaling" not in text
+
+
+def test_report_prints_a_share_only_where_its_reference_was_sound(tmp_path):
+    """Issue 32: shares of 128-1020 % of the GEMM rate and 233-244 % of the floor were printed
+    at small shapes on a busy machine. Such shares show as – with the reason under the table."""
+    path = _fake_run(tmp_path)
+    doc = json.loads(path.read_text())
+    rows = {(b["extra_info"].get("impl"), b["extra_info"].get("B")): b["extra_info"] for b in doc["benchmarks"]}
+    # B=128 torch: a floor share no step doing the floor's GEMMs can reach, GEMM rate sound
+    rows["torch", 128].update(floor_share=2.44, gemm_share=1.2)
+    # B=128 compile: a GEMM rate the run measured apart from its rounds (as before issue 32)
+    rows["compile", 128].update(gemm_share=10.2, gemm_in_rounds=False)
+    # B=512: the floor's own rounds disagree; the GEMM share was judged when recorded
+    for impl in ("eager", "torch"):
+        rows[impl, 512].update(floor_spread=0.11)
+    rows["torch", 512].update(gemm_share=None, gemm_share_measured=3.0, gemm_share_problem="recorded reason")
+    path.write_text(json.dumps(doc))
+    groups, _ = report.load([path])
+    (g,) = groups
+    text = report.table(g)
+    assert "| 128 | **torch** | 100.0 | 1% | 2.00x | – | 10.0 | 0.100x | 1.0 | 120% |" in text
+    assert "| 128 | compile | 125.0 | 1% | 1.60x | 40% | 50.0 | 0.500x | 1.0 | – | 12.5 |" in text
+    assert "| 512 (noisy) | eager | 800.0 | 1% | 1.00x | – | 400.0 |" in text
+    notes = "\n".join(report.share_notes(g))
+    assert "share of floor not shown (B=128 `torch`): 244% of the floor is more than a step doing its work" in notes
+    assert "share of GEMM not shown (B=128 `compile`): the GEMM rate was timed apart from the case's" in notes
+    assert "share of floor not shown (B=512 `eager`, B=512 `torch`): the floor's fastest rounds disagree" in notes
+    assert "share of GEMM not shown (B=512 `torch`): recorded reason." in notes
+    assert "1020%" not in text and "244%" not in text
+    # the summary line does not quote an unsound share either
+    g.rows = [r for r in g.rows if r.B == 128]
+    assert "of the GEMM floor" not in report.summary(g)
+    out = tmp_path / "RESULTS.md"
+    report.main(report.argparse.Namespace(json=[str(path)], out=str(out), plots=None, notes=None))
+    assert "Shares shown as –, measured but not sound" in out.read_text()
 
 
 def test_report_summary_compares_with_compile(tmp_path):

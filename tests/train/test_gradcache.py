@@ -399,3 +399,46 @@ def test_encoder_memory_does_not_grow_with_batch():
     uncached = {n: encoder_peak(n, cached=False) for n in (8, 32)}
     assert uncached[32] >= 3.9 * uncached[8]
     assert cached[32] * 7 < uncached[32]
+
+
+@pytest.mark.parametrize("wrap", ["module", "callable"])
+@pytest.mark.parametrize("change", ["optimizer_step", "load_state_dict"])
+def test_parameters_changed_before_backward_are_refused(wrap, change):
+    """An optimiser step (or any in-place weight change) between gc(...) and backward() would
+    re-encode with the new weights: the gradient of neither point. It is refused, naming the
+    parameters, before any gradient is accumulated; the same sequence works once undone."""
+    enc, batch = tiny_encoder(dropout=0.1), make_batch(6)
+    encode_fn = enc if wrap == "module" else (lambda **b: enc(**b))
+    gc = GradCache(encode_fn, chunk_size=4)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.1)
+    enc.zero_grad(set_to_none=True)
+    loss = infonce(gc(**batch), gc(**make_batch(6, seed=1)))
+    if change == "optimizer_step":
+        for p in enc.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        enc.zero_grad(set_to_none=True)
+    else:
+        enc.load_state_dict(tiny_encoder(seed=3).state_dict())
+    with pytest.raises(RuntimeError, match=r"changed in place between gc\(\.\.\.\) and backward\(\).*embeddings\.word"):
+        loss.backward()
+    assert all(p.grad is None for p in enc.parameters()), "a gradient was accumulated before the refusal"
+    # the next step, encoded with the new weights, trains as usual
+    _, _, got = simcse_step(enc, batch, lambda b: gc(**b))
+    _, _, want = simcse_step(enc, batch, lambda b: chunked_graph(enc, b, 4))
+    assert_grads_close(got, want)
+
+
+def test_parameter_versions_allow_accumulation_and_autocast_scaler_steps():
+    """Steps that change nothing between forward and backward are never refused: gradient
+    accumulation over two backwards, and the usual forward, backward, step order."""
+    enc, batch = tiny_encoder(dropout=0.1), make_batch(6)
+    gc = GradCache(enc, chunk_size=4)
+    opt = torch.optim.AdamW(enc.parameters(), lr=1e-3)
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = infonce(gc(**batch), gc(**batch))
+        loss.backward()
+        opt.step()  # after backward: the next gc(...) records the new versions
+        opt.zero_grad(set_to_none=True)

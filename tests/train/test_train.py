@@ -313,6 +313,8 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
     for method in cases:
         two_dir = tmp_path / method / "two" / "checkpoint-2"  # marked complete once both ranks wrote
         assert problem(two_dir) is None and json.loads((two_dir / MANIFEST).read_text())["world_size"] == 2
+        run_id = json.loads((tmp_path / method / "two" / "run.json").read_text())["run_id"]  # rank 0's, for all
+        assert json.loads((two_dir / MANIFEST).read_text())["run_id"] == run_id
         one = _state(tmp_path / method / "one" / "checkpoint-2")["model"]
         two = _state(tmp_path / method / "two" / "checkpoint-2")["model"]
         for k in one:  # float summation order differs

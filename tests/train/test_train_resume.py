@@ -58,10 +58,13 @@ def test_resume_auto_skips_damaged_newest_checkpoint_and_logs_each_step_once(set
 
     # steps 3-5 were logged by the crashed run and again after the resume: only once now
     def timeless(out):
-        return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in _records(out)]
+        return [{k: v for k, v in r.items() if k not in ("elapsed_s", "run_id")} for r in _records(out)]
 
     assert [r["step"] for r in _records(tmp_path / "cut")] == [1, 2, 3, 4, 5, 6]
     assert timeless(tmp_path / "cut") == timeless(tmp_path / "full")
+    # one run: the crashed start and its resume share the id, every record carries it
+    run_id = json.loads((tmp_path / "cut" / "run.json").read_text())["run_id"]
+    assert {r["run_id"] for r in _records(tmp_path / "cut")} == {run_id}
     # checkpoint-4 was rewritten by the resumed run and is intact again
     from fastcl.trainers.checkpoint import problem
 

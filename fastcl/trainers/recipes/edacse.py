@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastcl.data import PUNCTUATION, collate_views, insert_punctuation, read_sentences
 from fastcl.losses import edacse_loss
+from fastcl.trainers.config import finite_float
 from fastcl.trainers.hf import WIKI, HFRecipe, split_rows
 
 _PAPER = {
@@ -31,7 +32,7 @@ class EdaCSE(HFRecipe):
     defaults = {"batch_size": 32, "lr": 3e-5, "schedule": "cosine", "weight_decay": 0.01}
 
     def add_method_arguments(self, g) -> None:
-        g.add_argument("--lam", type=float, help="weight of the augmented-view InfoNCE (bert-base 0.6)")
+        g.add_argument("--lam", type=finite_float, help="weight of the augmented-view InfoNCE (bert-base 0.6)")
         g.add_argument("--max-insertions", type=int, help="k: insert 1..k marks (bert-base 3)")
         g.add_argument("--marks", help=f"punctuation marks to insert, as one string (default {''.join(PUNCTUATION)!r})")
 

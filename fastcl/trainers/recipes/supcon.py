@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from fastcl.data import LIAO_CAPS, collate_liao, load_nli
 from fastcl.losses import supcon_pool_loss
+from fastcl.trainers.config import finite_float
 from fastcl.trainers.hf import HFRecipe, split_rows, unwrap
 from fastcl.trainers.model import SentenceEncoder, save_pretrained
 
@@ -125,7 +126,9 @@ class SupCon(HFRecipe):
     defaults = {"batch_size": 64, "lr": 2e-5, "warmup_ratio": 0.1, "schedule": "constant", "shuffle": False}
 
     def add_method_arguments(self, g) -> None:
-        g.add_argument("--lam", type=float, help="weight of the contrastive term, in [0, 1] (0.3 STS, 0.1 transfer)")
+        g.add_argument(
+            "--lam", type=finite_float, help="weight of the contrastive term, in [0, 1] (0.3 STS, 0.1 transfer)"
+        )
         g.add_argument("--cap", choices=LIAO_CAPS, help="in-batch positives/negatives: 3p3n or allpalln")
         g.add_argument("--similarity", choices=SIMILARITIES, help="dot (Liao's released code, tau 1) or cos")
         g.add_argument("--head-dim", type=int, help="inner width of the softmax head (768)")

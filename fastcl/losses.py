@@ -116,8 +116,9 @@ def _without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
 
 
 def _fused_loss(
-    kind, anchor, blocks, tags, tau, *, sizes, pos_mask, own_count=None, pos_logits=None, log_extra=None, **opts
-):
+    kind, anchor, blocks, tags, tau, *, sizes, pos_mask, own_count=None, pos_logits=None, log_extra=None, padded=True,
+    **opts,
+):  # fmt: skip
     """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``) and run
     the fused loss. Own positives are ``own_count`` rows per anchor in block 0 (from where this
     rank's candidates start) or the given ``pos_logits``; ``opts``: :func:`_options` less the
@@ -157,6 +158,7 @@ def _fused_loss(
         backend=opts["backend"],
         dims=None if matryoshka is None else matryoshka[0],
         dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+        padded=padded or process_group is not None,  # other ranks' candidates may carry padding
     )
 
 
@@ -208,7 +210,10 @@ def _lse_loss(kind, anchor, positives, negatives, pos_mask, neg_mask, *, exclude
         blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
         sizes = {"B": B, "P": P, "Q": Q, "d": d}
         own = dict(own_count=P, log_extra=log_extra, matryoshka=matryoshka)
-        return _fused_loss(kind, anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, **own, **opts)
+        padded = pos_mask is not None or neg_mask is not None  # no mask: no padding tag anywhere
+        return _fused_loss(
+            kind, anchor, blocks, tags, tau, sizes=sizes, pos_mask=pos_mask, padded=padded, **own, **opts
+        )
 
 
 # --------------------------------------------------------------------------- functions

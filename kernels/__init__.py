@@ -6,19 +6,28 @@ namespace): docs/triton.md.
 """
 
 from ._common import INTERPRET
-from .lse_bwd import lse_backward
-from .lse_fwd import lse_forward
-from .lse_prefixes import lse_backward_prefixes, lse_forward_prefixes, prefix_reasons
-from .own_logits import own_logits
-from .plan import size_reasons
+from .head import MAX_OWN
+from .lse import (
+    head_backward,
+    head_forward,
+    lse_backward,
+    lse_backward_prefixes,
+    lse_forward,
+    lse_forward_prefixes,
+    prefix_reasons,
+)
+from .plan import release_scratch, size_reasons
 
 __all__ = [
     "INTERPRET",
-    "lse_forward",
+    "MAX_OWN",
+    "head_backward",
+    "head_forward",
     "lse_backward",
-    "own_logits",
-    "lse_forward_prefixes",
     "lse_backward_prefixes",
+    "lse_forward",
+    "lse_forward_prefixes",
     "prefix_reasons",
+    "release_scratch",
     "size_reasons",
 ]

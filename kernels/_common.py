@@ -1,14 +1,21 @@
-"""Shared pieces of fastcl's Triton kernels: jit helpers, dtype rules, tuned launches.
+"""Shared pieces of fastcl's Triton kernels: jit helpers, dtype rules, launches.
 
-Jit helpers: :func:`mma` (``tl.dot`` with the interpreter's bf16 bug worked around),
-:func:`raw_dot_tile` (one ``[BM, BN]`` tile of dot products over any ``d``), the
-structural mask of ``fastcl/ops/contract.py`` and the masked online log-sum-exp.
+Jit helpers (used by the plain and the Matryoshka kernels alike):
 
-Launches: a :class:`Kernel` is a jit function with one config table per ``(arch, dtype
-class)``; :func:`launch` takes every argument by keyword, picks the autotuner of the
-launch's size bucket and records the launch when a :func:`recording` is active. The AOT
-compile list (``fastcl.kernels.aot``) is exactly the set of recorded launches, so it
-cannot drift from what the launchers pass.
+* :func:`mma` / :func:`cast_to`: ``tl.dot`` and float casts with the interpreter's bf16 quirks
+  worked around;
+* :func:`block_of_tile`: which candidate block a column tile belongs to (both blocks are
+  served by one launch: block 0's tiles first, then block 1's);
+* :func:`dot_tile`: the GEMM main loop of one ``[BM, BN]`` tile over a range of ``d``;
+* :func:`scale_logits`, :func:`structural_mask`, :func:`online_lse`: the logit epilogue of
+  the forward and backward sweeps.
+
+Launches: every kernel launch goes through :func:`launch`, which takes every argument by
+keyword and one :class:`~fastcl.kernels.configs.Config` from the config table (never an
+autotuner: a training step never benchmarks), checks the arguments once per kernel, records
+the launch while a :func:`recording` is active and launches through ``wrap_triton`` so that
+``torch.compile`` can trace into the kernel. The AOT compile list
+(``fastcl.kernels.aot``) is exactly the set of recorded launches.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING, compute_dtype, new_output
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, compute_dtype
 
 # Triton chooses interpreted or compiled kernels when a kernel module is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -33,16 +40,16 @@ IS_INTERPRETER = tl.constexpr(INTERPRET)
 PAD_TAG = tl.constexpr(TAG_PADDING)
 ALL_TAG = tl.constexpr(TAG_ALL)
 
-# ---------------------------------------------------------------------------------------
-# jit helpers
-# ---------------------------------------------------------------------------------------
-
-# Bounds of the power-of-two row scale of the scaled sums of squares (norm kernels, own
-# logits): 1/scale stays a normal number, so multiplying by it is exact.
+# Bounds of the power-of-two row scale of the scaled sums of squares (norm and head
+# kernels): 1/scale stays a normal number, so multiplying by it is exact.
 SCALE_LO_F64: tl.constexpr = tl.constexpr(2.0**-500)
 SCALE_HI_F64: tl.constexpr = tl.constexpr(2.0**500)
 SCALE_LO_F32: tl.constexpr = tl.constexpr(2.0**-100)
 SCALE_HI_F32: tl.constexpr = tl.constexpr(2.0**100)
+
+# ---------------------------------------------------------------------------------------
+# jit helpers
+# ---------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -84,49 +91,69 @@ def sqrt_rn(x):
 
 
 @triton.jit
-def raw_dot_tile(
-    X,
-    Y,
-    SX,
-    SY,
-    rows,
-    cols,
-    row_ok,
-    col_ok,
-    d,
-    stride_x,
-    stride_y,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    ACC: tl.constexpr,
+def block_of_tile(t, tiles0, n0, n1, off1):
+    """Column tile ``t`` of the two-block candidate range: ``(in_block0, local tile, rows in
+    its block, offset of its block in the norms/tags layout)``. Block 0 owns tiles
+    ``[0, tiles0)``, block 1 the rest; a tile never straddles the two."""
+    in0 = t < tiles0
+    local = tl.where(in0, t, t - tiles0)
+    n = tl.where(in0, n0, n1)
+    base = tl.where(in0, 0, off1)
+    return in0, local, n, base
+
+
+@triton.jit
+def dot_tile(
+    acc,
+    x_rows,
+    y_rows,
+    k_lo,
+    k_hi,
+    sx,
+    sy,
     PRECISION: tl.constexpr,
     SCALE_ON_LOAD: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    """``[BM, BN]`` tile of ``<x_r, y_c>`` over the full feature dimension, in ``ACC``.
+    """``acc + <x_r[k_lo:k_hi], y_c[k_lo:k_hi]>`` for a ``[BM, BN]`` tile: the GEMM main loop.
 
-    Rows of ``X``/``Y`` outside ``row_ok``/``col_ok`` are never read (they count as zero:
-    a padded candidate's NaN cannot reach the tile). Row offsets are 64-bit: a block
-    with ``N * d >= 2**31`` elements is addressed correctly. ``SCALE_ON_LOAD`` (fp32 and
-    fp64 cosine) multiplies the rows by their inverse norms ``SX``/``SY`` as they are
-    loaded, so the product of two huge (or tiny) rows never leaves the float range.
+    ``x_rows [BM, 1]`` / ``y_rows [BN, 1]`` are row pointers; rows beyond a block's end are
+    clamped by the caller to a valid row (read, then masked in the epilogue), so the loads
+    need a mask only on ``k`` and only when ``EVEN_K`` is off (``k_hi - k_lo`` not a multiple
+    of ``BK``). ``SCALE_ON_LOAD`` (fp32/fp64 cosine) multiplies the rows by their row scales
+    ``sx``/``sy`` as they are loaded, so a product of two huge rows never leaves the float range.
     """
-    acc = tl.zeros([BM, BN], dtype=ACC)
-    x_rows = X + rows.to(tl.int64)[:, None] * stride_x
-    y_rows = Y + cols.to(tl.int64)[:, None] * stride_y
-    if SCALE_ON_LOAD:
-        sx = tl.load(SX + rows, mask=row_ok, other=0.0)
-        sy = tl.load(SY + cols, mask=col_ok, other=0.0)
-    for k0 in range(0, d, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = ks < d
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        y = tl.load(y_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    # running pointers advanced by BK (the Triton matmul tutorial's form: one live pointer
+    # tile per operand, not one per pipeline stage)
+    ks = k_lo + tl.arange(0, BK)
+    x_ptrs = x_rows + ks[None, :]
+    y_ptrs = y_rows + ks[None, :]
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            y = tl.load(y_ptrs)
+        else:
+            k_ok = (k0 + tl.arange(0, BK) < k_hi)[None, :]
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            y = tl.load(y_ptrs, mask=k_ok, other=0.0)
+        x_ptrs += BK
+        y_ptrs += BK
         if SCALE_ON_LOAD:
             x = x * sx[:, None]
             y = y * sy[:, None]
         acc = mma(x, tl.trans(y), acc, PRECISION)
     return acc
+
+
+@triton.jit
+def scale_logits(s, ia, ic, inv_tau, SCALE_TILE: tl.constexpr):
+    """Raw dot tile -> logits: times the row scales (``SCALE_TILE``: 16-bit rows, not scaled
+    on load) and ``1 / tau``."""
+    if SCALE_TILE:
+        return s * (ia * inv_tau)[:, None] * ic[None, :]
+    else:
+        return s * inv_tau
 
 
 @triton.jit
@@ -152,7 +179,8 @@ def online_lse(m, l, u, logits, keep):
     """One step of the masked online LSE: running max ``m``, ``l = sum exp(x - m)`` and
     ``u = sum exp(x - m) * x`` (for the mean logit), all ``[BM]``; empty rows stay at
     ``m = -inf, l = u = 0`` without producing NaN. A NaN logit makes ``l`` NaN (never
-    dropped: ``tl.max`` may skip NaN, ``exp(NaN - m)`` does not)."""
+    dropped: ``tl.max`` may skip NaN, ``exp(NaN - m)`` does not); a masked column's value,
+    NaN included, is never read."""
     x = tl.where(keep, logits, float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,6 +189,18 @@ def online_lse(m, l, u, logits, keep):
     l = l * alpha + tl.sum(p, 1)
     u = u * alpha + tl.sum(p * tl.where(keep, logits, 0.0), 1)
     return m_new, l, u
+
+
+@triton.jit
+def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of a linear tile index in grouped order: consecutive tiles share
+    column panels of the second operand in L2 (the Triton matmul tutorial's swizzle)."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_rows
+    pid_n = (tile % per_group) // group_rows
+    return pid_m, pid_n
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,69 +233,25 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# kernels with config tables, launches by keyword, recording
+# kernels, launches by keyword, recording
 # ---------------------------------------------------------------------------------------
 
 ARCHS = ("sm80", "sm90")
 
 
-def cfg(num_warps: int = 4, num_stages: int = 2, **meta: int) -> triton.Config:
-    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
-
-
-def bucket(n: int) -> int:
-    """Autotune bucket of a size: its next power of two (at least 16); each bucket tunes once."""
-    return max(16, triton.next_power_of_2(max(int(n), 1)))
-
-
 class Kernel:
-    """A jit kernel with a config table per ``(arch, dtype class)`` and lazy autotuners.
-
-    ``tables[arch][dclass]`` lists configs (a missing class falls back to ``"16"``);
-    ``"interp"`` has exactly one, passed as keyword arguments (``@triton.autotune`` cannot
-    run without a GPU). ``dtype_arg`` names the argument whose dtype picks the table. On a
-    GPU one autotuner per size bucket is built on first use (nothing queries a device at import).
-    """
+    """A jit kernel and the config-table role it takes its block sizes from
+    (``fastcl.kernels.configs``)."""
 
     registry: dict[str, Kernel] = {}
 
-    def __init__(
-        self,
-        fn,
-        tables: dict[str, dict[str, list[triton.Config]]],
-        dtype_arg: str,
-        restore_value: list[str] | None = None,
-    ):
-        self.fn, self.name, self.tables = fn, fn.__name__, tables
-        self.dtype_arg, self.restore_value = dtype_arg, restore_value
+    def __init__(self, fn, role: str):
+        self.fn, self.name, self.role = fn, fn.__name__, role
         # the interpreter's function has no .params: read the annotations of the source function
         params = inspect.signature(fn.fn).parameters.values()
         self.constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
-        self._tuners: dict[tuple, object] = {}
-        self._lock = threading.Lock()
+        self.checked: set[frozenset] = set()  # argument-name sets already validated
         Kernel.registry[self.name] = self
-
-    def configs(self, arch: str, dclass: str) -> list[triton.Config]:
-        table = self.tables[arch]
-        return table.get(dclass, table["16"])
-
-    def block_sizes(self, arch: str, dclass: str, name: str) -> list[int]:
-        """Every value block size ``name`` takes in a table (launchers size buffers with it)."""
-        return [c.kwargs[name] for c in self.configs(arch, dclass)]
-
-    def runner(self, arch: str, dclass: str, tune: tuple):
-        """``(launchable, extra keyword arguments)`` for this arch, dtype class and tuning key."""
-        if arch == "interp":
-            (config,) = self.configs(arch, dclass)
-            return self.fn, dict(config.kwargs)
-        key = (arch, dclass, tune)
-        with self._lock:
-            if key not in self._tuners:
-                # key=[]: the bucket is in the dictionary key, not in the kernel's arguments
-                self._tuners[key] = triton.autotune(
-                    configs=self.configs(arch, dclass), key=[], restore_value=self.restore_value
-                )(self.fn)
-            return self._tuners[key], {}
 
 
 def triton_type(value) -> str:
@@ -273,12 +269,14 @@ def triton_type(value) -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """What one launch passed: argument types and the launcher's constexprs (no block sizes)."""
+    """What one launch passed: argument types, the launcher's constexprs and the config."""
 
     kernel: str
     dclass: str
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
+    config: object = None  # fastcl.kernels.configs.Config
+    grid: tuple[int, ...] = ()
 
     @property
     def key(self) -> str:
@@ -296,21 +294,24 @@ class _State(threading.local):
     records: list | None = None  # launches are appended here while recording
     dry: bool = False  # record (or just run the launcher) without launching
     arch: str | None = None  # planning arch for dry runs on CPU tensors
+    sms: int | None = None  # planning SM count for dry runs
 
 
 _STATE = _State()
 
 
 @contextlib.contextmanager
-def recording(dry: bool = False, arch: str | None = None):
-    """Collect every :class:`Launch` made inside; ``dry``: launch nothing (tensors may live on
-    any device); ``arch``: plan for this arch instead of the tensors' device."""
-    saved = _STATE.records, _STATE.dry, _STATE.arch
-    _STATE.records, _STATE.dry, _STATE.arch = [], dry, arch
+def recording(dry: bool = False, arch: str | None = None, sms: int | None = None):
+    """Collect every :class:`Launch` made inside. ``dry``: launch nothing (tensors may live on
+    any device; outputs stay uninitialised); ``arch`` / ``sms``: plan for this arch and SM
+    count instead of the tensors' device (a dry run for an H100 on CPU tensors:
+    ``recording(dry=True, arch="sm90", sms=132)``)."""
+    saved = _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms
+    _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms = [], dry, arch, sms
     try:
         yield _STATE.records
     finally:
-        _STATE.records, _STATE.dry, _STATE.arch = saved
+        _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms = saved
 
 
 def arch_of(device: torch.device) -> str:
@@ -323,33 +324,53 @@ def arch_of(device: torch.device) -> str:
     return "sm90" if major >= 9 else "sm80"
 
 
-def launch(kernel: Kernel, grid, arch: str, tune: tuple[int, ...] = (), **args) -> None:
-    """Launch ``kernel`` with every non-block-size argument by keyword.
+_SMS: dict[int, int] = {}
+# "SMs" of the interpreter: persistent grids get a few programs, so their tile loops stride
+INTERP_PROGRAMS = 3
 
-    ``tune``: the real sizes the autotuner is keyed on (bucketed here). Checks that the
-    arguments are exactly the kernel's (minus the config's block sizes), records the
-    launch, then launches through ``wrap_triton`` so ``torch.compile`` can trace the
-    kernel inside a ``triton_op``.
-    """
-    dclass = dtype_class(args[kernel.dtype_arg].dtype)
-    configured = set(kernel.configs(arch, dclass)[0].kwargs)
-    expected = set(kernel.fn.arg_names) - configured
+
+def num_sms(device: torch.device, arch: str) -> int:
+    """Streaming multiprocessors of ``device`` (cached; the planning override in a dry run;
+    ``INTERP_PROGRAMS`` under the interpreter)."""
+    if _STATE.sms is not None:
+        return _STATE.sms
+    if arch == "interp" or device.type != "cuda":
+        return INTERP_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def _check_arguments(kernel: Kernel, config, args: dict) -> None:
+    expected = set(kernel.fn.arg_names) - set(config.kwargs)
     if set(args) != expected:
         raise TypeError(
             f"{kernel.name}: missing {sorted(expected - set(args))}, unexpected {sorted(set(args) - expected)}"
         )
-    names = [n for n in kernel.fn.arg_names if n in args]
-    flags = tuple((n, args[n]) for n in names if n in kernel.constexprs)
+
+
+def launch(kernel: Kernel, grid: tuple[int, ...], config, **args) -> None:
+    """Launch ``kernel`` on ``grid`` with ``config``'s block sizes and every other argument by
+    keyword. The argument names are checked on the first launch of each name set (and on
+    every recorded launch); the launch is recorded when a :func:`recording` is active."""
+    names = frozenset(args)
+    if names not in kernel.checked or _STATE.records is not None:
+        _check_arguments(kernel, config, args)
+        kernel.checked.add(names)
     if _STATE.records is not None:
-        sig = tuple((n, triton_type(args[n])) for n in names if n not in kernel.constexprs)
-        _STATE.records.append(Launch(kernel.name, dclass, sig, flags))
-    if _STATE.dry:
+        ordered = [n for n in kernel.fn.arg_names if n in args]
+        flags = tuple((n, args[n]) for n in ordered if n in kernel.constexprs)
+        sig = tuple((n, triton_type(args[n])) for n in ordered if n not in kernel.constexprs)
+        dclass = config.dclass
+        _STATE.records.append(Launch(kernel.name, dclass, sig, flags, config, tuple(grid)))
+    if _STATE.dry or 0 in grid:
         return
-    # one tuning per size bucket and specialisation (flags change the code being timed)
-    fn, extra = kernel.runner(arch, dclass, (tuple(bucket(n) for n in tune), flags))
     from torch.library import wrap_triton
 
-    wrap_triton(fn)[grid](**args, **extra)
+    wrap_triton(kernel.fn)[tuple(grid)](
+        **args, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+    )
 
 
 def register_op(name: str, fn):
@@ -374,11 +395,3 @@ def register_op(name: str, fn):
 
     op.register_fake(fake)
     return op
-
-
-def dummy(device: torch.device) -> torch.Tensor:
-    """A one-element float32 tensor for pointer arguments a specialisation never reads.
-
-    Uninitialised (NaN under the tests' ``poison_outputs``, so a read would show): zeros
-    cost a fill kernel each, most of the 28 fill launches per step the H100 profile counted."""
-    return new_output((1,), dtype=torch.float32, device=device)

@@ -1,8 +1,12 @@
 """Ahead-of-time compilation of the recorded kernel launches for sm_80 (A100) and sm_90 (H100).
 
-``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N]`` prints registers,
-spills, local memory, shared memory and MMA use per ``(launch, config)``; no GPU needed (run it
-without ``TRITON_INTERPRET=1``). What it compiles and the results: docs/triton.md, "Compile facts".
+``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N] [--json FILE]`` prints
+registers, spills, local memory, shared memory, pipelining, the CTAs per SM the registers and
+shared memory allow, and the tensor-core instruction of every ``(launch, config)``; no GPU
+needed (run it without ``TRITON_INTERPRET=1``). The launches are exactly what the launchers
+make (dry runs of ``kernels/lse.py`` planned for each arch, recorded by
+``_common.recording``), each with the config the table gives it. Results: docs/triton.md,
+"Compile facts".
 """
 
 from __future__ import annotations
@@ -11,70 +15,93 @@ import argparse
 import contextlib
 import io
 import itertools
+import json
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
-from fastcl.ops.contract import TAG_ALL
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING
 
 from ._common import ARCHS, INTERPRET, Kernel, Launch, recording
 
-# shared memory one block may use (opt-in maximum), bytes
+# shared memory one block may use (opt-in maximum) and registers per SM
 SMEM_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}
+REGISTERS = 65536
 CAPABILITY = {"sm80": 80, "sm90": 90}
 # Tensor-core instructions expected in the PTX of a kernel that calls tl.dot on 16-bit or
-# tf32 data: mma.sync on sm_80; wgmma (or mma.sync for tiles wgmma cannot take) on sm_90.
+# tf32 data: mma.sync on sm_80; warpgroup MMA on sm_90 for the 16-bit tile kernels.
 MMA_PATTERNS = {"sm80": ("mma.sync",), "sm90": ("wgmma.mma_async", "mma.sync")}
+TILE_KERNELS = ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel", "_prefix_fwd_kernel", "_prefix_ds_kernel")
+PLAN_SMS = {"sm80": 108, "sm90": 132, "interp": 3}
 
 
-def all_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64)) -> list[Launch]:
-    """Every distinct launch the LSE launchers make (dry runs on CPU tensors, interpreter plan:
-    32-column chunks, so a 70-row block gives first, middle and last chunks, with and
-    without own positives, and an 8-row block a first-and-last one)."""
-    from .lse_bwd import _lse_backward
-    from .lse_fwd import _lse_forward
-    from .lse_prefixes import _lse_backward_prefixes, _lse_forward_prefixes
-    from .own_logits import _own_logits
+def _problem(dt, B, sizes, d, P, gen):
+    anchor, c0, c1 = (torch.randn(n, d, generator=gen).to(dt) for n in (B, *sizes))
+    t0, t1 = (torch.full((n,), TAG_ALL, dtype=torch.int32) for n in sizes)
+    if P:
+        t0[3 : 3 + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)  # own positives from row 3
+        t0[4] = TAG_PADDING
+    return anchor, c0, c1, t0, t1
 
-    out: dict[str, Launch] = {}
-    with recording(dry=True, arch="interp") as launches:
-        for dt, (sizes, B, P) in itertools.product(dtypes, (((70, 5), 5, 2), ((8, 0), 2, 0))):
-            gen = torch.Generator().manual_seed(0)
-            anchor, c0, c1 = (torch.randn(n, 8, generator=gen).to(dt) for n in (B, *sizes))
-            t0, t1 = (torch.full((n,), TAG_ALL, dtype=torch.int32) for n in sizes)
-            t0[3 : 3 + B * P] = torch.arange(B, dtype=torch.int32).repeat_interleave(P)  # own positives from row 3
+
+def dry_runs(arch: str, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64)) -> list[Launch]:
+    """Every distinct launch the launchers make when planning for ``arch`` (dry runs on CPU
+    tensors: nothing is launched). The shapes reach every flag value: ``d`` 40 (a masked ``k``
+    edge) and 768, anchors 256 and 300 (whole and partial GEMM ``k`` steps), several dS
+    chunks with and without own positives, both similarities, every head option, and
+    Matryoshka prefixes."""
+    from . import lse
+
+    wide = arch != "interp"
+    out: dict[tuple, Launch] = {}
+    gen = torch.Generator().manual_seed(0)
+    # (a short first block then a long one: a first dS chunk with a partial k step)
+    shapes = [(256, (4096 + 700, 300), 2), (300, (700, 0), 1), (300, (700, 2500), 1), (256, (4096, 2048), 2)]
+    if not wide:
+        shapes = [(5, (70, 5), 2), (8, (8, 0), 0), (5, (13, 36), 2)]
+    with recording(dry=True, arch=arch, sms=PLAN_SMS[arch]) as launches:
+        for dt, (B, sizes, P), d, cosine in itertools.product(
+            dtypes, shapes, (40, 768) if wide else (8, 40), (True, False)
+        ):
+            anchor, c0, c1, t0, t1 = _problem(dt, B, sizes, d, P, gen)
             tau = torch.tensor(0.1)
-            for cosine in (True, False):
-                lse, _ = _lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
-                for mask in (None, torch.ones(B, P, dtype=torch.bool)) if P else ():
-                    _own_logits(anchor, c0, mask, tau, 3, P, cosine, 1e-8)
-                d_pos = torch.zeros(B, P) if P else None
-                for fp32_ds in (True, False):
-                    _lse_backward(
-                        anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), d_pos, 3, cosine, 1e-8, fp32_ds
+            lse_, _ = lse._lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
+            d_pos = torch.zeros(B, P) if P else None
+            for fp32_ds in (True, False):
+                lse._lse_backward(anchor, c0, c1, t0, t1, tau, lse_, torch.ones(B), d_pos, 3, cosine, 1e-8, fp32_ds)
+            if P:
+                w = torch.full((B,), 1.0 / B)
+                mask = torch.ones(B, P, dtype=torch.bool)
+                extra = torch.zeros(B)
+                for kind, given, m, x, rows in (
+                    ("supmpn", False, None, None, False),
+                    ("supcon", True, mask, extra, True),
+                ):
+                    pos = torch.zeros(B, P) if given else None
+                    _, *saved = lse._head_forward(
+                        anchor, c0, c1, t0, t1, tau, cosine, 1e-8, kind, 3, P, pos, m, x, w, rows
                     )
-                # Matryoshka (lse_prefixes): the same chunks, three unsorted prefixes
-                dims = [5, 8, 3]
-                _lse_forward_prefixes(anchor, c0, c1, t0, t1, tau, dims, cosine, 1e-8)
-                d_pos = torch.zeros(3, B, P) if P else None
-                ones = torch.ones(3, B)
-                _lse_backward_prefixes(anchor, c0, c1, t0, t1, tau, 0 * ones, ones, d_pos, 3, dims, cosine, 1e-8)
+                    go = torch.ones(B if rows else (), dtype=dt)
+                    lse._head_backward(
+                        anchor, c0, c1, t0, t1, tau, saved[4], saved[0], saved[1], saved[2], saved[3], w, go, 3, not given,
+                        cosine, dt == torch.float16, not given,
+                    )  # fmt: skip
+            dims = [16, d, 8] if wide else [5, 8, 3]
+            lse._lse_forward_prefixes(anchor, c0, c1, t0, t1, tau, dims, cosine, 1e-8)
+            ones = torch.ones(3, B)
+            dp = torch.zeros(3, B, P) if P else None
+            lse._lse_backward_prefixes(anchor, c0, c1, t0, t1, tau, 0 * ones, ones, dp, 3, dims, cosine, 1e-8)
     for launch in launches:
-        out.setdefault(launch.key, launch)
+        out.setdefault((launch.key, launch.config), launch)
     return list(out.values())
-
-
-def configs(launch: Launch, arch: str):
-    return Kernel.registry[launch.kernel].configs(arch, launch.dclass)
 
 
 def uses_dot(launch: Launch) -> bool:
     """Kernels whose main loop is ``tl.dot`` (must compile to MMA), fp64 excepted (no fp64 MMA path)."""
-    tiles = ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel", "_prefix_fwd_kernel", "_prefix_ds_kernel")
-    return launch.kernel in tiles and launch.dclass != "64"
+    return launch.kernel in TILE_KERNELS and launch.dclass != "64"
 
 
 @dataclass(frozen=True)
@@ -85,25 +112,51 @@ class Result:
     config: str
     shared_limit: int
     needs_mma: bool
+    num_warps: int = 4
+    num_stages: int = 1
+    occupancy: int = 1  # programs per SM the launcher sizes its grid for
     registers: int = -1  # -1: not compiled to a cubin (frontend only, or an error)
-    spill_bytes: int = -1  # spill stores + loads reported by the cubin (0: no spills)
+    spill_bytes: int = -1  # spill stores + loads reported by ptxas (0: no spills)
     local_ptx: int = -1  # ld.local / st.local instructions in the PTX
     shared: int = 0  # bytes
+    operand_bytes: int = 0  # one stage of the main loop's operand tiles (16-bit: bytes per element 2)
     mma: str = ""  # the tensor-core instruction found, "" if none
     error: str = ""
     aligned: bool = False  # compiled with every integer argument a multiple of 16
+    triton: str = ""
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Programs per SM the registers and shared memory allow (0: unknown)."""
+        if self.registers <= 0:
+            return 0
+        by_regs = REGISTERS // (max(self.registers, 1) * 32 * self.num_warps)
+        by_smem = self.shared_limit // self.shared if self.shared else 64
+        return min(by_regs, by_smem)
+
+    @property
+    def buffers(self) -> float:
+        """Shared memory over one stage of operand tiles: >= 2 means the loads are multi-buffered."""
+        return self.shared / self.operand_bytes if self.operand_bytes else 0.0
 
     @property
     def ok(self) -> bool:
-        return not self.error and self.shared <= self.shared_limit and (bool(self.mma) or not self.needs_mma)
+        return (
+            not self.error
+            and self.shared <= self.shared_limit
+            and (bool(self.mma) or not self.needs_mma)
+            and self.spill_bytes <= 0
+            and self.local_ptx <= 0
+        )
 
 
-def _ast_source(launch: Launch, cfg, aligned: bool = False):
+def _ast_source(launch: Launch, aligned: bool = False):
     """The launch's source for ``triton.compile``. Pointers are 16-byte aligned (torch's
-    allocations are). ``aligned``: every integer argument too is a multiple of 16, as Triton
-    specialises them at run time when they are (d = 768, B and N multiples of 16). Only then
-    can the loads be multi-buffered, so registers and shared memory differ: unaligned is the
-    worst case for registers, aligned for shared memory."""
+    allocations are) and so are the feature width ``d`` and the row strides (a multiple of 16
+    features, as 384, 768 and 1024 are: Triton specialises integer arguments on that at run
+    time, and only then can row loads be vectorised and multi-buffered). ``aligned``: the row
+    counts too (B and N multiples of 16, the benchmark's shapes); unaligned row counts are
+    the case of an odd batch."""
     import triton
     from triton.compiler import ASTSource
 
@@ -111,17 +164,17 @@ def _ast_source(launch: Launch, cfg, aligned: bool = False):
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("fastcl.kernels.aot needs compiled Triton: unset TRITON_INTERPRET")
     types = dict(launch.signature)
-    constexprs = {**dict(launch.constexprs), **cfg.kwargs}
+    constexprs = {**dict(launch.constexprs), **launch.config.kwargs}
     for name in fn.arg_names:
         if name not in types and name not in constexprs:
             raise KeyError(f"{launch.kernel}: argument {name} is in neither the launch nor the config")
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    divisible = ("*", "i32", "i64") if aligned else ("*",)
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(fn.arg_names)
-        if types.get(name, "").startswith(divisible)
-    }
+
+    def divisible(name: str) -> bool:
+        t = types.get(name, "")
+        return t.startswith("*") or (t in ("i32", "i64") and (aligned or name == "d" or name.startswith("stride")))
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if divisible(name)}
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
@@ -132,16 +185,17 @@ def _ptxas_usage(log: str) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), (int(spills.group(1)) + int(spills.group(2)) if spills else -1)
 
 
-def _compile(launch: Launch, arch: str, cfg, frontend_only: bool, aligned: bool = False):
-    """``(compiled or None, ptxas log)``: the full pipeline, or only the frontend to TTIR."""
+def _compile(launch: Launch, arch: str, frontend_only: bool, aligned: bool = False):
+    """``(compiled or None, ptxas log or TTIR)``: the full pipeline, or only the frontend."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 
+    cfg = launch.config
     target = GPUTarget("cuda", CAPABILITY[arch], 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    src = _ast_source(launch, cfg, aligned)
+    src = _ast_source(launch, aligned)
     if frontend_only:
         from triton._C.libtriton import ir
 
@@ -165,21 +219,35 @@ def _compile(launch: Launch, arch: str, cfg, frontend_only: bool, aligned: bool 
     return compiled, log.getvalue()
 
 
-def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False, aligned: bool = False) -> Result:
-    """Compile one pair for one arch (``aligned``: see :func:`_ast_source`); compile errors
-    come back in ``Result.error``."""
-    config = " ".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + f" w{cfg.num_warps} s{cfg.num_stages}"
+def _operand_bytes(launch: Launch) -> int:
+    k = launch.config.kwargs
+    if "BK" not in k:
+        return 0
+    elt = {"16": 2, "32": 4, "64": 8}[launch.dclass]
+    return (k["BM"] + k["BN"]) * k["BK"] * elt
+
+
+def compile_one(launch: Launch, arch: str, frontend_only: bool = False, aligned: bool = False) -> Result:
+    """Compile one launch for ``arch`` with its config; compile errors come back in ``Result.error``."""
+    import triton
+
+    cfg = launch.config
     common = dict(
         kernel=launch.kernel,
         spec=launch.describe(),
         arch=arch,
-        config=config.strip(),
+        config=cfg.describe(),
         shared_limit=SMEM_LIMIT[arch],
         needs_mma=uses_dot(launch) and not frontend_only,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        occupancy=cfg.occupancy,
+        operand_bytes=_operand_bytes(launch),
         aligned=aligned,
+        triton=triton.__version__,
     )
     try:
-        compiled, log = _compile(launch, arch, cfg, frontend_only, aligned)
+        compiled, log = _compile(launch, arch, frontend_only, aligned)
     except Exception as exc:  # reported per row; the test fails on any
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
         return Result(**common, error=f"{type(exc).__name__}: {' | '.join(lines[:3])}"[:400])
@@ -195,8 +263,8 @@ def compile_one(launch: Launch, arch: str, cfg, frontend_only: bool = False, ali
 
 
 def ttir(launch: Launch, arch: str) -> str:
-    """The Triton IR of a launch (first config), for checks on the generated arithmetic."""
-    return _compile(launch, arch, configs(launch, arch)[0], frontend_only=True)[1]
+    """The Triton IR of a launch, for checks on the generated arithmetic."""
+    return _compile(launch, arch, frontend_only=True)[1]
 
 
 def _features(launch: Launch) -> int:
@@ -206,61 +274,63 @@ def _features(launch: Launch) -> int:
     return flags + pointers
 
 
-def representatives(launches: list[Launch] | None = None) -> list[Launch]:
-    """One launch per ``(kernel, dtype class)``: the one with the most flags on and typed
-    pointers (the most code, so the most registers)."""
-    best: dict[tuple[str, str], Launch] = {}
-    for launch in launches if launches is not None else all_launches():
-        key = (launch.kernel, launch.dclass)
+# flags that change a kernel's main loop (its pipelining), not only its epilogue: each
+# value gets its own representative
+LOOP_FLAGS = ("X_T", "SPLIT_X", "PAD_K", "Y_KSCALE", "SCALE_ON_LOAD")
+
+
+def representatives(launches: list[Launch]) -> list[Launch]:
+    """One launch per ``(kernel, dtype class, config, main-loop flags)``: the one with the most
+    flags on and typed pointers (the most code, so the most registers)."""
+    best: dict[tuple, Launch] = {}
+    for launch in launches:
+        flags = dict(launch.constexprs)
+        key = (launch.kernel, launch.dclass, launch.config, tuple(flags.get(f) for f in LOOP_FLAGS))
         if key not in best or _features(launch) > _features(best[key]):
             best[key] = launch
     return list(best.values())
 
 
 def _run_job(job) -> Result:
-    launch, arch, index, frontend_only, aligned = job
-    return compile_one(launch, arch, configs(launch, arch)[index], frontend_only, aligned)
+    launch, arch, frontend_only, aligned = job
+    return compile_one(launch, arch, frontend_only, aligned)
 
 
-def compile_all(
-    archs=ARCHS,
-    kernel: str | None = None,
-    workers: int = 1,
-    progress: bool = True,
-    every_spec: bool = False,
-    alignments=(False, True),
-) -> list[Result]:
-    """Fully compile every config of :func:`representatives` (or of every launch) for each
-    arch and each of ``alignments`` (:func:`_ast_source`), and run every other launch's first
-    config through the frontend, in ``workers`` processes; one :class:`Result` each, in order."""
+def compile_all(archs=ARCHS, kernel: str | None = None, workers: int = 1, progress: bool = True,
+                every_spec: bool = False, alignments=(False, True), dtypes=None) -> list[Result]:  # fmt: skip
+    """Fully compile :func:`representatives` (or every launch) of each arch for each of
+    ``alignments`` (:func:`_ast_source`) and run every other launch through the frontend,
+    in ``workers`` processes; one :class:`Result` each, in order."""
     from tqdm import tqdm
 
-    launches = all_launches()
-    full = set(launches if every_spec else representatives(launches))
-    todo = [
-        (launch, arch, i, launch not in full, aligned)
-        for launch in launches
-        if not kernel or launch.kernel == kernel
-        for arch in archs
-        for i in range(len(configs(launch, arch)) if launch in full else 1)
-        for aligned in (alignments if launch in full else alignments[:1])
-    ]
+    todo = []
+    for arch in archs:
+        launches = dry_runs(arch, **({"dtypes": dtypes} if dtypes else {}))
+        full = set(launches if every_spec else representatives(launches))
+        todo += [
+            (launch, arch, launch not in full, aligned)
+            for launch in launches
+            if not kernel or launch.kernel == kernel
+            for aligned in (alignments if launch in full else alignments[:1])
+        ]
     with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
         results = pool.map(_run_job, todo) if pool else map(_run_job, todo)
         return list(tqdm(results, total=len(todo), desc="triton aot", disable=not progress, file=sys.stderr))
 
 
 def table(results: list[Result]) -> str:
-    """Markdown table of the results."""
-    head = "| kernel | specialisation | arch | sizes | config | regs | spill B | ld/st.local | smem KiB (limit) | mma | status |"
-    rows = [head, "|" + "---|" * 11]
-    results = [r for r in results if r.registers >= 0 or r.error]  # frontend-only rows have no facts
-    for r in results:
+    """Markdown table of the fully compiled results."""
+    head = (
+        "| kernel | specialisation | arch | sizes | config | regs | spill B | ld/st.local | smem KiB (limit) "
+        "| stages in smem | CTAs/SM | mma | status |"
+    )
+    rows = [head, "|" + "---|" * 13]
+    for r in (r for r in results if r.registers >= 0 or r.error):
         status = "ok" if r.ok else ("ERROR " + r.error if r.error else "FAIL")
         rows.append(
             f"| {r.kernel} | {r.spec} | {r.arch} | {'x16' if r.aligned else 'any'} | {r.config} | {r.registers} | "
-            f"{r.spill_bytes} | "
-            f"{r.local_ptx} | {r.shared / 1024:.1f} ({r.shared_limit // 1024}) | {r.mma or '-'} | {status} |"
+            f"{r.spill_bytes} | {r.local_ptx} | {r.shared / 1024:.1f} ({r.shared_limit // 1024}) | "
+            f"{r.buffers:.1f} | {r.ctas_per_sm} | {r.mma or '-'} | {status} |"
         )
     return "\n".join(rows)
 
@@ -270,10 +340,12 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma list of sm80, sm90")
     parser.add_argument("--kernel", default=None, help="only this kernel (e.g. _lse_fwd_kernel)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
-    every = "fully compile every specialisation, not one per kernel and dtype class (hours on a small CPU)"
+    parser.add_argument("--dtypes", default=None, help="comma list of bfloat16,float16,float32,float64 (default: all)")
+    every = "fully compile every specialisation, not one per kernel, dtype class and config"
     parser.add_argument("--every-spec", action="store_true", help=every)
     sizes = "integer arguments of any value (worst case for registers), multiples of 16 (x16: pipelined loads, "
     parser.add_argument("--sizes", choices=("any", "x16", "both"), default="both", help=sizes + "most shared memory)")
+    parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
     args = parser.parse_args(argv)
     if INTERPRET:
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the kernels AOT compiles")
@@ -281,10 +353,18 @@ def main(argv=None) -> int:
     unknown = set(archs) - set(ARCHS)
     if unknown:
         parser.error(f"unknown arch {sorted(unknown)}; choose from {ARCHS}")
+    dtypes = tuple(getattr(torch, x) for x in args.dtypes.split(",")) if args.dtypes else None
     alignments = {"any": (False,), "x16": (True,), "both": (False, True)}[args.sizes]
-    results = compile_all(archs, args.kernel, args.jobs, every_spec=args.every_spec, alignments=alignments)
+    results = compile_all(
+        archs, args.kernel, args.jobs, every_spec=args.every_spec, alignments=alignments, dtypes=dtypes
+    )
     print(table(results))
-    bad = [r for r in results if not r.ok]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                [asdict(r) | {"ctas_per_sm": r.ctas_per_sm, "buffers": r.buffers, "ok": r.ok} for r in results], f
+            )
+    bad = [r for r in results if not r.ok and (r.registers >= 0 or r.error)]
     print(f"\n{len(results)} compiled, {len(bad)} failed", file=sys.stderr)
     return 1 if bad else 0
 

@@ -1,10 +1,20 @@
-"""A strided GEMM with the epilogues the LSE backward needs (one kernel, flags per use).
+"""A persistent strided GEMM with the epilogues the LSE backward needs (one kernel, flags per use).
 
     out[m, n] = mscale[m] * sum_k X[m, k] * (kscale[k] * Y[k, n])       (main loop)
               + ACC_IN[m, n]                                          (ACCUMULATE)
-              - rad[m] * (sum_p RADW[p, m]) * Z[m, n]                  (RADIAL)
+              - rinv[m]^2 * w[m] * Z[m, n]                           (RADIAL)
+      w[m]    = sum_p RADW[p, m]  (RADIAL_SCALE 1: times RSCALE[m] * GO[0]; 2: times GO[m])
 
-Flags, padding and determinism: docs/triton.md, "The backward GEMM".
+The grid is sized to the device (``n_progs`` programs, each looping over output tiles in
+grouped order). Loads are masked only on the edges of contiguous dimensions that a tile
+crosses (``EVEN_M``/``EVEN_N``/``EVEN_K`` off); strided rows past the end are clamped.
+
+Flags, padding and determinism: docs/triton.md, "The backward GEMM". ``SPLIT_X``: ``X`` is
+float32 and ``Y`` 16-bit; ``X`` is fed to the tensor cores as a hi + lo pair of 16-bit
+halves (fp32-like accuracy at two MMAs). ``PAD_K``: ``TAGS`` mark padded rows of ``Y`` (read
+as zero: a NaN there reaches nothing); ``PAD_M``: padded output rows (written as exact
+zeros, ``Z`` not read). Every output element has one owner and a fixed summation order: no
+atomics, no split-K, deterministic.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import PAD_TAG, Kernel, cast_to, cfg, mma
+from ._common import PAD_TAG, Kernel, cast_to, grouped_tile, mma
 
 
 @triton.jit
@@ -25,25 +35,31 @@ def _mm_kernel(
     MSCALE,
     RINV,
     RADW,
+    RSCALE,
+    GO,
     Z,
     TAGS,
     M,
     N,
     K,
-    stride_xm,
-    stride_xk,
+    stride_x,
     stride_yk,
-    stride_yn,
     stride_om,
     n_parts,
     stride_radw,
+    n_progs,
+    X_T: tl.constexpr,
     SPLIT_X: tl.constexpr,
     Y_KSCALE: tl.constexpr,
     M_SCALE: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     RADIAL: tl.constexpr,
+    RADIAL_SCALE: tl.constexpr,
     PAD_K: tl.constexpr,
     PAD_M: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -51,106 +67,80 @@ def _mm_kernel(
     GROUP_M: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    # grouped ordering: programs that run together share Y column panels in L2
-    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    # int32 offsets: the launcher keeps every operand of this GEMM under 2**31 elements
-    # (plan.chunk_width caps a chunk; lse_bwd refuses larger anchor blocks), which
-    # keeps the main loop's registers free (64-bit offset tensors spilled on sm_80)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros([BM, BN], dtype=ACC)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        k_ok = rk < K
-        y_ok = k_ok
-        if PAD_K:
-            y_ok = k_ok & (tl.load(TAGS + rk, mask=k_ok, other=PAD_TAG) != PAD_TAG)
-        x = tl.load(
-            X + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        y = tl.load(
-            Y + rk[:, None] * stride_yk + rn[None, :] * stride_yn, mask=y_ok[:, None] & n_ok[None, :], other=0.0
-        )
-        if Y_KSCALE:
-            ks = tl.load(KSCALE + rk, mask=k_ok, other=0.0)
-            y = cast_to(y.to(ACC) * ks[:, None], y.dtype)
-        if SPLIT_X:
-            # fp32 X on 16-bit tensor cores: x = hi + lo, both exact in Y's dtype to about
-            # 2^-16 relative, so the product keeps fp32-like accuracy at two MMAs
-            x_hi = cast_to(x, y.dtype)
-            x_lo = cast_to(x - x_hi.to(tl.float32), y.dtype)
-            acc = mma(x_hi, y, acc, PRECISION)
-            acc = mma(x_lo, y, acc, PRECISION)
+    # int32 offsets: the launcher keeps every operand under 2**31 elements (plan.chunk_width,
+    # plan.size_reasons), which keeps the main loop's registers free
+    for tile in range(tl.program_id(0), num_m * num_n, n_progs):
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        m_ok = rm < M
+        n_ok = rn < N
+        # Running pointers advanced by BK (one live pointer tile per operand). The contiguous
+        # dimension of each operand is known at compile time (X_T: X read transposed, its m
+        # contiguous) and never clamped: a clamped or two-stride index hides the contiguity,
+        # 16-bit loads are then not vectorised, and unvectorised loads cannot be copied
+        # asynchronously, so the main loop was not pipelined. Edges of contiguous dimensions
+        # are masked instead (EVEN_M / EVEN_N / EVEN_K: none to mask); the strided dimension
+        # of X is clamped, its rows past M read and never stored.
+        rk = tl.arange(0, BK)
+        if X_T:  # loaded as its [BK, BM] row-major tile and transposed
+            x_ptrs = X + rm[None, :] + rk[:, None] * stride_x
         else:
-            acc = mma(x, y, acc, PRECISION)
+            x_ptrs = X + tl.minimum(rm, M - 1)[:, None] * stride_x + rk[None, :]
+        y_ptrs = Y + rn[None, :] + rk[:, None] * stride_yk
+        acc = tl.zeros([BM, BN], dtype=ACC)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            k_ok = (rk < K) | EVEN_K
+            if X_T:
+                x = tl.trans(tl.load(x_ptrs, mask=k_ok[:, None] & (m_ok | EVEN_M)[None, :], other=0.0))
+                x_ptrs += BK * stride_x
+            else:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                x_ptrs += BK
+            y_ok = k_ok
+            if PAD_K:
+                y_ok = y_ok & (tl.load(TAGS + rk, mask=k_ok, other=PAD_TAG) != PAD_TAG)
+            y = tl.load(y_ptrs, mask=y_ok[:, None] & (n_ok | EVEN_N)[None, :], other=0.0)
+            y_ptrs += BK * stride_yk
+            if Y_KSCALE:
+                ks = tl.load(KSCALE + rk, mask=k_ok, other=0.0)
+                y = cast_to(y.to(ACC) * ks[:, None], y.dtype)
+            if SPLIT_X:
+                x_hi = cast_to(x, y.dtype)
+                x_lo = cast_to(x - x_hi.to(tl.float32), y.dtype)
+                acc = mma(x_hi, y, acc, PRECISION)
+                acc = mma(x_lo, y, acc, PRECISION)
+            else:
+                acc = mma(x, y, acc, PRECISION)
 
-    if M_SCALE:
-        acc = acc * tl.load(MSCALE + rm, mask=m_ok, other=0.0)[:, None]
-    out_offs = rm[:, None] * stride_om + rn[None, :]
-    out_ok = m_ok[:, None] & n_ok[None, :]
-    z_ok = out_ok
-    if PAD_M:
-        m_pad = tl.load(TAGS + rm, mask=m_ok, other=PAD_TAG) == PAD_TAG
-        z_ok = out_ok & ~m_pad[:, None]
-    if ACCUMULATE:
-        acc += tl.load(ACC_IN + out_offs, mask=out_ok, other=0.0).to(ACC)
-    if RADIAL:
-        w = tl.zeros([BM], dtype=ACC)
-        for p in range(0, n_parts):
-            w += tl.load(RADW + p * stride_radw + rm, mask=m_ok, other=0.0).to(ACC)
-        rinv = tl.load(RINV + rm, mask=m_ok, other=0.0).to(ACC)
-        z = tl.load(Z + out_offs, mask=z_ok, other=0.0).to(ACC)
-        acc -= (rinv * w)[:, None] * (z * rinv[:, None])
-    if PAD_M:
-        acc = tl.where(m_pad[:, None], 0.0, acc)
-    tl.store(OUT + out_offs, cast_to(acc, OUT.dtype.element_ty), mask=out_ok)
+        if M_SCALE:
+            acc = acc * tl.load(MSCALE + rm, mask=m_ok, other=0.0)[:, None]
+        out_offs = rm[:, None] * stride_om + rn[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        z_ok = out_ok
+        if PAD_M:
+            m_pad = tl.load(TAGS + rm, mask=m_ok, other=PAD_TAG) == PAD_TAG
+            z_ok = out_ok & ~m_pad[:, None]
+        if ACCUMULATE:
+            acc += tl.load(ACC_IN + out_offs, mask=out_ok, other=0.0).to(ACC)
+        if RADIAL:
+            w = tl.zeros([BM], dtype=ACC)
+            for p in range(0, n_parts):
+                w += tl.load(RADW + p * stride_radw + rm, mask=m_ok, other=0.0).to(ACC)
+            if RADIAL_SCALE == 1:  # the reduction's weights times the upstream scalar
+                w = w * tl.load(RSCALE + rm, mask=m_ok, other=0.0).to(ACC) * tl.load(GO).to(ACC)
+            if RADIAL_SCALE == 2:  # an upstream gradient per row (reduction "none")
+                w = w * tl.load(GO + rm, mask=m_ok, other=0.0).to(ACC)
+            rinv = tl.load(RINV + rm, mask=m_ok, other=0.0).to(ACC)
+            z = tl.load(Z + out_offs, mask=z_ok, other=0.0).to(ACC)
+            # (rinv * w) * (rinv * z): |x|^-2 itself could underflow for huge rows
+            acc -= (rinv * w)[:, None] * (z * rinv[:, None])
+        if PAD_M:
+            acc = tl.where(m_pad[:, None], 0.0, acc)
+        tl.store(OUT + out_offs, cast_to(acc, OUT.dtype.element_ty), mask=out_ok)
 
 
-_C = cfg
-# The spill-free configs of the compiled candidates, sized for the heaviest variant
-# (SPLIT_X), plus on sm_90 a spilling 128x128x64 the autotuner keeps only where it is
-# faster; why each size: docs/triton.md, "Tuning tables".
-_MM_32 = [_C(4, 3, BM=64, BN=64, BK=16, GROUP_M=8), _C(8, 3, BM=128, BN=64, BK=16, GROUP_M=8)]
-_MM_64 = [_C(4, 2, BM=32, BN=64, BK=16, GROUP_M=8), _C(4, 2, BM=32, BN=32, BK=16, GROUP_M=8)]
-MM = Kernel(
-    _mm_kernel,
-    {
-        "sm80": {
-            "16": [
-                _C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8),
-                _C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8),
-                _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8),
-                _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8),
-            ],
-            "32": _MM_32,
-            "64": _MM_64,
-        },
-        "sm90": {
-            "16": [
-                _C(8, 3, BM=128, BN=128, BK=64, GROUP_M=8),
-                _C(8, 3, BM=128, BN=64, BK=64, GROUP_M=8),
-                _C(8, 3, BM=64, BN=128, BK=64, GROUP_M=8),
-                _C(8, 4, BM=128, BN=64, BK=32, GROUP_M=8),
-                _C(4, 3, BM=64, BN=64, BK=64, GROUP_M=8),
-                _C(4, 4, BM=64, BN=64, BK=32, GROUP_M=8),
-            ],
-            "32": _MM_32 + [_C(8, 3, BM=64, BN=64, BK=32, GROUP_M=8)],
-            "64": _MM_64,
-        },
-        # interpreter: wide along d (fewer Python-speed programs), still crossing d > 64
-        "interp": {"16": [_C(BM=16, BN=64, BK=16, GROUP_M=2)]},
-    },
-    dtype_arg="Y",
-    # ACCUMULATE may read and write the same buffer: benchmarking configs must not compound
-    restore_value=["OUT"],
-)
+MM = Kernel(_mm_kernel, "mm")

@@ -1,165 +1,45 @@
-"""Planning for the LSE kernels: tile tables, forward splits, backward chunks, scratch buffers.
+"""Planning for the LSE kernels: forward splits, backward chunks, and the cached scratch.
 
-Every buffer a launcher allocates beyond its inputs and outputs is listed by
-:func:`forward_plan` or :func:`backward_plan` (sizes: docs/triton.md, "Extra memory").
+Every buffer a launcher uses beyond its inputs and outputs comes from :func:`scratch`
+(sizes: docs/triton.md, "Extra memory"). Scratch is cached per device, stream and buffer
+layout, so a warm training step allocates nothing but the outputs autograd keeps; buffers
+a captured CUDA graph used are never released (the graph replays into them).
 """
 
 from __future__ import annotations
 
-import os
+import collections
+import threading
 
 import torch
 from torch import Tensor
 
+from fastcl.ops import contract
 from fastcl.ops.contract import new_output
 
-from ._common import acc_dtype, cfg, dtype_class
+from .configs import Config
 
-# Row-wise pre-pass and reductions: memory-bound, one config.
-# fp64 rows take half the feature chunk: 32 x 128 fp64 values spilled (2 KiB) in the norms.
-ROWWISE = {a: {"16": [cfg(4, 1, BR=32, BD=128)], "64": [cfg(4, 1, BR=32, BD=64)]} for a in ("sm80", "sm90")}
-ROWWISE["interp"] = {"16": [cfg(BR=16, BD=64)]}
-# Own-positive logits: two row chunks and three running sums per row; the spill-free sizes
-# of the compiled candidates (BR=32 BD=64 spilled 140-172 B at 4 warps, fp64 BD=64 3 KiB).
-OWN_ROWS = {a: {"16": [cfg(4, 1, BR=16, BD=64)], "64": [cfg(4, 1, BR=16, BD=32)]} for a in ("sm80", "sm90")}
-OWN_ROWS["interp"] = {"16": [cfg(BR=16, BD=64)]}
-REDUCE = {a: {"16": [cfg(4, 1, BR=256)]} for a in ("sm80", "sm90")}
-REDUCE["interp"] = {"16": [cfg(BR=16)]}
-
-# Logit tiles: a GEMM main loop over d with an online-softmax (forward) or gradient
-# (backward) epilogue; the spill-free configs of the compiled candidates plus, on sm_90,
-# one spilling 128x128x64 the autotuner keeps only where it is faster; why each size:
-# docs/triton.md, "Tuning tables".
-TILES = {
-    "sm80": {
-        "16": [cfg(8, 4, BM=128, BN=64, BK=32), cfg(4, 4, BM=64, BN=64, BK=32)],
-        "32": [cfg(4, 3, BM=64, BN=64, BK=16), cfg(8, 3, BM=128, BN=64, BK=16)],
-        "64": [cfg(4, 2, BM=32, BN=64, BK=16), cfg(4, 2, BM=32, BN=32, BK=16)],
-    },
-    "sm90": {
-        "16": [
-            cfg(8, 3, BM=128, BN=128, BK=64),
-            cfg(8, 4, BM=128, BN=64, BK=32),
-            cfg(8, 3, BM=128, BN=64, BK=64),
-            cfg(8, 3, BM=64, BN=128, BK=64),
-            cfg(4, 4, BM=64, BN=64, BK=32),
-        ],
-        "32": [cfg(4, 3, BM=64, BN=64, BK=16), cfg(8, 3, BM=128, BN=64, BK=16), cfg(8, 3, BM=64, BN=64, BK=32)],
-        "64": [cfg(4, 2, BM=32, BN=64, BK=16), cfg(4, 2, BM=32, BN=32, BK=16)],
-    },
-    # interpreter: 16-wide tiles so small test shapes cross tile edges; BK=32 halves the
-    # (Python-speed) feature loop, d > 32 still crosses its edge
-    "interp": {"16": [cfg(BM=16, BN=16, BK=32)]},
-}
-
-
-def _with_part(table):
-    """The ds kernel's table: the tile table plus PART, the granularity of its partial sums
-    (the smallest block size of the list, so it divides every BM and BN; buffers sized
-    with it fit whichever config the autotuner picks)."""
-
-    def with_part(configs):
-        part = min(min(c.kwargs["BM"], c.kwargs["BN"]) for c in configs)
-        return [cfg(c.num_warps, c.num_stages, PART=part, **c.kwargs) for c in configs]
-
-    return {arch: {dc: with_part(configs) for dc, configs in by_class.items()} for arch, by_class in table.items()}
-
-
-DS_TILES = _with_part(TILES)
-
-# Bytes of one recomputed dS chunk; the chunk is at least MIN_CHUNK columns so the
-# d-candidates GEMM (M = chunk width) keeps enough programs at large B.
-DS_CHUNK_BYTES = int(os.environ.get("FASTCL_TRITON_DS_BYTES", 32 << 20))
+# Bytes of one recomputed dS chunk (all Matryoshka prefixes together); a chunk spans at
+# least MIN_CHUNK columns so that the launch count stays bounded (3 launches per chunk) and
+# the candidates' GEMM (M = chunk width) keeps enough programs. With the d-anchor
+# accumulator (B x d fp32) this keeps a SupMPN step at B = 4096, d = 768 under 64 MiB.
+DS_CHUNK_BYTES = 40 << 20
 MIN_CHUNK = 2048
 # the interpreter uses tiny chunks and splits so small test shapes cross their edges
 INTERP_CHUNK = 32
 INTERP_SPLITS = 3
-# a forward split spans at least this many columns (amortises loading its anchor rows)
-MIN_SPLIT_COLS = 512
+# The backward GEMM addresses its operands with int32 offsets: a dS chunk, a candidate
+# chunk and the anchors must each stay under 2**31 elements (chunks are capped to fit;
+# anchor blocks beyond it are refused by size_reasons).
+INT32_ELEMENTS = 2**31 - 1
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _round_up(a: int, b: int) -> int:
+def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
-
-
-# numerics chosen per dtype (see lse_bwd.py)
-def scale_on_load(dtype: torch.dtype) -> bool:
-    """Scale fp32/fp64 rows by their row scale (inverse norm; 1 or NaN for dot similarity) as
-    they are loaded, so no product of raw rows over- or underflows; 16-bit rows scale the
-    logit tile instead (why, and why dot takes the same path: docs/triton.md)."""
-    return dtype in (torch.float32, torch.float64)
-
-
-def fold_norms(dtype: torch.dtype, cosine: bool) -> bool:
-    """Fold ``ia * ic`` into dS (bf16 only): fp16 could leave its range, and fp32/fp64 could
-    underflow ``ia * ic`` for huge rows; they normalise the GEMM operands on load instead."""
-    return cosine and dtype == torch.bfloat16
-
-
-def ds_dtype(dtype: torch.dtype, fp32_ds: bool) -> torch.dtype:
-    """Storage of the recomputed dS chunk: float32 for 16-bit inputs unless ``fp32_ds`` is off."""
-    return torch.float32 if fp32_ds and dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-# splits, chunks, buffers
-class Plan(dict):
-    """Named scratch buffers ``{name: (shape, dtype)}`` of one launch; ``allocate`` is the
-    launchers' only allocator."""
-
-    def allocate(self, device: torch.device) -> dict[str, Tensor]:
-        # new_output: tests poison scratch too, so a tile a kernel forgets shows up as NaN
-        return {k: new_output(shape, dtype=dtype, device=device) for k, (shape, dtype) in self.items()}
-
-
-def col_align(arch: str, dclass: str) -> int:
-    """Column alignment of splits and chunks: every BN of the tile tables."""
-    return max(c.kwargs["BN"] for c in TILES[arch].get(dclass, TILES[arch]["16"]))
-
-
-def partial_width(arch: str, dclass: str) -> int:
-    """Granularity of the ds kernel's partial sums: divides every BM and BN in its table."""
-    return DS_TILES[arch].get(dclass, DS_TILES[arch]["16"])[0].kwargs["PART"]
-
-
-def num_sms(device: torch.device, arch: str) -> int:
-    return 1 if arch == "interp" else torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def forward_splits(B: int, sizes: tuple[int, int], arch: str, dclass: str, sms: int) -> list[tuple[int, int]]:
-    """``(splits, width)`` per block: enough programs to fill the device (about two per SM)."""
-    align = col_align(arch, dclass)
-    total = sum(sizes)
-    out = []
-    for n in sizes:
-        if n == 0:
-            out.append((0, align))
-            continue
-        if arch == "interp":
-            want, min_cols = INTERP_SPLITS, align
-        else:
-            row_blocks = cdiv(B, 128)
-            want, min_cols = max(1, round(cdiv(2 * sms, row_blocks) * n / total)), max(align, MIN_SPLIT_COLS)
-        width = _round_up(max(cdiv(n, want), min_cols), align)
-        out.append((cdiv(n, width), width))
-    return out
-
-
-def forward_plan(B: int, sizes: tuple[int, int], dtype: torch.dtype, cosine: bool, arch: str, sms: int) -> Plan:
-    acc = acc_dtype(dtype)
-    slots = sum(s for s, _ in forward_splits(B, sizes, arch, dtype_class(dtype), sms))
-    # row scales (inverse norms, or 1 / NaN for dot similarity) of anchors and candidates
-    return Plan(parts=((3, slots, B), acc), norms=((2, B + sum(sizes)), acc))
-
-
-# The backward GEMM (matmul.py) addresses its operands with int32 offsets (64-bit offset
-# tensors spilled on sm_80): a dS chunk [B, width], a candidate chunk [width, d] and the
-# anchors [B, d] must each stay under 2**31 elements. Chunks are capped to fit; anchors
-# beyond it are refused (size_reasons).
-INT32_ELEMENTS = 2**31 - 1
 
 
 def size_reasons(B: int, d: int) -> list[str]:
@@ -172,29 +52,211 @@ def size_reasons(B: int, d: int) -> list[str]:
     return []
 
 
-def chunk_width(B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, arch: str, fp32_ds: bool = True) -> int:
-    """Columns of one recomputed dS chunk (a chunk never spans two blocks), at most 2**31
-    elements in ``dS [B, width]`` and in the candidate chunk ``[width, d]``."""
-    align = col_align(arch, dtype_class(dtype))
+# numerics chosen per dtype (docs/triton.md, "Precision")
+def scale_on_load(dtype: torch.dtype) -> bool:
+    """Scale fp32/fp64 rows by their row scale (inverse norm; 1 or NaN for dot similarity) as
+    they are loaded, so no product of raw rows over- or underflows; 16-bit rows scale the
+    logit tile instead."""
+    return dtype in (torch.float32, torch.float64)
+
+
+def fold_norms(dtype: torch.dtype, cosine: bool) -> bool:
+    """Fold ``ia * ic`` into dS (bf16 only): fp16 could leave its range, and fp32/fp64 could
+    underflow ``ia * ic`` for huge rows; they normalise the GEMM operands on load instead."""
+    return cosine and dtype == torch.bfloat16
+
+
+def ds_dtype(dtype: torch.dtype, fp32_ds: bool) -> torch.dtype:
+    """Storage of the recomputed dS chunk: float32 for fp16 inputs (dS ~ 1 / (B N tau) is
+    subnormal in fp16 at large batches) and for bf16 when ``fp32_ds``; else the input dtype."""
+    if dtype == torch.float16 or (fp32_ds and dtype == torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------
+# forward splits
+# ---------------------------------------------------------------------------------------
+
+
+def forward_splits(row_tiles: int, n_tiles: int, slots: int, arch: str) -> tuple[int, int]:
+    """``(splits, tiles per split)`` of the forward grid ``[row_tiles, splits]``: each program
+    sweeps a contiguous run of column tiles (flash-decoding style), so the grid fills the
+    device when ``row_tiles`` alone would not. ``slots``: programs the device runs at once.
+    Chosen to minimise waves x (tiles per program + 1), the +1 being a program's fixed cost
+    (its anchor rows' first loads, the partials it writes)."""
+    if n_tiles == 0:
+        return 0, 1
     if arch == "interp":
-        width = INTERP_CHUNK
+        per = cdiv(n_tiles, min(INTERP_SPLITS, n_tiles))
+        return cdiv(n_tiles, per), per
+    best = None
+    for splits in range(1, n_tiles + 1):
+        per = cdiv(n_tiles, splits)
+        if splits > 1 and cdiv(n_tiles, per) != splits:
+            continue  # same per-program work as a smaller split count
+        cost = cdiv(row_tiles * splits, slots) * (per + 1)
+        if best is None or cost < best[0]:
+            best = (cost, splits, per)
+        if row_tiles * splits > 8 * slots:
+            break
+    return best[1], best[2]
+
+
+# ---------------------------------------------------------------------------------------
+# backward chunks
+# ---------------------------------------------------------------------------------------
+
+
+def chunk_align(ds_cfg: Config, mm_cfg: Config) -> int:
+    """Column alignment of a dS chunk: every tile edge that walks its columns (the ds kernel's
+    BN, the GEMMs' BM and BK) divides it."""
+    return max(ds_cfg["BN"], mm_cfg["BM"], mm_cfg["BK"])
+
+
+def chunk_width(rows: int, n: int, d: int, elt: int, align: int, arch: str) -> int:
+    """Columns of one recomputed dS chunk for a block of ``n`` candidates: at most
+    ``DS_CHUNK_BYTES`` of dS (``rows`` rows of ``elt`` bytes; at least ``MIN_CHUNK`` columns),
+    under 2**31 elements in dS and in the candidate chunk, and even: the block's chunks all
+    have the same width, a multiple of ``align``."""
+    if arch == "interp":
+        widest = INTERP_CHUNK
     else:
-        elt = torch.empty((), dtype=ds_dtype(dtype, fp32_ds)).element_size()
-        width = max(MIN_CHUNK, DS_CHUNK_BYTES // max(B * elt, 1) // align * align)
-    cap = INT32_ELEMENTS // max(B, d, 1) // align * align
-    return max(align, min(width, cap, _round_up(max(max(sizes), 1), align)))
+        widest = max(MIN_CHUNK, DS_CHUNK_BYTES // max(rows * elt, 1))
+    widest = min(widest, INT32_ELEMENTS // max(rows, d, 1))
+    widest = max(align, widest // align * align)
+    if n <= 0:
+        return align
+    chunks = cdiv(n, widest)
+    return min(widest, round_up(cdiv(n, chunks), align))
 
 
-def backward_plan(
-    B: int, sizes: tuple[int, int], d: int, dtype: torch.dtype, cosine: bool, arch: str, fp32_ds: bool = True
-) -> Plan:
-    acc = acc_dtype(dtype)
-    width = chunk_width(B, sizes, d, dtype, arch, fp32_ds)
-    part = partial_width(arch, dtype_class(dtype))
-    chunks = sum(cdiv(n, width) for n in sizes)
-    plan = Plan(ds=((B, width), ds_dtype(dtype, fp32_ds)), norms=((2, B + sum(sizes)), acc))
-    if cosine:
-        plan.update(row_parts=((cdiv(width, part), B), acc), col_parts=((cdiv(B, part), width), acc), row_w=((B,), acc))
-    if chunks > 1:
-        plan["d_anchor_acc"] = ((B, d), acc)
-    return plan
+def chunks(sizes: tuple[int, int], width: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """``(block, first column, end column)`` of every chunk, block 0's first (a chunk never
+    spans the two blocks: its columns are one tensor's rows)."""
+    return [(b, c0, min(c0 + w, n)) for b, (n, w) in enumerate(zip(sizes, width)) for c0 in range(0, n, w)]
+
+
+# ---------------------------------------------------------------------------------------
+# cached scratch
+# ---------------------------------------------------------------------------------------
+
+# unpinned layouts kept per process (a training run alternates between one or two: the
+# full batch and the last, smaller one)
+KEEP = 4
+
+
+class _Scratch:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.entries: collections.OrderedDict[tuple, dict[str, Tensor]] = collections.OrderedDict()
+        self.pinned: set[tuple] = set()
+        self.allocations = 0  # buffers allocated so far (tests: a warm step allocates none)
+
+
+_SCRATCH = _Scratch()
+
+
+def _traced() -> bool:
+    """Under ``torch.compile`` or fake-tensor tracing (opcheck, the compiler's shape pass):
+    the buffers must be fresh tensors of the tracing mode, never cached real ones."""
+    return torch.compiler.is_compiling() or torch._guards.active_fake_mode() is not None
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def scratch(device: torch.device, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Tensor]:
+    """Buffers ``{name: tensor}`` of ``layout`` (``{name: (shape, dtype)}``), cached per device,
+    stream and layout: the launchers' only allocator of scratch.
+
+    Reused buffers hold whatever the last launch left (kernels must write every element they
+    read: under ``contract.poison_outputs`` the buffers are refilled with NaN at every use, so
+    a tile a kernel forgets shows as NaN). Buffers handed out while a CUDA graph is being
+    captured are pinned: the graph replays into them, so they are never released. Under
+    ``torch.compile`` tracing, fresh buffers (the compiler plans their memory).
+    """
+    if _traced() or any(isinstance(s, torch.SymInt) for sh, _ in layout.values() for s in sh):
+        return {k: new_output(shape, dtype=dt, device=device) for k, (shape, dt) in layout.items()}
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream, tuple(sorted((k, tuple(s), dt) for k, (s, dt) in layout.items())))
+    s = _SCRATCH
+    with s.lock:
+        bufs = s.entries.get(key)
+        if bufs is None:
+            bufs = {k: torch.empty(shape, dtype=dt, device=device) for k, (shape, dt) in layout.items()}
+            s.allocations += len(bufs)
+            s.entries[key] = bufs
+        s.entries.move_to_end(key)
+        if _capturing(device):
+            s.pinned.add(key)
+        unpinned = [k for k in s.entries if k not in s.pinned]
+        for old in unpinned[:-KEEP]:
+            del s.entries[old]
+    if contract.poisoning():
+        for t in bufs.values():
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+    return bufs
+
+
+def release_scratch(include_pinned: bool = False) -> None:
+    """Drop the cached scratch (``include_pinned``: also buffers a captured CUDA graph uses;
+    only when no such graph will be replayed again)."""
+    with _SCRATCH.lock:
+        for key in list(_SCRATCH.entries):
+            if include_pinned or key not in _SCRATCH.pinned:
+                del _SCRATCH.entries[key]
+        if include_pinned:
+            _SCRATCH.pinned.clear()
+
+
+def scratch_allocations() -> int:
+    """How many scratch buffers have been allocated in this process (tests)."""
+    return _SCRATCH.allocations
+
+
+_DUMMIES: dict[torch.device, Tensor] = {}
+
+
+def dummy(device: torch.device) -> Tensor:
+    """One cached float32 element per device for pointer arguments a specialisation never
+    reads (NaN under the tests' poisoning, so a read would show)."""
+    if _traced():
+        return new_output((1,), dtype=torch.float32, device=device)
+    t = _DUMMIES.get(device)
+    if t is None:
+        t = _DUMMIES[device] = new_output((1,), dtype=torch.float32, device=device)
+    if contract.poisoning():
+        t.fill_(float("nan"))
+    return t
+
+
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def int_constant(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """A cached int32 device tensor of ``values`` (e.g. Matryoshka bounds): copied to the
+    device once, before any CUDA graph capture that uses it (a host-to-device copy cannot
+    be captured)."""
+    if _traced():
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    key = (device, values)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    return t
+
+
+_ONES: dict[tuple, Tensor] = {}
+
+
+def ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A cached vector of at least ``n`` ones (row scales of 1 for the GEMM's radial epilogue)."""
+    if _traced():
+        return torch.ones(max(n, 1), dtype=dtype, device=device)
+    key = (device, dtype)
+    t = _ONES.get(key)
+    if t is None or t.numel() < n:
+        t = _ONES[key] = torch.ones(max(n, 1), dtype=dtype, device=device)
+    return t

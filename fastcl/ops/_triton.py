@@ -1,7 +1,9 @@
 """The ``"triton"`` backend: fastcl's Triton kernels (``fastcl.kernels``) behind the op contract.
 
 CUDA tensors on sm_80+, or CPU tensors under ``TRITON_INTERPRET=1`` (tests only). Recompute
-strategy only, no ``fused``: why, in docs/triton.md.
+strategy only, no ``fused``; the losses run the *head step* (forward and backward with the
+loss head fused into the kernels, :class:`TritonHeadStep`), other callers the primitive
+(``forward``/``backward``). Why, and the launch plan: docs/triton.md.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import Tensor
 
 from .backend import Backend, input_reasons
 from .contract import LSEProblem
+from .head import HEADS, HeadInputs
 
 
 def _kernels():
@@ -29,9 +32,9 @@ DS_PRECISIONS = ("auto", "fp32", "input")
 
 
 def ds_precision() -> str:
-    """``FASTCL_TRITON_DS``: how the backward keeps the recomputed softmax gradient dS of 16-bit
-    inputs: ``fp32`` (fp32-accurate, two MMAs per product), ``input`` (rounded to the input
-    dtype, one MMA) or ``auto`` (default: ``input`` for bf16, ``fp32`` for fp16; docs/triton.md)."""
+    """``FASTCL_TRITON_DS``: how the backward keeps the recomputed softmax gradient dS of bf16
+    inputs: ``fp32`` (fp32-accurate, two MMAs per product), ``input`` (rounded to bf16, one MMA)
+    or ``auto`` (default: ``input``); fp16 always keeps fp32 (docs/triton.md)."""
     mode = os.environ.get(DS_ENV, "auto") or "auto"
     if mode not in DS_PRECISIONS:
         raise ValueError(f"{DS_ENV}={mode!r}; expected one of {DS_PRECISIONS}")
@@ -39,19 +42,55 @@ def ds_precision() -> str:
 
 
 def fp32_ds(dtype: torch.dtype) -> bool:
-    """Whether the backward keeps dS in fp32 for ``dtype`` inputs. ``auto``: bf16 rounds dS to
-    bf16 (an H100's backward GEMMs ran 2.5x faster, gradients stay within ~2.5x of bf16's own
-    rounding, measured in the interpreter), fp16 keeps fp32 (dS ~ 1 / (B N tau) is subnormal in fp16
-    at large batches)."""
+    """Whether the backward keeps dS in fp32 for ``dtype`` inputs. ``auto`` and ``input``: bf16
+    rounds dS to bf16 (an H100's backward GEMMs ran 2.5x faster, gradients stay within ~2.5x of
+    bf16's own rounding, measured in the interpreter); fp16 always keeps fp32 (dS ~ 1 / (B N
+    tau) is subnormal in fp16 at large batches)."""
     mode = ds_precision()
-    return mode == "fp32" or (mode == "auto" and dtype != torch.bfloat16)
+    return mode == "fp32" or dtype != torch.bfloat16
+
+
+class TritonHeadStep:
+    """The loss step with the head fused into the kernels: a forward of four launches that
+    also returns the reduced loss, and a backward that takes the upstream gradient and the
+    reduction weights as device tensors (no PyTorch op between the kernels)."""
+
+    def takes(self, problem: LSEProblem, head: HeadInputs, own_count: int) -> bool:
+        """Plain problems (no Matryoshka dims) of a known head with 1..``MAX_OWN`` positives."""
+        return problem.dims is None and head.kind in HEADS and 1 <= own_count <= _kernels().MAX_OWN
+
+    def forward(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, per_row: bool):
+        """``(loss, saved)``: the reduced loss (0-d, input dtype) or the rows ``[B]`` (compute
+        dtype, ``per_row``), and what :meth:`backward` needs."""
+        (b0, b1), (t0, t1) = problem.blocks, problem.tags
+        pos = problem.positives
+        folded = head.pos_logits is None
+        offset, count = (pos.offset, pos.count) if folded else (0, head.pos_logits.shape[1])
+        loss, *saved = _kernels().head_forward(
+            problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps, head.kind, offset, count,
+            head.pos_logits, head.pos_mask, head.log_extra, head.weights, per_row,
+        )  # fmt: skip
+        return loss, tuple(saved)
+
+    def backward(self, problem: LSEProblem, tau: Tensor, saved: tuple, weights: Tensor, grad_out: Tensor):
+        """``(d anchor, (d block0, d block1))`` for the upstream ``grad_out`` (0-d or ``[B]``)."""
+        lse, dlse, dpos, w_row, norms = saved
+        (b0, b1), (t0, t1) = problem.blocks, problem.tags
+        pos = problem.positives
+        folded = pos is not None
+        d_anchor, d_b0, d_b1 = _kernels().head_backward(
+            problem.anchor, b0, b1, t0, t1, tau, norms, lse, dlse, dpos, w_row, weights, grad_out,
+            pos.offset if folded else 0, folded, problem.cosine, fp32_ds(problem.anchor.dtype), problem.padded,
+        )  # fmt: skip
+        return d_anchor, (d_b0, d_b1)
 
 
 class TritonLSE(Backend):
-    """The ``"triton"`` backend on ``kernels/lse_fwd.py`` and ``kernels/lse_bwd.py``."""
+    """The ``"triton"`` backend on ``kernels/`` (launchers: ``kernels/lse.py``)."""
 
     name = "triton"
     fused = None
+    head_step = TritonHeadStep()
 
     def unavailable(self) -> str | None:
         try:
@@ -84,13 +123,6 @@ class TritonLSE(Backend):
                 problem.anchor, b0, b1, t0, t1, tau, list(problem.dims), problem.cosine, problem.eps
             )
         return _kernels().lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
-
-    def own_logits(self, problem: LSEProblem, pos_mask: Tensor | None, tau: Tensor) -> Tensor:
-        """``[B, P]`` own-positive logits in one launch (``kernels/own_logits.py``), where the
-        PyTorch path costs ~18 small ops per block of rows (launches on a GPU)."""
-        pos = problem.positives
-        args = (problem.anchor, problem.blocks[0], pos_mask, tau, pos.offset, pos.count, problem.cosine, problem.eps)
-        return _kernels().own_logits(*args)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """``d_pos [B, P]``: own-positive logit gradient, folded when ``problem.positives`` is set."""

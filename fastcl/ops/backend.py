@@ -33,6 +33,10 @@ class Backend(Protocol):
     # ``(problem, pos_mask, tau) -> [B, P]``: the own-positive logits of ``problem.positives``
     # as values (no autograd, no dims) in fewer ops than the PyTorch path, or None.
     own_logits: Callable[[LSEProblem, Tensor | None, Tensor], Tensor] | None = None
+    # The recompute strategy's whole loss step with the head fused into the backend's kernels
+    # (``fastcl/ops/_triton.py``'s ``TritonHeadStep``: ``takes``, ``forward``, ``backward``), or
+    # None: ``ContrastiveLSE`` then runs ``forward``, the PyTorch head and ``backward``.
+    head_step: object | None = None
 
     def unavailable(self) -> str | None:
         """Why the backend cannot run in this process at all (not installed, build failed), or None."""

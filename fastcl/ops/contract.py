@@ -51,6 +51,9 @@ class LSEProblem:
     # problem is K plain problems on the first dims[k] coordinates (``prefix(k)``): forward
     # gives [K, B] outputs and backward sums the K gradients (docs/design.md, "Matryoshka").
     dims: tuple[int, ...] | None = None
+    # False: the caller knows no tag is TAG_PADDING (no masks were given), so backends may
+    # read every candidate row without masking (the Triton GEMMs then pipeline fully)
+    padded: bool = True
 
     def __post_init__(self):
         if self.dims is not None:
@@ -91,7 +94,9 @@ class LSEProblem:
         prefix ``k`` of a Matryoshka problem means."""
         m = self.prefixes[k]
         blocks = (self.blocks[0][:, :m], self.blocks[1][:, :m])
-        return LSEProblem(self.anchor[:, :m], blocks, self.tags, self.cosine, self.eps, self.positives)
+        return LSEProblem(
+            self.anchor[:, :m], blocks, self.tags, self.cosine, self.eps, self.positives, padded=self.padded
+        )
 
     @property
     def device(self) -> torch.device:
@@ -171,6 +176,11 @@ def poison_outputs():
         yield
     finally:
         _POISON = before
+
+
+def poisoning() -> bool:
+    """Whether :func:`poison_outputs` is active (backends refill cached scratch with NaN then)."""
+    return _POISON
 
 
 def new_output(shape, *, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -34,9 +34,12 @@ class LossSpec:
     reduction: str
     dims: tuple[int, ...] | None = None  # Matryoshka prefixes: loss = sum_k dim_weights[k] * loss_k
     dim_weights: Tensor | None = None  # [K] compute dtype; None (reduction "none"): rows [K, B]
+    padded: bool = True  # False: no tag is TAG_PADDING (no masks were given)
 
     def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor) -> LSEProblem:
-        return LSEProblem(anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims)
+        return LSEProblem(
+            anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims, self.padded
+        )
 
 
 def _strategy(impl: Backend, reduction: str, dims) -> str:
@@ -135,6 +138,12 @@ def _first_order_only(name: str, grads: tuple) -> tuple:
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 
+def _head_step(spec: LossSpec, problem: LSEProblem, head: HeadInputs, own_count: int):
+    """The backend's fused loss step if it takes this call (``Backend.head_step``), else None."""
+    step = getattr(spec.impl, "head_step", None)
+    return step if step is not None and step.takes(problem, head, own_count) else None
+
+
 class ContrastiveLSE(torch.autograd.Function):
     """Reduced LSE loss ``sum_i w_i * mean_k phi(lse_i - l_ik)`` (per row for ``none``) of
     ``anchor``, the two candidate blocks, ``pos_logits`` (the shared positives' differentiable
@@ -152,6 +161,17 @@ class ContrastiveLSE(torch.autograd.Function):
         ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims) if needs_grad else "none"
         # a backend that forms the folded own-positive logits in its sweep spares the [B, P, d]
         # normalisation passes of _own_logits (~5 % of a cpp SupMPN step)
+        if ctx.mode != "fused":
+            head = HeadInputs(
+                spec.kind, None if folded else pos_input.detach().to(cd), spec.pos_mask, spec.log_extra, spec.weights
+            )
+            step = _head_step(spec, problem, head, spec.positives.count if folded else pos_input.shape[-1])
+            if step is not None:  # the head fused into the backend's kernels
+                loss, saved = step.forward(problem, tau, head, per_row=spec.reduction == "none")
+                if needs_grad:
+                    ctx.mode = "head"
+                    ctx.save_for_backward(anchor, block0, block1, tau, *saved)
+                return loss.to(anchor.dtype)
         in_sweep = ctx.mode == "fused" and folded and spec.impl.forms_own_logits
         if in_sweep:
             pos_logits = None
@@ -194,6 +214,8 @@ class ContrastiveLSE(torch.autograd.Function):
     @staticmethod
     def _grads(ctx, grad_out, second_order: bool):
         spec = ctx.spec
+        if ctx.mode == "head":
+            return ContrastiveLSE._head_grads(ctx, grad_out)
         go = grad_out.to(compute_dtype(ctx.dtype))
         if ctx.mode == "fused":
             d_anchor, d_b0, d_b1, d_pos, d_tau = ctx.saved_tensors
@@ -224,6 +246,25 @@ class ContrastiveLSE(torch.autograd.Function):
         d_inputs = (g.to(ctx.dtype) for g in (d_anchor, d_b0, d_b1))
         return (*d_inputs, None if ctx.folded else d_pos, d_tau, None)
 
+    @staticmethod
+    def _head_grads(ctx, grad_out):
+        """Gradients of the fused head step: the kernels scale by ``grad_out`` and the weights
+        themselves; only the temperature's (and shared positives') gradients take small ops."""
+        spec = ctx.spec
+        anchor, block0, block1, tau, *saved = ctx.saved_tensors
+        problem = spec.problem(anchor, block0, block1)
+        d_anchor, (d_b0, d_b1) = spec.impl.head_step.backward(problem, tau, tuple(saved), spec.weights, grad_out)
+        d_tau = d_pos = None
+        if ctx.needs_input_grad[4] or not ctx.folded:
+            go = grad_out.to(compute_dtype(ctx.dtype))
+            s = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B]
+            _, _, dpos, w_row, _ = saved
+            if ctx.needs_input_grad[4]:  # l = s / tau: dL/dtau = -sum_i s_i w_row_i / tau
+                d_tau = (-(s * w_row).sum() / tau.to(s.dtype)).to(tau.dtype)
+            if not ctx.folded:
+                d_pos = dpos * s[:, None]
+        return d_anchor, d_b0, d_b1, d_pos, d_tau, None
+
 
 def contrastive_loss(
     anchor: Tensor,
@@ -243,17 +284,19 @@ def contrastive_loss(
     backend: str | None = "auto",
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
+    padded: bool = True,
 ) -> Tensor:
     """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``). Own
     positives are a layout in block 0 (``positives``: every backend folds their gradient) or
     precomputed differentiable ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``).
     ``dims`` (with ``dim_weights [K]``; ``pos_logits`` then ``[K, B, P]``): the weighted sum
     of the loss on each prefix; with ``reduction="none"`` and no ``dim_weights``, the
-    prefixes' rows ``[K, B]``."""
+    prefixes' rows ``[K, B]``. ``padded=False`` promises that no tag is ``TAG_PADDING`` (the
+    caller gave no masks): backends may then skip masking padded rows."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims), backend=backend)
+    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims, padded), backend=backend)
     spec = LossSpec(
-        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, weights, reduction, dims, dim_weights
+        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, weights, reduction, dims, dim_weights, padded
     )
     return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, spec)

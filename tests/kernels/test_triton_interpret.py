@@ -32,6 +32,7 @@ from fastcl import reference as R  # noqa: E402
 from fastcl.kernels import _common, aot  # noqa: E402
 from fastcl.ops import _torch_impl, _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
+from fastcl.ops.head import HeadInputs  # noqa: E402
 from fastcl.testing import assert_close  # noqa: E402
 
 TRITON = _triton.BACKEND
@@ -182,13 +183,13 @@ def test_ds_precision_modes(monkeypatch, mode):
 
 
 def test_ds_precision_default_and_choices(monkeypatch):
-    """``auto`` (default): bf16 keeps dS in bf16, fp16 in fp32 (its range); the explicit modes
-    apply to both; anything else is refused."""
+    """``auto`` (default): bf16 keeps dS in bf16, fp16 in fp32 (its range); ``fp32`` applies to
+    both, ``input`` to bf16 only; anything else is refused."""
     monkeypatch.delenv(_triton.DS_ENV, raising=False)
     assert _triton.ds_precision() == "auto"
     assert not _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
-    monkeypatch.setenv(_triton.DS_ENV, "input")
-    assert not _triton.fp32_ds(torch.bfloat16) and not _triton.fp32_ds(torch.float16)
+    monkeypatch.setenv(_triton.DS_ENV, "input")  # fp16 dS would be subnormal: fp16 keeps fp32
+    assert not _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
     monkeypatch.setenv(_triton.DS_ENV, "fp32")
     assert _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
     monkeypatch.setenv(_triton.DS_ENV, "bogus")
@@ -196,23 +197,18 @@ def test_ds_precision_default_and_choices(monkeypatch):
         _triton.ds_precision()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("cosine", [True, False])
-def test_own_logits_match_the_pytorch_path(dtype, cosine):
-    """``kernels/own_logits.py`` against ``own_positive_similarities / tau`` (the path it
-    replaces) and the float64 oracle, on rows that cross ``BD`` and ``BR``, with a masked
-    positive holding NaN (no influence), a clamped norm, rows near float32's overflow, and a
-    row holding NaN or Inf (its logits NaN, also beside a masked positive)."""
-    from fastcl.ops.positive_logits import own_positive_similarities
-
-    gen = torch.Generator().manual_seed(21)
+def _head_problem(dtype, cosine, gen):
+    """Own positives anchor-major in block 0 after ``offset`` rows, masked positives holding
+    NaN (never read), a clamped norm, rows near float32's overflow, a row holding NaN or Inf,
+    an anchor without any valid positive; negatives in block 1."""
     B, P, d, offset = 19, 3, 70, 4
     anchor = torch.randn(B, d, generator=gen)
     block0 = torch.randn(offset + B * P + 2, d, generator=gen)
+    block1 = torch.randn(23, d, generator=gen)
     own = block0[offset : offset + B * P].view(B, P, d)
     mask = torch.rand(B, P, generator=gen) > 0.2
     mask[:, 0] = True
-    mask[8] = False  # an anchor without any valid positive: every logit 0
+    mask[8] = False  # an anchor without any valid positive: contributes nothing
     own[~mask] = float("nan")  # masked positives are never read
     own[1, 0] = 1e-10  # clamped norm
     if cosine and dtype in (torch.float32, torch.float64):
@@ -220,55 +216,102 @@ def test_own_logits_match_the_pytorch_path(dtype, cosine):
         own[3, 1] *= 1e37
     anchor[5, 7] = float("nan")
     own[6, 0, 3] = float("inf")
-    mask[5, 2] = False  # NaN anchor beside a masked positive: NaN, as 0 * NaN in PyTorch
-    a, c0 = anchor.to(dtype), block0.to(dtype)
-    tau = torch.tensor(0.07)
-    got = torch.ops.fastcl_triton.own_logits(a, c0, mask, tau, offset, P, cosine, 1e-8)
+    mask[5, 2] = False  # NaN anchor beside a masked positive
+    owner = torch.arange(B, dtype=torch.int32).repeat_interleave(P)
+    tags0 = torch.full((block0.shape[0],), TAG_ALL, dtype=torch.int32)
+    tags0[offset : offset + B * P] = torch.where(mask.reshape(-1), owner, torch.full_like(owner, TAG_PADDING))
+    tags1 = torch.full((block1.shape[0],), TAG_ALL, dtype=torch.int32)
+    t = [x.to(dtype) for x in (anchor, block0, block1)]
+    return LSEProblem(t[0], (t[1], t[2]), (tags0, tags1), cosine, 1e-8, OwnPositives(offset, P)), mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("cosine", [True, False])
+@pytest.mark.parametrize("kind", ["supmpn", "supcon"])
+def test_fused_head_matches_the_pytorch_head(dtype, cosine, kind):
+    """``head_forward`` (combine + own logits + head in one kernel) against the primitive's
+    ``lse`` and ``fastcl/ops/head.py`` on the PyTorch path's own-positive logits: the
+    supmpn head's ``dpos = -sigmoid(r - l_k) / count`` checks every own logit on its own."""
+    from fastcl.kernels import head_forward
+    from fastcl.ops.head import head_rows
+    from fastcl.ops.positive_logits import own_positive_similarities
+
+    gen = torch.Generator().manual_seed(21)
+    problem, mask = _head_problem(dtype, cosine, gen)
+    (a, (c0, c1), (t0, t1)), pos = (problem.anchor, problem.blocks, problem.tags), problem.positives
+    B, P = mask.shape
     cd = torch.float64 if dtype == torch.float64 else torch.float32
-    assert got.dtype == cd and got.shape == (B, P)
-    want = own_positive_similarities(a, c0[offset : offset + B * P].view(B, P, d), cosine, 1e-8, mask) / tau.to(cd)
-    assert torch.equal(got.isnan(), want.isnan())
-    assert got[5].isnan().all() and got[6, 0].isnan()
-    assert torch.equal(got[8], torch.zeros(P, dtype=cd))
-    fin = ~want.isnan()
-    assert_close("own logits vs the PyTorch path", got[fin], want[fin], cd, abs_scale=1 / 0.07)
-    # and the float64 oracle on the inputs as given (rounded to dtype)
-    a64, o64 = a.double(), c0[offset : offset + B * P].view(B, P, d).double().masked_fill(~mask[..., None], 0)
-    if cosine:
-        a64 = a64 / a64.norm(dim=-1, keepdim=True).clamp_min(1e-8)
-        o64 = o64 / o64.norm(dim=-1, keepdim=True).clamp_min(1e-8)
-    oracle = (o64 * a64[:, None]).sum(-1) / float(tau)  # tau as stored (float32)
-    assert_close("own logits vs float64", got[fin].double(), oracle[fin], dtype, abs_scale=1 / 0.07)
+    tau = torch.tensor(0.07, dtype=cd)
+    weights = torch.rand(B, generator=gen, dtype=cd)
+    with poison_outputs():
+        rows, lse, dlse, dpos, w_row, _ = head_forward(
+            a, c0, c1, t0, t1, tau, cosine, 1e-8, kind, pos.offset, P, None, mask, None, weights, True
+        )
+        loss, *_ = head_forward(
+            a, c0, c1, t0, t1, tau, cosine, 1e-8, kind, pos.offset, P, None, mask, None, weights, False
+        )
+        want_lse, mean = TRITON.forward(problem, tau)
+    own = c0[pos.offset : pos.offset + B * P].view(B, P, -1)
+    l_pos = own_positive_similarities(a, own, cosine, 1e-8, mask) / tau
+    want_rows, want_dlse, want_dpos = head_rows(want_lse, l_pos, mask, kind)
+    assert torch.equal(lse.isnan(), want_lse.isnan()) and torch.equal(lse.isinf(), want_lse.isinf())
+    fin = torch.isfinite(want_lse)
+    assert_close("lse", lse[fin], want_lse[fin], dtype)
+    for name, got, want in (("rows", rows, want_rows), ("dlse", dlse, want_dlse), ("dpos", dpos, want_dpos)):
+        assert got.dtype == cd and torch.equal(got.isnan(), want.isnan()), name
+        ok = ~want.isnan()
+        assert_close(name, got[ok], want[ok], dtype, abs_scale=1 / 0.07)
+    assert rows[8] == 0 and (dpos[8] == 0).all() and dlse[8] == 0  # no valid positive: nothing
+    assert rows[5].isnan() and rows[6].isnan()  # a NaN anchor, an Inf positive
+    want_w = want_dlse * mean + (want_dpos * torch.where(mask, l_pos, 0.0)).sum(1)
+    ok = ~want_w.isnan()
+    assert_close("w_row", w_row[ok], want_w[ok], dtype, abs_scale=1 / 0.07)
+    assert loss.dtype == dtype and loss.isnan()  # the NaN rows reach the reduced loss
+    keep = ~want_rows.isnan()
+    with poison_outputs():
+        w2 = torch.where(keep, weights, 0.0)
+        loss2, *_ = head_forward(a, c0, c1, t0, t1, tau, cosine, 1e-8, kind, pos.offset, P, None, mask, None, w2, False)
+    # weight 0 on the NaN rows does not hide them (NaN * 0): zero them out of the batch instead
+    assert loss2.isnan()
 
 
-def test_own_logits_refuses_a_layout_that_does_not_fit():
-    a, c0 = torch.randn(4, 8), torch.randn(10, 8)
+def test_fused_head_refuses_a_layout_that_does_not_fit():
+    from fastcl.kernels import head_forward
+
+    a, c0, c1 = torch.randn(4, 8), torch.randn(10, 8), torch.randn(0, 8)
+    t0, t1 = torch.full((10,), TAG_ALL, dtype=torch.int32), torch.empty(0, dtype=torch.int32)
+    w = torch.full((4,), 0.25)
     with pytest.raises(ValueError, match="do not fit"):
-        torch.ops.fastcl_triton.own_logits(a, c0, None, torch.tensor(0.1), 3, 2, True, 1e-8)
+        head_forward(a, c0, c1, t0, t1, torch.tensor(0.1), True, 1e-8, "supmpn", 3, 2, None, None, None, w, False)
 
 
-def test_recompute_forward_takes_the_own_logits_kernel(monkeypatch):
-    """The loss's forward forms the own-positive logits with the kernel, not the PyTorch ops."""
-    from fastcl.ops import positive_logits
+def test_loss_step_takes_the_fused_head(monkeypatch):
+    """A loss on ``triton`` forms the own-positive logits and the head in the kernels: neither
+    the PyTorch own logits nor the PyTorch head run, forward or backward."""
+    from fastcl.ops import contrastive
 
-    calls = []
-    real = positive_logits.own_positive_similarities
-    monkeypatch.setattr(
-        "fastcl.ops.contrastive.own_positive_similarities",
-        lambda *a, **k: calls.append(1) or real(*a, **k),
-    )
+    def forbidden(*a, **k):
+        raise AssertionError("the PyTorch head ran")
+
+    monkeypatch.setattr(contrastive, "own_positive_similarities", forbidden)
+    monkeypatch.setattr(contrastive, "head_rows", forbidden)
     gen = torch.Generator().manual_seed(5)
     a, p, n = (
         torch.randn(6, 16, generator=gen),
         torch.randn(6, 3, 16, generator=gen),
         torch.randn(6, 2, 16, generator=gen),
     )
+    tau = torch.tensor(0.1, requires_grad=True)
     a.requires_grad_(True)
-    loss = L.supmpn_loss(a, p, n, backend="triton")
+    loss = L.supmpn_loss(a, p, n, temperature=tau, backend="triton")
     loss.backward()
-    assert not calls
-    want = L.supmpn_loss(a.detach().double(), p.double(), n.double(), backend="reference")
+    monkeypatch.undo()  # the reference runs the PyTorch head
+    a64, tau64 = a.detach().double().requires_grad_(), tau.detach().double().requires_grad_()
+    want = L.supmpn_loss(a64, p.double(), n.double(), temperature=tau64, backend="reference")
+    want.backward()
     assert_close("loss", loss.double(), want, torch.float32, abs_scale=20.0)
+    assert_close("d anchor", a.grad.double(), a64.grad, torch.float32)
+    assert_close("d tau", tau.grad.double(), tau64.grad, torch.float32, abs_scale=100.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -293,9 +336,31 @@ def test_custom_ops_pass_opcheck():
         test_utils=checks,
     )
     mask = torch.tensor([[True, False]] * 5)
-    torch.library.opcheck(
-        torch.ops.fastcl_triton.own_logits.default, (a, c0, mask, tau, 0, 2, True, 1e-8), test_utils=checks
+    w = torch.full((5,), 0.2)
+    args = (a, c0, c1, t0, t1, tau, True, 1e-8, "supmpn", 0, 2, None, mask, None, w, False)
+    torch.library.opcheck(torch.ops.fastcl_triton.head_forward.default, args, test_utils=checks)
+    _, lse, dlse, dpos, w_row, norms = torch.ops.fastcl_triton.head_forward(*args)
+    args = (
+        a,
+        c0,
+        c1,
+        t0,
+        t1,
+        tau,
+        norms,
+        lse,
+        dlse,
+        dpos,
+        w_row,
+        w,
+        torch.tensor(1.0).bfloat16(),
+        0,
+        True,
+        True,
+        False,
+        True,
     )
+    torch.library.opcheck(torch.ops.fastcl_triton.head_backward.default, args, test_utils=checks)
 
 
 def test_every_real_launch_is_in_the_aot_list():
@@ -307,10 +372,12 @@ def test_every_real_launch_is_in_the_aot_list():
             for cosine in (True, False):
                 problem = _problem(5, 2, 36, 12, dtype, cosine, gen)  # several chunks, with and without positives
                 lse, _ = TRITON.forward(problem, torch.tensor(0.2))
-                TRITON.own_logits(problem, None, torch.tensor(0.2))
                 TRITON.backward(problem, torch.tensor(0.2), lse, torch.ones(5), torch.ones(5, 2))
+                head = HeadInputs("supmpn", None, None, None, torch.full((5,), 0.2))
+                loss, saved = TRITON.head_step.forward(problem, torch.tensor(0.2), head, per_row=False)
+                TRITON.head_step.backward(problem, torch.tensor(0.2), saved, head.weights, torch.ones((), dtype=dtype))
     launched = {x.key for x in launched}
-    known = {x.key for x in aot.all_launches()}
+    known = {x.key for x in aot.dry_runs("interp")}
     assert launched and launched <= known, sorted(launched - known)
 
 

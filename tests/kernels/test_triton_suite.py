@@ -27,6 +27,7 @@ FILES = [
     "ops/test_primitive.py",
     "ops/test_property.py",
     "kernels/test_triton_interpret.py",
+    "kernels/test_triton_step.py",
     "kernels/test_triton_nonfinite.py",
     "kernels/test_triton_dot_nonfinite.py",
     "kernels/test_triton_matryoshka.py",

@@ -1,0 +1,555 @@
+"""Launchers of the masked-LSE kernels, registered as ``torch.library`` ops (``fastcl_triton::``).
+
+Two pairs of ops:
+
+* the primitive of the backend contract (``fastcl/ops/backend.py``): ``lse_forward`` /
+  ``lse_backward`` and their Matryoshka forms ``lse_forward_prefixes`` /
+  ``lse_backward_prefixes``: ``lse`` and the softmax-weighted mean logit, then gradients
+  from ``g = dLoss/dlse`` and the own positives' ``d_pos``;
+* the fused loss step the ``triton`` backend runs for the losses (``head_forward`` /
+  ``head_backward``): the forward also forms the loss head and the reduced loss, and keeps
+  the row scales for the backward, which takes the upstream gradient and the reduction
+  weights as device tensors. A SupMPN step is then 4 forward launches and 3 per dS chunk
+  (docs/triton.md, "Launches").
+
+No launcher reads a device value on the host, and all scratch comes from the cached
+``plan.scratch``: a warm step allocates only its outputs, makes no host synchronisation and
+can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastcl.ops.contract import new_output, prefix_order
+
+from . import configs, plan
+from ._common import acc_dtype, arch_of, dot_precision, dtype_class, launch, num_sms, register_op
+from .head import HEAD, KINDS, MAX_OWN, SUM
+from .lse_bwd import DS, PREFIX_DS
+from .lse_fwd import FWD, MAX_PREFIXES, PREFIX_FWD
+from .matmul import MM
+from .norms import ROW_NORMS
+
+
+def prefix_reasons(dims) -> list[str]:
+    if dims is not None and len(dims) > MAX_PREFIXES:
+        return [f"the triton backend takes at most {MAX_PREFIXES} matryoshka dims, got {len(dims)}"]
+    return []
+
+
+def _check_layout(tensors) -> None:
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("triton LSE kernels need contiguous inputs")
+
+
+class _Call:
+    """What every launcher of one call shares: device, dtypes, arch, sizes and configs."""
+
+    def __init__(self, anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor):
+        _check_layout((anchor, block0, block1, tags0, tags1))
+        self.anchor, self.blocks, self.tags = anchor, (block0, block1), (tags0, tags1)
+        self.dev, self.dt = anchor.device, anchor.dtype
+        self.acc = acc_dtype(self.dt)
+        (self.B, self.d), self.sizes = anchor.shape, (block0.shape[0], block1.shape[0])
+        self.R = self.B + sum(self.sizes)  # rows of the norms layout: anchors, block 0, block 1
+        self.arch = arch_of(self.dev)
+        self.dclass = dtype_class(self.dt)
+        self.sms = num_sms(self.dev, self.arch)
+        self.tau = tau.to(self.acc).reshape(1)
+        self.precision = dot_precision(self.dt)
+
+    def config(self, role: str) -> configs.Config:
+        return configs.lookup(role, self.arch, self.dclass, self.d)
+
+    def dummy(self) -> Tensor:
+        return plan.dummy(self.dev)
+
+
+# ---------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------
+
+
+def _norms(call: _Call, cosine: bool, eps: float, bounds: Tensor | None, out: Tensor) -> Tensor:
+    """Row scales ``[2, K, R]`` of anchors and both blocks (``norms.py``), one launch."""
+    cfg = call.config("rows")
+    (n0, n1), br = call.sizes, cfg["BR"]
+    grid = (plan.cdiv(call.B, br) + plan.cdiv(n0, br) + plan.cdiv(n1, br),)
+    launch(
+        ROW_NORMS, grid, cfg,
+        A=call.anchor, C0=call.blocks[0], C1=call.blocks[1], TAGS0=call.tags[0], TAGS1=call.tags[1],
+        BOUNDS=call.dummy() if bounds is None else bounds, NORMS=out,
+        B=call.B, n0=n0, n1=n1, d=call.d, n_prefixes=1 if bounds is None else bounds.shape[0], eps=float(eps),
+        COSINE=cosine, PREFIXES=bounds is not None,
+    )  # fmt: skip
+    return out
+
+
+def _sweep(call: _Call, norms: Tensor, bounds: Tensor | None) -> tuple[Tensor, int]:
+    """The split forward sweep into partials ``[3, slots, K * B]`` (scratch), one launch."""
+    K = 1 if bounds is None else bounds.shape[0]
+    cfg = call.config("fwd" if bounds is None else "prefix_fwd")
+    (n0, n1), bn, bm = call.sizes, cfg["BN"], cfg["BM"]
+    tiles0 = plan.cdiv(n0, bn)
+    n_tiles = tiles0 + plan.cdiv(n1, bn)
+    row_tiles = plan.cdiv(call.B, bm)
+    splits, per = plan.forward_splits(row_tiles, n_tiles, call.sms * cfg.occupancy, call.arch)
+    n_slots = max(splits, 1)
+    parts = plan.scratch(call.dev, {"parts": ((3, n_slots, K * call.B), call.acc)})["parts"]
+    if n_tiles == 0:  # no candidate: one empty slot (the combine gives lse = -inf)
+        parts[0].fill_(float("-inf"))
+        parts[1:].zero_()
+        return parts, n_slots
+    common = dict(
+        A=call.anchor, C0=call.blocks[0], C1=call.blocks[1], TAGS0=call.tags[0], TAGS1=call.tags[1],
+        NORMS=norms, TAU=call.tau, PARTS=parts, B=call.B, n0=n0, n1=n1, d=call.d,
+        tiles0=tiles0, n_tiles=n_tiles, tiles_per_split=per, n_slots=n_slots, PRECISION=call.precision,
+    )  # fmt: skip
+    if bounds is None:
+        on_load = plan.scale_on_load(call.dt)
+        flags = dict(SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, EVEN_K=call.d % cfg["BK"] == 0)
+        launch(FWD, (row_tiles, splits), cfg, **common, **flags)
+    else:
+        launch(PREFIX_FWD, (row_tiles, splits), cfg, **common, BOUNDS=bounds, n_prefixes=K)
+    return parts, n_slots
+
+
+def _combine(call: _Call, parts: Tensor, n_slots: int, rows: int) -> tuple[Tensor, Tensor]:
+    """``(lse, mean_logit)`` ``[rows]`` from the partials (the head kernel with its head off)."""
+    lse = new_output(rows, dtype=call.acc, device=call.dev)
+    mean = new_output(rows, dtype=call.acc, device=call.dev)
+    cfg = call.config("head")
+    none = call.dummy()
+    launch(
+        HEAD, (plan.cdiv(rows, cfg["BR"]),), cfg,
+        PARTS=parts, A=call.anchor, C0=call.blocks[0], NORMS=none, TAU=call.tau, POS_IN=none, MASK=none,
+        LOG_EXTRA=none, WEIGHTS=none, LSE=lse, MEAN=mean, DLSE=none, DPOS=none, WROW=none, ROWS=none, PARTIAL=none,
+        n_rows=rows, n_slots=n_slots, B=call.B, d=call.d, P=0, pos_offset=0,
+        HEAD=False, KIND=0, FOLDED=False, HAS_MASK=False, HAS_EXTRA=False, ROWS_OUT=False, SCALE_ON_LOAD=False, PP=16,
+    )  # fmt: skip
+    return lse, mean
+
+
+def _lse_forward(
+    anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor, cosine: bool, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``(lse, mean_logit)`` ``[B]`` in the compute dtype."""
+    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    if call.B == 0:
+        return new_output(0, dtype=call.acc, device=call.dev), new_output(0, dtype=call.acc, device=call.dev)
+    norms = plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
+    _norms(call, cosine, eps, None, norms)
+    parts, n_slots = _sweep(call, norms, None)
+    return _combine(call, parts, n_slots, call.B)
+
+
+def _lse_forward_prefixes(
+    anchor: Tensor,
+    block0: Tensor,
+    block1: Tensor,
+    tags0: Tensor,
+    tags1: Tensor,
+    tau: Tensor,
+    dims: list[int],
+    cosine: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """``(lse, mean_logit)`` ``[K, B]`` in ``dims`` order."""
+    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    K = len(dims)
+    if call.B == 0:
+        return new_output((K, 0), dtype=call.acc, device=call.dev), new_output((K, 0), dtype=call.acc, device=call.dev)
+    order, inverse = prefix_order(dims)
+    bounds = plan.int_constant(tuple(dims[i] for i in order), call.dev)
+    norms = plan.scratch(call.dev, {"norms": ((2, K, call.R), call.acc)})["norms"]
+    _norms(call, cosine, eps, bounds, norms)
+    parts, n_slots = _sweep(call, norms, bounds)
+    lse, mean = _combine(call, parts, n_slots, K * call.B)
+    inv = plan.int_constant(tuple(inverse), call.dev) if K > 1 else None
+    if inv is None:
+        return lse.view(K, call.B), mean.view(K, call.B)
+    return lse.view(K, call.B)[inv].contiguous(), mean.view(K, call.B)[inv].contiguous()
+
+
+def _head_forward(
+    anchor: Tensor,
+    block0: Tensor,
+    block1: Tensor,
+    tags0: Tensor,
+    tags1: Tensor,
+    tau: Tensor,
+    cosine: bool,
+    eps: float,
+    kind: str,
+    pos_offset: int,
+    pos_count: int,
+    pos_logits: Tensor | None,
+    pos_mask: Tensor | None,
+    log_extra: Tensor | None,
+    weights: Tensor,
+    per_row: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The loss step's forward: ``(loss, lse, dlse, dpos, w_row, norms)``.
+
+    ``loss``: the reduced ``sum_i weights_i * loss_i`` (0-d, input dtype) or, ``per_row``, the
+    rows ``[B]`` (compute dtype). Own positives are ``pos_count`` rows per anchor of block 0
+    from ``pos_offset`` (``pos_logits`` None: their logits are formed here) or the given
+    ``pos_logits [B, P]``; ``pos_mask [B, P]`` bool, ``log_extra [B]``, ``weights [B]``. Kept
+    for :func:`_head_backward`: ``lse``, ``dlse [B]``, ``dpos [B, P]`` (dLoss/d own-positive
+    logits before the weights), ``w_row [B]`` (the temperature gradient is
+    ``-sum_i s_i w_row_i / tau``, ``s`` the weights times the upstream gradient) and the row
+    scales ``norms [2, 1, R]``."""
+    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    B, P, acc, dev = call.B, pos_count, call.acc, call.dev
+    if kind not in KINDS:
+        raise ValueError(f"unknown head {kind!r}; expected one of {sorted(KINDS)}")
+    if not 1 <= P <= MAX_OWN:
+        raise ValueError(f"the fused head takes 1..{MAX_OWN} positives per anchor, got {P}")
+    folded = pos_logits is None
+    if folded and not (pos_offset >= 0 and pos_offset + B * P <= call.sizes[0]):
+        raise ValueError(f"own positives (offset {pos_offset}, {P} per anchor, {B} anchors) do not fit in block 0")
+    norms = new_output((2, 1, call.R), dtype=acc, device=dev)
+    lse = new_output(B, dtype=acc, device=dev)
+    dlse = new_output(B, dtype=acc, device=dev)
+    dpos = new_output((B, P), dtype=acc, device=dev)
+    w_row = new_output(B, dtype=acc, device=dev)
+    loss = new_output(B if per_row else (), dtype=acc if per_row else call.dt, device=dev)
+    if B == 0:
+        if not per_row:
+            loss.zero_()
+        return loss, lse, dlse, dpos, w_row, norms
+    _norms(call, cosine, eps, None, norms)
+    parts, n_slots = _sweep(call, norms, None)
+    cfg = call.config("head")
+    programs = plan.cdiv(B, cfg["BR"])
+    partial = plan.scratch(dev, {"partial": ((programs,), acc)})["partial"]
+    none = call.dummy()
+    launch(
+        HEAD, (programs,), cfg,
+        PARTS=parts, A=anchor, C0=block0, NORMS=norms, TAU=call.tau,
+        POS_IN=none if folded else pos_logits.to(acc).contiguous(),
+        MASK=none if pos_mask is None else pos_mask.contiguous().view(torch.uint8),
+        LOG_EXTRA=none if log_extra is None else log_extra.to(acc).contiguous(), WEIGHTS=weights.contiguous(),
+        LSE=lse, MEAN=none, DLSE=dlse, DPOS=dpos, WROW=w_row, ROWS=loss if per_row else none, PARTIAL=partial,
+        n_rows=B, n_slots=n_slots, B=B, d=call.d, P=P, pos_offset=pos_offset if folded else 0,
+        HEAD=True, KIND=KINDS[kind], FOLDED=folded, HAS_MASK=pos_mask is not None, HAS_EXTRA=log_extra is not None,
+        ROWS_OUT=per_row, SCALE_ON_LOAD=plan.scale_on_load(call.dt), PP=max(16, 1 << (P - 1).bit_length()),
+    )  # fmt: skip
+    if not per_row:
+        launch(SUM, (1,), call.config("rows"), PARTIAL=partial, OUT=loss, n=programs)
+    return loss, lse, dlse, dpos, w_row, norms
+
+
+# ---------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------
+
+
+def _zero_grads(call: _Call) -> tuple[Tensor, Tensor, Tensor]:
+    out = (torch.zeros_like(call.anchor), *(torch.zeros_like(b) for b in call.blocks))
+    return out
+
+
+def _backward(
+    call: _Call,
+    norms: Tensor,
+    lse: Tensor,
+    g_rows: Tensor,
+    row_w: Tensor | None,
+    go: Tensor | None,
+    go_per_row: bool,
+    d_pos: Tensor | None,
+    pos_offset: int,
+    cosine: bool,
+    fp32_ds: bool,
+    w_row: Tensor | None = None,
+    padded: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked backward sweep (``lse_bwd.py``): three launches per dS chunk. ``w_row``:
+    the rows' ``<G, l>`` before scaling (the fused head's), else summed from the dS tiles."""
+    B, d, dt, acc, dev = call.B, call.d, call.dt, call.acc, call.dev
+    d_anchor = new_output((B, d), dtype=dt, device=dev)
+    d_blocks = tuple(new_output(b.shape, dtype=dt, device=dev) for b in call.blocks)
+    ds_type = plan.ds_dtype(dt, fp32_ds)
+    ds_cfg, mm_cfg = call.config("ds"), call.config("mm_split" if ds_type != dt else "mm")
+    align = plan.chunk_align(ds_cfg, mm_cfg)
+    elt = torch.empty((), dtype=ds_type).element_size()
+    width = tuple(plan.chunk_width(B, n, d, elt, align, call.arch) for n in call.sizes)
+    chunks = plan.chunks(call.sizes, width)
+    W = max(c1 - c0 for _, c0, c1 in chunks)
+    bm, bn = ds_cfg["BM"], ds_cfg["BN"]
+    col_tiles = sum(plan.cdiv(c1 - c0, bn) for _, c0, c1 in chunks)
+    layout = {"ds": ((B, W), ds_type)}
+    row_sums = cosine and w_row is None
+    if cosine:
+        layout["colw"] = ((plan.cdiv(B, bm), W), acc)
+    if row_sums:
+        layout["roww"] = ((col_tiles, B), acc)
+    if len(chunks) > 1:
+        layout["d_anchor_acc"] = ((B, d), acc)
+    ws = plan.scratch(dev, layout)
+    none = call.dummy()
+    fold = plan.fold_norms(dt, cosine)
+    go_mode = 0 if go is None else (2 if go_per_row else 1)
+    on_load = plan.scale_on_load(dt)
+    on_load_mm = cosine and not fold  # the GEMMs normalise Y's rows and scale output rows
+    P = 0 if d_pos is None else d_pos.shape[-1]
+    ia, ra = norms[0, 0, :B], norms[1, 0, :B]
+    acc_buf = ws.get("d_anchor_acc", none)
+    tile0 = 0
+    for idx, (bi, c0, c1) in enumerate(chunks):
+        first, last = idx == 0, idx == len(chunks) - 1
+        nc = c1 - c0
+        blk, tg, d_blk = call.blocks[bi][c0:c1], call.tags[bi][c0:c1], d_blocks[bi][c0:c1]
+        base = B + (0 if bi == 0 else call.sizes[0]) + c0  # the chunk's first column in the norms layout
+        ic, rc = norms[0, 0, base : base + nc], norms[1, 0, base : base + nc]
+        fold_pos = bi == 0 and P > 0 and c0 < pos_offset + B * P and pos_offset < c1
+        tiles = plan.cdiv(B, bm) * plan.cdiv(nc, bn)
+        ds = ws["ds"][:, :nc]
+        launch(
+            DS, (min(tiles, call.sms * ds_cfg.occupancy),), ds_cfg,
+            A=call.anchor, C=blk, TAGS=tg, NORMS=norms, TAU=call.tau, LSE=lse, G_ROWS=g_rows,
+            ROW_W=none if row_w is None else row_w, GO=none if go is None else go,
+            DPOS=d_pos if fold_pos else none, DS=ws["ds"], ROWW=ws.get("roww", none), COLW=ws.get("colw", none),
+            B=B, nc=nc, d=d, c_norm=base, stride_ds=W, col_tile0=tile0,
+            pos_offset=pos_offset - c0 if fold_pos else 0, P=P if fold_pos else 0,
+            n_progs=min(tiles, call.sms * ds_cfg.occupancy),
+            COSINE=cosine, ROW_SUMS=row_sums, SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, FOLD_NORMS=fold,
+            FOLD_POS=fold_pos, ROW_W_ON=row_w is not None, GO_MODE=go_mode,
+            EVEN_K=d % ds_cfg["BK"] == 0, PRECISION=call.precision,
+        )  # fmt: skip
+        tile0 += plan.cdiv(nc, bn)
+        # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
+        _gemm(
+            call, mm_cfg, ds, call.anchor, d_blk, tg, x_transposed=True,
+            KSCALE=ia if on_load_mm else None, MSCALE=ic if on_load_mm else None,
+            RINV=rc if cosine else None, RADW=ws.get("colw"), n_parts=plan.cdiv(B, bm), stride_radw=W,
+            Z=blk if cosine else None,
+        )  # fmt: skip
+        # d anchor: accumulate dS @ C[chunk] over chunks in a fixed order; the last adds the radial term
+        radial = cosine and last
+        _gemm(
+            call, mm_cfg, ds, blk, d_anchor if last else acc_buf, tg, x_transposed=False, pad=padded,
+            ACC_IN=None if first else acc_buf,
+            KSCALE=ic if on_load_mm else None, MSCALE=ia if on_load_mm else None,
+            RINV=ra if radial else None, Z=call.anchor if radial else None,
+            **(dict(RADW=ws.get("roww"), n_parts=col_tiles, stride_radw=B) if row_sums else
+               dict(RADW=w_row, n_parts=1, stride_radw=B, RSCALE=row_w, GO=go, radial_scale=go_mode)),
+        )  # fmt: skip
+    return (d_anchor, *d_blocks)
+
+
+def _gemm(call, cfg, X, Y, OUT, tags, *, x_transposed, KSCALE, MSCALE, RINV, RADW, n_parts, stride_radw, Z,
+          ACC_IN=None, RSCALE=None, GO=None, radial_scale=0, pad=True):  # fmt: skip
+    """One backward product ``OUT = X @ Y`` (``matmul.py``): ``X`` is a dS chunk ``[B, width]``,
+    read transposed through its strides for the candidates' gradient; ``tags`` mark the padded
+    rows of ``OUT`` (candidates' gradient) or of ``Y`` (anchors'; ``pad`` False: the caller knows
+    there are none, and the loads need no mask); ``ACC_IN`` is added; the
+    radial term is on when ``RINV`` is given (weights ``sum_p RADW[p]``; ``radial_scale`` 1:
+    times ``RSCALE * GO[0]``, 2: times ``GO`` per row)."""
+    (M, N), K, sx = OUT.shape, Y.shape[0], X.stride()
+    if sx[1] != 1 or Y.stride(1) != 1 or OUT.stride(1) != 1:
+        raise ValueError("the backward GEMM takes row-major operands (a dS chunk, contiguous rows)")
+    none = call.dummy()
+    tiles = plan.cdiv(M, cfg["BM"]) * plan.cdiv(N, cfg["BN"])
+    progs = max(1, min(tiles, call.sms * cfg.occupancy))
+    launch(
+        MM, (progs,), cfg,
+        X=X, Y=Y, OUT=OUT, ACC_IN=none if ACC_IN is None else ACC_IN,
+        KSCALE=none if KSCALE is None else KSCALE, MSCALE=none if MSCALE is None else MSCALE,
+        RINV=none if RINV is None else RINV, RADW=none if RADW is None else RADW,
+        RSCALE=none if RSCALE is None else RSCALE, GO=none if GO is None else GO,
+        Z=none if Z is None else Z, TAGS=tags,
+        M=M, N=N, K=K,
+        stride_x=sx[0], X_T=x_transposed,
+        stride_yk=Y.stride(0), stride_om=OUT.stride(0), n_parts=n_parts, stride_radw=stride_radw, n_progs=progs,
+        SPLIT_X=X.dtype != Y.dtype, Y_KSCALE=KSCALE is not None, M_SCALE=MSCALE is not None,
+        ACCUMULATE=ACC_IN is not None, RADIAL=RINV is not None, RADIAL_SCALE=radial_scale if RINV is not None else 0,
+        PAD_K=pad and not x_transposed, PAD_M=x_transposed, EVEN_M=M % cfg["BM"] == 0, EVEN_N=N % cfg["BN"] == 0,
+        EVEN_K=K % cfg["BK"] == 0, PRECISION=call.precision,
+    )  # fmt: skip
+
+
+def _lse_backward(
+    anchor: Tensor,
+    block0: Tensor,
+    block1: Tensor,
+    tags0: Tensor,
+    tags1: Tensor,
+    tau: Tensor,
+    lse: Tensor,
+    g: Tensor,
+    d_pos: Tensor | None,
+    pos_offset: int,
+    cosine: bool,
+    eps: float,
+    fp32_ds: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``d anchor, d block0, d block1`` (input dtype) from ``g = dLoss/dlse [B]``.
+
+    ``d_pos [B, P]`` (or None): gradient of the own-positive logits, anchor ``i``'s positive
+    ``k`` being row ``pos_offset + i * P + k`` of block 0; folded into dS (float32).
+    """
+    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    too_big = plan.size_reasons(call.B, call.d)
+    if too_big:
+        raise ValueError(f"triton LSE backward: {too_big[0]}")
+    if call.B == 0 or sum(call.sizes) == 0:  # no anchor or no candidate: every gradient is zero
+        return _zero_grads(call)
+    norms = plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
+    _norms(call, cosine, eps, None, norms)
+    lse, g = lse.to(call.acc).contiguous(), g.to(call.acc).contiguous()
+    dpos = None if d_pos is None else d_pos.to(call.acc).contiguous()
+    return _backward(call, norms, lse, g, None, None, False, dpos, pos_offset, cosine, fp32_ds)
+
+
+def _head_backward(
+    anchor: Tensor,
+    block0: Tensor,
+    block1: Tensor,
+    tags0: Tensor,
+    tags1: Tensor,
+    tau: Tensor,
+    norms: Tensor,
+    lse: Tensor,
+    dlse: Tensor,
+    dpos: Tensor,
+    w_row: Tensor,
+    weights: Tensor,
+    grad_out: Tensor,
+    pos_offset: int,
+    folded: bool,
+    cosine: bool,
+    fp32_ds: bool,
+    padded: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_head_forward`'s loss for the upstream ``grad_out`` (0-d for the
+    reduced loss, ``[B]`` for rows), without a host read: ``g_i = dlse_i * weights_i * go``
+    (rows: ``dlse_i * go_i``) is formed inside the ds kernel, and the anchors' radial term
+    comes from the forward's ``w_row``."""
+    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    if call.B == 0 or sum(call.sizes) == 0:
+        return _zero_grads(call)
+    per_row = grad_out.dim() > 0
+    return _backward(
+        call, norms, lse, dlse, None if per_row else weights, grad_out.contiguous(), per_row,
+        dpos if folded else None, pos_offset, cosine, fp32_ds, w_row, padded,
+    )  # fmt: skip
+
+
+def _suffix_sums_(x: Tensor) -> Tensor:
+    """``x[j] = sum_{k >= j} x[k]`` along dim 0, in place (K <= 8 small adds, fixed order)."""
+    for j in range(x.shape[0] - 2, -1, -1):
+        x[j] += x[j + 1]
+    return x
+
+
+def _lse_backward_prefixes(
+    anchor: Tensor,
+    block0: Tensor,
+    block1: Tensor,
+    tags0: Tensor,
+    tags1: Tensor,
+    tau: Tensor,
+    lse: Tensor,
+    g: Tensor,
+    d_pos: Tensor | None,
+    pos_offset: int,
+    dims: list[int],
+    cosine: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Summed prefix gradients (input dtype) from ``lse``/``g`` ``[K, B]`` and ``d_pos [K, B, P]``.
+
+    Coordinate ``j`` of a row gets the gradients of the prefixes ``k >= seg(j)``: the ds
+    kernel writes suffix sums ``T_j`` of the prefixes' dS, and the GEMMs run once per segment
+    (docs/triton.md, "Matryoshka prefixes")."""
+    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    B, d, dt, acc, dev, K = call.B, call.d, call.dt, call.acc, call.dev, len(dims)
+    too_big = plan.size_reasons(B, d)
+    if too_big:
+        raise ValueError(f"triton LSE backward: {too_big[0]}")
+    if B == 0 or sum(call.sizes) == 0:
+        return _zero_grads(call)
+    d_anchor = new_output((B, d), dtype=dt, device=dev)
+    d_blocks = tuple(new_output(b.shape, dtype=dt, device=dev) for b in call.blocks)
+    order, _ = prefix_order(dims)
+    sorted_dims = [dims[i] for i in order]
+    top = sorted_dims[-1]
+    for t in (d_anchor, *d_blocks):  # coordinates beyond every prefix get no gradient
+        t[:, top:].zero_()
+    bounds = plan.int_constant(tuple(sorted_dims), dev)
+    ds_type = plan.ds_dtype(dt, True)  # suffix sums would add rounded terms: always fp32
+    ds_cfg, mm_cfg = call.config("prefix_ds"), call.config("mm_split" if ds_type != dt else "mm")
+    align = plan.chunk_align(ds_cfg, mm_cfg)
+    elt = torch.empty((), dtype=ds_type).element_size()
+    width = tuple(plan.chunk_width(K * B, n, d, elt, align, call.arch) for n in call.sizes)
+    chunks = plan.chunks(call.sizes, width)
+    W = max(c1 - c0 for _, c0, c1 in chunks)
+    bm, bn = ds_cfg["BM"], ds_cfg["BN"]
+    col_tiles = sum(plan.cdiv(c1 - c0, bn) for _, c0, c1 in chunks)
+    layout = {"ds": ((K, B, W), ds_type), "norms": ((2, K, call.R), acc)}
+    if cosine:
+        layout.update(colw=((plan.cdiv(B, bm), K, W), acc), roww=((col_tiles, K, B), acc))
+    if len(chunks) > 1:
+        layout["d_anchor_acc"] = ((B, d), acc)
+    ws = plan.scratch(dev, layout)
+    norms = _norms(call, cosine, eps, bounds, ws["norms"])
+    lse, g = lse[order].to(acc).contiguous(), g[order].to(acc).contiguous()
+    P = 0 if d_pos is None else d_pos.shape[2]
+    dpos = d_pos[order].to(acc).contiguous() if P else None
+    none = call.dummy()
+    ones = plan.ones(max(B, W), acc, dev)
+    acc_buf = ws.get("d_anchor_acc", none)
+    segments = list(zip([0, *sorted_dims[:-1]], sorted_dims))
+    tile0 = 0
+    for idx, (bi, c0, c1) in enumerate(chunks):
+        first, last = idx == 0, idx == len(chunks) - 1
+        nc = c1 - c0
+        blk, tg, d_blk = call.blocks[bi][c0:c1], call.tags[bi][c0:c1], d_blocks[bi][c0:c1]
+        base = B + (0 if bi == 0 else call.sizes[0]) + c0
+        fold_pos = bi == 0 and P > 0 and c0 < pos_offset + B * P and pos_offset < c1
+        tiles = plan.cdiv(B, bm) * plan.cdiv(nc, bn)
+        progs = min(tiles, call.sms * ds_cfg.occupancy)
+        launch(
+            PREFIX_DS, (progs,), ds_cfg,
+            A=anchor, C=blk, TAGS=tg, BOUNDS=bounds, NORMS=norms, TAU=call.tau, LSE=lse, G_ROWS=g,
+            DPOS=dpos if fold_pos else none, DS=ws["ds"], ROWW=ws.get("roww", none), COLW=ws.get("colw", none),
+            B=B, nc=nc, d=d, R=call.R, n_prefixes=K, c_norm=base, stride_ds=W, col_tile0=tile0,
+            pos_offset=pos_offset - c0 if fold_pos else 0, P=P if fold_pos else 0, n_progs=progs,
+            COSINE=cosine, FOLD_POS=fold_pos, PRECISION=call.precision,
+        )  # fmt: skip
+        tile0 += plan.cdiv(nc, bn)
+        if cosine:
+            _suffix_sums_(ws["colw"].transpose(0, 1))
+            if last:
+                _suffix_sums_(ws["roww"].transpose(0, 1))
+        for j, (lo, hi) in enumerate(segments):
+            ds_j = ws["ds"][j][:, :nc]
+            # segment j of the candidates' gradient: T_j^T @ A[:, lo:hi] (T_j read transposed)
+            _gemm(
+                call, mm_cfg, ds_j, anchor[:, lo:hi], d_blk[:, lo:hi], tg, x_transposed=True,
+                KSCALE=None, MSCALE=None, RINV=ones if cosine else None,
+                RADW=ws["colw"][:, j] if cosine else None, n_parts=plan.cdiv(B, bm), stride_radw=K * W,
+                Z=blk[:, lo:hi] if cosine else None,
+            )  # fmt: skip
+            # segment j of the anchors' gradient: T_j @ C[chunk, lo:hi], accumulated over chunks
+            radial = cosine and last
+            _gemm(
+                call, mm_cfg, ds_j, blk[:, lo:hi], (d_anchor if last else acc_buf)[:, lo:hi], tg,
+                x_transposed=False, ACC_IN=None if first else acc_buf[:, lo:hi], KSCALE=None, MSCALE=None,
+                RINV=ones if radial else None, RADW=ws["roww"][:, j] if radial else None, n_parts=col_tiles,
+                stride_radw=K * B, Z=anchor[:, lo:hi] if radial else None,
+            )  # fmt: skip
+    return (d_anchor, *d_blocks)
+
+
+lse_forward = register_op("fastcl_triton::lse_forward", _lse_forward)
+lse_backward = register_op("fastcl_triton::lse_backward", _lse_backward)
+lse_forward_prefixes = register_op("fastcl_triton::lse_forward_prefixes", _lse_forward_prefixes)
+lse_backward_prefixes = register_op("fastcl_triton::lse_backward_prefixes", _lse_backward_prefixes)
+head_forward = register_op("fastcl_triton::head_forward", _head_forward)
+head_backward = register_op("fastcl_triton::head_backward", _head_backward)

@@ -73,7 +73,7 @@ CPU_TARGET_GRID = [
     ("supmpn", 5, 5, 128, "float32", (8192,)),
 ]
 TARGET_IMPLS = ("eager", "compile", "torch", "cpp")
-# GPU: bf16 at BERT-base width (768) and BERT-large width (1024, issue #15), B up to 65536
+# GPU: bf16 at BERT-base width (768) and BERT-large width (1024), B up to 65536
 # and beyond (eager runs out of memory first: such cases are skipped as "out of memory"
 # and reported).
 GPU_GRID = [
@@ -221,14 +221,17 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             check = peers.check_value(impl, loss, forward, inputs, expected=reference)
             check_s = time.perf_counter() - t0
             step = _make_step(forward, leaves, device)
-            # CUDA: measured on one step here, after a first one (as the CPU probes do): the
-            # first backward autotunes the Triton kernels, and Triton's benchmarking allocates
-            # a 256 MB cache-flush buffer (H100 run, 2026-11-27, SupMPN B=4096: 314 MiB on
-            # the first step, ~112 MiB on a warm one by the profile, 66 of them the gradients);
-            # CPU: probed earlier, in fresh processes
+            # CUDA: the first step's peak (its kernels compile), then a warm step's; the
+            # scratch is the warm peak beyond the inputs *and their gradients* (the step sets
+            # them to None first, so it allocates them); CPU: probed earlier, in fresh processes
+            extra = {}
             if device == "cuda":
-                step()
-            peak = cuda_extra_peak_bytes(step) / 2**20 if device == "cuda" else cpu_memory.get(f"{workload}|{impl}")
+                first = cuda_extra_peak_bytes(step) / 2**20
+                peak = cuda_extra_peak_bytes(step) / 2**20
+                grads = sum(t.numel() * t.element_size() for t in leaves if t.requires_grad) / 2**20
+                extra = dict(first_peak_mib=first, scratch_mib=max(peak - grads, 0.0))
+            else:
+                peak = cpu_memory.get(f"{workload}|{impl}")
         except Exception as exc:  # noqa: BLE001 - each implementation's item reports its own outcome
             traceback.clear_frames(exc.__traceback__)  # no frame keeps (possibly huge) tensors alive
             why = _why_skipped(exc, B)
@@ -238,6 +241,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             continue
         steps[impl] = step
         run.info[impl] = dict(
+            **extra,
             peak_mib=peak,
             loss_value=check["value"],
             reference_value=check["reference"],

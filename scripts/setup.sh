@@ -11,8 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${FASTCL_TORCH:-torch==2.13.0}
+GPU_TRITON=3.6.0
 stamp=.venv/.fastcl-setup
-want="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC"
+want="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC triton-$GPU_TRITON"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
@@ -27,4 +28,7 @@ else
 fi
 # torch is already satisfied, so fastcl's own `torch>=2.4` pulls nothing more.
 pip install -q -e ".[dev]"
+# The Triton version the lent GPU machines have, beside ours: the AOT test compiles the
+# kernels with both (tests/kernels/test_triton_aot.py); imported only by that test's child.
+pip install -q --no-deps --upgrade --target .venv/triton-3.6 "triton==$GPU_TRITON"
 echo "$want" > "$stamp"

@@ -10,11 +10,11 @@ Families:
 * ``reference``: ``eager`` (the oracle of ``fastcl.reference``, materialises ``[B, N]``)
   and ``compile`` (``torch.compile`` of the same loss written for compile to fuse,
   ``fastcl.bench.fusable``; dynamic shapes, one compile per loss and process).
-* ``fastcl``: the backends of ``fastcl.ops.dispatch`` (``torch``, ``cpp``, ``triton``,
-  ``cuda``); one that cannot run here is skipped with dispatch's reason. ``triton-graphs``
+* ``fastcl``: the backends of ``fastcl.ops.dispatch`` (``torch``, ``cpp``, ``triton``); one that cannot run here is skipped with dispatch's reason. ``triton-graphs``
   is the ``triton`` backend under ``torch.compile(mode="reduce-overhead")``, whose CUDA
   graphs replay the step without Python or launch latency (CUDA only; static shapes, one
-  compile per loss and shape).
+  compile per loss and shape); ``triton-cudagraph`` captures the same step by hand
+  (``fastcl.graphs.capture_step``), no compiler involved.
 * ``peer``: what a user would use instead, where it computes the same loss:
 
   - ``st-mnrl`` / ``st-cmnrl``: sentence-transformers ``MultipleNegativesRankingLoss`` and
@@ -29,6 +29,11 @@ Families:
   - ``torch-lce``: PyTorch's chunked ``F.linear_cross_entropy`` (the logits never exist
     whole) on normalised embeddings with weight ``candidates / tau``: MNRL and InfoNCE.
   - ``inf-cl``: Inf-CL's ``cal_inf_loss`` (InfoNCE only; CUDA only, Triton kernels).
+  - ``cce``: Apple's cut-cross-entropy ``linear_cross_entropy`` (LSE over a classifier
+    without materialising the logits; its defaults, gradient filtering on) and
+    ``liger-flce``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (chunked logits,
+    cuBLAS products); both on MNRL/InfoNCE as cross-entropy of the normalised anchors against
+    the normalised candidates scaled by 1/tau, normalised in the timed step (CUDA only).
 """
 
 from __future__ import annotations
@@ -122,8 +127,8 @@ def _build_compile(loss: str, t: dict):
 
 def _graphs_builder(backend: str):
     """A fastcl backend under ``torch.compile(mode="reduce-overhead")``: on CUDA the step
-    replays as CUDA graphs (the H100 profile: ~30 us per launch, ~100 launches in a ~7 ms
-    step; issue #15). Static shapes: one compile per loss and shape."""
+    replays as CUDA graphs (the H100 profile of the old kernels: ~30 us per launch, ~100
+    launches in a ~7 ms step). Static shapes: one compile per loss and shape."""
 
     def build(loss: str, t: dict):
         from fastcl.bench.cases import LOSSES
@@ -135,6 +140,32 @@ def _graphs_builder(backend: str):
         return lambda: step(**t)
 
     return build
+
+
+class _Replayed:
+    """The benchmark's ``fn().backward()`` for a captured step: calling the builder's function
+    replays forward *and* backward (one CUDA graph), so ``backward`` here has nothing left to do."""
+
+    def __init__(self, loss: Tensor):
+        self.loss = loss
+
+    def backward(self) -> None:
+        pass
+
+    def __float__(self) -> float:
+        return float(self.loss)
+
+
+def _build_cudagraph(loss: str, t: dict):
+    """The ``triton`` backend's whole step captured with ``fastcl.graphs.capture_step``
+    (``torch.cuda.CUDAGraph``; docs/triton.md, "CUDA graphs")."""
+    from fastcl.bench.cases import LOSSES
+    from fastcl.graphs import capture_step
+
+    fused = LOSSES[loss][0]
+    leaves = [v for v in t.values() if isinstance(v, Tensor) and v.requires_grad]
+    replay = capture_step(lambda: fused(**t, temperature=TEMPERATURE, backend="triton"), leaves)
+    return lambda: _Replayed(replay())
 
 
 def _fastcl_builder(backend: str):
@@ -222,6 +253,35 @@ def _build_inf_cl(loss: str, t: dict):
     return fn
 
 
+def _lce_inputs(loss: str, t: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """Cross-entropy form of MNRL/InfoNCE for the linear-cross-entropy peers, normalised inside
+    the timed step: ``(embeddings [B, d], classifier [N, d] scaled by 1/tau, targets [B])``;
+    anchor ``i``'s positive is candidate row ``i``."""
+    anchor, blocks, _ = _columns(loss, t)
+    e = F.normalize(anchor, dim=-1, eps=1e-8)
+    c = F.normalize(torch.cat(blocks), dim=-1, eps=1e-8) / TEMPERATURE
+    return e, c, torch.arange(anchor.shape[0], device=anchor.device)
+
+
+def _build_cce(loss: str, t: dict):
+    from cut_cross_entropy import linear_cross_entropy
+
+    # defaults as a user gets them (impl "cce", its gradient filter on)
+    return lambda: linear_cross_entropy(*_lce_inputs(loss, t))
+
+
+def _build_liger(loss: str, t: dict):
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    module = LigerFusedLinearCrossEntropyLoss()
+
+    def fn():
+        e, c, target = _lce_inputs(loss, t)
+        return module(c, e, target)  # (lin_weight [V, H], input [BT, H], target)
+
+    return fn
+
+
 IMPLS: dict[str, Impl] = {
     "eager": Impl("eager", "reference", ALL_LOSSES, _build_eager),
     "compile": Impl("compile", "reference", ALL_LOSSES, _build_compile, compiles=True),
@@ -234,6 +294,9 @@ IMPLS: dict[str, Impl] = {
         cuda_only=True,
         backend="triton",
         compiles=True,
+    ),
+    "triton-cudagraph": Impl(
+        "triton-cudagraph", "fastcl", ALL_LOSSES, _build_cudagraph, cuda_only=True, backend="triton", compiles=True
     ),
     "st-mnrl": Impl("st-mnrl", "peer", ("mnrl", "infonce"), _build_st_mnrl, requires="sentence_transformers"),
     "st-cmnrl": Impl("st-cmnrl", "peer", ("mnrl", "infonce"), _build_st_cmnrl, requires="sentence_transformers"),
@@ -253,6 +316,10 @@ IMPLS: dict[str, Impl] = {
     ),
     "torch-lce": Impl("torch-lce", "peer", ("mnrl", "infonce"), _build_torch_lce),
     "inf-cl": Impl("inf-cl", "peer", ("infonce",), _build_inf_cl, requires="inf_cl", cuda_only=True),
+    "cce": Impl("cce", "peer", ("mnrl", "infonce"), _build_cce, requires="cut_cross_entropy", cuda_only=True),
+    "liger-flce": Impl(
+        "liger-flce", "peer", ("mnrl", "infonce"), _build_liger, requires="liger_kernel", cuda_only=True
+    ),
 }
 
 

@@ -49,6 +49,8 @@ class Row:
     threads: int | None = None
     floor_problem: str | None = None  # why the measured floor share is not printed
     gemm_problem: str | None = None  # why the measured GEMM share is not printed
+    scratch_mib: float | None = None  # CUDA: warm peak beyond the inputs and their gradients
+    first_peak_mib: float | None = None  # CUDA: the first step's peak (compiles included)
 
     @classmethod
     def from_record(cls, b: dict) -> Row:
@@ -85,6 +87,8 @@ class Row:
             e.get("threads"),
             floor_problem,
             gemm_problem,
+            e.get("scratch_mib"),
+            e.get("first_peak_mib"),
         )
 
 
@@ -210,10 +214,11 @@ def table(g: Group) -> str:
     floor's own line first at each B; ``B (noisy)`` where a spread of the case is too wide."""
     gpu = g.device == "cuda"
     rate = "TFLOP/s" if gpu else "GFLOP/s"
+    extra = " scratch (MiB) | first step (MiB) |" if gpu else ""
     lines = [
-        f"| B | impl | time (ms) | spread | speed vs eager | share of floor | peak (MiB) | memory vs eager | {rate} "
+        f"| B | impl | time (ms) | spread | speed vs eager | share of floor | peak (MiB) |{extra} memory vs eager | {rate} "
         "| share of GEMM | compile (s) | loss error |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + "---:|---:|---:|---:|---:|",
     ]
     floor_done = set()
     for r in g.rows:
@@ -222,7 +227,9 @@ def table(g: Group) -> str:
             floor_done.add(r.B)
             f_s, f_spread = g.floors[r.B]
             lines.append(
-                f"| {b} | *floor: 3 GEMMs* | {f_s * 1e3:.1f} | {_pct(f_spread)} | – | 100% | – | – | – | – | – | – |"
+                f"| {b} | *floor: 3 GEMMs* | {f_s * 1e3:.1f} | {_pct(f_spread)} | – | 100% | – |"
+                + (" – | – |" if gpu else "")
+                + " – | – | – | – | – |"
             )
         e = _eager(g, r.B)
         speed = f"{e.seconds / r.seconds:.2f}x" if e else "–"
@@ -236,7 +243,9 @@ def table(g: Group) -> str:
         name = f"**{r.impl}**" if r.family == "fastcl" else r.impl
         lines.append(
             f"| {b} | {name} | {r.seconds * 1e3:.1f} | {_pct(r.spread) if r.spread is not None else '–'} | {speed} | "
-            f"{_pct(r.floor_share)} | {_fmt(r.peak_mib, '.1f')} | {mem} | {_fmt(rate_value, '.1f')} | "
+            f"{_pct(r.floor_share)} | {_fmt(r.peak_mib, '.1f')} |"
+            + (f" {_fmt(r.scratch_mib, '.1f')} | {_fmt(r.first_peak_mib, '.1f')} |" if gpu else "")
+            + f" {mem} | {_fmt(rate_value, '.1f')} | "
             f"{_pct(r.gemm_share)} | {_fmt(r.compile_s, '.1f')} | {_fmt(r.abs_err, '.1e')} |"
         )
     return "\n".join(lines)
@@ -391,7 +400,8 @@ def render(
         "(A·Cᵀ, X·C, Xᵀ·A), timed in the same rounds; share of floor = floor / time. Peak memory: CPU, extra peak RSS "
         "of a fresh process running one step; CUDA, max allocated beyond the inputs in a second step, "
         "the input gradients included (runs up to 2026-11-27 measured the first step, Triton's "
-        "autotuning included). FLOP rate on "
+        "autotuning included); scratch: that peak less the input gradients (what the loss itself "
+        "needs), beside the first step's peak. FLOP rate on "
         "8·B·N·d, and its share of the rate of one GEMM of the same shape timed in the same rounds "
         "(earlier runs timed it apart: not shown). A share is printed only where its reference was "
         "measured soundly (in the same rounds, its own spread within the threshold, samples of at least "

@@ -342,3 +342,34 @@ def test_report_scaling_runs_only_feed_the_scaling_table(tmp_path):
     assert "| supmpn P=5 Q=5 d=64 float32 cpu | 128 | torch | 100.0 | 62.5 | 1.60x |" in text
     assert "`t1.json`" in text and "`t2.json`" in text  # both runs listed
     assert (tmp_path / "plots" / "cpu-supmpn-P5-Q5-d64-float32.png").exists()
+
+
+@pytest.mark.parametrize("name", ["cce", "liger-flce"])
+@pytest.mark.parametrize("loss", ["mnrl", "infonce"])
+def test_linear_cross_entropy_peers_compute_the_loss(monkeypatch, name, loss):
+    """cut-cross-entropy and Liger run on CUDA only; their adapters (normalised anchors
+    against normalised candidates / tau, targets = own positive) are checked here against
+    the reference with stand-ins that compute exactly their documented contract:
+    ``linear_cross_entropy(e, c, targets)`` and ``LigerFusedLinearCrossEntropyLoss()(w, x, y)``
+    are ``cross_entropy(e @ c.T, targets)`` (mean)."""
+    import sys
+    import types
+
+    def lce(e, c, targets):
+        return torch.nn.functional.cross_entropy(e @ c.T, targets)
+
+    class Liger(torch.nn.Module):
+        def forward(self, lin_weight, _input, target):
+            return lce(_input, lin_weight, target)
+
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", types.SimpleNamespace(linear_cross_entropy=lce))
+    liger = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
+    liger.LigerFusedLinearCrossEntropyLoss = Liger
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", types.ModuleType("liger_kernel.transformers"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.fused_linear_cross_entropy", liger)
+    P, Q = SHAPES[loss]
+    inputs = make_inputs(loss, 12, P, Q, 16, seed=5)
+    fn = peers.IMPLS[name].build(loss, inputs)  # past the CUDA-only gate: the adapter itself
+    assert peers.check_value(name, loss, fn, inputs)["abs_err"] < 1e-5
+    assert peers.unavailable(name, loss, "cpu") == f"{name} runs on CUDA only"

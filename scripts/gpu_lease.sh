@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
-# Everything issue #15 asks of a lent GPU, cut to fit one call of the device tool (<= 9.5 min).
+# Everything the GPU-speed work asks of a lent GPU, in one call of the device tool (~6 min).
 #
-#   OUT=/path scripts/gpu_lease.sh        # on the GPU machine (the device tool sets $OUT)
+#   OUT=/path scripts/gpu_lease.sh                  # on the GPU machine (the device tool sets $OUT)
 #   DRY_RUN=1 OUT=/tmp/lease scripts/gpu_lease.sh   # the same steps on the CPU, tiny sizes
 #
 # Carried with the call (ignored by git; scripts/gpu_data.sh makes them):
-#   .whl/  wheels the GPU image lacks (datasets, dill, multiprocess, pytorch-metric-learning, inf-cl)
-#   .gpu/minilm  all-MiniLM-L6-v2 saved in bf16 (config dtype float32), .gpu/data  staged data
-# Steps, each under its own time limit (together under 9.5 min), logs straight into $OUT (what
-# was written comes back even when the call is cut off; at most 8 files come back):
-#   1. install; fastcl.info builds the C++ and CUDA backends
-#   2. in parallel: correctness at scale (fastcl.bench correctness) and the test suite on CUDA
-#   3. alone: the headline benchmark cases (bf16, fwd + bwd)
-#   4. alone: where the fused step spends its GPU time (scripts/gpu_profile.py)
-#   5. alone: real training runs (simcse-sup and supmpn, global batch 4096 via --chunk-size,
-#      bf16; a few fp16 steps) and one gradient-cached step of sentence-transformers' CMNRL
-#      vs fastcl's on the same batch (scripts/gpu_train_st.py)
-# PARTS picks the steps (default: "checks bench profile train"); T_* are their time limits.
-# All of it does not fit one call: the H100 run of 2026-11-27 took 50 s to set up, 200 s for
-# the checks, 105 s for the benchmark once Triton's cache was warm (a cold first try got
-# nothing done in 95 s), 85 s for the profile, 125 s for training (cut before the ST step and
-# fp16). With 15 minutes of device time (the machine's start included, ~1-2 min), make two
-# calls back to back (the machine stays warm for 30 s; setup then takes ~15 s):
-#   PARTS=checks DEADLINE=330, then PARTS="bench profile train" DEADLINE=460
-# (steps cut short by DEADLINE still return what they wrote).
+#   .whl/  wheels the GPU image lacks (datasets, dill, multiprocess, pytorch-metric-learning,
+#          inf-cl, cut-cross-entropy, liger-kernel)
+# Steps, each under its own time limit, all together under DEADLINE seconds (default 390: a
+# rerun still fits 15 minutes of device time with the machine's start), logs straight into
+# $OUT (what was written comes back even when the call is cut off; at most 8 files):
+#   1. install; fastcl.info                                           -> checks.txt
+#   2. the GradCache CUDA test that once died of SIGSEGV, alone (3x), under gdb if it
+#      crashes; CUDA-graph capture; the not-slow CUDA tests            -> checks.txt
+#   3. tune the config table on this card (<= 8 configs per tile role) -> measure.txt, tuned.json
+#   4. each kernel against cuBLAS at its GEMM shape, eager and graphed step -> measure.txt, kernels.json
+#   5. the headline cases, every implementation interleaved (>= 10 rounds): fastcl triton (eager,
+#      CUDA graph, reduce-overhead), eager, compile, Inf-CL, cut-cross-entropy, Liger, the
+#      floor                                                           -> bench.json, bench.txt
+#   6. where the step spends its time (profile); correctness at B = 2048 -> measure.txt, correctness.json
+# PARTS picks the steps (default "checks tune kernels bench profile correctness"); T_* are
+# their time limits.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
@@ -31,12 +28,13 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 T0=$(date +%s)
 say() { echo "[$(($(date +%s) - T0)) s] $*"; }
-# a step's time limit: its own (T_*), cut to what is left before DEADLINE seconds (the
-# device tool stops a command at 600 s and returns nothing of what it printed since)
-DEADLINE=${DEADLINE:-565}
+# a step's time limit: its own (T_*), cut to what is left before DEADLINE
+DEADLINE=${DEADLINE:-390}
 lim() { local left=$((DEADLINE - ($(date +%s) - T0))); echo $((left < $1 ? (left > 5 ? left : 5) : $1)); }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FASTCL_DATA_DIR=$PWD/.gpu/data
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 DRY=${DRY_RUN:-0}
+CHECKS=$OUT/checks.txt
+MEASURE=$OUT/measure.txt
 
 say "setup"
 {
@@ -45,108 +43,84 @@ say "setup"
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . || "$PY" -m pip install -q --no-deps --no-build-isolation .
     nvidia-smi
   fi
-} >"$OUT/setup.log" 2>&1
-[[ $DRY != 1 ]] && export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8
-"$PY" -m fastcl.info >>"$OUT/setup.log" 2>&1
-say "setup done: $(tail -c 300 "$OUT/setup.log" | tr '\n' ' ')"
+} >"$CHECKS" 2>&1
+[[ $DRY != 1 ]] && export PYTHONPATH=/tmp/site
+"$PY" -m fastcl.info >>"$CHECKS" 2>&1
+say "setup done"
 
-PARTS=${PARTS:-checks bench profile train}
+PARTS=${PARTS:-checks tune kernels bench profile correctness}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-NLI=$PWD/.gpu/data/snli/devtest.csv  # SNLI dev + test as one csv (made by scripts/gpu_data.sh): 5,883 triplets
 if [[ $DRY == 1 ]]; then
-  DEV=cpu SCALE=0.0078125 TESTS=(tests/train/test_gradcache_cuda.py tests/losses/test_validation.py)
-  BACKENDS=torch,cpp REQUIRE="" BENCH_K="cpu-infonce-B1024 and (eager or torch)" B=64 CHUNK=16 STEPS=2
+  DEV=cpu SCALE=0.0078125 B=64 BI=128 D=32 SMOKE=(--B 64 --d 32)
+  BENCH_K="cpu-infonce-B1024 and (eager or torch)" IMPLS=eager,torch
 else
-  DEV=cuda SCALE=1 TESTS=(tests/kernels tests/train/test_gradcache_cuda.py tests/losses tests/ops)
-  BACKENDS=torch,triton,cuda REQUIRE=triton,cuda BENCH_K="(bfloat16 and (supmpn-B4096-P5-Q5-d768 or infonce-B16384-P1-Q0-d768)) or (float32 and infonce-B16384-P1-Q0-d768)"
-  B=4096 CHUNK=1024 STEPS=12 WORKERS=${WORKERS:-8}
+  DEV=cuda SCALE=0.5 B=4096 BI=16384 D=768 SMOKE=()
+  BENCH_K="bfloat16 and (supmpn-B4096-P5-Q5-d768 or infonce-B16384-P1-Q0-d768)"
+  IMPLS=${IMPLS:-eager,compile,triton,triton-cudagraph,triton-graphs,inf-cl,cce,liger-flce,torch-lce}
 fi
 
 if has checks; then
-  say "correctness and tests (parallel)"
-  # a worker crashed in this cpp test on the first GPU run (torch 2.11): alone, with faulthandler
-  timeout -k 5 $(lim 40) "$PY" -m pytest tests/ops/test_matryoshka_cpp.py -k bad_prefix -q -p no:cacheprovider >>"$OUT/setup.log" 2>&1
-  say "crash check: exit $?"
-  # the second run's worker died of SIGSEGV in the triton own-logits op (no Python frame
-  # below the dispatcher) in test_dropout_replayed_from_the_cuda_rng[3]: alone, then under
-  # gdb for the native stack if it crashes again
-  GC=(tests/train/test_gradcache_cuda.py -q -p no:cacheprovider -rfE)
-  FASTCL_TEST_DEVICE=$DEV timeout -k 5 $(lim 60) "$PY" -X faulthandler -m pytest "${GC[@]}" >>"$OUT/setup.log" 2>&1
-  rc=$?
-  say "gradcache cuda alone: exit $rc"
-  if ((rc > 128)) && command -v gdb >/dev/null; then
-    FASTCL_TEST_DEVICE=$DEV timeout -k 5 $(lim 90) gdb -q -batch -ex run -ex bt -ex "info threads" \
-      --args "$PY" -m pytest "${GC[@]}" >>"$OUT/setup.log" 2>&1
-  fi
-  # the losses the first run did not reach come first
-  timeout -s INT -k 15 $(lim ${T_CHECKS:-230}) "$PY" -m fastcl.bench correctness --device $DEV --scale $SCALE \
-    --losses ${LOSSES:-mnrl,supmpn,supcon,infonce} --dtypes ${DTYPES:-float32,bfloat16,float16} ${LARGE:+--large} \
-    --out "$OUT/correctness.json" \
-    >"$OUT/correctness.txt" 2>&1 &
-  C=$!
-  FASTCL_TEST_DEVICE=$DEV FASTCL_TEST_BACKENDS=$BACKENDS FASTCL_REQUIRE_BACKENDS=$REQUIRE \
-    timeout -s INT -k 15 $(lim ${T_CHECKS:-230}) "$PY" -m pytest "${TESTS[@]}" -m "not slow" -q -p no:cacheprovider \
-    ${WORKERS:+-n $WORKERS} --timeout 120 -rfE >"$OUT/pytest.txt" 2>&1
-  say "tests: exit $? · $(tail -n 1 "$OUT/pytest.txt")"
-  wait $C
-  say "correctness: exit $? · $(tail -n 1 "$OUT/correctness.txt")"
+  say "checks"
+  {
+    # a worker died of SIGSEGV in this test on the H100 (2026-11-27), inside the own-logits
+    # launcher that the fused head replaced: alone and repeated, faulthandler on
+    for i in 1 2 3; do
+      FASTCL_TEST_DEVICE=$DEV timeout -k 5 $(lim 40) "$PY" -X faulthandler -m pytest tests/train/test_gradcache_cuda.py \
+        -q -p no:cacheprovider -rfE
+      rc=$?
+      echo "gradcache cuda run $i: exit $rc"
+      if ((rc > 128)) && command -v gdb >/dev/null; then
+        FASTCL_TEST_DEVICE=$DEV timeout -k 5 $(lim 90) gdb -q -batch -ex run -ex bt -ex "info threads" \
+          --args "$PY" -m pytest tests/train/test_gradcache_cuda.py -q -p no:cacheprovider
+        break
+      fi
+    done
+    timeout -k 5 $(lim 60) "$PY" -m pytest tests/ops/test_cuda_graphs.py -q -p no:cacheprovider -rfE
+    echo "cuda graphs: exit $?"
+    FASTCL_TEST_DEVICE=$DEV FASTCL_TEST_BACKENDS=torch,triton FASTCL_REQUIRE_BACKENDS=$([[ $DEV == cuda ]] && echo triton) \
+      timeout -s INT -k 10 $(lim ${T_TESTS:-70}) "$PY" -m pytest tests/losses tests/ops/test_backend_matrix.py \
+      -m "not slow" -q -x -p no:cacheprovider ${WORKERS:+-n $WORKERS} -rfE 2>&1 | tail -n 25
+    echo "tests: exit ${PIPESTATUS[0]}"
+  } >>"$CHECKS" 2>&1
+  say "checks: $(grep -E '^(gradcache|cuda graphs|tests)' "$CHECKS" | tr '\n' ' ')"
+fi
+
+if has tune && [[ $DEV == cuda ]]; then
+  say "tune"
+  timeout -s INT -k 10 $(lim ${T_TUNE:-100}) "$PY" -m fastcl.kernels.tune --B $B --d $D --write --out "$OUT/tuned.json" \
+    >>"$MEASURE" 2>&1
+  say "tune: exit $?"
+  [[ -s $OUT/tuned.json ]] && export FASTCL_TRITON_TABLE=$OUT/tuned.json
+fi
+
+if has kernels && [[ $DEV == cuda ]]; then
+  say "kernels vs cuBLAS"
+  {
+    timeout -s INT -k 10 $(lim ${T_KERNELS:-40}) "$PY" scripts/gpu_kernels.py --B $B --d $D --json "$OUT/kernels.json"
+    timeout -s INT -k 10 $(lim 25) "$PY" scripts/gpu_kernels.py --loss infonce --B $BI --P 1 --Q 0 --d $D
+  } >>"$MEASURE" 2>&1
+  say "kernels: exit $?"
 fi
 
 if has bench; then
-  # the fp32 case decides the cuda backend's fate (#15: drop it if it never wins; it lost
-  # every bf16 case so far, its GEMMs being fp32 SIMT by design)
   say "benchmark"
-  FASTCL_BENCH_IMPLS=${IMPLS:-eager,compile,torch,triton,triton-graphs,cuda,st-cmnrl,torch-lce,inf-cl} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
-    timeout -s INT -k 15 $(lim ${T_BENCH:-180}) "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
+  FASTCL_BENCH_IMPLS=$IMPLS FASTCL_BENCH_MIN_ROUNDS=${ROUNDS:-10} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
+    timeout -s INT -k 15 $(lim ${T_BENCH:-150}) "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
     -p no:cacheprovider --benchmark-json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   say "benchmark: exit $?"
 fi
 
 if has profile && [[ $DEV == cuda ]]; then
   say "profile"
-  {
-    TRITON_PRINT_AUTOTUNING=1 timeout -s INT -k 10 $(lim ${T_PROFILE0:-70}) "$PY" scripts/gpu_profile.py --backends triton,cuda,compile,triton-graphs
-    # the backward's dS chunk size sets the launch count (~30 us each on the H100)
-    FASTCL_TRITON_DS_BYTES=67108864 timeout -s INT -k 10 $(lim ${T_PROFILE:-25}) "$PY" scripts/gpu_profile.py --backends triton --top 4
-    # fp32 dS (the default before 2026-11-27; two MMAs per backward product), for comparison
-    FASTCL_TRITON_DS=fp32 timeout -s INT -k 10 $(lim ${T_PROFILE:-25}) "$PY" scripts/gpu_profile.py --backends triton --top 4
-  } >"$OUT/profile.txt" 2>&1
+  timeout -s INT -k 10 $(lim ${T_PROFILE:-30}) "$PY" scripts/gpu_profile.py --backends triton,compile --top 8 >>"$MEASURE" 2>&1
   say "profile: exit $?"
 fi
 
-if has train; then
-  say "training"
-  rm -rf /tmp/run-simcse /tmp/run-supmpn /tmp/run-fp16
-  MODEL=$PWD/.gpu/minilm
-  export TQDM_DISABLE=1
-  # the trainer's CLI, then its peak CUDA memory (also when it stops early)
-  PEAK='import sys, runpy, torch
-sys.argv = ["fastcl", *sys.argv[1:]]
-try:
-    runpy.run_module("fastcl", run_name="__main__")
-finally:
-    print("peak_gib", torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)'
-  TRAIN=(--model "$MODEL" --train-file "$NLI" --device $DEV --progress false --log-steps 1 --epochs 100)
-  {
-    timeout -s INT -k 10 $(lim ${T_SIMCSE:-50}) "$PY" -c "$PEAK" train simcse-sup "${TRAIN[@]}" --batch-size $B \
-      --chunk-size $CHUNK --precision bf16 --max-steps $STEPS --eval-steps $STEPS --lr 5e-5 --output-dir /tmp/run-simcse
-    echo "simcse-sup exit $?"
-    cat /tmp/run-simcse/log.jsonl /tmp/run-simcse/summary.json
-    timeout -s INT -k 10 $(lim ${T_SUPMPN:-45}) "$PY" -c "$PEAK" train supmpn "${TRAIN[@]}" --batch-size $B \
-      --chunk-size $((CHUNK * 2)) --precision bf16 --max-steps $(((STEPS + 2) / 3)) --eval-steps $(((STEPS + 2) / 3)) --lr 5e-5 \
-      --output-dir /tmp/run-supmpn
-    echo "supmpn exit $?"
-    cat /tmp/run-supmpn/log.jsonl /tmp/run-supmpn/summary.json
-    timeout -s INT -k 10 $(lim ${T_ST:-60}) "$PY" scripts/gpu_train_st.py --model "$MODEL" --train-file "$NLI" \
-      --batch-size $B --chunk-size 512 --steps 2
-    echo "st exit $?"
-    if [[ $DEV == cuda ]]; then
-      timeout -s INT -k 10 $(lim ${T_FP16:-45}) "$PY" -c "$PEAK" train simcse-sup "${TRAIN[@]}" --batch-size 512 \
-        --chunk-size 128 --precision fp16 --max-steps 3 --output-dir /tmp/run-fp16
-      echo "fp16 exit $?"
-      cat /tmp/run-fp16/log.jsonl
-    fi
-  } >"$OUT/train.txt" 2>&1
-  say "training: $(grep -c . "$OUT/train.txt") lines"
+if has correctness; then
+  say "correctness"
+  timeout -s INT -k 15 $(lim ${T_CORRECT:-60}) "$PY" -m fastcl.bench correctness --device $DEV --scale $SCALE \
+    --losses supmpn,infonce,mnrl,supcon --dtypes bfloat16,float16,float32 --impls triton,torch \
+    --out "$OUT/correctness.json" >>"$CHECKS" 2>&1
+  say "correctness: exit $?"
 fi
 say "done"

@@ -3,7 +3,7 @@
 Prints, per backend, the wall time of a step, the summed kernel time, the number of kernel
 launches and the kernels that take most of it (name, calls, total ms). Run on a CUDA machine:
 
-    python scripts/gpu_profile.py --loss supmpn --B 4096 --P 5 --Q 5 --d 768 --backends triton,cuda
+    python scripts/gpu_profile.py --loss supmpn --B 4096 --P 5 --Q 5 --d 768 --backends triton,compile
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--Q", type=int, default=5)
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--backends", default="triton,cuda")
+    p.add_argument("--backends", default="triton")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()

@@ -30,7 +30,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (FASTCL_CPP_KEEP_BYTES; 0:
 // never) is kept for the calling thread's next call: a fresh one costs ~1 page fault per 4 KiB
 // page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024,
-// d = 128; docs/csrc.md). Larger buffers are allocated per call, as nothing may hold O(B N).
+// d = 128; benchmarks/results/cpu-2026-11-27-amd/notes.md). Larger buffers are allocated per
+// call, as nothing may hold O(B N).
 constexpr int64_t kKeepBytes = int64_t(16) << 20;
 at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options) {
   thread_local at::Tensor kept;

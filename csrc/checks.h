@@ -25,8 +25,7 @@ inline int64_t env_int(const char* name, int64_t fallback) {
 inline const char* device_name(c10::DeviceType dev) { return dev == c10::DeviceType::CPU ? "CPU" : "CUDA"; }
 
 inline void check_inputs(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
-                         c10::DeviceType dev) {
+                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, c10::DeviceType dev) {
   TORCH_CHECK(anchor.dim() == 2 && block0.dim() == 2 && block1.dim() == 2,
               "fastcl: anchor, block0 and block1 must be 2-D [rows, d]");
   const auto dt = anchor.scalar_type();
@@ -37,9 +36,9 @@ inline void check_inputs(const at::Tensor& anchor, const at::Tensor& block0, con
   TORCH_CHECK(block0.size(1) == anchor.size(1) && block1.size(1) == anchor.size(1),
               "fastcl: anchor and candidate blocks must share d");
   TORCH_CHECK(tags0.scalar_type() == at::kInt && tags1.scalar_type() == at::kInt, "fastcl: tags must be int32");
-  TORCH_CHECK(tags0.dim() == 1 && tags0.size(0) == block0.size(0) && tags1.dim() == 1 &&
-                  tags1.size(0) == block1.size(0),
-              "fastcl: tags0/tags1 must have one entry per row of block0/block1");
+  TORCH_CHECK(
+      tags0.dim() == 1 && tags0.size(0) == block0.size(0) && tags1.dim() == 1 && tags1.size(0) == block1.size(0),
+      "fastcl: tags0/tags1 must have one entry per row of block0/block1");
   TORCH_CHECK(tau.numel() == 1, "fastcl: tau must be a 0-d tensor");
   for (const at::Tensor* t : {&anchor, &block0, &block1, &tags0, &tags1, &tau}) {
     TORCH_CHECK(t->device().type() == dev && t->device() == anchor.device(), "fastcl: the ", device_name(dev),
@@ -49,8 +48,8 @@ inline void check_inputs(const at::Tensor& anchor, const at::Tensor& block0, con
 
 // Own positives pos_offset + i * P + k, i < B, k < P, must be rows of block 0.
 inline void check_positives(int64_t offset, int64_t P, int64_t B, int64_t N0) {
-  TORCH_CHECK(offset >= 0 && offset + B * P <= N0, "fastcl: own positives at rows ", offset, " + i * ", P,
-              " (B = ", B, ") do not fit in block0 of ", N0, " rows");
+  TORCH_CHECK(offset >= 0 && offset + B * P <= N0, "fastcl: own positives at rows ", offset, " + i * ", P, " (B = ", B,
+              ") do not fit in block0 of ", N0, " rows");
 }
 
 // float64 for float64 inputs, float32 otherwise (contract.py).
@@ -88,16 +87,21 @@ using OptTensor = std::optional<at::Tensor>;
 // The loss head's inputs in the compute dtype cd, alive while the kernels read them.
 struct HeadTensors {
   at::Tensor pos, mask, extra, weights;
-  HeadTensors(const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra,
-              const at::Tensor& w, at::ScalarType cd)
+  HeadTensors(const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra, const at::Tensor& w,
+              at::ScalarType cd)
       : pos(pos_logits.to(cd).contiguous()),
         mask(pos_mask ? pos_mask->contiguous() : at::Tensor()),
         extra(log_extra ? log_extra->to(cd).contiguous() : at::Tensor()),
         weights(w.to(cd).contiguous()) {}
   template <typename T>
   cpu::Head<T> head(std::string_view kind, const at::Tensor& loss_rows, const at::Tensor& d_pos) const {
-    return {kind == "supmpn", pos.size(-1), pos.data_ptr<T>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
-            extra.defined() ? extra.data_ptr<T>() : nullptr, weights.data_ptr<T>(), loss_rows.data_ptr<T>(),
+    return {kind == "supmpn",
+            pos.size(-1),
+            pos.data_ptr<T>(),
+            mask.defined() ? mask.data_ptr<bool>() : nullptr,
+            extra.defined() ? extra.data_ptr<T>() : nullptr,
+            weights.data_ptr<T>(),
+            loss_rows.data_ptr<T>(),
             d_pos.data_ptr<T>()};
   }
   // One head per matryoshka prefix k: its slices of pos_logits, weights, loss_rows [K, B] and
@@ -117,8 +121,7 @@ struct HeadTensors {
 // definition for the CPU kernels (cpu/lse_cpu.cpp).
 inline void check_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                           const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
-                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev,
-                          int64_t K = 0) {
+                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev, int64_t K = 0) {
   check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0);
@@ -158,8 +161,8 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
                            const OptTensor& log_extra, const at::Tensor& weights, int64_t pos_offset,
                            bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
                            const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
-                           const at::Tensor& d_block0, const at::Tensor& d_block1,
-                           const at::Tensor& g_dot_mean_logit, c10::DeviceType dev, int64_t K = 0) {
+                           const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit,
+                           c10::DeviceType dev, int64_t K = 0) {
   check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, dev, K);
   TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
   const auto cd = compute_dtype(anchor);

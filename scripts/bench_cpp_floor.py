@@ -55,7 +55,7 @@ def around_the_op(step):
     """``(op, minimal)`` for a ``cpp`` loss step: its own ``lse_fused`` call with the arguments
     it passed (outputs reused), and that call inside a minimal ``torch.autograd.Function`` (fresh
     outputs, ``loss_rows.sum()``, the stored gradients handed back): what any autograd loss
-    around the op costs, without fastcl's Python (docs/csrc.md, "Fifth look")."""
+    around the op costs, without fastcl's Python (benchmarks/results/cpu-2026-11-27-amd/notes.md, "Fifth look")."""
     ns, real, seen = torch.ops.fastcl, torch.ops.fastcl.lse_fused, {}
 
     def spy(*a, **k):

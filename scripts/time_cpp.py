@@ -2,8 +2,8 @@
 
 CPU time (``time.process_time``, so other processes on a loaded machine cost little) of
 one forward + backward, best of ``--repeat`` after one warm-up, with ``torch`` limited to
-one thread; optional extra peak RSS of a fresh process per case (``--memory``). Numbers go
-to docs/csrc.md.
+one thread; optional extra peak RSS of a fresh process per case (``--memory``). Its recorded
+run: benchmarks/results/cpu-2026-11-23/notes.md.
 
     OMP_NUM_THREADS=1 python scripts/time_cpp.py [--repeat 3] [--memory]
 """

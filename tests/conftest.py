@@ -1,7 +1,8 @@
 """Shared fixtures and the test tiers.
 
 Layout: one folder per layer (``ops``, ``losses``, ``kernels``, ``distributed``, ``train``,
-``eval``, ``integrations``, ``bench``) and one helper package, ``tests.helpers``
+``eval``, ``integrations``, ``bench``), ``examples`` (every program of examples/ at a tiny
+size) and one helper package, ``tests.helpers``
 (backend lists, tiny models, process spawning; the tolerances are ``fastcl.testing``).
 
 Tiers: ``pytest tests -m "not slow"`` is the fast tier a developer runs on every change

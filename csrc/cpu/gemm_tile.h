@@ -92,14 +92,14 @@ void tile(const T* __restrict at, const T* __restrict panel, int64_t d, T* __res
     // 24 named accumulators rather than arrays: arrays were zeroed and stored through the stack
 #define FASTCL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define FASTCL_ZERO(r) __m512 lo##r = _mm512_setzero_ps(), hi##r = _mm512_setzero_ps();
-#define FASTCL_FMA(r)                               \
-  {                                                 \
-    const __m512 x = _mm512_set1_ps(a[r]);          \
-    lo##r = _mm512_fmadd_ps(x, c0, lo##r);          \
-    hi##r = _mm512_fmadd_ps(x, c1, hi##r);          \
+#define FASTCL_FMA(r)                      \
+  {                                        \
+    const __m512 x = _mm512_set1_ps(a[r]); \
+    lo##r = _mm512_fmadd_ps(x, c0, lo##r); \
+    hi##r = _mm512_fmadd_ps(x, c1, hi##r); \
   }
-#define FASTCL_STORE(r)                             \
-  _mm512_storeu_ps(out + r * ld, lo##r);            \
+#define FASTCL_STORE(r)                  \
+  _mm512_storeu_ps(out + r * ld, lo##r); \
   _mm512_storeu_ps(out + r * ld + 16, hi##r);
     FASTCL_ROWS(FASTCL_ZERO)
     for (int64_t k = 0; k < d; ++k) {

@@ -30,7 +30,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (FASTCL_CPP_KEEP_BYTES; 0:
 // never) is kept for the calling thread's next call: a fresh one costs ~1 page fault per 4 KiB
 // page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024,
-// d = 128; docs/csrc.md). Larger buffers are allocated per call, as nothing may hold O(B N).
+// d = 128; benchmarks/results/cpu-2026-11-27-amd/notes.md). Larger buffers are allocated per
+// call, as nothing may hold O(B N).
 constexpr int64_t kKeepBytes = int64_t(16) << 20;
 at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options) {
   thread_local at::Tensor kept;
@@ -64,8 +65,8 @@ int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t t
 template <typename T>
 struct Sweep {
   Mode mode;
-  at::Tensor d_a, d_c0, d_c1;      // [B, d], [N0, d], [N1, d] out (backward, fused)
-  Fold<T> fold;                    // own positives to fold (backward with d_pos, fused)
+  at::Tensor d_a, d_c0, d_c1;  // [B, d], [N0, d], [N1, d] out (backward, fused)
+  Fold<T> fold;                // own positives to fold (backward with d_pos, fused)
   // per row of prefix k (entry k * B + i); a plain problem has K = 1
   T* lse = nullptr;                // [K, B] out (forward, fused)
   T* mean_logit = nullptr;         // [K, B] out (forward, fused)
@@ -80,8 +81,7 @@ struct Sweep {
 
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
 template <typename T>
-void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const at::Tensor& m0,
-               const at::Tensor& m1) {
+void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const at::Tensor& m0, const at::Tensor& m1) {
   if (p.N0) at::mm_out(out, x.narrow(1, 0, p.N0), m0);
   if (p.N1) {
     if (p.N0) out.addmm_(x.narrow(1, p.N0, p.N1), m1);
@@ -95,9 +95,9 @@ void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const 
 // [0, ends[k]), and <x, E_k> is the radial sum rad[k * rad_stride + i] = sum_c X_k s_k (formed
 // with the weights, block_rows), so coordinate j of slice s gets x_j times the sum over k >= s.
 template <typename T>
-void unnormalize_prefix_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const RowInfo<T>& info,
-                             const T* rad, int64_t rad_stride, const std::vector<int64_t>& ends, int64_t r0,
-                             int64_t r1, int64_t grain) {
+void unnormalize_prefix_rows(const at::Tensor& e_rows, const at::Tensor& x_rows, const RowInfo<T>& info, const T* rad,
+                             int64_t rad_stride, const std::vector<int64_t>& ends, int64_t r0, int64_t r1,
+                             int64_t grain) {
   T* e = e_rows.data_ptr<T>();
   const T* x = x_rows.data_ptr<T>();
   const T* norm = info.norm.template data_ptr<T>();
@@ -328,8 +328,10 @@ bool own_gemm_wanted(int64_t B) {
   const std::string_view v = env ? env : "";
   TORCH_CHECK(v.empty() || v == "auto" || v == "own" || v == "mkl", "fastcl: FASTCL_CPP_GEMM=", v,
               "; expected auto, own or mkl");
-  TORCH_CHECK(v != "own" || gemm::kAvailable, "fastcl: FASTCL_CPP_GEMM=own needs the AVX-512 build of the cpp "
-              "backend (this one targets ", FASTCL_CPU_TARGET, ")");
+  TORCH_CHECK(v != "own" || gemm::kAvailable,
+              "fastcl: FASTCL_CPP_GEMM=own needs the AVX-512 build of the cpp "
+              "backend (this one targets ",
+              FASTCL_CPU_TARGET, ")");
   if (v == "own" || v == "mkl") return v == "own";
   static const bool intel = gemm::cpu_vendor_is_intel();
   return gemm::kAvailable && !intel && B >= kMinTileAnchors;
@@ -444,13 +446,14 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       const auto [lo, w] = slice(k);
       at::Tensor S = tile(k), prev = k ? tile(k - 1) : at::Tensor();
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
-          const at::Tensor c_k = (ch.blk ? p.c1 : p.c0).narrow(0, ch.c, ch.n).narrow(1, lo, w).t();
-          const int64_t col = (ch.blk ? p.N0 : 0) + ch.c;
-          at::Tensor s_cols = S.narrow(1, col, ch.n);
-          if (k == 0) at::mm_out(s_cols, a_blk.narrow(1, lo, w), c_k);
-          else at::addmm_out(s_cols, prev.narrow(1, col, ch.n), a_blk.narrow(1, lo, w), c_k);
-        }
+        for (int64_t t = t0; t < t1; ++t)
+          for (const Chunk& ch : shares[t]) {
+            const at::Tensor c_k = (ch.blk ? p.c1 : p.c0).narrow(0, ch.c, ch.n).narrow(1, lo, w).t();
+            const int64_t col = (ch.blk ? p.N0 : 0) + ch.c;
+            at::Tensor s_cols = S.narrow(1, col, ch.n);
+            if (k == 0) at::mm_out(s_cols, a_blk.narrow(1, lo, w), c_k);
+            else at::addmm_out(s_cols, prev.narrow(1, col, ch.n), a_blk.narrow(1, lo, w), c_k);
+          }
       });
     };
     if (tiles_1.rows.defined()) tiled_raw_dots(p, tiles_1, tile(0).template data_ptr<T>(), r0, h);
@@ -481,12 +484,13 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       at::Tensor e_a = sw.d_a.narrow(0, r0, h);
       mm_blocks(e_a.narrow(1, lo, w), X, p, p.c0.narrow(1, lo, w), p.c1.narrow(1, lo, w));
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) for (const Chunk& ch : shares[t]) {
-          at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
-          const at::Tensor x_cols = X.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
-          if (r0 == 0) at::mm_out(e_c, x_cols, a_x.narrow(1, lo, w));  // the first block writes E_c
-          else e_c.addmm_(x_cols, a_x.narrow(1, lo, w));
-        }
+        for (int64_t t = t0; t < t1; ++t)
+          for (const Chunk& ch : shares[t]) {
+            at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
+            const at::Tensor x_cols = X.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
+            if (r0 == 0) at::mm_out(e_c, x_cols, a_x.narrow(1, lo, w));  // the first block writes E_c
+            else e_c.addmm_(x_cols, a_x.narrow(1, lo, w));
+          }
       });
     }
     if (p.cosine && sw.row_rad) {
@@ -527,9 +531,9 @@ std::vector<int64_t> prefix_ends(const at::Tensor& anchor, const at::IntArrayRef
 }
 
 // lse_forward, and lse_prefix_forward with dims (lse, mean_logit [K, B]).
-void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-             const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-             const at::IntArrayRef* dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
+void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
+             const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
+             const at::Tensor& lse, const at::Tensor& mean_logit) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const std::vector<int64_t> ends = prefix_ends(anchor, dims);
@@ -544,9 +548,9 @@ void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tenso
   });
 }
 
-void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                 const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-                 const at::Tensor& lse, const at::Tensor& mean_logit) {
+void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
+                 const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::Tensor& lse,
+                 const at::Tensor& mean_logit) {
   forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, mean_logit);
 }
 
@@ -557,11 +561,10 @@ void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, cons
 }
 
 // lse_backward, and lse_prefix_backward with dims (lse, grad_lse [K, B], d_pos [K, B, P]).
-void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-              const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-              const at::IntArrayRef* dims, const at::Tensor& lse, const at::Tensor& grad_lse,
-              const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
-              const at::Tensor& d_block0, const at::Tensor& d_block1) {
+void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
+              const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
+              const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
+              int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const std::vector<int64_t> ends = prefix_ends(anchor, dims);
   const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
@@ -583,13 +586,12 @@ void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tens
   });
 }
 
-void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                  const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-                  const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
-                  int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-                  const at::Tensor& d_block1) {
-  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, grad_lse, d_pos, pos_offset,
-           d_anchor, d_block0, d_block1);
+void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
+                  const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::Tensor& lse,
+                  const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos, int64_t pos_offset,
+                  const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, grad_lse, d_pos, pos_offset, d_anchor,
+           d_block0, d_block1);
 }
 
 void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -597,8 +599,8 @@ void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, con
                          double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& grad_lse,
                          const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
                          const at::Tensor& d_block0, const at::Tensor& d_block1) {
-  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, grad_lse, d_pos, pos_offset,
-           d_anchor, d_block0, d_block1);
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, grad_lse, d_pos, pos_offset, d_anchor,
+           d_block0, d_block1);
 }
 
 // lse_fused, and lse_prefix_fused with dims (weights, lse, mean_logit, loss_rows [K, B],
@@ -608,8 +610,8 @@ void fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor&
            std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
            const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
            bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
-           const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
-           const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+           const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+           const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const std::vector<int64_t> ends = prefix_ends(anchor, dims);
   const int64_t K = int64_t(ends.size());
@@ -643,29 +645,29 @@ void fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor&
   });
 }
 
-void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-               const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
-               std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
+void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
+               const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, std::string_view head,
+               const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
                const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
                bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
                const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
                const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
-  fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, head, pos_logits, pos_mask, log_extra,
-        weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0,
-        d_block1, g_dot_mean_logit);
+  fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, head, pos_logits, pos_mask, log_extra, weights,
+        pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1,
+        g_dot_mean_logit);
 }
 
 void lse_prefix_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                      const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
-                      double eps, at::IntArrayRef dims, std::string_view head, const at::Tensor& pos_logits,
+                      const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                      at::IntArrayRef dims, std::string_view head, const at::Tensor& pos_logits,
                       const std::optional<at::Tensor>& pos_mask, const std::optional<at::Tensor>& log_extra,
                       const at::Tensor& weights, int64_t pos_offset, bool fold_positives, bool own_logits,
                       const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
                       const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
                       const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
-  fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, head, pos_logits, pos_mask, log_extra,
-        weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0,
-        d_block1, g_dot_mean_logit);
+  fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, head, pos_logits, pos_mask, log_extra, weights,
+        pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1,
+        g_dot_mean_logit);
 }
 
 }  // namespace

@@ -87,7 +87,7 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
   T* xw = x.template data_ptr<T>();
 
   RowInfo<T> info{at::zeros({K, rows}, x.options()), at::ones({K, rows}, x.options()), std::vector<T>(rows, T(1)),
-                   std::vector<uint8_t>(K * rows, 0)};
+                  std::vector<uint8_t>(K * rows, 0)};
   info.nonfinite = std::any_of(finite.begin(), finite.end(), [K](int64_t k) { return k < K; });
   T* norm = info.norm.template data_ptr<T>();
   T* inv = info.inv.template data_ptr<T>();
@@ -125,7 +125,8 @@ RowInfo<T> scan_rows(at::Tensor& x, const at::Tensor& input, const int32_t* tags
       }
     }
   });
-  TORCH_CHECK(!tiny, "fastcl: a matryoshka prefix more than 2^60 below its row's largest entry (> 2^40), or "
+  TORCH_CHECK(!tiny,
+              "fastcl: a matryoshka prefix more than 2^60 below its row's largest entry (> 2^40), or "
               "within eps of zero, is not supported by the cpp backend (backend=\"reference\" computes it)");
   return info;
 }
@@ -137,18 +138,18 @@ struct Prepared {
   bool cosine = true;
   double eps = 0;
   T inv_tau = 1;
-  std::vector<int64_t> ends;  // prefix lengths, increasing: {d} for a plain problem
-  at::Tensor a, c0, c1;      // [B, d], [N0, d], [N1, d] in T, contiguous (see scan_rows)
-  RowInfo<T> ra, rc0, rc1;   // per-row norms and factors of a, c0, c1
-  at::Tensor inv_a, inv_c;   // [K, B], [K, N] the rows' factors (RowInfo::inv), c0 then c1
-  at::Tensor col_add;        // [N] 0, or -inf for a padded candidate
+  std::vector<int64_t> ends;                   // prefix lengths, increasing: {d} for a plain problem
+  at::Tensor a, c0, c1;                        // [B, d], [N0, d], [N1, d] in T, contiguous (see scan_rows)
+  RowInfo<T> ra, rc0, rc1;                     // per-row norms and factors of a, c0, c1
+  at::Tensor inv_a, inv_c;                     // [K, B], [K, N] the rows' factors (RowInfo::inv), c0 then c1
+  at::Tensor col_add;                          // [N] 0, or -inf for a padded candidate
   std::vector<std::vector<int64_t>> own_cols;  // [B] the columns row i leaves out by tag
 };
 
 template <typename T>
 Prepared<T> prepare(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                    const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
-                    double eps, std::vector<int64_t> ends) {
+                    const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+                    std::vector<int64_t> ends) {
   const auto st = c10::CppTypeToScalarType<T>::value;
   const int64_t N0 = block0.size(0), N1 = block1.size(0);
   Prepared<T> p{anchor.size(0), N0, N1, N0 + N1, anchor.size(1), cosine, eps};

@@ -45,7 +45,7 @@ class PWVA:
     """Per-word vector augmentation; call it on ``x [B, L, d]`` and ``mask [B, L]``.
 
     Args:
-        p: probability that a real word is augmented (RECIPES: unstated in the paper; 0.5).
+        p: probability that a real word is augmented (unstated in the paper; 0.5, docs/gclsr.md).
         operators: ``"code"``, ``"paper"`` or a mapping operator -> weight (weights >= 0,
             normalised; names from :data:`CODE_OPERATORS` and :data:`PAPER_OPERATORS`).
         seed: seeds the generator used when ``__call__`` gets none.

@@ -9,7 +9,7 @@
   float64 and float32, contiguous or not.
 
 Values and gradients with respect to the embeddings; float64 to 1e-9, float32 to 1e-5.
-Where fastcl follows SPEC.md rather than a peer's shortcut (pytorch-metric-learning's zero
+Where fastcl follows docs/contracts.md rather than a peer's shortcut (pytorch-metric-learning's zero
 loss for a batch without negatives, and the others in docs/losses.md, "Where pytorch-metric-
 learning differs"), the difference is pinned in tests/losses/test_supcon_labels.py.
 """

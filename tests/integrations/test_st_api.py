@@ -145,7 +145,7 @@ def test_mnrl_options_equal_sentence_transformers(directions, partition_mode, ha
 
 
 def _oracle(q, d, negs, tau, directions, partition_mode, hardness_mode, alpha):
-    """sentence-transformers 6.2's MNRL written from SPEC.md with materialised float64 logits.
+    """sentence-transformers 6.2's MNRL written from docs/contracts.md with materialised float64 logits.
 
     Masked entries are removed with ``torch.where`` (ST multiplies ``-inf`` by the scale,
     which makes its gradient with respect to a learnable scale NaN).

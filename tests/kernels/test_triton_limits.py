@@ -1,4 +1,4 @@
-"""Size limits of the Triton backend (issue #17 item 3), without allocating gigabytes.
+"""Size limits of the Triton backend (refused with a reason, never wrong), without allocating gigabytes.
 
 The logit-tile kernels address candidate blocks with 64-bit row offsets (the TTIR check is
 in ``tests/kernels/test_triton_aot.py``); the backward GEMM uses 32-bit offsets, so the plan caps

@@ -1,4 +1,4 @@
-"""Non-finite and extreme inputs on the Triton kernels (interpreter; issue #17 items 1 and 4).
+"""Non-finite and extreme inputs on the Triton kernels (interpreter; the non-finite rules of docs/contracts.md).
 
 Contract: a NaN/Inf in a *valid* embedding makes the loss of every row that sees it NaN
 (never a finite number, never -inf); a NaN/Inf in a *padded* slot (mask False, tag

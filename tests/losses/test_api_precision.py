@@ -1,5 +1,5 @@
 """Low precision for the new API losses: bf16/fp16 inputs at tau = 0.01 stay finite and close
-to the float64 reference (SPEC.md "Precision"), on the fused CPU backends."""
+to the float64 reference (docs/contracts.md, "Precision"), on the fused CPU backends."""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ def test_supmpn_other_own_positives(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_supmpn_empty_denominator_is_zero(backend):
-    # B = 1, Q = 0: R_i is empty, so each term is -l + log(exp(l)) = 0 (SPEC).
+    # B = 1, Q = 0: R_i is empty, so each term is -l + log(exp(l)) = 0 (docs/contracts.md, SupMPN).
     got = L.supmpn_loss(t([[1.0, 2.0]]), t([[[3.0, -1.0]]]), temperature=0.05, backend=backend)
     assert got.item() == 0.0
 

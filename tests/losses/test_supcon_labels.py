@@ -137,7 +137,7 @@ def test_supcontrast_and_pml_differ_only_by_anchors_without_positive():
 
 def test_where_pml_takes_a_shortcut_fastcl_follows_the_formula():
     """Deliberate differences from pytorch-metric-learning (docs/losses.md): a batch without any
-    negative (one label) has SPEC's (and SupContrast's) loss, not PML's 0; and passing the
+    negative (one label) has the formula's (docs/contracts.md, and SupContrast's) loss, not PML's 0; and passing the
     features themselves as ``ref_emb`` / ``ref_labels`` never drops "self" (PML does when
     ``ref_labels is labels``): the answer does not depend on tensor identity."""
     pytest.importorskip("pytorch_metric_learning")

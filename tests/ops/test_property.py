@@ -1,4 +1,4 @@
-"""Property-based test of every available backend against the float64 oracles (issue #17, item 11).
+"""Property-based test of every available backend against the float64 oracles (docs/contracts.md).
 
 `hypothesis <https://hypothesis.readthedocs.io>`_ draws the whole input space at once:
 

@@ -1,4 +1,4 @@
-"""Adversarial inputs (issue #17 items 1, 4, 5, 6): no silent wrong answers.
+"""Adversarial inputs (the non-finite rules of docs/contracts.md): no silent wrong answers.
 
 * Non-finite values never disappear: NaN/Inf in a *valid* embedding makes the loss of
   every row that sees it NaN; in a *padded* slot it has no influence at all (the loss

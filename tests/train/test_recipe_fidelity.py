@@ -1,4 +1,4 @@
-"""The paper recipes as published (issue #20): each test pins one defect the audit found.
+"""The paper recipes as published (docs/training.md, "Presets"): each test pins one defect the audit found.
 
 1. GCLSR's predictor lr is a constant 1.0 (not the scaled base lr, not scheduled).
 2. GCLSR trains 20 epochs in all: 5 warm-up, cosine over the other 15.

@@ -1,7 +1,7 @@
 """The untrained (step-0) GCLSR model of a run, and how far training moved each layer.
 
-    python scripts/gclsr_init.py --run runs/gclsr-repro/full --output runs/gclsr-repro/full/init
-    python scripts/gclsr_sts.py --model runs/gclsr-repro/full/init      # STS of the random TextCNN
+    python examples/gclsr/init_model.py --run runs/gclsr-repro/full --output runs/gclsr-repro/full/init
+    python examples/gclsr/sts.py --model runs/gclsr-repro/full/init      # STS of the random TextCNN
 
 Rebuilds the model exactly as the training loop does (word vectors first, then
 ``torch.manual_seed(seed)`` and the constructor), saves it in the recipe's format and

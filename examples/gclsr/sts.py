@@ -1,8 +1,8 @@
 """STS12-16 / STS-B / SICK-R of a trained GCLSR model and of the averaged word-vector baseline.
 
     FASTCL_DATA_DIR=/work/shared/data HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 \\
-        python scripts/gclsr_sts.py --model runs/gclsr/best --output results.json
-    python scripts/gclsr_sts.py --baseline-only --output baseline.json
+        python examples/gclsr/sts.py --model runs/gclsr/best --output results.json
+    python examples/gclsr/sts.py --baseline-only --output baseline.json
 
 SentEval protocol, "all" aggregation, Spearman x 100 (as SimCSE / GCLSR report). The
 baseline uses the same word vectors, tokenisation and word limit as the model.

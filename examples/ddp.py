@@ -7,10 +7,10 @@ scaled so that DDP's gradient averaging gives exactly the gradient of the global
 loss (see ``fastcl.distributed``).
 
     # one machine, 2 processes (CPU with gloo, or one GPU per process with NCCL)
-    torchrun --nproc_per_node 2 scripts/ddp_example.py --check
+    torchrun --nproc_per_node 2 examples/ddp.py --check
     # two machines with 8 GPUs each: run on both, --node_rank 0 on the one at HOST
     torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0 --master_addr HOST --master_port 29500 \\
-        scripts/ddp_example.py
+        examples/ddp.py
 
 ``--check`` compares, after the first backward, DDP's parameter gradients with those of
 one process on the concatenated global batch and exits non-zero if they differ.

@@ -1,5 +1,5 @@
-"""scripts/gclsr_repro.sh's table writer and its row definitions (the runs themselves are
-too long for tests; docs/gclsr.md records the smoke run)."""
+"""examples/gclsr/: the results-table writer, the row definitions of repro.sh and the step-0
+model script (a whole smoke run of repro.sh is in test_examples.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+GCLSR = Path(__file__).resolve().parents[2] / "examples" / "gclsr"
 
 
 def _table_module():
-    spec = importlib.util.spec_from_file_location("gclsr_table", ROOT / "scripts" / "gclsr_table.py")
+    spec = importlib.util.spec_from_file_location("gclsr_table", GCLSR / "table.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -60,17 +60,17 @@ def test_table_lists_baseline_and_every_row(tmp_path):
 
 
 def test_script_rows_are_the_ablations_and_the_script_parses():
-    script = (ROOT / "scripts" / "gclsr_repro.sh").read_text()
+    script = (GCLSR / "repro.sh").read_text()
     assert 'base) echo "--pwva-p 0 --attention false --group-size 4096"' in script
     assert "--preset paper" in script
     from fastcl.gclsr.recipe import PAPER
 
     assert PAPER["proj_dim"] == 4096  # one group of all features = no grouping
-    subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gclsr_repro.sh")], check=True)
+    subprocess.run(["bash", "-n", str(GCLSR / "repro.sh")], check=True)
 
 
 def test_init_script_rebuilds_the_seeded_model_and_measures_movement(tmp_path):
-    """scripts/gclsr_init.py: the step-0 model is the seeded constructor's, it reloads as an
+    """examples/gclsr/init_model.py: the step-0 model is the seeded constructor's, it reloads as an
     encoder, and the relative change is |W_best - W_init| / |W_init| per weight matrix."""
     import torch
 
@@ -100,7 +100,7 @@ def test_init_script_rebuilds_the_seeded_model_and_measures_movement(tmp_path):
     torch.save(trained, best / WEIGHTS_FILE)
     (best / CONFIG_FILE).write_text(json.dumps(config))
 
-    spec = importlib.util.spec_from_file_location("gclsr_init", ROOT / "scripts" / "gclsr_init.py")
+    spec = importlib.util.spec_from_file_location("gclsr_init_model", GCLSR / "init_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "init"

@@ -1,4 +1,4 @@
-"""The results table of scripts/gclsr_repro.sh: ``python scripts/gclsr_table.py OUT full base``.
+"""The results table of examples/gclsr/repro.sh: ``python examples/gclsr/table.py OUT full base``.
 
 Reads ``OUT/ROW/{sts.json,timing.json,summary.json,log.jsonl,machine.txt}`` for each row and
 writes ``OUT/results.md`` (the table, wall times, machine load, training-curve and collapse

@@ -4,7 +4,11 @@ STS-B dev and test (SentEval text, Spearman x 100 of cosine, mean pooling) befor
 wall time of the training. Usage:
 
     FASTCL_DATA_DIR=/work/shared/data HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 \
-        python scripts/train_supmpn_minilm.py --max-steps 30 --batch-size 16 --output-dir runs/supmpn-minilm
+        python examples/train_supmpn_minilm.py --max-steps 30 --batch-size 16 --output-dir runs/supmpn-minilm
+    # a smoke run (what tests/examples runs): one step on 8 examples, no STS evaluation
+    python examples/train_supmpn_minilm.py --max-steps 1 --batch-size 2 --max-examples 8 --no-eval --output-dir /tmp/x
+
+The run of benchmarks/RESULTS-train.md used the first command with ``--max-steps 16``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--eval-steps", type=int, default=0)
+    p.add_argument("--max-examples", type=int, help="train on the first N SupMPN examples only")
+    p.add_argument("--no-eval", action="store_true", help="skip the STS-B scores before and after")
     p.add_argument("--output-dir", default="runs/supmpn-minilm")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output-dir")
     p.add_argument("--before", help="JSON of already measured before-scores (skips the slow re-evaluation)")
@@ -49,10 +55,11 @@ def main() -> None:
     t = time.perf_counter()
     if args.before:
         report["before"] = json.loads(args.before)
-    else:
+    elif not args.no_eval:
         report["before"] = stsb(model)
         report["eval_before_s"] = round(time.perf_counter() - t, 1)
     print(json.dumps(report), flush=True)
+    extra = {} if args.max_examples is None else {"max_examples": args.max_examples}
     summary = train_method(
         "supmpn",
         model=model,
@@ -71,11 +78,13 @@ def main() -> None:
         output_dir=args.output_dir,
         warmup_ratio=0.1,
         overwrite=args.overwrite,
+        **extra,
     )
     report["train"] = summary
-    report["after_final"] = stsb(os.path.join(args.output_dir, "final"))
-    if args.eval_steps:
-        report["after_best"] = stsb(os.path.join(args.output_dir, "best"))
+    if not args.no_eval:
+        report["after_final"] = stsb(os.path.join(args.output_dir, "final"))
+        if args.eval_steps:
+            report["after_best"] = stsb(os.path.join(args.output_dir, "best"))
     print(json.dumps(report, indent=2))
     with open(os.path.join(args.output_dir, "real_run.json"), "w") as f:
         json.dump(report, f, indent=2)

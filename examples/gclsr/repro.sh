@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GCLSR reproduction (issue #20): the paper's recipe, the ablation rows of its Table 2 that
+# GCLSR reproduction: the paper's recipe, the ablation rows of its Table 2 that
 # matter most, and the averaged word vectors of the same vectors; writes one results table.
 #
-#   FASTCL_DATA_DIR=/path/to/data HF_HUB_OFFLINE=1 scripts/gclsr_repro.sh            # the full run
-#   OUT=runs/x scripts/gclsr_repro.sh --epochs 10 --batch-size 256                   # shorter, documented
-#   OUT=/tmp/smoke STS_SPLIT=dev scripts/gclsr_repro.sh --max-examples 1024 --max-steps 2   # smoke test
+#   FASTCL_DATA_DIR=/path/to/data HF_HUB_OFFLINE=1 examples/gclsr/repro.sh            # the full run
+#   OUT=runs/x examples/gclsr/repro.sh --epochs 10 --batch-size 256                   # shorter, documented
+#   OUT=/tmp/smoke STS_SPLIT=dev examples/gclsr/repro.sh --max-examples 1024 --max-steps 2   # smoke test
 #
 # Rows (each trains `fastcl train gclsr --preset paper` plus the row's switches; extra
 # arguments go to every training run, after the preset, so they win):
@@ -22,6 +22,7 @@
 # "dev" scores STS-B / SICK-R dev only, for smoke runs), ROWS (default "full base").
 # Threads: torch uses every core unless OMP_NUM_THREADS says otherwise.
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)  # sts.py and table.py live beside this script
 
 OUT=${OUT:-runs/gclsr-repro}
 PYTHON=${PYTHON:-python}
@@ -54,8 +55,8 @@ for row in $ROWS; do
   echo "end $(date -u +%FT%TZ) $(uptime)" >> "$dir/machine.txt"
   echo "== $row: STS ($STS_SPLIT) of $dir/best" >&2
   start=$(date +%s)
-  $PYTHON scripts/gclsr_sts.py --model "$dir/best" --split "$STS_SPLIT" "${vectors[@]}" --output "$dir/sts.json" > /dev/null
+  $PYTHON "$HERE/sts.py" --model "$dir/best" --split "$STS_SPLIT" "${vectors[@]}" --output "$dir/sts.json" > /dev/null
   echo "{\"train_s\": $train_s, \"sts_s\": $(( $(date +%s) - start )), \"args\": \"$(row_args "$row") $*\"}" > "$dir/timing.json"
 done
 
-$PYTHON scripts/gclsr_table.py "$OUT" $ROWS
+$PYTHON "$HERE/table.py" "$OUT" $ROWS

@@ -6,7 +6,6 @@
 
 #include <cstdint>
 
-
 namespace fastcl::cpu {
 
 // Own positives folded into the weights X: anchor i's positive k is column

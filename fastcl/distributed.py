@@ -46,6 +46,11 @@ class Gathered:
     offset: int
 
 
+def all_gather_into(out: Tensor, local: Tensor, group) -> None:
+    """``out [W * n, ...]`` = every rank's ``local [n, ...]``, rank-major (no gradient)."""
+    _all_gather_single(out, local, group=group)
+
+
 def check_group(group) -> None:
     """``TypeError``/``RuntimeError`` unless ``group`` is a usable process group of this rank."""
     if not dist.is_available():
@@ -65,8 +70,9 @@ def check_group(group) -> None:
 _CALL: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastcl_distributed_call", default=None)
 
 
-def _handshake_device(group) -> torch.device:
-    """CPU when the group has a CPU backend (no GPU sync), else its accelerator."""
+def handshake_device(group) -> torch.device:
+    """Where the host-read handshakes of ``group`` run: CPU when the group has a CPU backend
+    (no GPU sync), else its accelerator."""
     types = getattr(group, "_device_types", None)  # private; absent on old torch
     if types is None:
         cpu = dist.get_backend(group) in ("gloo", "mpi")
@@ -87,7 +93,7 @@ def _handshake(
     if call is not None:
         call["handshakes"] += 1
     values = [status, layout, dtype_code, *sizes] + [0] * (_MAX_SIZES - len(sizes))
-    device = _handshake_device(group)
+    device = handshake_device(group)
     local = torch.tensor(values, dtype=torch.int64)
     if device.type != "cpu":
         local = local.pin_memory().to(device, non_blocking=True)
@@ -118,6 +124,17 @@ def _check_handshake(table: list[list[int]], names: tuple[str, ...]) -> None:
         f"fastcl: every rank of the process group must pass the same sizes ({', '.join(names)}) and "
         f"dtype to a distributed loss (masks may differ: pad to a common shape and mask); got {got}"
     )
+
+
+def agree_on_sizes(group, dtype: torch.dtype, sizes: dict[str, int]) -> None:
+    """The handshake of a distributed loss call: every rank passes the same named ``sizes``
+    (at most six, e.g. ``{"B": B, "P": P, "Q": Q, "d": d}``) and ``dtype``, else every rank
+    raises the same ``ValueError`` naming each rank's; a rank that failed validation earlier
+    (``agree_on_errors``) makes the others raise ``RuntimeError``. Read on the host."""
+    names = tuple(sizes)
+    layout = functools.reduce(lambda h, c: (h * 131 + ord(c)) % (1 << 31), ",".join(names), 7)
+    table = _handshake(group, _OK, layout, _FLOAT_CODES.index(dtype), tuple(sizes.values()))
+    _check_handshake(table, names)
 
 
 def agree_on_errors(fn):
@@ -212,11 +229,7 @@ def gather_candidates(
         group: the process group.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dtype = blocks[0].dtype
-    names = tuple(sizes)
-    layout = functools.reduce(lambda h, c: (h * 131 + ord(c)) % (1 << 31), ",".join(names), 7)
-    table = _handshake(group, _OK, layout, _FLOAT_CODES.index(dtype), tuple(sizes.values()))
-    _check_handshake(table, names)
+    agree_on_sizes(group, blocks[0].dtype, sizes)
 
     # Tags and this rank's valid-anchor count in one int32 collective.
     n0, n1 = blocks[0].shape[0], blocks[1].shape[0]

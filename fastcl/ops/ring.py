@@ -37,6 +37,7 @@ from .contrastive import LossSpec, _first_order_only, _own_logit_values, _tau_gr
 from .head import reduction_weights
 from .ring_comm import RingComm, circulate, circulate_grads
 
+NO_POSITIVE = "no anchor of any rank has a valid positive (pos_mask is all False everywhere): the loss is undefined"
 SECOND_ORDER = (
     "fastcl: cross_device='ring' computes first derivatives only, so the gradient of its gradient "
     "(create_graph=True, double backward) is not available; use cross_device='gather' with "
@@ -48,13 +49,14 @@ SECOND_ORDER = (
 class RingSpec:
     """A ring call: the loss (``LossSpec`` with this rank's tags and own-positive layout), the
     ring, and where the reduction weights come from: ``has_pos [B]`` (weights from the global
-    valid-anchor count, raising ``ValueError`` on every rank when it is 0 and
+    valid-anchor count, raising ``ValueError(no_positive)`` on every rank when it is 0 and
     ``check_positive``) or, when None, ``loss.weights`` as given."""
 
     loss: LossSpec
     comm: RingComm
     has_pos: Tensor | None
     check_positive: bool = False
+    no_positive: str = NO_POSITIVE
 
     def payload(self, block0: Tensor, block1: Tensor) -> list[Tensor]:
         """What travels: the two blocks and one int32 vector of their tags plus this rank's
@@ -82,9 +84,7 @@ def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor
         return spec.loss.weights
     total = torch.cat(counts).sum()
     if spec.check_positive and int(total) == 0:  # every rank has the same total: all raise
-        raise ValueError(
-            "no anchor of any rank has a valid positive (pos_mask is all False everywhere): the loss is undefined"
-        )
+        raise ValueError(spec.no_positive)
     weights = reduction_weights(spec.has_pos, spec.loss.reduction, dtype, denominator=total.to(dtype))
     return weights if spec.loss.reduction == "none" else weights * spec.comm.world
 
@@ -184,6 +184,7 @@ def ring_contrastive_loss(
     has_pos: Tensor | None = None,
     weights: Tensor | None = None,
     check_positive: bool = False,
+    no_positive: str = NO_POSITIVE,
     sizes: dict[str, int] | None = None,
     handshake: bool = True,
     log_extra: Tensor | None = None,
@@ -196,7 +197,7 @@ def ring_contrastive_loss(
     name this rank's anchors (rows ``0..B-1``), ``positives`` is the own-positive layout in
     this rank's block 0. Give ``has_pos [B]`` (anchors with a valid positive: the weights are
     the gather mode's, from the global count; ``check_positive`` raises when it is 0) or
-    ``weights [B]`` (used as given). ``sizes``: the named sizes every rank must share (at
+    ``weights [B]`` (used as given); ``no_positive``: that error's message. ``sizes``: the named sizes every rank must share (at
     most six; default the block shapes), checked by one handshake unless ``handshake=False``
     (the caller checked shapes and dtype already). Every rank must call it, and backward."""
     if (has_pos is None) == (weights is None):
@@ -217,5 +218,5 @@ def ring_contrastive_loss(
     spec = LossSpec(
         impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, placeholder, reduction, dims, dim_weights
     )
-    ring = RingSpec(spec, RingComm(group), has_pos, check_positive)
+    ring = RingSpec(spec, RingComm(group), has_pos, check_positive, no_positive)
     return RingLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, ring)

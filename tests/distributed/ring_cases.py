@@ -139,6 +139,59 @@ def run(case: Case, x: dict, backend: str, group) -> dict:
     return {"loss": out.detach().clone(), "grads": grads, "tau_grad": tau.grad.clone() if case.learn_tau else None}
 
 
+# --------------------------------------------------------------------------- labels (SupCon)
+
+N_LABELED, NUM_LABELS = 5, 3  # rows per rank; few labels, so positives lie on other ranks too
+
+
+@dataclass(frozen=True)
+class LabelsCase:
+    name: str
+    reduction: str = "mean"
+    cosine: bool = True
+    dims: tuple[int, ...] | None = None
+    learn_tau: bool = False
+
+
+LABEL_CASES = [
+    LabelsCase("labels"),
+    LabelsCase("labels-sum-dot", reduction="sum", cosine=False),
+    LabelsCase("labels-matryoshka-tau", dims=(8, 3, 5), learn_tau=True),
+]
+LABEL_CASE_NAMES = [c.name for c in LABEL_CASES]
+
+
+def label_inputs(case: LabelsCase, seed: int, rank: int) -> dict:
+    g = torch.Generator().manual_seed((seed * 7919 + sum(map(ord, case.name)) + rank) % (1 << 62))
+    labels = torch.randint(0, NUM_LABELS, (N_LABELED,), generator=g)
+    if rank == 1:
+        labels[:] = NUM_LABELS + 7  # a label no other rank has, seen on this rank only
+        labels[0] = NUM_LABELS + 8  # ... and one seen once in the whole batch: no positive
+    return {"features": torch.randn(N_LABELED, D, generator=g, dtype=torch.float64), "labels": labels}
+
+
+def run_labels(case: LabelsCase, x: dict, backend: str, group) -> dict:
+    from fastcl.losses_supcon import supcon_labels_loss
+    from fastcl.ops.ring_labels import supcon_labels_ring
+
+    f = x["features"].detach().clone().requires_grad_()
+    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=case.learn_tau)
+    dims = dict(matryoshka_dims=case.dims, matryoshka_weights=None if case.dims is None else (1.0, 0.5, 2.0))
+    similarity = "cos" if case.cosine else "dot"
+    if group is None:
+        out = supcon_labels_loss(
+            f, x["labels"], temperature=tau, reduction=case.reduction, backend=backend, similarity=similarity, **dims
+        )
+    else:
+        w = None if case.dims is None else torch.tensor(dims["matryoshka_weights"], dtype=torch.float64)
+        out = supcon_labels_ring(
+            f, x["labels"], tau, reduction=case.reduction, backend=backend, cosine=case.cosine, dims=case.dims,
+            dim_weights=w, group=group,
+        )  # fmt: skip
+    out.backward()
+    return {"loss": out.detach(), "grad": f.grad.clone(), "tau_grad": tau.grad.clone() if case.learn_tau else None}
+
+
 # --------------------------------------------------------------------------- failures
 
 
@@ -200,7 +253,11 @@ def failures(seed: int, group, rank: int, world: int) -> dict:
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:
     def body() -> dict:
         group = dist.group.WORLD
-        results = {"failures": failures(seed, group, rank, world), "cases": {}}
+        results = {"failures": failures(seed, group, rank, world), "cases": {}, "labels": {}}
+        for case in LABEL_CASES:
+            x = label_inputs(case, seed, rank)
+            for backend in BACKENDS:
+                results["labels"][case.name, backend] = run_labels(case, x, backend, group)
         for case in CASES:
             x = inputs(case, seed, rank)
             for backend in BACKENDS:

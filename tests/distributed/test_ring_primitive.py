@@ -67,6 +67,23 @@ def test_ring_equals_one_process_on_concatenated_batch(world_run, case, backend)
         _close(torch.stack([g["tau_grad"] for g in got]).mean(), ref["tau_grad"], case.dtype, f"{tag}: d tau")
 
 
+@pytest.mark.parametrize("backend", C.BACKENDS)
+@pytest.mark.parametrize("case", C.LABEL_CASES, ids=C.LABEL_CASE_NAMES)
+def test_labels_ring_equals_one_process(world_run, case, backend):
+    """SupCon with labels: positives found on other ranks, a label one rank holds alone, and
+    a row whose label occurs once in the global batch (no positive: left out of the mean)."""
+    world, seed = world_run["world"], world_run["seed"]
+    parts = [C.label_inputs(case, seed, r) for r in range(world)]
+    ref = C.run_labels(case, C.concat(parts), backend, group=None)
+    got = [rank["labels"][case.name, backend] for rank in world_run["ranks"]]
+    tag = f"{case.name}/{backend}/world{world}/seed{seed}"
+    _close(torch.stack([g["loss"] for g in got]).mean(), ref["loss"], torch.float64, f"{tag}: mean of rank losses")
+    for r, ref_slice in enumerate(ref["grad"].split(C.N_LABELED)):
+        _close(got[r]["grad"], world * ref_slice, torch.float64, f"{tag}: d features on rank {r}")
+    if case.learn_tau:
+        _close(torch.stack([g["tau_grad"] for g in got]).mean(), ref["tau_grad"], torch.float64, f"{tag}: d tau")
+
+
 def _failures(world_run, name):
     return [r["failures"][name] for r in world_run["ranks"]]
 

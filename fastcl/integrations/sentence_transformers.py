@@ -108,6 +108,7 @@ from .. import _checks
 from .. import losses as fl
 from .. import matryoshka as _matryoshka
 from ..gradcache import GradCache
+from ..losses.mnrl import check_mnrl_options
 from ..ops.dispatch import NAMES as BACKENDS
 
 __all__ = [
@@ -470,7 +471,7 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
     sentence-transformers 6's ``directions`` (``query_to_doc``, ``query_to_query``,
     ``doc_to_query``, ``doc_to_doc``), ``partition_mode`` (``joint``, ``per_direction``),
     ``hardness_mode`` (``in_batch_negatives``, ``hard_negatives``, ``all_negatives``) and
-    ``hardness_strength``, with the same semantics (:mod:`fastcl.losses_mnrl`), also with
+    ``hardness_strength``, with the same semantics (:func:`fastcl.losses.mnrl_directions_loss`), also with
     ``gather_across_devices``. See the module docstring for the other arguments.
     """
 
@@ -489,7 +490,7 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
         **kw,
     ):
         super().__init__(model, scale, similarity_fct, **kw)
-        self.directions = fl._check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.directions = check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
         self.partition_mode = partition_mode
         self.hardness_mode = hardness_mode
         self.hardness_strength = float(hardness_strength)

@@ -212,7 +212,7 @@ def ring_contrastive_loss(
     tags = (tags[0].contiguous(), tags[1].contiguous())
     if handshake:
         shapes = {"B": anchor.shape[0], "N0": blocks[0].shape[0], "N1": blocks[1].shape[0], "d": anchor.shape[1]}
-        distributed.agree_on_sizes(group, blocks[0].dtype, sizes or shapes)
+        distributed.check_same_sizes(group, sizes or shapes, blocks[0].dtype)
     impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims), backend=backend)
     placeholder = anchor.new_empty(0) if weights is None else weights
     spec = LossSpec(

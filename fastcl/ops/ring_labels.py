@@ -124,7 +124,7 @@ def supcon_labels_ring(
     """``supcon_labels_loss`` (self set, no reference set) of this rank's ``features [N, d]`` and
     ``labels [N]`` against every rank's, by the ring; scaled as the gather mode."""
     N, d = features.shape
-    distributed.agree_on_sizes(group, features.dtype, {"N": N, "d": d})
+    distributed.check_same_sizes(group, {"N": N, "d": d}, features.dtype)
     prefixes = (d,) if dims is None else dims
     means, has_pos = label_positive_logits(features, labels, tau, prefixes, cosine=cosine, group=group)
     pos_logits = means[0][:, None] if dims is None else means[..., None]

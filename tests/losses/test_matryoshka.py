@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastcl.losses as L
-from fastcl.losses_mnrl import mnrl_directions_loss
+from fastcl.losses import mnrl_directions_loss
 from fastcl.ops.backend import MATRYOSHKA_BACKENDS, dims_reason
 from tests.helpers.backends import backends_under_test, device_under_test, require
 

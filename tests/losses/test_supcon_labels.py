@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fastcl.losses as L
-from fastcl.losses_supcon import supcon_labels_loss
+from fastcl.losses import supcon_labels_loss
 from tests.helpers.backends import require
 
 BACKENDS = ["reference", "torch", "cpp"]

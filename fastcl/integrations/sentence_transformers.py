@@ -68,7 +68,8 @@ loss may be built before the process group exists; a no-op outside a multi-proce
 Every anchor then sees every rank's candidates; each rank's loss and gradients are those
 of sentence-transformers' ``gather_across_devices=True``, and after DDP's averaging the
 parameter gradients are those of the global batch (see ``fastcl.distributed``). An explicit
-``process_group=`` overrides the flag.
+``process_group=`` overrides the flag. ``cross_device="ring"`` (fastcl's) passes the other
+ranks' candidates around a ring instead of all-gathering them (docs/distributed.md).
 
 Matryoshka, fused. ``matryoshka_dims=(768, 512, 256, 128, 64)`` (with optional
 ``matryoshka_weights`` and ``n_dims_per_step``) on any class here is sentence-transformers'
@@ -108,6 +109,7 @@ from .. import _checks
 from .. import losses as fl
 from .. import matryoshka as _matryoshka
 from ..gradcache import GradCache
+from ..losses._shared import CROSS_DEVICE
 from ..losses.mnrl import check_mnrl_options
 from ..ops.dispatch import NAMES as BACKENDS
 
@@ -205,6 +207,8 @@ class _FastCLSTLoss(nn.Module):
         gather_across_devices: every rank's candidates join every anchor's denominator
             (``process_group=torch.distributed.group.WORLD``).
         process_group: an explicit ``torch.distributed`` group; overrides the flag.
+        cross_device: ``"gather"`` (default) or ``"ring"``: how the group's candidates reach
+            every anchor (``fastcl.losses``; the ring's memory per rank is constant in the world size).
         mini_batch_size: encode with fastcl's gradient cache in chunks of this many rows
             (None: one ordinary forward per column, as sentence-transformers' uncached losses).
         mini_batch_num_tokens: with the gradient cache, pack its chunks by non-padding tokens
@@ -231,6 +235,7 @@ class _FastCLSTLoss(nn.Module):
         temperature: float | None = None,
         gather_across_devices: bool = False,
         process_group=None,
+        cross_device: str = "gather",
         mini_batch_size: int | None = None,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
@@ -266,6 +271,8 @@ class _FastCLSTLoss(nn.Module):
         self.similarity = _similarity_name(similarity_fct)
         self.gather_across_devices = gather_across_devices
         self.process_group = process_group
+        _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
+        self.cross_device = cross_device
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
@@ -301,6 +308,7 @@ class _FastCLSTLoss(nn.Module):
                 "mini_batch_num_tokens": self.mini_batch_num_tokens,
                 "backend": self.backend,
             }
+            | ({"cross_device": self.cross_device} if self.cross_device != "gather" else {})
             | self._matryoshka_config()
             | self._extra_config()
         )
@@ -436,6 +444,7 @@ class _FastCLSTLoss(nn.Module):
             temperature=self.temperature,
             backend=self.backend,
             process_group=self._group(),
+            cross_device=self.cross_device,
             # ST's MatryoshkaLoss normalises each prefix: its dot_score is then the cosine
             similarity="cos" if dims is not None else self.similarity,
             matryoshka_dims=dims,

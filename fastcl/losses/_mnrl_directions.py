@@ -52,6 +52,7 @@ from .. import _checks, distributed
 from ..ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
 from ..ops.contrastive import contrastive_loss
 from ..ops.positive_logits import positive_logits
+from ..ops.ring import ring_contrastive_loss
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
@@ -114,7 +115,16 @@ class _Batch:
     """
 
     def __init__(
-        self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str, group=None, dims=None
+        self,
+        q: Tensor,
+        d: Tensor,
+        negs: Tensor | None,
+        tau: Tensor,
+        cosine: bool,
+        backend: str,
+        group=None,
+        dims=None,
+        ring: bool = False,
     ):
         self.q, self.d, self.tau, self.cosine, self.backend = q, d, tau, cosine, backend
         self.dims = dims  # Matryoshka: every row is [K, B], one per prefix
@@ -124,7 +134,8 @@ class _Batch:
         self.Q = 0 if negs is None else negs.shape[1]
         self.negs = negs
         negs_flat = negs.reshape(B * self.Q, dim) if self.Q else q.new_empty((0, dim))
-        if group is None:
+        self.group = group if ring else None  # set: every primitive call goes round the ring
+        if group is None or ring:  # the ring: this rank's candidates, tags for its own anchors
             world, self.offset = 1, 0
             self.cand_q, self.cand_d, self.cand_n = q, d, negs_flat
         else:
@@ -134,7 +145,6 @@ class _Batch:
                 distributed.all_gather_with_grad(d, group),
             )
             self.cand_n = distributed.all_gather_with_grad(negs_flat, group) if self.Q else negs_flat
-        self.world = world
         owner = torch.arange(world * B, dtype=torch.int64, device=dev) - self.offset  # local anchor index
         local = (owner >= 0) & (owner < B)
         own = torch.where(local, owner, torch.full_like(owner, TAG_ALL)).to(torch.int32)
@@ -143,6 +153,7 @@ class _Batch:
         self.all_b = torch.full((world * B,), TAG_ALL, dtype=torch.int32, device=dev)
         self.all_n = torch.full((world * B * self.Q,), TAG_ALL, dtype=torch.int32, device=dev)
         self._pos = None
+        self.world = world if group is None or not ring else dist.get_world_size(group)
 
     def pair_logits(self, x: Tensor, ys: Tensor) -> Tensor:
         """``[B, P]`` differentiable logits ``l(x_i, ys_ip)`` (``[K, B, P]`` with dims)."""
@@ -169,11 +180,7 @@ class _Batch:
             block1, tags1 = empty_block(anchor)
         tau = self.tau if tau is None else tau
         cd = compute_dtype(anchor.dtype)
-        return contrastive_loss(
-            anchor,
-            (block0, block1),
-            (tags0, tags1),
-            tau,
+        args = dict(
             kind="supcon",
             positives=OwnPositives(self.offset, 1) if fold else None,
             pos_logits=None if fold else self.pos()[..., None],
@@ -184,7 +191,12 @@ class _Batch:
             eps=EPS,
             backend=self.backend,
             dims=self.dims,  # no dim_weights: the prefixes' rows, combined per prefix below
-        ).to(cd)
+        )
+        if self.group is not None:  # sizes were checked once per loss call
+            return ring_contrastive_loss(
+                anchor, (block0, block1), (tags0, tags1), tau, group=self.group, handshake=False, **args
+            ).to(cd)
+        return contrastive_loss(anchor, (block0, block1), (tags0, tags1), tau, **args).to(cd)
 
 
 def _cat(*pairs):
@@ -262,12 +274,16 @@ def loss_rows(
     cosine: bool,
     backend: str,
     group=None,
+    ring: bool = False,
     dims: tuple[int, ...] | None = None,
 ) -> Tensor:
     """``[B]`` loss rows ``log Z_i - l(q_i, d_i)`` of the selected directions (``[K, B]`` with
-    Matryoshka ``dims``, one per prefix) of validated inputs (``negatives [B, Q, d]`` or None)."""
+    Matryoshka ``dims``, one per prefix) of validated inputs (``negatives [B, Q, d]`` or None).
+    ``ring``: the group's candidates go round the ring (``cross_device="ring"``; the caller
+    checked that every rank passes the same sizes)."""
     dirs = set(directions)
-    bt = _Batch(anchor.contiguous(), positive.contiguous(), negatives, tau, cosine, backend, group=group, dims=dims)
+    q, d = anchor.contiguous(), positive.contiguous()
+    bt = _Batch(q, d, negatives, tau, cosine, backend, group=group, dims=dims, ring=ring)
     if partition_mode == "joint":
         rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
         if dirs & {"doc_to_query", "doc_to_doc"}:

@@ -23,6 +23,7 @@ from .. import matryoshka as _matryoshka
 from ..ops.contract import EPS, OwnPositives, compute_dtype, empty_block, structured_tags
 from ..ops.contrastive import contrastive_loss
 from ..ops.head import reduction_weights
+from ..ops.ring import ring_contrastive_loss
 
 # --------------------------------------------------------------------------- argument docs
 
@@ -45,6 +46,11 @@ ARG_DOCS: dict[str, str] = {
     "candidates join every anchor's denominator (all-gathered with gradient) and the loss is scaled "
     "so that DDP's gradient averaging gives exactly the gradient of the global batch's loss; every "
     "rank passes the same shapes (docs/distributed.md).",
+    "cross_device": '``"gather"`` (default) or ``"ring"``: how a ``process_group``\'s candidates reach '
+    "every anchor. ``gather`` all-gathers them (each rank holds ``W`` ranks' candidates and their "
+    "gradients); ``ring`` passes them rank to rank (``fastcl.ops.ring``: per-rank memory constant in "
+    "``W``, same values and gradients, first derivatives only). Ignored without a group "
+    '(docs/distributed.md, "Gather or ring").',
     "similarity": '``"cos"`` (cosine of the raw embeddings, normalised inside) or ``"dot"`` (raw dot '
     "products, as Liao's released code).",
     "matryoshka_dims": "None, or distinct ints in ``1..d``: the loss becomes ``sum_k w_k * loss(embeddings[..., :dims[k]])``, sentence-transformers' "
@@ -69,6 +75,7 @@ LSE_OPTIONS = (
     "similarity",
     "matryoshka_dims",
     "matryoshka_weights",
+    "cross_device",
 )
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -114,17 +121,27 @@ class Options:
     similarity: str = "cos"
     matryoshka_dims: Any = None
     matryoshka_weights: Any = None
+    cross_device: str = "gather"
 
     def kwargs(self) -> dict[str, Any]:
         """As keyword arguments of a public loss function."""
         return {name: getattr(self, name) for name in LSE_OPTIONS}
 
 
-def check_options(reduction: str, similarity: str) -> None:
+CROSS_DEVICE = ("gather", "ring")
+
+
+def check_options(reduction: str, similarity: str, cross_device: str = "gather") -> None:
     """The choices every LSE loss checks on every call, with or without grad."""
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
     _checks.requested_strategy()
+
+
+def uses_ring(opts: Options) -> bool:
+    """A process group whose candidates go round the ring (``cross_device="ring"``)."""
+    return opts.process_group is not None and opts.cross_device == "ring"
 
 
 def no_autocast(t: Tensor) -> AbstractContextManager[Any]:
@@ -207,13 +224,37 @@ def fused_loss(
     log_extra: Tensor | None = None,
 ) -> Tensor:
     """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``), weigh
-    the rows by :func:`row_weights` and run the fused loss. Own positives are ``own_count``
-    rows per anchor in block 0 (from where this rank's candidates start) or the given
-    differentiable ``pos_logits``."""
+    the rows by :func:`row_weights` and run the fused loss; or, with ``cross_device="ring"``,
+    run it over the ring (``fastcl.ops.ring``: the same weights, from the global count).
+    Own positives are ``own_count`` rows per anchor in block 0 (from where this rank's
+    candidates start) or the given differentiable ``pos_logits``."""
     cd = compute_dtype(anchor.dtype)
     has_pos = (
         torch.ones(anchor.shape[0], dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
     )
+    dims = None if matryoshka is None else matryoshka[0]
+    if uses_ring(opts):
+        return ring_contrastive_loss(
+            anchor,
+            blocks,
+            tags,
+            tau,
+            group=opts.process_group,
+            kind=head,
+            positives=None if own_count is None else OwnPositives(0, own_count),
+            pos_logits=pos_logits,
+            pos_mask=pos_mask,
+            reduction=opts.reduction,
+            cosine=opts.similarity == "cos",
+            eps=EPS,
+            has_pos=has_pos,
+            check_positive=pos_mask is not None,
+            sizes=sizes,
+            log_extra=log_extra,
+            backend=opts.backend,
+            dims=dims,
+            dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+        )
     if opts.process_group is None:
         weights, offset = row_weights(has_pos, opts.reduction, cd), 0
     else:
@@ -238,7 +279,7 @@ def fused_loss(
         eps=EPS,
         log_extra=log_extra,
         backend=opts.backend,
-        dims=None if matryoshka is None else matryoshka[0],
+        dims=dims,
         dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
     )
 
@@ -259,7 +300,7 @@ def structured_loss(
     block 0 (left out of the owner's denominator with ``exclude_own``), every negative in
     block 1. ``zero_logit_own``: each *other* own positive adds ``exp(0)`` to the
     denominator (SupMPN's released code)."""
-    check_options(opts.reduction, opts.similarity)
+    check_options(opts.reduction, opts.similarity, opts.cross_device)
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     B, d = check_matrix("anchor", anchor)
     matryoshka = _matryoshka.check(opts.matryoshka_dims, opts.matryoshka_weights, d)
@@ -324,6 +365,7 @@ class TemperatureLoss(nn.Module):
         similarity: str = "cos",
         matryoshka_dims=None,
         matryoshka_weights=None,
+        cross_device: str = "gather",
     ):
         super().__init__()
         # the losses' rule (fastcl._checks.check_temperature) in float32; a float64 call
@@ -331,6 +373,7 @@ class TemperatureLoss(nn.Module):
         _checks.check_temperature(temperature)
         _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
         _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+        _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
         if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
             temperature = float(temperature.detach())  # a value to start from / a constant
         elif not isinstance(temperature, Tensor):
@@ -342,7 +385,11 @@ class TemperatureLoss(nn.Module):
             self._fixed_temperature: float | Tensor | None = temperature
         self.learn_temperature = learn_temperature
         self.options: dict[str, Any] = dict(
-            reduction=reduction, backend=backend, process_group=process_group, similarity=similarity
+            reduction=reduction,
+            backend=backend,
+            process_group=process_group,
+            similarity=similarity,
+            cross_device=cross_device,
         )
         if _matryoshka.check(matryoshka_dims, matryoshka_weights) is not None:  # d is checked per call
             self.options.update(matryoshka_dims=tuple(matryoshka_dims), matryoshka_weights=matryoshka_weights)
@@ -371,10 +418,12 @@ __all__ = [
     "check_options",
     "check_positives",
     "check_slots",
+    "CROSS_DEVICE",
     "document",
     "fused_loss",
     "no_autocast",
     "row_weights",
     "structured_loss",
+    "uses_ring",
     "without_unused_anchors",
 ]

@@ -78,6 +78,7 @@ def mnrl_loss(
     similarity: str = "cos",
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
     directions=DEFAULT_DIRECTIONS,
     partition_mode: str = "joint",
     hardness_mode: str | None = None,
@@ -112,7 +113,9 @@ def mnrl_loss(
         >>> mnrl_loss(q, d, n, directions=("query_to_doc", "doc_to_query"), reduction="none").shape
         torch.Size([8])
     """
-    opts = Options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
+    opts = Options(
+        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+    )
     directions = check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
     if not _mnrl_directions.is_plain(directions, partition_mode, hardness_mode, hardness_strength):
         if neg_mask is not None:
@@ -144,6 +147,7 @@ def mnrl_directions_loss(
     process_group=None,
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
 ) -> Tensor:
     """MNRL with sentence-transformers 6.2's ``directions``, ``partition_mode`` and hardness.
 
@@ -178,7 +182,7 @@ def mnrl_directions_loss(
         torch.Size([])
     """
     directions = check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
-    check_options(reduction, similarity)
+    check_options(reduction, similarity, cross_device)
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     B, dim = check_matrix("anchor", anchor)
     _checks.check_rank("positive", positive, 2, "[B, d]")
@@ -214,6 +218,7 @@ def mnrl_directions_loss(
             cosine=similarity == "cos",
             backend=backend,
             group=process_group,
+            ring=cross_device == "ring",
             dims=None if matryoshka is None else matryoshka[0],
         )
         if matryoshka is not None:  # [K, B] -> sum_k w_k * rows_k
@@ -241,6 +246,7 @@ def infonce_loss(
     similarity: str = "cos",
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
 ) -> Tensor:
     """InfoNCE / SimCSE unsupervised (Gao et al. 2021, eq. 1): row ``i`` of the ``anchor x positive`` logits, target ``i``.
 
@@ -267,7 +273,9 @@ def infonce_loss(
     """
     _checks.check_embeddings(anchor=anchor, positive=positive)
     _checks.check_rank("positive", positive, 2, "[B, d]")
-    opts = Options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
+    opts = Options(
+        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+    )
     rows = mnrl_loss(anchor, positive, **opts.kwargs())
     if not symmetric:
         return rows
@@ -289,6 +297,7 @@ def edacse_loss(
     similarity: str = "cos",
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
 ) -> Tensor:
     """EdaCSE (Liu et al. 2023, eq. 2): ``InfoNCE(a, a') + lam * InfoNCE(a, a_aug)``.
 
@@ -327,7 +336,7 @@ def edacse_loss(
             f"{tuple(dropout_view.shape)}, {tuple(augmented_view.shape)}"
         )
     kw = Options(
-        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights
+        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
     ).kwargs()
     return infonce_loss(anchor, dropout_view, **kw) + lam * infonce_loss(anchor, augmented_view, **kw)
 

@@ -34,6 +34,7 @@ from .. import matryoshka as _matryoshka
 from ..ops.contract import EPS, TAG_ALL, compute_dtype, empty_block, pool_tags
 from ..ops.contrastive import contrastive_loss
 from ..ops.positive_logits import positive_logits
+from ..ops.ring_labels import supcon_labels_ring
 from ._shared import (
     LSE_OPTIONS,
     Options,
@@ -78,6 +79,7 @@ def supcon_loss(
     similarity: str = "cos",
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
     labels: Tensor | None = None,
     ref_emb: Tensor | None = None,
     ref_labels: Tensor | None = None,
@@ -123,7 +125,9 @@ def supcon_loss(
         labels, positives = positives, None
     if temperature is None:
         temperature = LABELS_TEMPERATURE if labels is not None else TEMPERATURE
-    opts = Options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
+    opts = Options(
+        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+    )
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
@@ -172,6 +176,7 @@ def supcon_labels_loss(
     process_group=None,
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
 ) -> Tensor:
     """Supervised contrastive loss (Khosla et al. 2020, L_out) with positives from class labels.
 
@@ -210,7 +215,7 @@ def supcon_labels_loss(
         >>> supcon_labels_loss(x, y, reduction="none").shape
         torch.Size([32])
     """
-    check_options(reduction, similarity)
+    check_options(reduction, similarity, cross_device)
     _checks.check_embeddings(features=features, ref_emb=ref_emb)
     if features.dim() not in (2, 3):
         raise ValueError(f"features must have shape [N, d] or [B, V, d], got {tuple(features.shape)}")
@@ -241,6 +246,19 @@ def supcon_labels_loss(
         if not self_set:
             raise NotImplementedError("supcon_labels_loss: ref_emb with process_group is not supported yet")
         distributed.check_group(process_group)
+        if cross_device == "ring":  # fastcl.ops.ring_labels: label sums and the LSE by rings
+            with no_autocast(features):
+                return supcon_labels_ring(
+                    features,
+                    labels,
+                    tau,
+                    reduction=reduction,
+                    backend=backend,
+                    cosine=cosine,
+                    dims=None if matryoshka is None else matryoshka[0],
+                    dim_weights=_matryoshka.weight_tensor(matryoshka, features),
+                    group=process_group,
+                )
         distributed.check_same_sizes(process_group, {"N": N, "d": d}, features.dtype)
         world, offset = dist.get_world_size(process_group), dist.get_rank(process_group) * N
         cands = distributed.all_gather_with_grad(features, process_group)  # [W*N, d], rank-major
@@ -337,6 +355,7 @@ def supcon_pool_loss(
     similarity: str = "cos",
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
 ) -> Tensor:
     """Supervised contrastive loss against a shared candidate pool (Liao 2021, in-batch "allpalln").
 
@@ -364,9 +383,9 @@ def supcon_pool_loss(
         >>> supcon_pool_loss(a, c, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 6]])).shape
         torch.Size([])
     """
-    check_options(reduction, similarity)
+    check_options(reduction, similarity, cross_device)
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
-    opts = Options(temperature, reduction, backend, process_group, similarity)
+    opts = Options(temperature, reduction, backend, process_group, similarity, cross_device=cross_device)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     B, d = check_matrix("anchor", anchor)

@@ -36,6 +36,7 @@ def supmpn_loss(
     similarity: str = "cos",
     matryoshka_dims=None,
     matryoshka_weights=None,
+    cross_device: str = "gather",
     own_positives: str = "exclude",
 ) -> Tensor:
     """SupMPN (Dehghan & Amasyali 2022, eq. 7): several positives and hard negatives per anchor.
@@ -72,7 +73,9 @@ def supmpn_loss(
         torch.Size([8])
     """
     _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
-    opts = Options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
+    opts = Options(
+        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+    )
     zero_logit = own_positives == "zero_logit"
     return structured_loss(
         "supmpn", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=True, zero_logit_own=zero_logit

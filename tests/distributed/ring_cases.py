@@ -171,7 +171,7 @@ def label_inputs(case: LabelsCase, seed: int, rank: int) -> dict:
 
 
 def run_labels(case: LabelsCase, x: dict, backend: str, group) -> dict:
-    from fastcl.losses_supcon import supcon_labels_loss
+    from fastcl.losses import supcon_labels_loss
     from fastcl.ops.ring_labels import supcon_labels_ring
 
     f = x["features"].detach().clone().requires_grad_()

@@ -28,7 +28,9 @@ from tests.helpers.spawn import run_rank
 B, D = 3, 8
 VALID = (3, 2, 0)
 TIMEOUT_S = 90
-BACKENDS = tuple(b for b in ("torch", "reference", "cpp") if dispatch.unavailable(b) is None)
+# triton only in the Triton interpreter suite (TRITON_INTERPRET=1: its kernels on CPU tensors)
+_TRITON = ("triton",) if os.environ.get("TRITON_INTERPRET") == "1" else ()
+BACKENDS = tuple(b for b in ("torch", "reference", "cpp", *_TRITON) if dispatch.unavailable(b) is None)
 
 
 @dataclass(frozen=True)

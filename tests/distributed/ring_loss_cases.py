@@ -156,10 +156,46 @@ def _errors(seed: int, group, rank: int, world: int) -> dict:
     return out
 
 
+def _nonfinite(seed: int, group, rank: int) -> dict:
+    """SPEC's non-finite contract through the ring: a NaN in a valid candidate of rank 0 makes
+    every rank's loss NaN; one in a padded slot changes nothing and gets exactly zero gradient."""
+    g = C._gen(seed, "ring-nonfinite", rank)
+    a, p, n = C._randn(g, C.B, C.D), C._randn(g, C.B, 2, C.D), C._randn(g, C.B, 2, C.D)
+    neg_mask = torch.ones(C.B, 2, dtype=torch.bool)
+    neg_mask[0, 1] = False
+    ring = dict(process_group=group, cross_device="ring", neg_mask=neg_mask, backend="torch")
+    out = {}
+    bad = n.clone()
+    if rank == 0:
+        bad[1, 0] = float("nan")  # a valid negative
+    out["valid-nan"] = L.supmpn_loss(a, p, bad, **ring).detach()
+    padded = n.clone()
+    padded[0, 1] = float("inf") if rank == 0 else float("nan")  # a padded slot on every rank
+    zeroed = n.clone()
+    zeroed[0, 1] = 0
+    for name, negs in (("padded", padded), ("zeroed", zeroed)):
+        negs = negs.requires_grad_()
+        loss = L.supmpn_loss(a, p, negs, **ring)
+        loss.backward()
+        out[name] = (loss.detach(), negs.grad.clone())
+    return out
+
+
+def _second_order(seed: int, group, rank: int):
+    """``create_graph=True`` gives first derivatives; differentiating them again raises."""
+    g = C._gen(seed, "ring-second-order", rank)
+    a = C._randn(g, C.B, C.D).requires_grad_()
+    loss = L.infonce_loss(a, C._randn(g, C.B, C.D), process_group=group, cross_device="ring")
+    (d_a,) = torch.autograd.grad(loss, a, create_graph=True)
+    return d_a.detach(), C._error(lambda: d_a.square().sum().backward())
+
+
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:
     def body() -> dict:
         group = dist.group.WORLD
         results = {"errors": _errors(seed, group, rank, world), "cases": {}}
+        results["nonfinite"] = _nonfinite(seed, group, rank)
+        results["second-order"] = _second_order(seed, group, rank)
         for case in CASES:
             x = C.inputs(case, seed, rank)
             for backend in BACKENDS:

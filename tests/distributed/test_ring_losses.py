@@ -115,3 +115,21 @@ def test_labels_without_any_positive_raise_on_every_rank(world_run):
 def test_unknown_cross_device_is_refused(world_run):
     for err in _errors(world_run, "bad-choice"):
         assert err is not None and err[0] == "ValueError" and "cross_device" in err[1], err
+
+
+def test_non_finite_contract(world_run):
+    for r, got in enumerate(world_run["ranks"]):
+        res = got["nonfinite"]
+        assert res["valid-nan"].isnan(), f"rank {r}: a NaN in a valid candidate of rank 0 must reach every rank"
+        (loss_p, grad_p), (loss_z, grad_z) = res["padded"], res["zeroed"]
+        assert torch.isfinite(loss_p) and torch.isfinite(grad_p).all(), f"rank {r}"
+        torch.testing.assert_close(loss_p, loss_z, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad_p, grad_z, rtol=1e-12, atol=1e-12)
+        assert grad_p[0, 1].abs().max() == 0, f"rank {r}: a padded slot's gradient must be exactly 0"
+
+
+def test_second_derivative_raises_and_says_why(world_run):
+    for r, got in enumerate(world_run["ranks"]):
+        d_a, err = got["second-order"]
+        assert torch.isfinite(d_a).all() and d_a.abs().max() > 0, f"rank {r}"
+        assert err is not None and err[0] == "RuntimeError" and "cross_device='ring'" in err[1], err

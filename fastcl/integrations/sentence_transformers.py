@@ -400,10 +400,27 @@ class _FastCLSTLoss(nn.Module):
         return value.detach().to(surrogate.dtype) + (surrogate - surrogate.detach())
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
-        """The loss from the columns' ``[B, d]`` embeddings (same dtype and device)."""
+        """The loss from the columns' ``[B, d]`` embeddings (same shape, dtype and device)."""
         embeddings = list(embeddings)
         self._check_columns(len(embeddings))
+        self._check_shapes(embeddings)
         return self._loss(embeddings)
+
+    def _column_name(self, i: int) -> str:
+        """What column ``i`` holds, in :attr:`layout`'s words."""
+        return "anchor" if i == 0 else "positive" if i == 1 else f"negative_{i - 1}"
+
+    def _check_shapes(self, embeddings: list[Tensor]) -> None:
+        """Every column is ``[B, d]`` with one ``B`` and ``d``: a mismatch is reported by column
+        (the fastcl loss would name its own stacked tensors instead)."""
+        first = tuple(getattr(embeddings[0], "shape", ()))
+        for i, e in enumerate(embeddings[1:], start=1):
+            shape = getattr(e, "shape", None)
+            if shape is not None and tuple(shape) != first:
+                raise ValueError(
+                    f"{type(self).__name__}: every column's embeddings must have one shape [B, d]; column 0 "
+                    f"({self._column_name(0)}) is {list(first)}, column {i} ({self._column_name(i)}) is {list(shape)}"
+                )
 
     def _check_columns(self, n: int) -> None:
         if n < self.min_columns or (self.max_columns is not None and n > self.max_columns):
@@ -609,6 +626,10 @@ class _MultiPositiveLoss(_FastCLSTLoss):
         self.num_positives = num_positives
         self.min_columns = 1 + num_positives
 
+    def _column_name(self, i: int) -> str:
+        P = self.num_positives
+        return "anchor" if i == 0 else f"positive_{i}" if i <= P else f"negative_{i - P}"
+
     def _split(self, embeddings):
         P = self.num_positives
         return embeddings[0], torch.stack(embeddings[1 : 1 + P], dim=1), _stack(embeddings[1 + P :])
@@ -671,9 +692,13 @@ class SupConLabelsLoss(_FastCLSTLoss):
     min_columns = 1
     layout = "(view_1, ..., view_V) plus a label column"
 
+    def _column_name(self, i: int) -> str:
+        return f"view_{i + 1}"
+
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         embeddings = list(embeddings)
         self._check_columns(len(embeddings))
+        self._check_shapes(embeddings)
         if labels is None:
             raise ValueError("SupConLabelsLoss needs labels: give the dataset a 'label' column of class ids")
         features = torch.stack(embeddings, dim=1)  # [B, V, d]

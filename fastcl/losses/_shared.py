@@ -53,10 +53,11 @@ ARG_DOCS: dict[str, str] = {
     '(docs/distributed.md, "Gather or ring").',
     "similarity": '``"cos"`` (cosine of the raw embeddings, normalised inside) or ``"dot"`` (raw dot '
     "products, as Liao's released code).",
-    "matryoshka_dims": "None, or distinct ints in ``1..d``: the loss becomes ``sum_k w_k * loss(embeddings[..., :dims[k]])``, sentence-transformers' "
+    "matryoshka_dims": "None, or distinct integers in ``1..d`` (Python's or NumPy's; any iterable): the loss becomes ``sum_k w_k * loss(embeddings[..., :dims[k]])``, sentence-transformers' "
     '``MatryoshkaLoss`` (each prefix normalised on its own with ``"cos"``), all prefixes in one '
     "fused pass over ``d``. The result keeps its shape.",
-    "matryoshka_weights": "None (all 1) or one finite weight ``w_k`` per dim. Needs ``matryoshka_dims``.",
+    "matryoshka_weights": "None (all 1) or one real weight ``w_k`` per dim (any iterable), finite in the "
+    "compute dtype. Needs ``matryoshka_dims``.",
     "learn_temperature": "keep ``log(temperature)`` as a parameter (initialised from ``temperature``) "
     "so that it trains and stays > 0.",
 }
@@ -303,7 +304,7 @@ def structured_loss(
     check_options(opts.reduction, opts.similarity, opts.cross_device)
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     B, d = check_matrix("anchor", anchor)
-    matryoshka = _matryoshka.check(opts.matryoshka_dims, opts.matryoshka_weights, d)
+    matryoshka = _matryoshka.check(opts.matryoshka_dims, opts.matryoshka_weights, d, compute_dtype(anchor.dtype))
     P = check_slots("positives", positives, "P", B, d)
     if P == 0:
         raise ValueError("positives has P = 0: every anchor needs at least one positive slot")
@@ -391,8 +392,11 @@ class TemperatureLoss(nn.Module):
             similarity=similarity,
             cross_device=cross_device,
         )
-        if _matryoshka.check(matryoshka_dims, matryoshka_weights) is not None:  # d is checked per call
-            self.options.update(matryoshka_dims=tuple(matryoshka_dims), matryoshka_weights=matryoshka_weights)
+        # d and the compute dtype are checked per call; keep the checked tuples (the
+        # arguments may be generators, spent by the check)
+        checked = _matryoshka.check(matryoshka_dims, matryoshka_weights)
+        if checked is not None:
+            self.options.update(matryoshka_dims=checked[0], matryoshka_weights=checked[1])
 
     @property
     def temperature(self) -> float | Tensor | None:

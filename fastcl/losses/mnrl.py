@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
+from ..ops.contract import compute_dtype
 from . import _mnrl_directions
 from ._mnrl_directions import DEFAULT_DIRECTIONS, DIRECTIONS, HARDNESS_MODES, PARTITION_MODES, check_mnrl_options
 from ._shared import (
@@ -188,7 +189,7 @@ def mnrl_directions_loss(
     _checks.check_rank("positive", positive, 2, "[B, d]")
     if tuple(positive.shape) != (B, dim):
         raise ValueError(f"positive must have shape [B={B}, d={dim}], got {tuple(positive.shape)}")
-    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, dim)
+    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, dim, compute_dtype(anchor.dtype))
     negatives = _negatives_3d(negatives)
     if negatives is not None:
         _checks.check_rank("negatives", negatives, 3, "[B, Q, d]")

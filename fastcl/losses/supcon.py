@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
 from ..ops.contract import EPS, TAG_ALL, compute_dtype, empty_block, pool_tags
 from ..ops.contrastive import contrastive_loss
+from ..ops.normalize import normalize_rows
 from ..ops.positive_logits import positive_logits
 from ..ops.ring_labels import supcon_labels_ring
 from ._shared import (
@@ -225,7 +225,7 @@ def supcon_labels_loss(
     if features.dim() == 3:
         features, labels = _flatten_views(features, labels)
     N, d = features.shape
-    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, d)
+    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, d, compute_dtype(features.dtype))
     if (ref_emb is None) != (ref_labels is None):
         raise ValueError("give ref_emb and ref_labels together (or neither)")
     self_set = ref_emb is None
@@ -291,14 +291,16 @@ def supcon_labels_loss(
             raise ValueError("no anchor of any rank has a positive (no label repeats in the global batch)")
         weights = row_weights(has_pos, reduction, cd, world=world, valid_anchors=valid_global.to(cd))
 
+    def unit(x: Tensor) -> Tensor:
+        """``x`` in the compute dtype, normalised with scale-free norms under ``"cos"``
+        (``m * |x / m|``: no sum of squares to overflow), by autograd."""
+        return normalize_rows(x, EPS, True)[0] if cosine else x.to(cd)
+
     def mean_pos(m: int) -> Tensor:
         """``[N]`` mean positive logit on the first ``m`` coordinates, O((N + M) m):
         anchors . (label sum of candidates - self)."""
-        a_hat = F.normalize(features[:, :m].to(cd), dim=1, eps=EPS) if cosine else features[:, :m].to(cd)
-        if self_set and world == 1:
-            c_hat = a_hat
-        else:
-            c_hat = F.normalize(cands[:, :m].to(cd), dim=1, eps=EPS) if cosine else cands[:, :m].to(cd)
+        a_hat = unit(features[:, :m])
+        c_hat = a_hat if self_set and world == 1 else unit(cands[:, :m])
         label_sum = torch.zeros(num_labels, m, dtype=cd, device=dev).index_add(0, cand_id, c_hat)
         pos_sum = label_sum[anchor_id]
         if self_set:
@@ -392,7 +394,7 @@ def supcon_pool_loss(
     _checks.check_rank("candidates", candidates, 2, "[N, d]")
     _checks.check_rank("pos_index", pos_index, 2, "[B, P]")
     N = candidates.shape[0]
-    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, d)
+    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, d, compute_dtype(anchor.dtype))
     if candidates.shape[1] != d or pos_index.shape[0] != B or N == 0 or pos_index.shape[1] == 0:
         raise ValueError(
             f"expected anchor [B, d], candidates [N>0, d], pos_index [B, P>0]; got "
@@ -400,14 +402,19 @@ def supcon_pool_loss(
         )
     if pos_index.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"pos_index must be an integer tensor, got {pos_index.dtype}")
-    if pos_index.device.type == "cpu" and pos_index.numel() and (pos_index.min() < 0 or pos_index.max() >= N):
-        raise ValueError(
-            f"pos_index must be in [0, {N}), got values in [{int(pos_index.min())}, {int(pos_index.max())}]"
-        )
     P = pos_index.shape[1]
     _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
     _checks.check_mask("cand_mask", cand_mask, (N,), anchor.device)
+    if pos_index.device.type == "cpu":  # (on a GPU this check would be a host sync per call)
+        read = pos_index if pos_mask is None else pos_index[pos_mask.cpu()]  # padded slots are not read
+        if read.numel() and (read.min() < 0 or read.max() >= N):
+            raise ValueError(
+                f"pos_index must be in [0, {N}) where pos_mask is True, got values in "
+                f"[{int(read.min())}, {int(read.max())}]"
+            )
     pos_index = pos_index.to(device=anchor.device, dtype=torch.int64)
+    if pos_mask is not None:  # a padded slot (often -1) points at row 0, read as zeros
+        pos_index = pos_index.masked_fill(~pos_mask, 0)
     if cand_mask is not None:  # a positive that is not a valid candidate is no positive
         valid = cand_mask[pos_index]
         pos_mask = valid if pos_mask is None else pos_mask & valid

@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import distributed
 from .contract import EPS, compute_dtype, empty_block
+from .normalize import normalize_rows
 from .ring import ring_contrastive_loss
 from .ring_comm import RingComm, circulate, circulate_grads
 
@@ -98,7 +98,8 @@ def label_positive_logits(
     """``(mean positive logits [K, N], has_pos [N])`` of this rank's rows over the global batch
     (``K`` = number of ``prefixes``); differentiable in ``features`` and ``tau``."""
     cd = compute_dtype(features.dtype)
-    hats = [F.normalize(features[:, :m].to(cd), dim=1, eps=EPS) if cosine else features[:, :m].to(cd) for m in prefixes]
+    # scale-free norms (m * |x / m|), differentiated by autograd: the gather mode's normalisation
+    hats = [normalize_rows(features[:, :m], EPS, True)[0] if cosine else features[:, :m].to(cd) for m in prefixes]
     *sums, count = RingLabelSums.apply(labels, _Spec(RingComm(group)), *hats)
     num_pos = count - 1
     has_pos = num_pos > 0

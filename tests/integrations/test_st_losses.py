@@ -243,6 +243,20 @@ def test_cached_loss_under_no_grad_is_the_plain_value(tmp_path):
 # --------------------------------------------------------------------------- conventions and errors
 
 
+def test_cross_device_option():
+    m = torch.nn.Identity()
+    ring = fst.MultipleNegativesRankingLoss(m, cross_device="ring")
+    assert ring.get_config_dict()["cross_device"] == "ring" and ring._options()["cross_device"] == "ring"
+    assert "cross_device" not in fst.MultipleNegativesRankingLoss(m).get_config_dict()  # the default: unchanged cards
+    with pytest.raises(ValueError, match="cross_device"):
+        fst.MultipleNegativesRankingLoss(m, cross_device="all_to_all")
+    # without a process group the option changes nothing
+    cols = _columns(4, 6, 3)
+    torch.testing.assert_close(
+        ring.compute_loss_from_embeddings(cols), fst.MultipleNegativesRankingLoss(m).compute_loss_from_embeddings(cols)
+    )
+
+
 def test_scale_is_one_over_temperature():
     m = torch.nn.Identity()
     assert fst.MultipleNegativesRankingLoss(m).temperature == pytest.approx(0.05)  # ST's scale=20

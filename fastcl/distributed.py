@@ -6,7 +6,8 @@ every backend works unchanged; tags travel with their candidates (another rank's
 positive becomes a plain negative here). The losses scale their reductions so that DDP's
 gradient averaging gives exactly the one-process gradient of the global batch (one rule:
 ``fastcl.losses._shared.row_weights``); the exact semantics, requirements and per-call cost
-are in docs/distributed.md.
+are in docs/distributed.md. With ``cross_device="ring"`` the candidates travel rank to rank
+instead (``fastcl.ops.ring``), which uses this module's handshake and status helpers.
 """
 
 from __future__ import annotations

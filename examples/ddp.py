@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.05)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--check", action="store_true", help="compare the first step's gradients with one process")
+    parser.add_argument(
+        "--cross-device", default="gather", choices=("gather", "ring"), help="how other ranks' candidates arrive"
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -102,7 +105,7 @@ def main() -> None:
     model = ToyEncoder(args.dim).to(device)
     reference = copy.deepcopy(model) if args.check else None
     ddp_model = DDP(model, device_ids=[local_rank] if cuda else None)
-    loss_fn = L.MNRLoss(temperature=args.temperature, process_group=dist.group.WORLD)
+    loss_fn = L.MNRLoss(temperature=args.temperature, process_group=dist.group.WORLD, cross_device=args.cross_device)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank draws its own data
 

@@ -3,9 +3,11 @@
 Pass ``process_group=dist.group.WORLD`` (or any group) to an LSE loss of ``fastcl.losses``.
 The candidate blocks are all-gathered *with gradient* before the fused primitive runs, so
 every backend works unchanged; tags travel with their candidates (another rank's own
-positive becomes a plain negative here). Reductions are scaled so that DDP's gradient
-averaging gives exactly the one-process gradient of the global batch; the exact semantics,
-requirements and per-call cost are in docs/distributed.md.
+positive becomes a plain negative here). The losses scale their reductions so that DDP's
+gradient averaging gives exactly the one-process gradient of the global batch (one rule:
+``fastcl.losses._shared.row_weights``); the exact semantics, requirements and per-call cost
+are in docs/distributed.md. With ``cross_device="ring"`` the candidates travel rank to rank
+instead (``fastcl.ops.ring``), which uses this module's handshake and status helpers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .ops.contract import FLOAT_DTYPES, TAG_ALL
-from .ops.head import reduction_weights
 
 _FLOAT_CODES = FLOAT_DTYPES  # a dtype travels in the handshake as its index here
 _MAX_SIZES = 6
@@ -35,15 +36,22 @@ class Gathered:
     """What the fused loss runs on after the gather (see the module docstring).
 
     ``blocks``: ``([W * N, d], [0, d])`` every rank's candidates, rank-major, in the input
-    dtype, differentiable. ``tags``: int32 ``[W * N]`` and ``[0]``. ``weights``: ``[B]``
-    reduction weights with the global denominator and the ``W`` factor. ``offset``: the
-    row of ``blocks[0]`` where this rank's own candidates start (``rank * N``).
+    dtype, differentiable. ``tags``: int32 ``[W * N]`` and ``[0]``. ``offset``: the row of
+    ``blocks[0]`` where this rank's own candidates start (``rank * N``). ``world``: ``W``.
+    ``valid_anchors``: 0-d int32, the anchors with a valid positive on every rank together
+    (what ``fastcl.losses``' scaling rule divides a mean by).
     """
 
     blocks: tuple[Tensor, Tensor]
     tags: tuple[Tensor, Tensor]
-    weights: Tensor
     offset: int
+    world: int
+    valid_anchors: Tensor
+
+
+def all_gather_into(out: Tensor, local: Tensor, group) -> None:
+    """``out [W * n, ...]`` = every rank's ``local [n, ...]``, rank-major (no gradient)."""
+    _all_gather_single(out, local, group=group)
 
 
 def check_group(group) -> None:
@@ -65,8 +73,9 @@ def check_group(group) -> None:
 _CALL: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fastcl_distributed_call", default=None)
 
 
-def _handshake_device(group) -> torch.device:
-    """CPU when the group has a CPU backend (no GPU sync), else its accelerator."""
+def handshake_device(group) -> torch.device:
+    """Where the host-read handshakes of ``group`` run: CPU when the group has a CPU backend
+    (no GPU sync), else its accelerator."""
     types = getattr(group, "_device_types", None)  # private; absent on old torch
     if types is None:
         cpu = dist.get_backend(group) in ("gloo", "mpi")
@@ -87,7 +96,7 @@ def _handshake(
     if call is not None:
         call["handshakes"] += 1
     values = [status, layout, dtype_code, *sizes] + [0] * (_MAX_SIZES - len(sizes))
-    device = _handshake_device(group)
+    device = handshake_device(group)
     local = torch.tensor(values, dtype=torch.int64)
     if device.type != "cpu":
         local = local.pin_memory().to(device, non_blocking=True)
@@ -155,6 +164,17 @@ def agree_on_errors(fn):
     return wrapper
 
 
+def check_same_sizes(group, sizes: dict[str, int], dtype: torch.dtype) -> None:
+    """Every rank passes the same named ``sizes`` (at most six, e.g. ``{"B": B, "Q": Q, "d": d}``)
+    and ``dtype`` to the same loss; else every rank raises ``ValueError`` naming each rank's
+    sizes (a gather of unequal sizes would hang or mix rows). One small collective, the
+    handshake :func:`agree_on_errors` counts; the names tell the losses apart."""
+    names = tuple(sizes)
+    layout = functools.reduce(lambda h, c: (h * 131 + ord(c)) % (1 << 31), ",".join(names), 7)
+    table = _handshake(group, _OK, layout, _FLOAT_CODES.index(dtype), tuple(sizes.values()))
+    _check_handshake(table, names)
+
+
 # --------------------------------------------------------------------------- gather
 
 
@@ -193,30 +213,22 @@ def gather_candidates(
     has_pos: Tensor,
     *,
     sizes: dict[str, int],
-    reduction: str,
-    weight_dtype: torch.dtype,
     check_positive: bool,
     group,
 ) -> Gathered:
-    """Gather every rank's candidates and tags; reduction weights with the global count.
+    """Gather every rank's candidates and tags, and count the anchors with a valid positive.
 
     Args:
         blocks: this rank's candidate blocks ``[N0, d]``, ``[N1, d]`` (see ``ops.contract``).
         tags: their int32 tags ``[N0]``, ``[N1]`` (owner indices are local anchor rows).
         has_pos: ``[B]`` bool, anchors of this rank with a valid positive.
-        sizes: the named sizes that must agree across ranks (for the error message), e.g.
-            ``{"B": B, "P": P, "Q": Q, "d": d}``; at most six.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"``. weight_dtype: dtype of the weights.
+        sizes: the named sizes that must agree across ranks (:func:`check_same_sizes`).
         check_positive: read the global valid-anchor count and raise ``ValueError`` when it is
             0 (done where the single-process path checks: when ``pos_mask`` was given).
         group: the process group.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dtype = blocks[0].dtype
-    names = tuple(sizes)
-    layout = functools.reduce(lambda h, c: (h * 131 + ord(c)) % (1 << 31), ",".join(names), 7)
-    table = _handshake(group, _OK, layout, _FLOAT_CODES.index(dtype), tuple(sizes.values()))
-    _check_handshake(table, names)
+    check_same_sizes(group, sizes, blocks[0].dtype)
 
     # Tags and this rank's valid-anchor count in one int32 collective.
     n0, n1 = blocks[0].shape[0], blocks[1].shape[0]
@@ -238,9 +250,7 @@ def gather_candidates(
     local = blocks[0] if n1 == 0 else torch.cat(blocks)
     gathered = all_gather_with_grad(local, group)
 
-    weights = reduction_weights(has_pos, reduction, weight_dtype, denominator=global_count.to(weight_dtype))
-    if reduction != "none":
-        weights = weights * world
     empty = gathered.new_empty((0, gathered.shape[1]))
     empty_tags = cand_tags.new_empty((0,))
-    return Gathered((gathered, empty), (cand_tags.reshape(-1).contiguous(), empty_tags), weights, rank * (n0 + n1))
+    tags_out = (cand_tags.reshape(-1).contiguous(), empty_tags)
+    return Gathered((gathered, empty), tags_out, rank * (n0 + n1), world, global_count)

@@ -14,7 +14,9 @@ Differences from sentence-transformers: a repeated dim, a dim above ``d`` or bel
 from __future__ import annotations
 
 import math
+import numbers
 import random
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -22,27 +24,43 @@ from torch import Tensor
 from . import _checks
 
 
-def check(dims, weights, d: int | None = None) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
-    """``(dims, weights)`` validated (weights default to 1), or None without dims.
+def _as_tuple(name: str, values) -> tuple:
+    """``values`` read once into a tuple (a generator is spent afterwards); a string, a number
+    or anything else that is not an iterable of values is refused."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence (any iterable), got {values!r}")
+    return tuple(values)
 
-    ``dims``: distinct ints in ``1..d`` (any order); ``weights``: finite numbers, one per dim.
+
+def check(
+    dims, weights, d: int | None = None, dtype: torch.dtype | None = None
+) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """``(dims, weights)`` validated as Python ints and floats (weights default to 1), or None
+    without dims.
+
+    ``dims``: distinct integers in ``1..d`` (Python's or NumPy's), any iterable, any order;
+    ``weights``: real numbers, one per dim, finite in ``dtype`` (the compute dtype: a weight
+    that is finite as a Python float but overflows float32 would turn the loss into inf).
     """
     if dims is None:
         if weights is not None:
             raise ValueError("matryoshka_weights given without matryoshka_dims")
         return None
-    if isinstance(dims, (int, str)) or not all(isinstance(m, int) and not isinstance(m, bool) for m in dims):
-        raise TypeError(f"matryoshka_dims must be a sequence of ints, got {dims!r}")
-    dims = tuple(dims)
+    dims = _as_tuple("matryoshka_dims", dims)
+    if not all(isinstance(m, numbers.Integral) and not isinstance(m, bool) for m in dims):
+        raise TypeError(f"matryoshka_dims must be integers, got {dims!r}")
+    dims = tuple(int(m) for m in dims)
     if not dims or len(set(dims)) != len(dims) or any(m < 1 or (d is not None and m > d) for m in dims):
         limit = "" if d is None else f" (embedding size {d})"
         raise ValueError(f"matryoshka_dims must be distinct ints in 1..d{limit}, got {dims}")
-    weights = (1.0,) * len(dims) if weights is None else tuple(weights)
+    weights = (1.0,) * len(dims) if weights is None else _as_tuple("matryoshka_weights", weights)
     if len(weights) != len(dims):
         raise ValueError(f"matryoshka_weights needs one weight per dim: {len(weights)} weights, {len(dims)} dims")
+    largest = math.inf if dtype is None else torch.finfo(dtype).max
     for w in weights:
-        if not _checks.is_real_number(w) or not math.isfinite(w):
-            raise ValueError(f"matryoshka_weights must be finite numbers, got {weights}")
+        if not _checks.is_real_number(w) or not abs(float(w)) <= largest:  # NaN fails too
+            where = "" if dtype is None else f" in {dtype}"
+            raise ValueError(f"matryoshka_weights must be finite numbers{where}, got {weights}")
     return dims, tuple(float(w) for w in weights)
 
 

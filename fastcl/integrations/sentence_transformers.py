@@ -68,7 +68,8 @@ loss may be built before the process group exists; a no-op outside a multi-proce
 Every anchor then sees every rank's candidates; each rank's loss and gradients are those
 of sentence-transformers' ``gather_across_devices=True``, and after DDP's averaging the
 parameter gradients are those of the global batch (see ``fastcl.distributed``). An explicit
-``process_group=`` overrides the flag.
+``process_group=`` overrides the flag. ``cross_device="ring"`` (fastcl's) passes the other
+ranks' candidates around a ring instead of all-gathering them (docs/distributed.md).
 
 Matryoshka, fused. ``matryoshka_dims=(768, 512, 256, 128, 64)`` (with optional
 ``matryoshka_weights`` and ``n_dims_per_step``) on any class here is sentence-transformers'
@@ -108,6 +109,8 @@ from .. import _checks
 from .. import losses as fl
 from .. import matryoshka as _matryoshka
 from ..gradcache import GradCache
+from ..losses._shared import CROSS_DEVICE
+from ..losses.mnrl import check_mnrl_options
 from ..ops.dispatch import NAMES as BACKENDS
 
 __all__ = [
@@ -204,6 +207,8 @@ class _FastCLSTLoss(nn.Module):
         gather_across_devices: every rank's candidates join every anchor's denominator
             (``process_group=torch.distributed.group.WORLD``).
         process_group: an explicit ``torch.distributed`` group; overrides the flag.
+        cross_device: ``"gather"`` (default) or ``"ring"``: how the group's candidates reach
+            every anchor (``fastcl.losses``; the ring's memory per rank is constant in the world size).
         mini_batch_size: encode with fastcl's gradient cache in chunks of this many rows
             (None: one ordinary forward per column, as sentence-transformers' uncached losses).
         mini_batch_num_tokens: with the gradient cache, pack its chunks by non-padding tokens
@@ -230,6 +235,7 @@ class _FastCLSTLoss(nn.Module):
         temperature: float | None = None,
         gather_across_devices: bool = False,
         process_group=None,
+        cross_device: str = "gather",
         mini_batch_size: int | None = None,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
@@ -265,6 +271,8 @@ class _FastCLSTLoss(nn.Module):
         self.similarity = _similarity_name(similarity_fct)
         self.gather_across_devices = gather_across_devices
         self.process_group = process_group
+        _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
+        self.cross_device = cross_device
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
@@ -300,6 +308,7 @@ class _FastCLSTLoss(nn.Module):
                 "mini_batch_num_tokens": self.mini_batch_num_tokens,
                 "backend": self.backend,
             }
+            | ({"cross_device": self.cross_device} if self.cross_device != "gather" else {})
             | self._matryoshka_config()
             | self._extra_config()
         )
@@ -391,10 +400,27 @@ class _FastCLSTLoss(nn.Module):
         return value.detach().to(surrogate.dtype) + (surrogate - surrogate.detach())
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
-        """The loss from the columns' ``[B, d]`` embeddings (same dtype and device)."""
+        """The loss from the columns' ``[B, d]`` embeddings (same shape, dtype and device)."""
         embeddings = list(embeddings)
         self._check_columns(len(embeddings))
+        self._check_shapes(embeddings)
         return self._loss(embeddings)
+
+    def _column_name(self, i: int) -> str:
+        """What column ``i`` holds, in :attr:`layout`'s words."""
+        return "anchor" if i == 0 else "positive" if i == 1 else f"negative_{i - 1}"
+
+    def _check_shapes(self, embeddings: list[Tensor]) -> None:
+        """Every column is ``[B, d]`` with one ``B`` and ``d``: a mismatch is reported by column
+        (the fastcl loss would name its own stacked tensors instead)."""
+        first = tuple(getattr(embeddings[0], "shape", ()))
+        for i, e in enumerate(embeddings[1:], start=1):
+            shape = getattr(e, "shape", None)
+            if shape is not None and tuple(shape) != first:
+                raise ValueError(
+                    f"{type(self).__name__}: every column's embeddings must have one shape [B, d]; column 0 "
+                    f"({self._column_name(0)}) is {list(first)}, column {i} ({self._column_name(i)}) is {list(shape)}"
+                )
 
     def _check_columns(self, n: int) -> None:
         if n < self.min_columns or (self.max_columns is not None and n > self.max_columns):
@@ -435,6 +461,7 @@ class _FastCLSTLoss(nn.Module):
             temperature=self.temperature,
             backend=self.backend,
             process_group=self._group(),
+            cross_device=self.cross_device,
             # ST's MatryoshkaLoss normalises each prefix: its dot_score is then the cosine
             similarity="cos" if dims is not None else self.similarity,
             matryoshka_dims=dims,
@@ -470,7 +497,7 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
     sentence-transformers 6's ``directions`` (``query_to_doc``, ``query_to_query``,
     ``doc_to_query``, ``doc_to_doc``), ``partition_mode`` (``joint``, ``per_direction``),
     ``hardness_mode`` (``in_batch_negatives``, ``hard_negatives``, ``all_negatives``) and
-    ``hardness_strength``, with the same semantics (:mod:`fastcl.losses_mnrl`), also with
+    ``hardness_strength``, with the same semantics (:func:`fastcl.losses.mnrl_directions_loss`), also with
     ``gather_across_devices``. See the module docstring for the other arguments.
     """
 
@@ -489,7 +516,7 @@ class MultipleNegativesRankingLoss(_FastCLSTLoss):
         **kw,
     ):
         super().__init__(model, scale, similarity_fct, **kw)
-        self.directions = fl._check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+        self.directions = check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
         self.partition_mode = partition_mode
         self.hardness_mode = hardness_mode
         self.hardness_strength = float(hardness_strength)
@@ -599,6 +626,10 @@ class _MultiPositiveLoss(_FastCLSTLoss):
         self.num_positives = num_positives
         self.min_columns = 1 + num_positives
 
+    def _column_name(self, i: int) -> str:
+        P = self.num_positives
+        return "anchor" if i == 0 else f"positive_{i}" if i <= P else f"negative_{i - P}"
+
     def _split(self, embeddings):
         P = self.num_positives
         return embeddings[0], torch.stack(embeddings[1 : 1 + P], dim=1), _stack(embeddings[1 + P :])
@@ -661,9 +692,13 @@ class SupConLabelsLoss(_FastCLSTLoss):
     min_columns = 1
     layout = "(view_1, ..., view_V) plus a label column"
 
+    def _column_name(self, i: int) -> str:
+        return f"view_{i + 1}"
+
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         embeddings = list(embeddings)
         self._check_columns(len(embeddings))
+        self._check_shapes(embeddings)
         if labels is None:
             raise ValueError("SupConLabelsLoss needs labels: give the dataset a 'label' column of class ids")
         features = torch.stack(embeddings, dim=1)  # [B, V, d]

@@ -96,45 +96,52 @@ def _sum_prefixes(rows: Tensor, dim_weights: Tensor) -> Tensor:
 
 
 def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
-    """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``. With dims the
-    head runs on the ``K * B`` prefix rows and ``loss_rows`` is ``sum_k dim_weights[k] * rows_k``."""
+    """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``."""
     lse, mean_logit = spec.impl.forward(problem, tau)
+    return (lse, mean_logit, *head_of(spec, lse, pos_logits))
+
+
+def head_of(spec: LossSpec, lse: Tensor, pos_logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The head on the primitive's ``lse``: ``(loss_rows, dlse, dpos)``. With dims the head runs
+    on the ``K * B`` prefix rows and ``loss_rows`` is ``sum_k dim_weights[k] * rows_k`` (the
+    derivatives carry the weights); without ``dim_weights`` the rows stay ``[K, B]``."""
     if spec.dims is None:
-        loss_rows, dlse, dpos = head_rows(lse, pos_logits, spec.pos_mask, spec.kind, spec.log_extra)
-        return lse, mean_logit, loss_rows, dlse, dpos
+        return head_rows(lse, pos_logits, spec.pos_mask, spec.kind, spec.log_extra)
     K, B, P = pos_logits.shape
     tile = lambda t: None if t is None else t.repeat(K, *([1] * (t.dim() - 1)))  # noqa: E731
     rows, dlse, dpos = head_rows(
         lse.reshape(K * B), pos_logits.reshape(K * B, P), tile(spec.pos_mask), spec.kind, tile(spec.log_extra)
     )
     if spec.dim_weights is None:  # the caller combines the prefixes' rows itself
-        return lse, mean_logit, rows.view(K, B), dlse.view(K, B), dpos.view(K, B, P)
+        return rows.view(K, B), dlse.view(K, B), dpos.view(K, B, P)
     w = spec.dim_weights.to(rows.dtype)
     loss_rows = _sum_prefixes(rows.view(K, B), w)
-    return lse, mean_logit, loss_rows, dlse.view(K, B) * w[:, None], dpos.view(K, B, P) * w[:, None, None]
+    return loss_rows, dlse.view(K, B) * w[:, None], dpos.view(K, B, P) * w[:, None, None]
 
 
 class _FirstOrderOnly(torch.autograd.Function):
     """Passes gradients through; differentiating them again raises (see ``ContrastiveLSE.backward``)."""
 
     @staticmethod
-    def forward(ctx, name: str, *grads: Tensor):
-        ctx.name = name
+    def forward(ctx, message: str, *grads: Tensor):
+        ctx.message = message
         return tuple(g.view_as(g) for g in grads)
 
     @staticmethod
     def backward(ctx, *_):
-        raise RuntimeError(
-            f"fastcl: the {ctx.name!r} backend computes first derivatives only, so the gradient of its "
-            "gradient (create_graph=True, double backward, gradgradcheck) is not available; "
-            "use backend='reference', whose backward is differentiable"
-        )
+        raise RuntimeError(ctx.message)
 
 
-def _first_order_only(name: str, grads: tuple) -> tuple:
+def _first_order_only(name: str, grads: tuple, message: str | None = None) -> tuple:
     """``grads`` attached to a node that raises on a second backward, so that it is never
-    silently ``None`` or wrong (the detached inputs are what makes the node part of the graph)."""
-    wrapped = iter(_FirstOrderOnly.apply(name, *(g.detach().requires_grad_() for g in grads if g is not None)))
+    silently ``None`` or wrong (the detached inputs are what makes the node part of the graph).
+    ``message``: the error, by default that backend ``name`` computes first derivatives only."""
+    message = message or (
+        f"fastcl: the {name!r} backend computes first derivatives only, so the gradient of its "
+        "gradient (create_graph=True, double backward, gradgradcheck) is not available; "
+        "use backend='reference', whose backward is differentiable"
+    )
+    wrapped = iter(_FirstOrderOnly.apply(message, *(g.detach().requires_grad_() for g in grads if g is not None)))
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 

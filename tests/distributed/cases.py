@@ -51,7 +51,7 @@ def _mask(g, rows: int, cols: int, rank: int, *, uneven_anchors: bool) -> torch.
     m = torch.rand(rows, cols, generator=g) < keep
     if uneven_anchors:
         m[:, 0] = True
-        m[VALID_ANCHORS[rank] :] = False
+        m[VALID_ANCHORS[rank % len(VALID_ANCHORS)] :] = False
     return m
 
 

@@ -65,6 +65,29 @@ def _embedding_cases(seed: int, rank: int) -> dict:
                 triplet,
             ),
         ),
+        "mnrl_gte_hardness_ring": (
+            _grads(lambda e: st_gte.compute_loss_from_embeddings(e, None), triplet),
+            _grads(
+                fst.MultipleNegativesRankingLoss(
+                    ident,
+                    gather_across_devices=True,
+                    cross_device="ring",
+                    hardness_mode="in_batch_negatives",
+                    hardness_strength=3.0,
+                    **gte,
+                ).compute_loss_from_embeddings,
+                triplet,
+            ),
+        ),  # fmt: skip
+        "mnrl_ring": (
+            _grads(lambda e: st_mnrl.compute_loss_from_embeddings(e, None), triplet),
+            _grads(
+                fst.MultipleNegativesRankingLoss(
+                    ident, gather_across_devices=True, cross_device="ring"
+                ).compute_loss_from_embeddings,
+                triplet,
+            ),
+        ),
         "mnrl": (
             _grads(lambda e: st_mnrl.compute_loss_from_embeddings(e, None), triplet),
             _grads(

@@ -4,7 +4,7 @@ On every rank, fastcl's losses with ``gather_across_devices=True`` (or an explic
 ``process_group``) give the value and the embedding gradients of sentence-transformers'
 ``MultipleNegativesRankingLoss(gather_across_devices=True)`` (symmetric InfoNCE: its
 ``doc_to_query`` / ``per_direction`` form; sentence-transformers 6's directions and
-hardness options, gathered); and a DDP-wrapped tiny BERT trained with
+hardness options, gathered; also with fastcl's ``cross_device="ring"``); and a DDP-wrapped tiny BERT trained with
 fastcl's cached MNRL gets the parameter gradients of sentence-transformers' cached MNRL.
 """
 
@@ -32,7 +32,16 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "case", ["mnrl", "mnrl_group", "infonce_symmetric", "mnrl_gte_hardness", "mnrl_per_direction_hardness"]
+    "case",
+    [
+        "mnrl",
+        "mnrl_group",
+        "infonce_symmetric",
+        "mnrl_gte_hardness",
+        "mnrl_per_direction_hardness",
+        "mnrl_ring",
+        "mnrl_gte_hardness_ring",
+    ],
 )
 def test_gathered_loss_equals_sentence_transformers(ranks, case):
     for rank, result in enumerate(ranks):

@@ -76,7 +76,7 @@ def test_read_only_mapping_and_non_mapping(tmp_path):
 from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import fastcl.losses as L  # noqa: E402
-from fastcl.losses_mnrl import DIRECTIONS  # noqa: E402
+from fastcl.losses.mnrl import DIRECTIONS  # noqa: E402
 from tests.helpers.backends import require  # noqa: E402
 
 GTE = DIRECTIONS  # all four: the GTE "improved contrastive loss"

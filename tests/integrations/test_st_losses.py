@@ -243,6 +243,20 @@ def test_cached_loss_under_no_grad_is_the_plain_value(tmp_path):
 # --------------------------------------------------------------------------- conventions and errors
 
 
+def test_cross_device_option():
+    m = torch.nn.Identity()
+    ring = fst.MultipleNegativesRankingLoss(m, cross_device="ring")
+    assert ring.get_config_dict()["cross_device"] == "ring" and ring._options()["cross_device"] == "ring"
+    assert "cross_device" not in fst.MultipleNegativesRankingLoss(m).get_config_dict()  # the default: unchanged cards
+    with pytest.raises(ValueError, match="cross_device"):
+        fst.MultipleNegativesRankingLoss(m, cross_device="all_to_all")
+    # without a process group the option changes nothing
+    cols = _columns(4, 6, 3)
+    torch.testing.assert_close(
+        ring.compute_loss_from_embeddings(cols), fst.MultipleNegativesRankingLoss(m).compute_loss_from_embeddings(cols)
+    )
+
+
 def test_scale_is_one_over_temperature():
     m = torch.nn.Identity()
     assert fst.MultipleNegativesRankingLoss(m).temperature == pytest.approx(0.05)  # ST's scale=20
@@ -289,6 +303,35 @@ def test_bad_arguments_raise(make, match):
 def test_wrong_number_of_columns_raises(loss, n):
     with pytest.raises(ValueError, match="columns"):
         loss.compute_loss_from_embeddings(_columns(4, 3, n))
+
+
+@pytest.mark.parametrize(
+    "loss, shapes, names",
+    [
+        (fst.MultipleNegativesRankingLoss(None), [(4, 3), (3, 3)], r"column 1 \(positive\) is \[3, 3\]"),
+        (fst.MultipleNegativesRankingLoss(None), [(4, 3), (4, 3), (4, 2)], r"column 2 \(negative_1\) is \[4, 2\]"),
+        (fst.InfoNCELoss(None), [(4, 3), (5, 3)], r"column 1 \(positive\) is \[5, 3\]"),
+        (fst.SupMPNLoss(None, num_positives=2), [(4, 3), (4, 3), (2, 3)], r"column 2 \(positive_2\)"),
+        (
+            fst.SupConLoss(None, num_positives=1),
+            [(4, 3), (4, 3), (4, 3), (6, 3)],
+            r"column 3 \(negative_2\) is \[6, 3\]",
+        ),
+    ],
+)
+def test_mismatched_columns_are_named(loss, shapes, names):
+    """Columns of different batch sizes or widths are reported by column, with the first
+    column's shape, instead of blaming an internal tensor ("positives [B, P, d]")."""
+    embs = [torch.randn(*s, dtype=torch.float64) for s in shapes]
+    with pytest.raises(ValueError, match=names) as err:
+        loss.compute_loss_from_embeddings(embs)
+    assert "column 0 (anchor) is [4, 3]" in str(err.value)
+
+
+def test_mismatched_label_views_are_named():
+    loss = fst.SupConLabelsLoss(None)
+    with pytest.raises(ValueError, match=r"column 0 \(view_1\) is \[4, 3\], column 1 \(view_2\) is \[3, 3\]"):
+        loss.compute_loss_from_embeddings([torch.randn(4, 3), torch.randn(3, 3)], torch.arange(4))
 
 
 def test_gather_without_process_group_is_single_process():

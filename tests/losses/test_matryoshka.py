@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastcl.losses as L
-from fastcl.losses_mnrl import mnrl_directions_loss
+from fastcl.losses import mnrl_directions_loss
 from fastcl.ops.backend import MATRYOSHKA_BACKENDS, dims_reason
 from tests.helpers.backends import backends_under_test, device_under_test, require
 
@@ -142,3 +142,54 @@ def test_half_precision_on_torch():
     want = sum(L.mnrl_loss(x["a"][:, :m].double(), x["p1"][:, :m].double(), x["n"][..., :m].double()) for m in DIMS)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------- argument papercuts
+
+
+def test_numpy_integers_and_generators_are_dims_and_weights():
+    """NumPy integers are ints (as NumPy scalars are numbers for the temperature), and any
+    iterable of dims or weights works once, in the functions and in the modules alike."""
+    np = pytest.importorskip("numpy")
+    x = _inputs(4)
+    want = L.mnrl_loss(x["a"], x["p1"], matryoshka_dims=(12, 4), matryoshka_weights=(1.0, 0.5))
+    for dims, weights in [
+        (np.array([12, 4]), np.array([1.0, 0.5])),
+        ((np.int64(12), np.int32(4)), (np.float32(1.0), 0.5)),
+        ((m for m in (12, 4)), (w for w in (1.0, 0.5))),
+    ]:
+        got = L.mnrl_loss(x["a"], x["p1"], matryoshka_dims=dims, matryoshka_weights=weights)
+        torch.testing.assert_close(got, want)
+    mod = L.MNRLoss(0.05, matryoshka_dims=(m for m in (12, 4)), matryoshka_weights=(w for w in (1.0, 0.5)))
+    torch.testing.assert_close(mod(x["a"], x["p1"]), want)
+    torch.testing.assert_close(mod(x["a"], x["p1"]), want)  # the module kept them, not a spent generator
+    assert mod.options["matryoshka_dims"] == (12, 4) and mod.options["matryoshka_weights"] == (1.0, 0.5)
+
+
+@pytest.mark.parametrize("dims", [iter(()), (m for m in ()), (), (4.0, 2), ("8",), (True, 4)], ids=repr)
+def test_bad_dims_say_what_was_given(dims):
+    """A spent or empty iterable, floats, strings and bools are refused with what they were."""
+    x = _inputs(5)
+    with pytest.raises((TypeError, ValueError), match=r"matryoshka_dims"):
+        L.mnrl_loss(x["a"], x["p1"], matryoshka_dims=dims)
+
+
+def test_generator_dims_error_names_the_values():
+    """A generator of out-of-range dims is reported with its values, not as the spent ``()``."""
+    x = _inputs(5)
+    with pytest.raises(ValueError, match=r"\(12, 40\)"):
+        L.mnrl_loss(x["a"], x["p1"], matryoshka_dims=(m for m in (12, 40)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weights_are_finite_in_the_compute_dtype(dtype):
+    """1e300 is a finite Python float but inf in float32 (the compute dtype of 16- and 32-bit
+    inputs): refused up front instead of returning inf; float64 inputs take it."""
+    x = {k: v.detach().to(dtype) for k, v in _inputs(6).items()}
+    with pytest.raises(ValueError, match="matryoshka_weights"):
+        L.mnrl_loss(x["a"], x["p1"], matryoshka_dims=(12, 4), matryoshka_weights=(1e300, 1.0))
+    with pytest.raises(ValueError, match="matryoshka_weights"):
+        L.supcon_labels_loss(x["a"], torch.arange(B) % 2, matryoshka_dims=(12, 4), matryoshka_weights=(1.0, -1e39))
+    x64 = _inputs(6)
+    out = L.mnrl_loss(x64["a"], x64["p1"], matryoshka_dims=(12, 4), matryoshka_weights=(1e300, 1.0))
+    assert torch.isfinite(out)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fastcl.losses as L
-from fastcl.losses_supcon import supcon_labels_loss
+from fastcl.losses import supcon_labels_loss
 from tests.helpers.backends import require
 
 BACKENDS = ["reference", "torch", "cpp"]
@@ -256,3 +256,41 @@ def test_no_nxn_buffer(backend):
     )
     # O(N d) copies and bounded tiles; any N x N float32 buffer alone would add 256 MiB
     assert extra < LOGITS_BYTES / 2, f"{backend}: extra peak {extra / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [
+        (torch.float32, 1e20),
+        (torch.float32, 1e30),
+        (torch.float32, 1e-6),
+        (torch.bfloat16, 1e20),
+        (torch.float64, 1e200),
+    ],
+)
+def test_cosine_is_scale_free(backend, dtype, scale):
+    """Features scaled by any finite factor give the unscaled loss and the gradient divided by
+    the factor (docs/losses.md, "Scale"); the mean positive logit once normalised with a plain
+    sum of squares, which overflows at ~1e19 in float32."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 2, 16, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.randint(0, 3, (12,), generator=g)
+    tol = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5)}.get(
+        dtype,
+        dict(rtol=2e-2, atol=1e-3),  # bfloat16: inputs and gradients rounded to 8 bits
+    )
+    for ref in (False, True):  # the features as candidates, and a reference set
+        kw = dict(backend=_backend(backend), temperature=0.1)
+        if ref:
+            kw.update(ref_emb=x[:, 0] * 1.5, ref_labels=y)
+        leaf = x.detach().requires_grad_()
+        want = supcon_labels_loss(leaf, y, **kw)
+        (want_g,) = _grads(want, leaf)
+        big = (x * scale).detach().requires_grad_()
+        if ref:
+            kw["ref_emb"] = kw["ref_emb"] * scale
+        got = supcon_labels_loss(big, y, **kw)
+        (got_g,) = _grads(got, big)
+        torch.testing.assert_close(got.double(), want.double(), **tol)
+        torch.testing.assert_close(got_g.double() * scale, want_g.double(), **tol)

@@ -69,3 +69,22 @@ def test_finite_check_is_opt_in(monkeypatch):
     monkeypatch.setenv("FASTCL_CHECK_FINITE", "1")
     with pytest.raises(ValueError, match="inf or NaN"):
         L.infonce_loss(bad, A)
+
+
+def test_pool_loss_takes_minus_one_in_padded_slots():
+    """A ``pos_index`` slot that ``pos_mask`` marks as padding is not read: ``-1`` (the usual
+    padding index) is fine there and the loss equals the one with any valid index in the slot;
+    a ``-1`` in a valid slot is still refused."""
+    g = torch.Generator().manual_seed(0)
+    a, c = torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g)
+    mask = torch.tensor([[True, True], [True, False], [True, False], [False, False]])
+    padded = torch.tensor([[0, 1], [2, -1], [3, -1], [-1, -1]])
+    filled = torch.tensor([[0, 1], [2, 5], [3, 0], [4, 4]])
+    for backend in ("reference", "torch"):
+        got = L.supcon_pool_loss(a, c, padded, pos_mask=mask, backend=backend)
+        want = L.supcon_pool_loss(a, c, filled, pos_mask=mask, backend=backend)
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="pos_index must be in"):
+        L.supcon_pool_loss(a, c, padded, pos_mask=torch.ones(4, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="pos_index must be in"):
+        L.supcon_pool_loss(a, c, padded)

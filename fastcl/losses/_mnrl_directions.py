@@ -1,4 +1,5 @@
-"""MNRL with sentence-transformers 6's ``directions``, ``partition_mode`` and hardness weighting.
+"""The rows of MNRL with sentence-transformers 6's ``directions``, ``partition_mode`` and hardness
+(used by :func:`fastcl.losses.mnrl.mnrl_directions_loss`, which validates and reduces them).
 
 Queries ``q_i`` (``anchor``), their positive documents ``d_i`` (``positive``), optional hard
 negatives ``n_iq`` (``negatives``); ``D`` = every document of the batch (positives, then
@@ -43,19 +44,15 @@ so combining pieces never subtracts two large numbers.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _checks, distributed
-from . import matryoshka as _matryoshka
-from .ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
-from .ops.contrastive import contrastive_loss
-from .ops.positive_logits import positive_logits
-
-__all__ = ["mnrl_directions_loss", "DIRECTIONS", "PARTITION_MODES", "HARDNESS_MODES"]
+from .. import _checks, distributed
+from ..ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
+from ..ops.contrastive import contrastive_loss
+from ..ops.positive_logits import positive_logits
+from ..ops.ring import ring_contrastive_loss
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
@@ -63,7 +60,7 @@ HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
 DEFAULT_DIRECTIONS = ("query_to_doc",)
 
 
-def check_options(directions, partition_mode, hardness_mode, hardness_strength) -> tuple[str, ...]:
+def check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength) -> tuple[str, ...]:
     """sentence-transformers 6.2's validation; returns the directions as a tuple."""
     if isinstance(directions, str):
         raise TypeError(f"directions must be a tuple of names, got the string {directions!r}")
@@ -87,15 +84,9 @@ def check_options(directions, partition_mode, hardness_mode, hardness_strength) 
     return directions
 
 
-def is_default(directions, partition_mode, hardness_mode, hardness_strength) -> bool:
-    """Options that are plain MNRL (``fastcl.losses.mnrl_loss``'s fast path)."""
+def is_plain(directions, partition_mode, hardness_mode, hardness_strength) -> bool:
+    """Options that are plain MNRL (:func:`fastcl.losses.mnrl_loss`'s structured fast path)."""
     return set(directions) == {"query_to_doc"} and (hardness_mode is None or hardness_strength == 0)
-
-
-def _no_autocast(t: Tensor):
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.autocast(device_type=t.device.type, enabled=False)
-    return nullcontext()
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -115,14 +106,25 @@ class _ScaleGrad(torch.autograd.Function):
 class _Batch:
     """The tensors and tags of one call, built once.
 
-    ``q``, ``d`` (and ``negs``) are this rank's; ``cq``, ``cd``, ``cn`` are the candidate
-    queries, documents and flattened negatives: the same tensors in one process, every
-    rank's (all-gathered with gradient, rank-major) with a process group. Tags are relative
-    to this rank's anchors: candidate ``g`` of query/document ``offset + i`` is tagged ``i``.
+    ``q``, ``d`` (and ``negs``) are this rank's; ``cand_q``, ``cand_d``, ``cand_n`` are the
+    candidate queries, documents and flattened negatives: the same tensors in one process,
+    every rank's (all-gathered with gradient, rank-major) with a process group. Tags are
+    relative to this rank's anchors: candidate ``g`` of query/document ``offset + i`` is
+    tagged ``i`` (``own_b``, ``own_n``: left out of that row), or ``TAG_ALL`` (``all_b``,
+    ``all_n``: in every row).
     """
 
     def __init__(
-        self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str, group=None, dims=None
+        self,
+        q: Tensor,
+        d: Tensor,
+        negs: Tensor | None,
+        tau: Tensor,
+        cosine: bool,
+        backend: str,
+        group=None,
+        dims=None,
+        ring: bool = False,
     ):
         self.q, self.d, self.tau, self.cosine, self.backend = q, d, tau, cosine, backend
         self.dims = dims  # Matryoshka: every row is [K, B], one per prefix
@@ -132,14 +134,17 @@ class _Batch:
         self.Q = 0 if negs is None else negs.shape[1]
         self.negs = negs
         negs_flat = negs.reshape(B * self.Q, dim) if self.Q else q.new_empty((0, dim))
-        if group is None:
+        self.group = group if ring else None  # set: every primitive call goes round the ring
+        if group is None or ring:  # the ring: this rank's candidates, tags for its own anchors
             world, self.offset = 1, 0
-            self.cq, self.cd, self.cn = q, d, negs_flat
+            self.cand_q, self.cand_d, self.cand_n = q, d, negs_flat
         else:
             world, self.offset = dist.get_world_size(group), dist.get_rank(group) * B
-            self.cq, self.cd = distributed.all_gather_with_grad(q, group), distributed.all_gather_with_grad(d, group)
-            self.cn = distributed.all_gather_with_grad(negs_flat, group) if self.Q else negs_flat
-        self.world = world
+            self.cand_q, self.cand_d = (
+                distributed.all_gather_with_grad(q, group),
+                distributed.all_gather_with_grad(d, group),
+            )
+            self.cand_n = distributed.all_gather_with_grad(negs_flat, group) if self.Q else negs_flat
         owner = torch.arange(world * B, dtype=torch.int64, device=dev) - self.offset  # local anchor index
         local = (owner >= 0) & (owner < B)
         own = torch.where(local, owner, torch.full_like(owner, TAG_ALL)).to(torch.int32)
@@ -148,6 +153,7 @@ class _Batch:
         self.all_b = torch.full((world * B,), TAG_ALL, dtype=torch.int32, device=dev)
         self.all_n = torch.full((world * B * self.Q,), TAG_ALL, dtype=torch.int32, device=dev)
         self._pos = None
+        self.world = world if group is None or not ring else dist.get_world_size(group)
 
     def pair_logits(self, x: Tensor, ys: Tensor) -> Tensor:
         """``[B, P]`` differentiable logits ``l(x_i, ys_ip)`` (``[K, B, P]`` with dims)."""
@@ -166,19 +172,15 @@ class _Batch:
     def rows(self, anchor, block0, tags0, block1=None, tags1=None, *, fold=False, tau=None) -> Tensor:
         """``[B]`` (``[K, B]`` with dims): per row, ``LSE over the tagged candidates - l(q_i, d_i)``.
 
-        ``fold``: the positive is row ``offset + i`` of ``block0`` (``cd`` for query rows,
-        ``cq`` for document rows) and the backend folds its gradient; else it comes from
+        ``fold``: the positive is row ``offset + i`` of ``block0`` (``cand_d`` for query rows,
+        ``cand_q`` for document rows) and the backend folds its gradient; else it comes from
         :meth:`pos`.
         """
         if block1 is None:
             block1, tags1 = empty_block(anchor)
         tau = self.tau if tau is None else tau
         cd = compute_dtype(anchor.dtype)
-        return contrastive_loss(
-            anchor,
-            (block0, block1),
-            (tags0, tags1),
-            tau,
+        args = dict(
             kind="supcon",
             positives=OwnPositives(self.offset, 1) if fold else None,
             pos_logits=None if fold else self.pos()[..., None],
@@ -189,7 +191,12 @@ class _Batch:
             eps=EPS,
             backend=self.backend,
             dims=self.dims,  # no dim_weights: the prefixes' rows, combined per prefix below
-        ).to(cd)
+        )
+        if self.group is not None:  # sizes were checked once per loss call
+            return ring_contrastive_loss(
+                anchor, (block0, block1), (tags0, tags1), tau, group=self.group, handshake=False, **args
+            ).to(cd)
+        return contrastive_loss(anchor, (block0, block1), (tags0, tags1), tau, **args).to(cd)
 
 
 def _cat(*pairs):
@@ -205,12 +212,12 @@ def _cat(*pairs):
 def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tensor:
     """``[B]``: ``log Z_i - l(q_i, d_i)`` over ``query_to_doc`` (hardened) and ``query_to_query``."""
     q = bt.q
-    q2q = (bt.cq, bt.own_b) if with_q2q else (bt.cq[:0], bt.own_b[:0])
+    q2q = (bt.cand_q, bt.own_b) if with_q2q else (bt.cand_q[:0], bt.own_b[:0])
     if hardness_mode == "hard_negatives" and bt.Q == 0:
         hardness_mode = None  # nothing to harden (ST: no effect without explicit negatives)
     if hardness_mode is None or alpha == 0:
-        b1, t1 = _cat((bt.cn, bt.all_n), q2q)
-        return bt.rows(q, bt.cd, bt.all_b, b1, t1, fold=True)
+        b1, t1 = _cat((bt.cand_n, bt.all_n), q2q)
+        return bt.rows(q, bt.cand_d, bt.all_b, b1, t1, fold=True)
 
     tau = bt.tau
     pieces = []
@@ -220,14 +227,14 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
         hard = own + alpha * (own * tau.to(own.dtype)).detach()
         pieces.append(torch.logsumexp(hard - bt.pos()[..., None], dim=-1))
         # unhardened: every other document and the queries
-        b1, t1 = _cat((bt.cn, bt.own_n), q2q)
-        pieces.append(bt.rows(q, bt.cd, bt.all_b, b1, t1, fold=True))
+        b1, t1 = _cat((bt.cand_n, bt.own_n), q2q)
+        pieces.append(bt.rows(q, bt.cand_d, bt.all_b, b1, t1, fold=True))
     else:
         # hardened candidates: one primitive call at tau_h with gradients scaled back to 1/tau
         factor = (1.0 / (1.0 + alpha * tau)).detach()
         tau_h = tau / (1.0 + alpha * tau)
-        qs, ds = _ScaleGrad.apply(q, factor), _ScaleGrad.apply(bt.cd, factor)
-        ns = _ScaleGrad.apply(bt.cn, factor) if bt.Q else bt.cn
+        qs, ds = _ScaleGrad.apply(q, factor), _ScaleGrad.apply(bt.cand_d, factor)
+        ns = _ScaleGrad.apply(bt.cand_n, factor) if bt.Q else bt.cand_n
         neg_tags = bt.own_n if hardness_mode == "in_batch_negatives" else bt.all_n
         # the folded positive (left out by its tag) comes back as s/tau_h: add alpha*stopgrad(s)
         s_pos = (bt.pos() * tau.to(bt.pos().dtype)).detach()
@@ -239,120 +246,51 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
             own = bt.pair_logits(q, bt.negs)
             pieces.append(torch.logsumexp(own - bt.pos()[..., None], dim=-1))
         if with_q2q:
-            pieces.append(bt.rows(q, bt.cq, bt.own_b))
+            pieces.append(bt.rows(q, bt.cand_q, bt.own_b))
     return torch.logsumexp(torch.stack(pieces), dim=0)
 
 
 def _doc_rows(bt: _Batch, with_d2q: bool, with_d2d: bool) -> Tensor:
     """``[B]``: ``LSE - l(q_i, d_i)`` of the rows of ``d_i`` (``doc_to_query`` and/or ``doc_to_doc``)."""
     d = bt.d
-    docs = _cat((bt.cd, bt.own_b), (bt.cn, bt.own_n))  # a query's own documents leave its row
+    docs = _cat((bt.cand_d, bt.own_b), (bt.cand_n, bt.own_n))  # a query's own documents leave its row
     if with_d2q:  # the positive l(q_i, d_i) is row offset + i of the queries: fold it
         if with_d2d:
-            return bt.rows(d, bt.cq, bt.all_b, *docs, fold=True)
-        return bt.rows(d, bt.cq, bt.all_b, fold=True)
+            return bt.rows(d, bt.cand_q, bt.all_b, *docs, fold=True)
+        return bt.rows(d, bt.cand_q, bt.all_b, fold=True)
     return bt.rows(d, *docs)
 
 
-def mnrl_directions_loss(
+def loss_rows(
     anchor: Tensor,
     positive: Tensor,
-    negatives: Tensor | None = None,
+    negatives: Tensor | None,
+    tau: Tensor,
     *,
-    directions=DEFAULT_DIRECTIONS,
-    partition_mode: str = "joint",
-    hardness_mode: str | None = None,
-    hardness_strength: float = 0.0,
-    temperature: float | Tensor = 0.05,
-    reduction: str = "mean",
-    backend: str = "auto",
-    similarity: str = "cos",
-    process_group=None,
-    matryoshka_dims: tuple[int, ...] | None = None,
-    matryoshka_weights: tuple[float, ...] | None = None,
+    directions: tuple[str, ...],
+    partition_mode: str,
+    hardness_mode: str | None,
+    alpha: float,
+    cosine: bool,
+    backend: str,
+    group=None,
+    ring: bool = False,
+    dims: tuple[int, ...] | None = None,
 ) -> Tensor:
-    """MNRL with sentence-transformers 6's options (see the module docstring for the math).
-
-    Args:
-        anchor: queries ``[B, d]``. positive: their documents ``[B, d]``.
-        negatives: hard negatives ``[B, d]`` or ``[B, Q, d]``, or None.
-        directions, partition_mode, hardness_mode, hardness_strength: as sentence-transformers'
-            ``MultipleNegativesRankingLoss`` (``hardness_strength`` is unscaled: the penalty is
-            ``alpha * s`` added to ``s / temperature``).
-        temperature, reduction, backend, similarity: as :func:`fastcl.losses.mnrl_loss`.
-        process_group: every rank's queries, documents and negatives are all-gathered with
-            gradient and join every direction's candidates; rows stay this rank's (as
-            sentence-transformers' ``gather_across_devices=True``). Scaling as every fastcl
-            loss (``fastcl.distributed``): ``mean`` returns the mean over this rank's rows
-            (then ``mean_r L_r`` is the global loss), ``sum`` ``W *`` the rank's sum. All
-            ranks must pass the same shapes.
-        matryoshka_dims, matryoshka_weights: the weighted sum over prefixes of the embeddings
-            (:mod:`fastcl.matryoshka`): every primitive call takes all prefixes at once and
-            the pieces combine prefix by prefix (``[K, B]`` rows).
-    """
-    directions = check_options(directions, partition_mode, hardness_mode, hardness_strength)
-    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
-    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
-    _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
-    _checks.check_rank("anchor", anchor, 2, "[B, d]")
-    _checks.check_rank("positive", positive, 2, "[B, d]")
-    B, dim = anchor.shape
-    if B == 0 or dim == 0:
-        raise ValueError(f"anchor must be non-empty, got shape {tuple(anchor.shape)}")
-    if tuple(positive.shape) != (B, dim):
-        raise ValueError(f"positive must have shape [B={B}, d={dim}], got {tuple(positive.shape)}")
-    matryoshka = _matryoshka.check(matryoshka_dims, matryoshka_weights, dim)
-    if negatives is not None:
-        if negatives.dim() == 2:
-            negatives = negatives.unsqueeze(1)
-        _checks.check_rank("negatives", negatives, 3, "[B, Q, d]")
-        if negatives.shape[0] != B or negatives.shape[2] != dim:
-            raise ValueError(f"negatives must have shape [B={B}, Q, d={dim}], got {tuple(negatives.shape)}")
-        if negatives.shape[1] == 0:
-            negatives = None
-    tau = _checks.as_temperature(temperature, anchor)
-    alpha = float(hardness_strength) if hardness_mode is not None else 0.0
+    """``[B]`` loss rows ``log Z_i - l(q_i, d_i)`` of the selected directions (``[K, B]`` with
+    Matryoshka ``dims``, one per prefix) of validated inputs (``negatives [B, Q, d]`` or None).
+    ``ring``: the group's candidates go round the ring (``cross_device="ring"``; the caller
+    checked that every rank passes the same sizes)."""
     dirs = set(directions)
-    if process_group is not None:
-        _check_same_sizes(process_group, anchor, 0 if negatives is None else negatives.shape[1])
-
-    with _no_autocast(anchor):
-        bt = _Batch(
-            anchor.contiguous(),
-            positive.contiguous(),
-            negatives,
-            tau,
-            similarity == "cos",
-            backend,
-            group=process_group,
-            dims=None if matryoshka is None else matryoshka[0],
-        )
-        if partition_mode == "joint":
-            rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
-            if dirs & {"doc_to_query", "doc_to_doc"}:
-                rows = torch.logaddexp(rows, _doc_rows(bt, "doc_to_query" in dirs, "doc_to_doc" in dirs))
-        else:  # per_direction: query_to_doc and optionally doc_to_query
-            rows = _query_rows(bt, False, hardness_mode, alpha)
-            if "doc_to_query" in dirs:
-                rows = 0.5 * (rows + _doc_rows(bt, True, False))
-        if matryoshka is not None:  # [K, B] -> sum_k w_k * rows_k
-            rows = (_matryoshka.weight_tensor(matryoshka, rows)[:, None] * rows).sum(0)
-        if reduction == "none":
-            out = rows
-        else:  # with a group: mean_r L_r and DDP's averaging give the global loss's gradient
-            out = bt.world * rows.sum() if reduction == "sum" else rows.mean()
-        return out.to(anchor.dtype)
-
-
-def _check_same_sizes(group, anchor: Tensor, Q: int) -> None:
-    """Every rank passes the same ``(B, Q, d)`` and dtype (a gather of unequal sizes would hang)."""
-    distributed.check_group(group)
-    codes = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-    mine = torch.tensor(
-        [anchor.shape[0], Q, anchor.shape[1], codes[anchor.dtype]], dtype=torch.int64, device=anchor.device
-    )
-    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(table, mine, group=group)
-    rows = {tuple(t.tolist()) for t in table}
-    if len(rows) > 1:
-        raise ValueError(f"every rank must pass the same (B, Q, d, dtype code); got {sorted(rows)}")
+    q, d = anchor.contiguous(), positive.contiguous()
+    bt = _Batch(q, d, negatives, tau, cosine, backend, group=group, dims=dims, ring=ring)
+    if partition_mode == "joint":
+        rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
+        if dirs & {"doc_to_query", "doc_to_doc"}:
+            rows = torch.logaddexp(rows, _doc_rows(bt, "doc_to_query" in dirs, "doc_to_doc" in dirs))
+        return rows
+    # per_direction: query_to_doc and optionally doc_to_query
+    rows = _query_rows(bt, False, hardness_mode, alpha)
+    if "doc_to_query" in dirs:
+        rows = 0.5 * (rows + _doc_rows(bt, True, False))
+    return rows

@@ -1,0 +1,144 @@
+"""The cost of splitting: the ring's per-block primitive against one call, on one device.
+
+``cross_device="ring"`` runs the backend's ``forward`` and ``backward`` once per rank's
+candidate block (``fastcl.ops.ring``) instead of once on every candidate. This measures
+that split without any communication ("simulated hops": the ``W`` blocks already sit on
+this device), on the exact code the ring runs per block (``fastcl.ops.blockwise``):
+
+* ``blocks``: for each of ``W`` blocks ``forward`` and an online merge, then for each
+  ``backward`` with ``g_t = g * exp(lse_t - lse)``;
+* ``single``: ``forward`` and ``backward`` once on the concatenated ``W * N`` candidates (the
+  recompute strategy, as the ring uses; a backend with a gradient-in-forward path is also
+  timed as ``single_fused``, what the gather mode runs by default).
+
+``share = single / blocks`` (issue 34's target on a GPU: >= 0.9). Timing: interleaved rounds,
+minimum, CUDA-synchronised (``fastcl.bench.timing``). From a GPU lease::
+
+    python -m fastcl.bench.ring_blocks --B 4096 --P 5 --Q 5 --d 768 --world 2 4 8 --dtype bfloat16
+
+or ``ring_blocks_throughput(B=4096, P=5, Q=5, d=768, world=8)`` from a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..ops import dispatch
+from ..ops.blockwise import Merged, block_grad
+from ..ops.contract import TAG_ALL, LSEProblem, OwnPositives, compute_dtype, structured_tags
+from ..ops.head import HeadInputs
+from .timing import interleave
+
+
+def _blocks(B: int, P: int, Q: int, d: int, world: int, dtype: torch.dtype, device: torch.device, seed: int):
+    """One rank's anchors and ``world`` candidate blocks (block 0 holds their own positives)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    anchor = randn(B, d)
+    own = structured_tags(B, P, None, device=device, exclude_owner=True)
+    other = torch.full((B * P,), TAG_ALL, dtype=torch.int32, device=device)
+    neg = torch.full((B * Q,), TAG_ALL, dtype=torch.int32, device=device)
+    blocks = [((randn(B * P, d), randn(B * Q, d)), (own if t == 0 else other, neg)) for t in range(world)]
+    return anchor, blocks
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ring_blocks_throughput(
+    *,
+    B: int,
+    P: int,
+    Q: int,
+    d: int,
+    world: int,
+    dtype: str = "bfloat16",
+    device: str = "cuda",
+    backend: str = "auto",
+    budget_s: float = 5.0,
+    min_rounds: int = 3,
+    seed: int = 0,
+) -> dict:
+    """Time one rank's loss step split into ``world`` blocks against one call (module docstring).
+
+    Returns a JSON-able dict: the case, the backend, ``blocks_s``, ``single_s`` (and
+    ``single_fused_s`` when the backend has a fused path), their spreads and ``share``.
+    """
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    anchor, blocks = _blocks(B, P, Q, d, world, dt, dev, seed)
+    pos = OwnPositives(0, P)
+    cd = compute_dtype(dt)
+    tau = torch.tensor(0.05, dtype=torch.float32, device=dev)
+    parts = [LSEProblem(anchor, b, t, positives=pos if i == 0 else None) for i, (b, t) in enumerate(blocks)]
+    whole = LSEProblem(
+        anchor,
+        (torch.cat([b[0] for b, _ in blocks]), torch.cat([b[1] for b, _ in blocks])),
+        (torch.cat([t[0] for _, t in blocks]), torch.cat([t[1] for _, t in blocks])),
+        positives=pos,
+    )
+    impl = dispatch.choose(whole, backend=backend)
+    g = torch.full((B,), 1.0 / B, dtype=cd, device=dev)
+    d_pos = torch.full((B, P), -1.0 / (B * P), dtype=cd, device=dev)
+
+    def split() -> None:
+        merged, partials = Merged(), []
+        for p in parts:
+            lse_t, ml_t = impl.forward(p, tau)
+            merged.add(lse_t, ml_t)
+            partials.append(lse_t)
+        for i, (p, lse_t) in enumerate(zip(parts, partials, strict=True)):
+            impl.backward(p, tau, lse_t, block_grad(g, merged.lse, lse_t), d_pos if i == 0 else None)
+        _sync(dev)
+
+    def single() -> None:
+        lse, _ = impl.forward(whole, tau)
+        impl.backward(whole, tau, lse, g, d_pos)
+        _sync(dev)
+
+    steps = {"blocks": split, "single": single}
+    if impl.fused is not None:
+        head = HeadInputs("supmpn", torch.zeros((B, P), dtype=cd, device=dev), None, None, g)
+
+        def fused() -> None:
+            impl.fused(whole, tau, head)
+            _sync(dev)
+
+        steps["single_fused"] = fused
+    timed = interleave(steps, budget_s=budget_s, min_rounds=min_rounds)
+    if timed.errors:
+        name, exc = next(iter(timed.errors.items()))
+        raise RuntimeError(f"ring_blocks_throughput: {name} failed: {type(exc).__name__}: {exc}") from exc
+    out = dict(B=B, P=P, Q=Q, d=d, world=world, dtype=dtype, device=str(dev), backend=impl.name)
+    for name in steps:
+        out[f"{name}_s"], out[f"{name}_spread"] = timed.minimum(name), timed.spread(name)
+    out["share"] = out["single_s"] / out["blocks_s"]
+    out["rounds"], out["noisy"] = timed.rounds, timed.noisy()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: prints one JSON line per ``--world`` value."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, default in (("B", 4096), ("P", 5), ("Q", 5), ("d", 768)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--budget-s", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    for world in args.world:
+        case = dict(B=args.B, P=args.P, Q=args.Q, d=args.d, dtype=args.dtype, device=args.device)
+        print(json.dumps(ring_blocks_throughput(world=world, backend=args.backend, budget_s=args.budget_s, **case)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""fastcl's public losses: plain functions and ``nn.Module`` wrappers, one module per family.
+
+==============  ===========================================================================
+``supmpn``      :func:`supmpn_loss`, :class:`SupMPNLoss` (Dehghan & Amasyali 2022)
+``supcon``      :func:`supcon_loss` (structured or labels), :func:`supcon_labels_loss`,
+                :func:`supcon_pool_loss`, :class:`SupConLoss` (Khosla et al. 2020; Liao 2021)
+``mnrl``        :func:`mnrl_loss`, :func:`mnrl_directions_loss`, :func:`infonce_loss`,
+                :func:`edacse_loss`, :class:`MNRLoss`, :class:`InfoNCELoss`, :class:`EdaCSELoss`
+                (Gao et al. 2021; sentence-transformers 6; Liu et al. 2023)
+``gclsr``       :func:`grouped_cosine_loss`, :func:`gclsr_loss`, :class:`GroupedCosineLoss`,
+                :class:`GCLSRLoss` (Wang et al. 2023)
+``_shared``     argument docs, option checks, the structured layout, the distributed scaling
+                rule and the modules' base, used by every family
+==============  ===========================================================================
+
+Every LSE loss is a thin composition over one fused primitive (``fastcl.ops.contrastive``,
+docs/design.md) whose fused backends never build the ``[B, N]`` logits. Embeddings are raw
+(float16, bfloat16, float32 or float64, one dtype; cosine similarity normalises inside and
+the gradient flows to the raw tensors); masks are bool with ``False`` marking padding. The
+loss comes back in the input dtype, accumulated in float32 (float64 for float64 inputs).
+Formulas: docs/losses.md. Each function's docstring lists its arguments, shapes and paper.
+"""
+
+from .gclsr import GCLSRLoss, GroupedCosineLoss, gclsr_loss, grouped_cosine_loss
+from .mnrl import EdaCSELoss, InfoNCELoss, MNRLoss, edacse_loss, infonce_loss, mnrl_directions_loss, mnrl_loss
+from .supcon import LABELS_TEMPERATURE, SupConLoss, supcon_labels_loss, supcon_loss, supcon_pool_loss
+from .supmpn import OWN_POSITIVES, SupMPNLoss, supmpn_loss
+
+__all__ = [
+    "supmpn_loss",
+    "supcon_loss",
+    "supcon_labels_loss",
+    "mnrl_directions_loss",
+    "mnrl_loss",
+    "infonce_loss",
+    "edacse_loss",
+    "supcon_pool_loss",
+    "grouped_cosine_loss",
+    "gclsr_loss",
+    "SupMPNLoss",
+    "SupConLoss",
+    "MNRLoss",
+    "InfoNCELoss",
+    "EdaCSELoss",
+    "GroupedCosineLoss",
+    "GCLSRLoss",
+    "OWN_POSITIVES",
+    "LABELS_TEMPERATURE",
+]

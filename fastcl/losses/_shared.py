@@ -1,0 +1,437 @@
+"""What every loss of :mod:`fastcl.losses` shares: argument docs, option checks, the layout of
+the structured losses, the one distributed scaling rule, and the base of the loss modules.
+
+Each family module (``supmpn``, ``supcon``, ``mnrl``, ``gclsr``) imports from here and from
+nothing else in this package, so a reader follows any loss through two files: its family's
+and this one, then ``fastcl.ops.contrastive`` (the autograd Function) and the backend.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks, distributed
+from .. import matryoshka as _matryoshka
+from ..ops.contract import EPS, OwnPositives, compute_dtype, empty_block, structured_tags
+from ..ops.contrastive import contrastive_loss
+from ..ops.head import reduction_weights
+from ..ops.ring import ring_contrastive_loss
+
+# --------------------------------------------------------------------------- argument docs
+
+# The text of every argument that several losses share, composed into each docstring by
+# :func:`document` (one definition; tests/losses/test_docs.py checks that every parameter of
+# every public loss is documented).
+ARG_DOCS: dict[str, str] = {
+    "pos_mask": "``[B, P]`` bool or None: ``False`` marks a padded positive slot, which takes part in "
+    "nothing (no value, exactly zero gradient). None: every slot is valid.",
+    "neg_mask": "``[B, Q]`` bool or None: ``False`` marks a padded negative slot. Needs ``negatives``.",
+    "temperature": "float or 0-d floating tensor, > 0: ``logit = similarity / temperature`` "
+    "(sentence-transformers' ``scale`` is ``1 / temperature``), finite with a finite reciprocal in "
+    "the compute dtype. A tensor that requires grad receives its gradient.",
+    "reduction": '``"mean"`` (over the anchors that have a valid positive), ``"sum"``, or ``"none"`` '
+    "(one float row per anchor, 0 for an anchor without a valid positive).",
+    "backend": '``"auto"`` (``FASTCL_BACKEND``, else the fastest available for the device), '
+    '``"reference"``, ``"torch"``, ``"cpp"``, ``"triton"`` or ``"cuda"``. An explicit backend that '
+    "cannot take the inputs raises ``BackendUnavailableError`` saying why.",
+    "process_group": "``torch.distributed`` process group or None. With a group every rank's "
+    "candidates join every anchor's denominator (all-gathered with gradient) and the loss is scaled "
+    "so that DDP's gradient averaging gives exactly the gradient of the global batch's loss; every "
+    "rank passes the same shapes (docs/distributed.md).",
+    "cross_device": '``"gather"`` (default) or ``"ring"``: how a ``process_group``\'s candidates reach '
+    "every anchor. ``gather`` all-gathers them (each rank holds ``W`` ranks' candidates and their "
+    "gradients); ``ring`` passes them rank to rank (``fastcl.ops.ring``: per-rank memory constant in "
+    "``W``, same values and gradients, first derivatives only). Ignored without a group "
+    '(docs/distributed.md, "Gather or ring").',
+    "similarity": '``"cos"`` (cosine of the raw embeddings, normalised inside) or ``"dot"`` (raw dot '
+    "products, as Liao's released code).",
+    "matryoshka_dims": "None, or distinct integers in ``1..d`` (Python's or NumPy's; any iterable): the loss becomes ``sum_k w_k * loss(embeddings[..., :dims[k]])``, sentence-transformers' "
+    '``MatryoshkaLoss`` (each prefix normalised on its own with ``"cos"``), all prefixes in one '
+    "fused pass over ``d``. The result keeps its shape.",
+    "matryoshka_weights": "None (all 1) or one real weight ``w_k`` per dim (any iterable), finite in the "
+    "compute dtype. Needs ``matryoshka_dims``.",
+    "learn_temperature": "keep ``log(temperature)`` as a parameter (initialised from ``temperature``) "
+    "so that it trains and stays > 0.",
+}
+
+RETURNS = (
+    '0-d loss (``[B]`` rows with ``reduction="none"``) in the embeddings\' dtype, accumulated in '
+    "float32 (float64 for float64 embeddings)."
+)
+
+# the shared keyword arguments of every LSE loss, in signature order
+LSE_OPTIONS = (
+    "temperature",
+    "reduction",
+    "backend",
+    "process_group",
+    "similarity",
+    "matryoshka_dims",
+    "matryoshka_weights",
+    "cross_device",
+)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _wrapped(name: str, text: str, indent: str) -> str:
+    return textwrap.fill(
+        f"{name}: {text}", width=100, initial_indent=indent, subsequent_indent=indent + "    ", break_long_words=False
+    )
+
+
+def document(*names: str, extra: dict[str, str] | None = None) -> Callable[[_F], _F]:
+    """Put the docs of ``names`` (:data:`ARG_DOCS`, or a family's own shared text in ``extra``)
+    at the docstring's ``{shared}`` line, and the shared return value at a ``{returns}`` line."""
+    docs = {**ARG_DOCS, **(extra or {})}
+
+    def apply(obj: _F) -> _F:
+        doc = obj.__doc__ or ""
+        lines = doc.splitlines()
+        for i, line in enumerate(lines):
+            indent = line[: len(line) - len(line.lstrip())]
+            if line.strip() == "{shared}":
+                lines[i] = "\n".join(_wrapped(n, docs[n], indent) for n in names)
+            elif line.strip() == "{returns}":
+                lines[i] = textwrap.fill(RETURNS, width=100, initial_indent=indent, subsequent_indent=indent)
+        obj.__doc__ = "\n".join(lines)
+        return obj
+
+    return apply
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Options:
+    """The keyword arguments every LSE loss takes and passes on unchanged (see :data:`ARG_DOCS`)."""
+
+    temperature: float | Tensor = 0.05
+    reduction: str = "mean"
+    backend: str = "auto"
+    process_group: Any = None
+    similarity: str = "cos"
+    matryoshka_dims: Any = None
+    matryoshka_weights: Any = None
+    cross_device: str = "gather"
+
+    def kwargs(self) -> dict[str, Any]:
+        """As keyword arguments of a public loss function."""
+        return {name: getattr(self, name) for name in LSE_OPTIONS}
+
+
+CROSS_DEVICE = ("gather", "ring")
+
+
+def check_options(reduction: str, similarity: str, cross_device: str = "gather") -> None:
+    """The choices every LSE loss checks on every call, with or without grad."""
+    _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+    _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
+    _checks.requested_strategy()
+
+
+def uses_ring(opts: Options) -> bool:
+    """A process group whose candidates go round the ring (``cross_device="ring"``)."""
+    return opts.process_group is not None and opts.cross_device == "ring"
+
+
+def no_autocast(t: Tensor) -> AbstractContextManager[Any]:
+    """Autocast off on ``t``'s device: the fused ops choose their own precision (float32
+    accumulation), and autocast must not re-cast the matrix products inside them."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(device_type=t.device.type, enabled=False)
+    return nullcontext()
+
+
+def check_matrix(name: str, t: Tensor, layout: str = "[B, d]") -> tuple[int, int]:
+    """The shape of ``t``, checked to be a non-empty matrix."""
+    _checks.check_rank(name, t, 2, layout)
+    if 0 in t.shape:
+        raise ValueError(f"{name} must be non-empty, got shape {tuple(t.shape)}")
+    return t.shape[0], t.shape[1]
+
+
+def check_slots(name: str, t: Tensor, slot: str, B: int, d: int) -> int:
+    """The slot count of ``t``, checked to be ``[B, slots, d]``."""
+    _checks.check_rank(name, t, 3, f"[B, {slot}, d]")
+    if t.shape[0] != B or t.shape[2] != d:
+        raise ValueError(f"{name} must have shape [B={B}, {slot}, d={d}], got {tuple(t.shape)}")
+    return t.shape[1]
+
+
+def check_positives(anchor: Tensor, pos_mask: Tensor | None, process_group, temperature) -> Tensor:
+    """Some anchor has a valid positive (with a group the check is global, in the gather: a rank
+    may have none); returns the temperature as a 0-d tensor in the compute dtype."""
+    if process_group is None:
+        _checks.check_some_positive(pos_mask)
+    else:
+        distributed.check_group(process_group)
+    return _checks.as_temperature(temperature, anchor)
+
+
+def without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
+    """``anchor`` with the rows of anchors that have no valid positive read as zeros: like a
+    padded slot, whatever they hold (NaN, Inf) reaches no value and no gradient (docs/losses.md)."""
+    if pos_mask is None:
+        return anchor
+    return torch.where(pos_mask.any(1, keepdim=True), anchor, anchor.new_zeros(()))
+
+
+# --------------------------------------------------------------------------- scaling rule
+
+
+def row_weights(
+    has_pos: Tensor, reduction: str, dtype: torch.dtype, *, world: int = 1, valid_anchors: Tensor | None = None
+) -> Tensor:
+    """``[B]`` weight of each anchor's loss row in the reduced loss: fastcl's one scaling rule.
+
+    One process: 0 for an anchor without a valid positive, else 1 (``sum``) or ``1 / n``
+    (``mean``, ``n`` anchors with a valid positive). With a process group of ``world`` ranks
+    each rank returns ``L_r = world * sum_i w_i loss_i`` with ``mean``'s ``n`` counted over
+    every rank (``valid_anchors``): then ``mean_r L_r`` is the loss of the concatenated global
+    batch, and DDP, which averages the ranks' gradients, gives exactly its gradient.
+    ``"none"`` rows are never scaled.
+    """
+    w = reduction_weights(has_pos, reduction, dtype, denominator=valid_anchors)
+    return w * world if world > 1 and reduction != "none" else w
+
+
+# --------------------------------------------------------------------------- the fused call
+
+
+def fused_loss(
+    head: str,
+    anchor: Tensor,
+    blocks: tuple[Tensor, Tensor],
+    tags: tuple[Tensor, Tensor],
+    tau: Tensor,
+    opts: Options,
+    *,
+    sizes: dict[str, int],
+    pos_mask: Tensor | None,
+    matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None,
+    own_count: int | None = None,
+    pos_logits: Tensor | None = None,
+    log_extra: Tensor | None = None,
+    padded: bool = True,
+) -> Tensor:
+    """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``), weigh
+    the rows by :func:`row_weights` and run the fused loss; or, with ``cross_device="ring"``,
+    run it over the ring (``fastcl.ops.ring``: the same weights, from the global count).
+    Own positives are ``own_count`` rows per anchor in block 0 (from where this rank's
+    candidates start) or the given differentiable ``pos_logits``. ``padded=False``: no tag is
+    padding (no masks were given; backends may skip masking padded rows)."""
+    cd = compute_dtype(anchor.dtype)
+    has_pos = (
+        torch.ones(anchor.shape[0], dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
+    )
+    dims = None if matryoshka is None else matryoshka[0]
+    if uses_ring(opts):
+        return ring_contrastive_loss(
+            anchor,
+            blocks,
+            tags,
+            tau,
+            group=opts.process_group,
+            kind=head,
+            positives=None if own_count is None else OwnPositives(0, own_count),
+            pos_logits=pos_logits,
+            pos_mask=pos_mask,
+            reduction=opts.reduction,
+            cosine=opts.similarity == "cos",
+            eps=EPS,
+            has_pos=has_pos,
+            check_positive=pos_mask is not None,
+            sizes=sizes,
+            log_extra=log_extra,
+            backend=opts.backend,
+            dims=dims,
+            dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+        )
+    if opts.process_group is None:
+        weights, offset = row_weights(has_pos, opts.reduction, cd), 0
+    else:
+        g = distributed.gather_candidates(
+            blocks, tags, has_pos, sizes=sizes, check_positive=pos_mask is not None, group=opts.process_group
+        )
+        blocks, tags, offset = g.blocks, g.tags, g.offset
+        weights = row_weights(has_pos, opts.reduction, cd, world=g.world, valid_anchors=g.valid_anchors.to(cd))
+    own = None if own_count is None else OwnPositives(offset, own_count)
+    return contrastive_loss(
+        anchor,
+        blocks,
+        tags,
+        tau,
+        kind=head,
+        positives=own,
+        pos_logits=pos_logits,
+        pos_mask=pos_mask,
+        weights=weights,
+        reduction=opts.reduction,
+        cosine=opts.similarity == "cos",
+        eps=EPS,
+        log_extra=log_extra,
+        backend=opts.backend,
+        dims=dims,
+        dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+        padded=padded or opts.process_group is not None,  # other ranks' candidates may carry padding
+    )
+
+
+def structured_loss(
+    head: str,
+    anchor: Tensor,
+    positives: Tensor,
+    negatives: Tensor | None,
+    pos_mask: Tensor | None,
+    neg_mask: Tensor | None,
+    opts: Options,
+    *,
+    exclude_own: bool,
+    zero_logit_own: bool = False,
+) -> Tensor:
+    """The layout of SupMPN, SupCon, MNRL and InfoNCE: every anchor's ``P`` own positives in
+    block 0 (left out of the owner's denominator with ``exclude_own``), every negative in
+    block 1. ``zero_logit_own``: each *other* own positive adds ``exp(0)`` to the
+    denominator (SupMPN's released code)."""
+    check_options(opts.reduction, opts.similarity, opts.cross_device)
+    _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
+    B, d = check_matrix("anchor", anchor)
+    matryoshka = _matryoshka.check(opts.matryoshka_dims, opts.matryoshka_weights, d, compute_dtype(anchor.dtype))
+    P = check_slots("positives", positives, "P", B, d)
+    if P == 0:
+        raise ValueError("positives has P = 0: every anchor needs at least one positive slot")
+    if negatives is None and neg_mask is not None:
+        raise ValueError("neg_mask given without negatives")
+    Q = 0 if negatives is None else check_slots("negatives", negatives, "Q", B, d)
+    _checks.check_mask("pos_mask", pos_mask, (B, P), anchor.device)
+    _checks.check_mask("neg_mask", neg_mask, (B, Q), anchor.device)
+    tau = check_positives(anchor, pos_mask, opts.process_group, opts.temperature)
+    dev = anchor.device
+
+    with no_autocast(anchor):
+        anchor = without_unused_anchors(anchor, pos_mask)
+        pos_tags = structured_tags(B, P, pos_mask, device=dev, exclude_owner=exclude_own)
+        if negatives is not None and Q:
+            neg_block = negatives.reshape(B * Q, d)
+            neg_tags = structured_tags(B, Q, neg_mask, device=dev, exclude_owner=False)
+        else:
+            neg_block, neg_tags = empty_block(anchor)
+        log_extra = None
+        if zero_logit_own:
+            count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
+            log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
+        blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
+        sizes = {"B": B, "P": P, "Q": Q, "d": d}
+        return fused_loss(
+            head,
+            anchor,
+            blocks,
+            tags,
+            tau,
+            opts,
+            sizes=sizes,
+            pos_mask=pos_mask,
+            matryoshka=matryoshka,
+            own_count=P,
+            log_extra=log_extra,
+            padded=pos_mask is not None or neg_mask is not None,  # no mask: no padding tag anywhere
+        )
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class TemperatureLoss(nn.Module):
+    """The state every LSE loss module shares: a fixed or learnable temperature and the options.
+
+    A tensor ``temperature`` that requires grad is used as given (the caller trains it);
+    ``learn_temperature=True`` keeps ``log(temperature)`` as a parameter (so it stays > 0).
+    """
+
+    def __init__(
+        self,
+        temperature: float | Tensor = 0.05,
+        *,
+        learn_temperature: bool = False,
+        reduction: str = "mean",
+        backend: str = "auto",
+        process_group=None,
+        similarity: str = "cos",
+        matryoshka_dims=None,
+        matryoshka_weights=None,
+        cross_device: str = "gather",
+    ):
+        super().__init__()
+        # the losses' rule (fastcl._checks.check_temperature) in float32; a float64 call
+        # checks again in float64
+        _checks.check_temperature(temperature)
+        _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
+        _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+        _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
+        if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
+            temperature = float(temperature.detach())  # a value to start from / a constant
+        elif not isinstance(temperature, Tensor):
+            temperature = float(temperature)  # a NumPy scalar too
+        if learn_temperature:
+            self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature)))
+        else:
+            # a float, or a tensor that requires grad: a temperature the caller trains
+            self._fixed_temperature: float | Tensor | None = temperature
+        self.learn_temperature = learn_temperature
+        self.options: dict[str, Any] = dict(
+            reduction=reduction,
+            backend=backend,
+            process_group=process_group,
+            similarity=similarity,
+            cross_device=cross_device,
+        )
+        # d and the compute dtype are checked per call; keep the checked tuples (the
+        # arguments may be generators, spent by the check)
+        checked = _matryoshka.check(matryoshka_dims, matryoshka_weights)
+        if checked is not None:
+            self.options.update(matryoshka_dims=checked[0], matryoshka_weights=checked[1])
+
+    @property
+    def temperature(self) -> float | Tensor | None:
+        return self.log_temperature.exp() if self.learn_temperature else self._fixed_temperature
+
+    def _kw(self) -> dict[str, Any]:
+        """The loss function's keyword arguments: the temperature and the options."""
+        return dict(temperature=self.temperature, **self.options)
+
+    def _temperature_repr(self) -> str:
+        return "learnable" if self.learn_temperature else str(self._fixed_temperature)
+
+    def extra_repr(self) -> str:
+        t = self._temperature_repr()
+        return f"temperature={t}, reduction={self.options['reduction']!r}, backend={self.options['backend']!r}"
+
+
+__all__ = [
+    "ARG_DOCS",
+    "Options",
+    "TemperatureLoss",
+    "check_matrix",
+    "check_options",
+    "check_positives",
+    "check_slots",
+    "CROSS_DEVICE",
+    "document",
+    "fused_loss",
+    "no_autocast",
+    "row_weights",
+    "structured_loss",
+    "uses_ring",
+    "without_unused_anchors",
+]

@@ -1,0 +1,222 @@
+"""``cross_device="ring"``: every anchor sees every rank's candidates, and no rank holds them all.
+
+The gather mode (``fastcl.distributed``) all-gathers the candidates, so each rank holds
+``W * N * d`` of them and as many gradients. Here each rank keeps its anchors and its
+candidate blocks stay where they are; copies travel around the ring (``ring_comm``):
+
+* forward: step ``t`` runs the backend's ``forward`` on the block of rank ``rank - t``
+  (its tags made foreign: another rank's owner tags become ``TAG_ALL``, and own positives
+  are folded only from this rank's block) while the next block is in flight; the partial
+  ``(lse, mean_logit)`` merge online (``blockwise.Merged``, fixed order: reproducible for
+  a world size); then the loss head runs once on the merged ``lse``.
+* backward: the blocks go round again; for each, ``backward`` with ``g_t = g * exp(lse_t -
+  lse)`` (``blockwise.block_grad``) gives this rank's share of that block's gradient, added
+  to the block's accumulator, which travels with it and is home after the last hop; the
+  anchor gradient stays local. Always the recompute strategy (4 GEMM-sized passes).
+
+Each rank keeps its ``W`` partial ``lse`` rows (``[W, B]``, ``[W, K, B]`` with dims) between
+forward and backward: ``4 * W * B`` bytes, against ``W * N * d`` elements for the gather.
+The valid-anchor count travels with the tags, so the reduction weights are those of the
+gather mode (``W / n_valid_global`` for mean, ``W`` for sum; docs/distributed.md) and DDP's
+averaging gives exactly the one-process gradient. A rank that fails makes every rank raise
+at the end of that pass (``ring_comm``); a second derivative raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import _checks, distributed
+from . import dispatch
+from .blockwise import Merged, block_grad, foreign_tags
+from .contract import LSEProblem, OwnPositives, compute_dtype
+from .contrastive import LossSpec, _first_order_only, _own_logit_values, _tau_grad, head_of
+from .head import reduction_weights
+from .ring_comm import RingComm, circulate, circulate_grads
+
+NO_POSITIVE = "no anchor of any rank has a valid positive (pos_mask is all False everywhere): the loss is undefined"
+SECOND_ORDER = (
+    "fastcl: cross_device='ring' computes first derivatives only, so the gradient of its gradient "
+    "(create_graph=True, double backward) is not available; use cross_device='gather' with "
+    "backend='reference' for second derivatives"
+)
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """A ring call: the loss (``LossSpec`` with this rank's tags and own-positive layout), the
+    ring, and where the reduction weights come from: ``has_pos [B]`` (weights from the global
+    valid-anchor count, raising ``ValueError(no_positive)`` on every rank when it is 0 and
+    ``check_positive``) or, when None, ``loss.weights`` as given."""
+
+    loss: LossSpec
+    comm: RingComm
+    has_pos: Tensor | None
+    check_positive: bool = False
+    no_positive: str = NO_POSITIVE
+
+    def payload(self, block0: Tensor, block1: Tensor) -> list[Tensor]:
+        """What travels: the two blocks and one int32 vector of their tags plus this rank's
+        valid-anchor count (``[N0 + N1 + 1]``)."""
+        tags = self.loss.tags
+        count = torch.zeros(1, dtype=torch.int32, device=tags[0].device)
+        if self.has_pos is not None:
+            count = self.has_pos.sum().to(device=tags[0].device, dtype=torch.int32).reshape(1)
+        return [block0, block1, torch.cat([tags[0], tags[1], count])]
+
+    def problem(self, anchor: Tensor, payload: list[Tensor], own: bool) -> LSEProblem:
+        """This rank's anchors against a block that arrived (``own``: this rank's block)."""
+        b0, b1, meta = payload
+        ls = self.loss
+        if own:
+            return ls.problem(anchor, b0, b1)
+        n0 = b0.shape[0]
+        tags = (foreign_tags(meta[:n0]), foreign_tags(meta[n0:-1]))
+        return LSEProblem(anchor, (b0, b1), tags, ls.cosine, ls.eps, None, ls.dims)
+
+
+def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """``[B]`` reduction weights; with ``has_pos`` those of the global batch (see RingSpec)."""
+    if spec.has_pos is None:
+        return spec.loss.weights
+    total = torch.cat(counts).sum()
+    if spec.check_positive and int(total) == 0:  # every rank has the same total: all raise
+        raise ValueError(spec.no_positive)
+    weights = reduction_weights(spec.has_pos, spec.loss.reduction, dtype, denominator=total.to(dtype))
+    return weights if spec.loss.reduction == "none" else weights * spec.comm.world
+
+
+class RingLSE(torch.autograd.Function):
+    """``ContrastiveLSE`` with the candidates of every rank of a ring (module docstring):
+    inputs ``anchor [B, d]``, this rank's ``block0 [N0, d]``, ``block1 [N1, d]``, ``pos_logits``
+    (``[B, P]`` / ``[K, B, P]``, or None: own positives folded from block 0), ``tau``; output
+    the reduced loss (rows ``[B]`` for ``reduction="none"``) of this rank's anchors."""
+
+    @staticmethod
+    def forward(ctx, anchor, block0, block1, pos_logits, tau, spec: RingSpec):
+        ls, comm = spec.loss, spec.comm
+        cd = compute_dtype(anchor.dtype)
+        folded = pos_logits is None
+        own = ls.problem(anchor, block0, block1)
+        merged, partials, counts = Merged(), [], []
+
+        def visit(source: int, payload: list[Tensor]) -> None:
+            lse_t, ml_t = ls.impl.forward(spec.problem(anchor, payload, source == comm.rank), tau)
+            merged.add(lse_t, ml_t)
+            partials.append(lse_t)
+            counts.append(payload[2][-1:].clone())  # the buffer is reused by a later receive
+
+        failure = circulate(comm, spec.payload(block0, block1), visit)
+        if failure is None:
+            try:  # an error here (no valid positive anywhere) is every rank's: all agree below
+                pos_values = (_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd)
+                weights = _weights(spec, counts, cd)
+                loss_rows, dlse, dpos = head_of(ls, merged.lse, pos_values)
+            except Exception as exc:
+                failure = exc
+        comm.agree_on_status(failure, "forward")
+
+        ctx.spec, ctx.dtype, ctx.folded, ctx.weights = spec, anchor.dtype, folded, weights
+        if any(ctx.needs_input_grad[:5]):
+            saved = (anchor, block0, block1, tau, pos_logits, merged.lse, merged.mean_logit)
+            ctx.save_for_backward(*saved, dlse, dpos, pos_values, torch.stack(partials))
+        out = loss_rows if ls.reduction == "none" else (loss_rows * weights.to(cd)).sum()
+        return out.to(anchor.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: mark the gradients first-order only
+            with torch.no_grad():
+                grads = RingLSE._grads(ctx, grad_out)
+            return _first_order_only(ctx.spec.loss.impl.name, grads, SECOND_ORDER)
+        return RingLSE._grads(ctx, grad_out)
+
+    @staticmethod
+    def _grads(ctx, grad_out):
+        spec, ls, comm = ctx.spec, ctx.spec.loss, ctx.spec.comm
+        anchor, block0, block1, tau, pos_input, lse, mean_logit, dlse, dpos, pos_values, partials = ctx.saved_tensors
+        cd = compute_dtype(ctx.dtype)
+        go = grad_out.to(cd)
+        row_w = go * ctx.weights.to(cd) if ls.reduction != "none" else go  # [B] (or [K, B])
+        g = dlse * row_w
+        d_pos = dpos * row_w[..., None]
+        d_anchor = torch.zeros(anchor.shape, dtype=cd, device=anchor.device)
+
+        def contribute(source: int, payload: list[Tensor]) -> list[Tensor]:
+            step = (comm.rank - source) % comm.world
+            lse_t = partials[step]
+            fold = d_pos if step == 0 and ctx.folded else None  # own positives: this rank's block only
+            d_a, (d0, d1) = ls.impl.backward(
+                spec.problem(anchor, payload, step == 0), tau, lse_t, block_grad(g, lse, lse_t), fold
+            )
+            d_anchor.add_(d_a)
+            return [d0, d1]
+
+        def new_grads() -> list[Tensor]:
+            return [torch.empty(b.shape, dtype=cd, device=b.device) for b in (block0, block1)]
+
+        (d_b0, d_b1), failure = circulate_grads(comm, spec.payload(block0, block1), contribute, new_grads)
+        comm.agree_on_status(failure, "backward")
+        d_tau = None
+        if ctx.needs_input_grad[4]:
+            d_tau = _tau_grad((g * mean_logit).sum(), d_pos, pos_values, tau, ctx.folded).to(tau.dtype)
+        d_inputs = (t.to(ctx.dtype) for t in (d_anchor, d_b0, d_b1))
+        return (*d_inputs, None if ctx.folded else d_pos, d_tau, None)
+
+
+def ring_contrastive_loss(
+    anchor: Tensor,
+    blocks: tuple[Tensor, Tensor],
+    tags: tuple[Tensor, Tensor],
+    tau: Tensor,
+    *,
+    group,
+    kind: str,
+    positives: OwnPositives | None,
+    pos_logits: Tensor | None,
+    pos_mask: Tensor | None,
+    reduction: str,
+    cosine: bool,
+    eps: float,
+    has_pos: Tensor | None = None,
+    weights: Tensor | None = None,
+    check_positive: bool = False,
+    no_positive: str = NO_POSITIVE,
+    sizes: dict[str, int] | None = None,
+    handshake: bool = True,
+    log_extra: Tensor | None = None,
+    backend: str | None = "auto",
+    dims: tuple[int, ...] | None = None,
+    dim_weights: Tensor | None = None,
+) -> Tensor:
+    """:func:`~fastcl.ops.contrastive.contrastive_loss` over every rank of ``group``'s candidates,
+    by the ring (module docstring). Arguments as there, all of them this rank's: ``tags``
+    name this rank's anchors (rows ``0..B-1``), ``positives`` is the own-positive layout in
+    this rank's block 0. Give ``has_pos [B]`` (anchors with a valid positive: the weights are
+    the gather mode's, from the global count; ``check_positive`` raises when it is 0) or
+    ``weights [B]`` (used as given); ``no_positive``: that error's message. ``sizes``: the named sizes every rank must share (at
+    most six; default the block shapes), checked by one handshake unless ``handshake=False``
+    (the caller checked shapes and dtype already). Every rank must call it, and backward."""
+    if (has_pos is None) == (weights is None):
+        raise TypeError("ring_contrastive_loss takes has_pos or weights (exactly one)")
+    if _checks.requested_strategy() == "fused":
+        raise ValueError(
+            f"{_checks.STRATEGY_ENV}=fused: cross_device='ring' always recomputes (the loss head needs "
+            "every rank's candidates before any gradient); unset it or use cross_device='gather'"
+        )
+    anchor = anchor.contiguous()
+    blocks = (blocks[0].contiguous(), blocks[1].contiguous())
+    tags = (tags[0].contiguous(), tags[1].contiguous())
+    if handshake:
+        shapes = {"B": anchor.shape[0], "N0": blocks[0].shape[0], "N1": blocks[1].shape[0], "d": anchor.shape[1]}
+        distributed.check_same_sizes(group, sizes or shapes, blocks[0].dtype)
+    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims), backend=backend)
+    placeholder = anchor.new_empty(0) if weights is None else weights
+    spec = LossSpec(
+        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, placeholder, reduction, dims, dim_weights
+    )
+    ring = RingSpec(spec, RingComm(group), has_pos, check_positive, no_positive)
+    return RingLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, ring)

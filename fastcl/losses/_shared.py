@@ -191,7 +191,13 @@ def without_unused_anchors(anchor: Tensor, pos_mask: Tensor | None) -> Tensor:
 
 
 def row_weights(
-    has_pos: Tensor, reduction: str, dtype: torch.dtype, *, world: int = 1, valid_anchors: Tensor | None = None
+    has_pos: Tensor,
+    reduction: str,
+    dtype: torch.dtype,
+    *,
+    world: int = 1,
+    valid_anchors: Tensor | None = None,
+    maybe_empty: bool = True,
 ) -> Tensor:
     """``[B]`` weight of each anchor's loss row in the reduced loss: fastcl's one scaling rule.
 
@@ -202,7 +208,7 @@ def row_weights(
     batch, and DDP, which averages the ranks' gradients, gives exactly its gradient.
     ``"none"`` rows are never scaled.
     """
-    w = reduction_weights(has_pos, reduction, dtype, denominator=valid_anchors)
+    w = reduction_weights(has_pos, reduction, dtype, denominator=valid_anchors, maybe_empty=maybe_empty)
     return w * world if world > 1 and reduction != "none" else w
 
 
@@ -259,7 +265,7 @@ def fused_loss(
             dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
         )
     if opts.process_group is None:
-        weights, offset = row_weights(has_pos, opts.reduction, cd), 0
+        weights, offset = row_weights(has_pos, opts.reduction, cd, maybe_empty=pos_mask is not None), 0
     else:
         g = distributed.gather_candidates(
             blocks, tags, has_pos, sizes=sizes, check_positive=pos_mask is not None, group=opts.process_group

@@ -75,13 +75,21 @@ def head_rows(
 
 
 def reduction_weights(
-    has_pos: Tensor, reduction: str, dtype: torch.dtype = torch.float32, denominator: Tensor | None = None
+    has_pos: Tensor,
+    reduction: str,
+    dtype: torch.dtype = torch.float32,
+    denominator: Tensor | None = None,
+    maybe_empty: bool = True,
 ) -> Tensor:
     """``[B]`` weight of each anchor's loss in the reduced loss (no host sync): 0 without a
     positive; ``mean`` divides by the number of anchors with one (or by ``denominator``, the
-    distributed layer's global count); ``sum`` and ``none`` weigh 1."""
+    distributed layer's global count); ``sum`` and ``none`` weigh 1. When no anchor has a
+    positive (``maybe_empty``: the caller cannot rule it out) the loss is undefined and every
+    weight of ``mean`` and ``sum`` is NaN, so the loss is NaN, never a finite 0."""
     w = has_pos.to(dtype)
     if reduction == "mean":
         n = w.sum() if denominator is None else denominator
-        w = w / n.clamp_min(1.0)
+        w = w / n  # 0 / 0: NaN when no anchor has a positive
+    elif reduction == "sum" and maybe_empty and denominator is None:
+        w = torch.where(w.sum() > 0, w, float("nan"))
     return w

@@ -88,3 +88,24 @@ def test_pool_loss_takes_minus_one_in_padded_slots():
         L.supcon_pool_loss(a, c, padded, pos_mask=torch.ones(4, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="pos_index must be in"):
         L.supcon_pool_loss(a, c, padded)
+
+
+def test_no_valid_positive_raises_on_cpu_and_is_nan_without_a_host_read():
+    """A CPU mask is read: no valid positive anywhere raises. A mask on a GPU is not read on
+    the host (no sync, capturable in a CUDA graph): the reduction's weights make such a loss
+    NaN, never a finite 0 (here the device rule is checked on a 'meta' mask, which cannot be
+    read at all, and the weights on the CPU)."""
+    import fastcl.losses as L
+    from fastcl import _checks
+    from fastcl.ops.head import reduction_weights
+
+    a, p = torch.randn(4, 8), torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="no anchor has a valid positive"):
+        L.supmpn_loss(a, p, pos_mask=torch.zeros(4, 2, dtype=torch.bool))
+    _checks.check_some_positive(torch.zeros(4, 2, dtype=torch.bool, device="meta"))  # no read, no error
+    none = torch.zeros(4, dtype=torch.bool)
+    for reduction in ("mean", "sum"):
+        assert reduction_weights(none, reduction).isnan().all()
+        assert not reduction_weights(torch.tensor([True, False, True, False]), reduction).isnan().any()
+    assert (reduction_weights(none, "none") == 0).all()
+    assert not reduction_weights(torch.ones(4, dtype=torch.bool), "sum", maybe_empty=False).isnan().any()

@@ -78,3 +78,33 @@ def test_reduce_overhead_compile_equals_eager():
     torch.testing.assert_close(loss.float(), want.float(), rtol=1e-2, atol=1e-2)
     for x, y in zip(leaves, ref):
         torch.testing.assert_close(x.grad.float(), y.grad.float(), rtol=2e-2, atol=1e-4)
+
+
+@cuda
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_warm_cuda_step_makes_no_host_sync(masked):
+    """``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronising call: a warm
+    step, masks included, makes none; a mask with no valid positive gives NaN, not an error."""
+    import fastcl.losses as L
+
+    leaves = [x.requires_grad_() for x in _inputs()]
+    mask = torch.ones(512, 3, dtype=torch.bool, device="cuda") if masked else None
+
+    def step(m):
+        for x in leaves:
+            x.grad = None
+        loss = L.supmpn_loss(*leaves, pos_mask=m, temperature=0.05, backend="triton")
+        loss.backward()
+        return loss
+
+    step(mask)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step(mask)
+        empty = step(torch.zeros_like(mask)) if masked else None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
+    if masked:
+        assert torch.isnan(empty)

@@ -301,15 +301,16 @@ _STATE = _State()
 
 
 @contextlib.contextmanager
-def recording(dry: bool = False, arch: str | None = None, sms: int | None = None):
+def recording(dry: bool = False, arch: str | None = None, sms: int | None = None, record: bool = True):
     """Collect every :class:`Launch` made inside. ``dry``: launch nothing (tensors may live on
     any device; outputs stay uninitialised); ``arch`` / ``sms``: plan for this arch and SM
     count instead of the tensors' device (a dry run for an H100 on CPU tensors:
-    ``recording(dry=True, arch="sm90", sms=132)``)."""
+    ``recording(dry=True, arch="sm90", sms=132)``); ``record=False``: keep no list (a dry run
+    that times the launchers' host cost, ``fastcl.bench.launches.host_overhead``)."""
     saved = _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms
-    _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms = [], dry, arch, sms
+    _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms = ([] if record else None), dry, arch, sms
     try:
-        yield _STATE.records
+        yield _STATE.records if record else []
     finally:
         _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms = saved
 

@@ -25,6 +25,7 @@ inputs run 3xTF32 (three MMAs per product) with ``BK=16``; fp64 gets 32-row tile
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -52,7 +53,7 @@ class Config:
     dclass: str = "16"
     source: str = field(default="default", compare=False)
 
-    @property
+    @functools.cached_property
     def kwargs(self) -> dict[str, int]:
         return dict(self.meta)
 

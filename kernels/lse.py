@@ -60,12 +60,21 @@ class _Call:
         self.sms = num_sms(self.dev, self.arch)
         self.tau = tau.to(self.acc).reshape(1)
         self.precision = dot_precision(self.dt)
+        self._none: Tensor | None = None
 
     def config(self, role: str) -> configs.Config:
         return configs.lookup(role, self.arch, self.dclass, self.d)
 
     def dummy(self) -> Tensor:
-        return plan.dummy(self.dev)
+        return self.none
+
+    @property
+    def none(self) -> Tensor:
+        """The device's placeholder for pointer arguments a specialisation never reads (one
+        lookup per call)."""
+        if self._none is None:
+            self._none = plan.dummy(self.dev)
+        return self._none
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,7 +362,7 @@ def _gemm(call, cfg, X, Y, OUT, tags, *, x_transposed, KSCALE, MSCALE, RINV, RAD
     (M, N), K, sx = OUT.shape, Y.shape[0], X.stride()
     if sx[1] != 1 or Y.stride(1) != 1 or OUT.stride(1) != 1:
         raise ValueError("the backward GEMM takes row-major operands (a dS chunk, contiguous rows)")
-    none = call.dummy()
+    none = call.none
     tiles = plan.cdiv(M, cfg["BM"]) * plan.cdiv(N, cfg["BN"])
     progs = max(1, min(tiles, call.sms * cfg.occupancy))
     launch(

@@ -157,14 +157,17 @@ def account(dry_arch: str | None = None, sms: int | None = None):
 
 def host_overhead(loss: str = "supmpn", B: int = 4096, d: int = 768, steps: int = 20) -> dict:
     """Host time of a warm ``triton`` step planned for an H100 with every kernel launch mocked
-    (a dry recording: the launchers run, the kernels do not), under ``TRITON_INTERPRET=1`` on
-    CPU tensors. What is timed: fastcl's Python (validation, dispatch, planning, the launchers)
-    and the ATen glue ops on the CPU; not Triton's own launch path (~a few us per launch)."""
+    (the launchers run, the kernels do not), under ``TRITON_INTERPRET=1`` on CPU tensors:
+    fastcl's Python (validation, dispatch, planning, launchers) plus the ATen glue ops, which
+    here compute on the CPU (on a GPU they are asynchronous launches of a few us). Not timed:
+    Triton's own launch path. ``launches`` is counted in a separate, accounted step."""
     import statistics
+    import time
 
     import fastcl.losses as L
     from fastcl.bench.cases import make_inputs
     from fastcl.kernels import INTERPRET
+    from fastcl.kernels._common import recording
 
     if not INTERPRET:
         raise RuntimeError("host_overhead runs the triton backend on CPU tensors: set TRITON_INTERPRET=1")
@@ -172,14 +175,22 @@ def host_overhead(loss: str = "supmpn", B: int = 4096, d: int = 768, steps: int 
     inputs = make_inputs(loss, B, P, Q, d, "bfloat16", "cpu")
     leaves = [t for t in inputs.values() if t is not None]
     fused = {"supmpn": L.supmpn_loss, "infonce": L.infonce_loss, "mnrl": L.mnrl_loss}[loss]
-    times = []
-    for i in range(steps + 2):
+
+    def step():
         for t in leaves:
             t.grad = None
+        fused(**inputs, temperature=0.05, backend="triton").backward()
+
+    for _ in range(2):  # warm: the second step is the one counted
         with account(dry_arch="sm90", sms=132) as acct:
-            fused(**inputs, temperature=0.05, backend="triton").backward()
-        if i >= 2:
-            times.append(acct.seconds)
+            step()
+    times = []
+    with recording(dry=True, arch="sm90", sms=132, record=False):
+        for i in range(steps + 2):
+            start = time.perf_counter()
+            step()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
     ms = statistics.median(times) * 1e3
     return {
         "loss": loss,

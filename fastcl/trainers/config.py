@@ -41,6 +41,7 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": None,
     "precision": "fp32",
     "chunk_size": None,
+    "cross_device": "gather",
     "seed": 42,
     "shuffle": True,
     "eval_steps": 125,
@@ -100,6 +101,12 @@ def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
         "auto: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on the CPU",
     )
     g.add_argument("--chunk-size", type=int, help="gradient cache: encode in chunks of this many texts")
+    g.add_argument(
+        "--cross-device",
+        choices=("gather", "ring"),
+        help="with DDP, how the losses see every rank's candidates: all-gathered (default) or passed "
+        "rank to rank (ring: per-rank memory does not grow with the world; docs/distributed.md)",
+    )
     g.add_argument("--seed", type=int)
     g.add_argument("--shuffle", type=_bool, help="shuffle each epoch (true/false)")
     g.add_argument("--eval-steps", type=int, help="STS-B dev evaluation every N steps (0 = off)")

@@ -306,6 +306,7 @@ def train(recipe: Recipe, cfg) -> dict:
             world_size=world,
             device=device,
             process_group=group,
+            cross_device=cfg.cross_device,
             rng=random.Random(f"{cfg.seed}-{step}-{rank}"),
             encode=encode,
         )

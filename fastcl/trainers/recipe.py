@@ -53,7 +53,8 @@ class StepContext:
         rank, world_size: ``torch.distributed`` position (0 / 1 without DDP).
         device: where the model lives.
         process_group: pass to fastcl losses as ``process_group=`` for cross-device
-            negatives (``None`` on one process).
+            negatives (``None`` on one process); ``cross_device`` with it (``--cross-device``):
+            ``ctx.negatives()`` gives both as keyword arguments.
         rng: ``random.Random`` seeded from (seed, step, rank): use it for every random
             choice in ``collate`` (augmentation, negative sampling) so resume is exact.
         encode: ``encode(module, **inputs) -> (n, d)``: runs ``module(**inputs)`` and, with
@@ -69,8 +70,13 @@ class StepContext:
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     process_group: Any = None
+    cross_device: str = "gather"
     rng: random.Random = field(default_factory=random.Random)
     encode: Callable[..., Tensor] | None = None
+
+    def negatives(self) -> dict[str, Any]:
+        """``process_group=`` and ``cross_device=`` for a fastcl loss (cross-device negatives)."""
+        return {"process_group": self.process_group, "cross_device": self.cross_device}
 
 
 class Recipe:

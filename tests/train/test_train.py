@@ -293,24 +293,26 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
 
     from tests.train.ddp_worker import run_rank, sgd
 
-    cases = {  # deterministic data and encoder: no sampled fills, no dropout
-        "supmpn": dict(pos_fill="mask", neg_fill="mask", num_positives=2, num_negatives=2),
-        "supcon": dict(pooling="mean"),  # Liao allpalln: pool loss over every rank's hypotheses
+    supmpn = dict(pos_fill="mask", neg_fill="mask", num_positives=2, num_negatives=2)
+    cases = {  # name: (method, options, two-process options); deterministic data, no dropout
+        "supmpn": ("supmpn", supmpn, {}),
+        "supmpn-ring": ("supmpn", supmpn, dict(cross_device="ring")),  # candidates passed rank to rank
+        "supcon": ("supcon", dict(pooling="mean"), {}),  # Liao allpalln: pool loss over every rank's hypotheses
     }
     argvs = []
-    for method, extra in cases.items():
+    for name, (method, extra, two_extra) in cases.items():
         common = dict(max_examples=16, max_steps=2, lr=0.5, model=setup["model_no_dropout"], **extra)
-        recipe, cfg = parse(_argv(method, _options(setup, method, tmp_path / method / "one", **common)))
+        recipe, cfg = parse(_argv(method, _options(setup, method, tmp_path / name / "one", **common)))
         recipe.build_optimizer = sgd
         train(recipe, cfg)
-        argvs.append(_argv(method, _options(setup, method, tmp_path / method / "two", **common)))
+        argvs.append(_argv(method, _options(setup, method, tmp_path / name / "two", **common, **two_extra)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(run_rank, args=(2, port, argvs), nprocs=2, join=True)
     from fastcl.trainers.checkpoint import MANIFEST, problem
 
-    for method in cases:
+    for method in cases:  # (the case's name)
         two_dir = tmp_path / method / "two" / "checkpoint-2"  # marked complete once both ranks wrote
         assert problem(two_dir) is None and json.loads((two_dir / MANIFEST).read_text())["world_size"] == 2
         run_id = json.loads((tmp_path / method / "two" / "run.json").read_text())["run_id"]  # rank 0's, for all

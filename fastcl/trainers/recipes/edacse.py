@@ -71,6 +71,4 @@ class EdaCSE(HFRecipe):
     def loss(self, model, batch, ctx):
         B = batch["batch_size"]
         a, a_drop, a_aug = split_rows(ctx.encode(model, **batch["inputs"]), B, B, B)
-        return edacse_loss(
-            a, a_drop, a_aug, lam=ctx.cfg.lam, temperature=ctx.cfg.temperature, process_group=ctx.process_group
-        ), {}
+        return edacse_loss(a, a_drop, a_aug, lam=ctx.cfg.lam, temperature=ctx.cfg.temperature, **ctx.negatives()), {}

@@ -44,7 +44,7 @@ class SimCSEUnsup(HFRecipe):
     def loss(self, model, batch, ctx):
         B = batch["batch_size"]
         a, b = split_rows(ctx.encode(model, **batch["inputs"]), B, B)
-        return infonce_loss(a, b, temperature=ctx.cfg.temperature, process_group=ctx.process_group), {}
+        return infonce_loss(a, b, temperature=ctx.cfg.temperature, **ctx.negatives()), {}
 
 
 class SimCSESup(HFRecipe):
@@ -70,4 +70,4 @@ class SimCSESup(HFRecipe):
     def loss(self, model, batch, ctx):
         B = batch["batch_size"]
         a, p, n = split_rows(ctx.encode(model, **batch["inputs"]), B, B, B)
-        return mnrl_loss(a, p, n, temperature=ctx.cfg.temperature, process_group=ctx.process_group), {}
+        return mnrl_loss(a, p, n, temperature=ctx.cfg.temperature, **ctx.negatives()), {}

@@ -188,7 +188,7 @@ class SupCon(HFRecipe):
                 pos_mask=pos_mask,
                 temperature=cfg.temperature,
                 similarity=cfg.similarity,
-                process_group=ctx.process_group,
+                **ctx.negatives(),
             ).float()
         elif anchors.shape[0] == 0:  # no entailment row in this batch: CE only
             scl = ce * 0.0

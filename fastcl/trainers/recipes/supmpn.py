@@ -112,6 +112,6 @@ class SupMPN(HFRecipe):
             neg_mask=neg_mask if neg_mask.shape[1] else None,
             temperature=ctx.cfg.temperature,
             own_positives=ctx.cfg.own_positives,
-            process_group=ctx.process_group,
+            **ctx.negatives(),
         )
         return loss, {}

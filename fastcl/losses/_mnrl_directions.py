@@ -114,16 +114,25 @@ class _Batch:
     """
 
     def __init__(
-        self, q: Tensor, d: Tensor, negs: Tensor | None, tau: Tensor, cosine: bool, backend: str, group=None, dims=None
+        self,
+        q: Tensor,
+        d: Tensor,
+        negs: Tensor | None,
+        tau: Tensor,
+        cosine: bool,
+        backend: str,
+        strategy: str = "auto",
+        group=None,
+        dims=None,
     ):
-        self.q, self.d, self.tau, self.cosine, self.backend = q, d, tau, cosine, backend
+        self.q, self.d, self.tau, self.cosine, self.backend, self.strategy = q, d, tau, cosine, backend, strategy
         self.dims = dims  # Matryoshka: every row is [K, B], one per prefix
         B, dim = q.shape
         dev = q.device
         self.B = B
         self.Q = 0 if negs is None else negs.shape[1]
         self.negs = negs
-        negs_flat = negs.reshape(B * self.Q, dim) if self.Q else q.new_empty((0, dim))
+        negs_flat = negs.reshape(B * self.Q, dim) if negs is not None and self.Q else q.new_empty((0, dim))
         if group is None:
             world, self.offset = 1, 0
             self.cand_q, self.cand_d, self.cand_n = q, d, negs_flat
@@ -142,7 +151,7 @@ class _Batch:
         self.own_n = own.repeat_interleave(self.Q)  # n_jq left out of row j
         self.all_b = torch.full((world * B,), TAG_ALL, dtype=torch.int32, device=dev)
         self.all_n = torch.full((world * B * self.Q,), TAG_ALL, dtype=torch.int32, device=dev)
-        self._pos = None
+        self._pos: Tensor | None = None
 
     def pair_logits(self, x: Tensor, ys: Tensor) -> Tensor:
         """``[B, P]`` differentiable logits ``l(x_i, ys_ip)`` (``[K, B, P]`` with dims)."""
@@ -151,6 +160,11 @@ class _Batch:
         return torch.stack(
             [positive_logits(x[:, :m], ys[..., :m], self.tau, cosine=self.cosine, eps=EPS) for m in self.dims]
         )
+
+    def own_negative_logits(self, x: Tensor) -> Tensor:
+        """``[B, Q]`` (``[K, B, Q]``) logits of each row's own hard negatives, a gather."""
+        assert self.negs is not None  # callers check Q > 0
+        return self.pair_logits(x, self.negs)
 
     def pos(self) -> Tensor:
         """``[B]`` (``[K, B]``) differentiable positive logits ``l(q_i, d_i)`` (float32/64)."""
@@ -183,6 +197,7 @@ class _Batch:
             cosine=self.cosine,
             eps=EPS,
             backend=self.backend,
+            strategy=self.strategy,
             dims=self.dims,  # no dim_weights: the prefixes' rows, combined per prefix below
         ).to(cd)
 
@@ -211,7 +226,7 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
     pieces = []
     if hardness_mode == "hard_negatives":
         # hardened: the query's own negatives, a [B, Q] gather (only row i holds them)
-        own = bt.pair_logits(q, bt.negs)  # [B, Q]
+        own = bt.own_negative_logits(q)  # [B, Q]
         hard = own + alpha * (own * tau.to(own.dtype)).detach()
         pieces.append(torch.logsumexp(hard - bt.pos()[..., None], dim=-1))
         # unhardened: every other document and the queries
@@ -231,7 +246,7 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
         # in_batch_negatives (a [B, Q] gather), the queries for query_to_query
         pieces.append(torch.zeros_like(s_pos))
         if hardness_mode == "in_batch_negatives" and bt.Q:
-            own = bt.pair_logits(q, bt.negs)
+            own = bt.own_negative_logits(q)
             pieces.append(torch.logsumexp(own - bt.pos()[..., None], dim=-1))
         if with_q2q:
             pieces.append(bt.rows(q, bt.cand_q, bt.own_b))
@@ -261,13 +276,16 @@ def loss_rows(
     alpha: float,
     cosine: bool,
     backend: str,
+    strategy: str = "auto",
     group=None,
     dims: tuple[int, ...] | None = None,
 ) -> Tensor:
     """``[B]`` loss rows ``log Z_i - l(q_i, d_i)`` of the selected directions (``[K, B]`` with
     Matryoshka ``dims``, one per prefix) of validated inputs (``negatives [B, Q, d]`` or None)."""
     dirs = set(directions)
-    bt = _Batch(anchor.contiguous(), positive.contiguous(), negatives, tau, cosine, backend, group=group, dims=dims)
+    bt = _Batch(
+        anchor.contiguous(), positive.contiguous(), negatives, tau, cosine, backend, strategy, group=group, dims=dims
+    )
     if partition_mode == "joint":
         rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
         if dirs & {"doc_to_query", "doc_to_doc"}:

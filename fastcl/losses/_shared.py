@@ -41,6 +41,11 @@ ARG_DOCS: dict[str, str] = {
     "backend": '``"auto"`` (``FASTCL_BACKEND``, else the fastest available for the device), '
     '``"reference"``, ``"torch"``, ``"cpp"``, ``"triton"`` or ``"cuda"``. An explicit backend that '
     "cannot take the inputs raises ``BackendUnavailableError`` saying why.",
+    "strategy": '``"auto"`` (``fastcl.config``\'s ``strategy``, from ``FASTCL_STRATEGY``, whose own '
+    '``"auto"`` runs the fused gradient-in-forward step where the backend has one and ``reduction`` '
+    'is not ``"none"``), ``"fused"`` (raises ``ValueError`` where the backend cannot) or '
+    '``"recompute"`` (forward keeps the LSE only, backward recomputes the logits). Same values and '
+    "gradients either way; only speed and memory differ (docs/design.md).",
     "process_group": "``torch.distributed`` process group or None. With a group every rank's "
     "candidates join every anchor's denominator (all-gathered with gradient) and the loss is scaled "
     "so that DDP's gradient averaging gives exactly the gradient of the global batch's loss; every "
@@ -66,6 +71,7 @@ LSE_OPTIONS = (
     "temperature",
     "reduction",
     "backend",
+    "strategy",
     "process_group",
     "similarity",
     "matryoshka_dims",
@@ -111,6 +117,7 @@ class Options:
     temperature: float | Tensor = 0.05
     reduction: str = "mean"
     backend: str = "auto"
+    strategy: str = "auto"
     process_group: Any = None
     similarity: str = "cos"
     matryoshka_dims: Any = None
@@ -121,11 +128,11 @@ class Options:
         return {name: getattr(self, name) for name in LSE_OPTIONS}
 
 
-def check_options(reduction: str, similarity: str) -> None:
+def check_options(reduction: str, similarity: str, strategy: str) -> None:
     """The choices every LSE loss checks on every call, with or without grad."""
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
-    _checks.requested_strategy()
+    _checks.check_choice("strategy", strategy, _checks.STRATEGIES)
 
 
 def no_autocast(t: Tensor) -> AbstractContextManager[Any]:
@@ -241,6 +248,7 @@ def fused_loss(
         backend=opts.backend,
         dims=None if matryoshka is None else matryoshka[0],
         dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+        strategy=opts.strategy,
     )
 
 
@@ -260,7 +268,7 @@ def structured_loss(
     block 0 (left out of the owner's denominator with ``exclude_own``), every negative in
     block 1. ``zero_logit_own``: each *other* own positive adds ``exp(0)`` to the
     denominator (SupMPN's released code)."""
-    check_options(opts.reduction, opts.similarity)
+    check_options(opts.reduction, opts.similarity, opts.strategy)
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     B, d = check_matrix("anchor", anchor)
     matryoshka = _matryoshka.check(opts.matryoshka_dims, opts.matryoshka_weights, d, compute_dtype(anchor.dtype))
@@ -321,6 +329,7 @@ class TemperatureLoss(nn.Module):
         learn_temperature: bool = False,
         reduction: str = "mean",
         backend: str = "auto",
+        strategy: str = "auto",
         process_group=None,
         similarity: str = "cos",
         matryoshka_dims=None,
@@ -332,6 +341,7 @@ class TemperatureLoss(nn.Module):
         _checks.check_temperature(temperature)
         _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
         _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+        _checks.check_choice("strategy", strategy, _checks.STRATEGIES)
         if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
             temperature = float(temperature.detach())  # a value to start from / a constant
         elif not isinstance(temperature, Tensor):
@@ -343,7 +353,7 @@ class TemperatureLoss(nn.Module):
             self._fixed_temperature: float | Tensor | None = temperature
         self.learn_temperature = learn_temperature
         self.options: dict[str, Any] = dict(
-            reduction=reduction, backend=backend, process_group=process_group, similarity=similarity
+            reduction=reduction, backend=backend, strategy=strategy, process_group=process_group, similarity=similarity
         )
         # d and the compute dtype are checked per call; keep the checked tuples (the
         # arguments may be generators, spent by the check)

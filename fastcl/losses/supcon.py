@@ -74,6 +74,7 @@ def supcon_loss(
     temperature: float | Tensor | None = None,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -123,7 +124,9 @@ def supcon_loss(
         labels, positives = positives, None
     if temperature is None:
         temperature = LABELS_TEMPERATURE if labels is not None else TEMPERATURE
-    opts = Options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
+    opts = Options(
+        temperature, reduction, backend, strategy, process_group, similarity, matryoshka_dims, matryoshka_weights
+    )
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
             raise ValueError("supcon_loss: give labels= or positives/negatives (and their masks), not both")
@@ -168,6 +171,7 @@ def supcon_labels_loss(
     temperature: float | Tensor = LABELS_TEMPERATURE,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     similarity: str = "cos",
     process_group=None,
     matryoshka_dims=None,
@@ -210,7 +214,7 @@ def supcon_labels_loss(
         >>> supcon_labels_loss(x, y, reduction="none").shape
         torch.Size([32])
     """
-    check_options(reduction, similarity)
+    check_options(reduction, similarity, strategy)
     _checks.check_embeddings(features=features, ref_emb=ref_emb)
     if features.dim() not in (2, 3):
         raise ValueError(f"features must have shape [N, d] or [B, V, d], got {tuple(features.shape)}")
@@ -317,6 +321,7 @@ def supcon_labels_loss(
             backend=backend,
             dims=None if matryoshka is None else matryoshka[0],
             dim_weights=_matryoshka.weight_tensor(matryoshka, features),
+            strategy=strategy,
         )
 
 
@@ -335,6 +340,7 @@ def supcon_pool_loss(
     temperature: float | Tensor = TEMPERATURE,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -366,9 +372,9 @@ def supcon_pool_loss(
         >>> supcon_pool_loss(a, c, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 6]])).shape
         torch.Size([])
     """
-    check_options(reduction, similarity)
+    check_options(reduction, similarity, strategy)
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
-    opts = Options(temperature, reduction, backend, process_group, similarity)
+    opts = Options(temperature, reduction, backend, strategy, process_group, similarity)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     B, d = check_matrix("anchor", anchor)

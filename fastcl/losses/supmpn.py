@@ -32,6 +32,7 @@ def supmpn_loss(
     temperature: float | Tensor = 0.05,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -72,7 +73,9 @@ def supmpn_loss(
         torch.Size([8])
     """
     _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
-    opts = Options(temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights)
+    opts = Options(
+        temperature, reduction, backend, strategy, process_group, similarity, matryoshka_dims, matryoshka_weights
+    )
     zero_logit = own_positives == "zero_logit"
     return structured_loss(
         "supmpn", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=True, zero_logit_own=zero_logit

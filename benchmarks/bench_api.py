@@ -18,16 +18,16 @@ Before timing, each implementation's value is checked against the peer's (float3
 inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summary),
 fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
 (``fastcl.bench.memory``), every selected case probed before the first is timed, by
-``FASTCL_BENCH_MEMORY_WORKERS`` probe servers (default: cores // threads) that import the
+``--bench-memory-workers`` probe servers (at most cores // threads) that import the
 libraries once and fork a child per case. Time: the loss grid's interleaved rounds
 (``fastcl.bench.harness``): the first item of a workload times every selected
 implementation of it together, round by round in a rotating order after a warm-up, until
 their fastest rounds agree or the case's budget ends; the record has the minimum over
-rounds (``min_s``), its spread and the case's ``noisy`` flag. On ``FASTCL_BENCH_THREADS``
+rounds (``min_s``), its spread and the case's ``noisy`` flag. On ``--bench-threads``
 intra-op threads (default: all cores, as in ``bench_losses.py``).
 
     pytest benchmarks/bench_api.py --benchmark-only
-    FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_api.py --benchmark-only   # skip the memory probes
+    pytest benchmarks/bench_api.py --benchmark-only --bench-no-memory   # skip the memory probes
 """
 
 from __future__ import annotations
@@ -39,18 +39,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastcl.bench import api_cases, harness, timing
+from benchmarks import options
+from fastcl.bench import api_cases, harness
 from fastcl.bench.memory import cpu_extra_peak_mib_parallel
 from fastcl.ops import dispatch
 
-THREADS = int(os.environ.get("FASTCL_BENCH_THREADS", "0")) or torch.get_num_threads()
-MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
+THREADS = torch.get_num_threads()  # --bench-threads, set by benchmarks/conftest.py
+MEMORY = options.CURRENT.memory
 # probe servers at once: this file's probes are GEMM-bound steps on THREADS threads each, so
 # more of them than the cores hold oversubscribe (on 2 cores: 77 s with two, 58 s with one);
 # bench_losses' probes, mostly compiling and importing, gain from two
-MEMORY_WORKERS = int(
-    os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "0") or max(1, len(os.sched_getaffinity(0)) // THREADS)
-)
+MEMORY_WORKERS = max(1, min(options.CURRENT.memory_workers, len(os.sched_getaffinity(0)) // THREADS))
 # imported once by each memory probe server, before it forks a child per case
 PRELOAD = ("fastcl.bench.api_cases", "fastcl.losses", "sentence_transformers", "pytorch_metric_learning")
 
@@ -64,7 +63,7 @@ MNRL_IMPLS = ["st-mnrl", "torch", "cpp"]
 MATRYOSHKA_GRID = [(1024, 1, 768), (2048, 1, 768)]
 MATRYOSHKA_IMPLS = ["st-matryoshka-cmnrl", "torch", "cpp", "cpp-per-prefix"]
 PEERS = ("pml-supcon", "st-mnrl", "st-matryoshka-cmnrl")
-TIMING = timing.settings()  # the interleaved loop's knobs, as in bench_losses.py
+TIMING = options.timing_settings()  # the interleaved loop's knobs (pytest options)
 
 
 def _name(impl: str) -> str:

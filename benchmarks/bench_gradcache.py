@@ -7,11 +7,11 @@ forward with grad; *cached* uses ``GradCache`` with ``CHUNK`` rows per chunk.
 - Time: the loss grid's interleaved rounds (``fastcl.bench.harness``): per batch size, the
   first item times the uncached and the cached step together, round by round in a rotating
   order after a warm-up step, until their fastest rounds agree or the budget ends
-  (``FASTCL_BENCH_BUDGET_S`` ...); the record has ``min_s``, its ``spread`` and the case's
+  (``--bench-budget-s`` ...); the record has ``min_s``, its ``spread`` and the case's
   ``noisy`` flag. On ``THREADS`` intra-op
-  threads (``FASTCL_BENCH_THREADS``, default all cores as in ``bench_losses.py``; on a
+  threads (``--bench-threads``, default all cores as in ``bench_losses.py``; on a
   shared machine two OpenMP threads spend much of a step waiting for each other whenever
-  another process takes a core, so ``FASTCL_BENCH_THREADS=1`` is steadier there).
+  another process takes a core, so ``--bench-threads 1`` is steadier there).
 - Overhead: ``test_gradcache_overhead_paired`` alternates uncached and cached steps at
   ``PAIRED_BATCH`` so that load from other processes hits both alike, and stores the
   ratio of their fastest steps (``ratio_of_minima``) in ``extra_info``.
@@ -20,9 +20,10 @@ forward with grad; *cached* uses ``GradCache`` with ``CHUNK`` rows per chunk.
   itself needed above the model and its inputs). Stored in ``extra_info``.
 
 Run: ``pytest benchmarks/bench_gradcache.py`` (about 2 minutes on 2 cores);
-``--benchmark-json=out.json`` keeps the numbers. ``FASTCL_BENCH_GC_BATCHES=64,256,1024``,
-``FASTCL_BENCH_GC_CHUNK=64`` and ``FASTCL_BENCH_THREADS=1`` change the sweep. Alone:
-``python benchmarks/bench_gradcache.py MODE BATCH`` prints the memory record as JSON.
+``--benchmark-json=out.json`` keeps the numbers. ``--bench-gc-batches 64,256,1024``,
+``--bench-gc-chunk 64``, ``--bench-gc-paired-batch 256`` and ``--bench-threads 1`` change
+the sweep. Alone:
+``python -m benchmarks.bench_gradcache MODE BATCH CHUNK`` prints the memory record as JSON.
 """
 
 from __future__ import annotations
@@ -33,20 +34,21 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-from fastcl.bench import harness, timing
-from fastcl.bench.timing import configured_threads
+from benchmarks import options
+from fastcl.bench import harness
 
-BATCHES = [int(b) for b in os.environ.get("FASTCL_BENCH_GC_BATCHES", "64,256,1024").split(",")]
-CHUNK = int(os.environ.get("FASTCL_BENCH_GC_CHUNK", "64"))
-THREADS = configured_threads() or torch.get_num_threads()
+BATCHES = list(options.CURRENT.gc_batches)
+CHUNK = options.CURRENT.gc_chunk
+THREADS = torch.get_num_threads()  # --bench-threads, set by benchmarks/conftest.py
 SEQ_LEN = 32
-PAIRED_BATCH = int(os.environ.get("FASTCL_BENCH_GC_PAIRED_BATCH", "256"))
+PAIRED_BATCH = options.CURRENT.gc_paired_batch
 MODES = ("uncached", "cached")
-TIMING = timing.settings()  # the interleaved loop's knobs, as in bench_losses.py
+TIMING = options.timing_settings()  # the interleaved loop's knobs (pytest options)
 
 
 def small_bert():
@@ -68,11 +70,11 @@ def make_batch(batch: int) -> dict:
     }
 
 
-def make_step(mode: str, enc, batch: dict):
+def make_step(mode: str, enc, batch: dict, chunk: int = CHUNK):
     from fastcl.gradcache import GradCache
     from fastcl.losses import infonce_loss
 
-    encode = GradCache(enc, chunk_size=CHUNK) if mode == "cached" else enc
+    encode = GradCache(enc, chunk_size=chunk) if mode == "cached" else enc
 
     def step():
         enc.zero_grad(set_to_none=True)
@@ -91,11 +93,11 @@ def _vm_hwm_mb() -> float:
     raise RuntimeError("VmHWM not found in /proc/self/status")
 
 
-def memory_record(mode: str, batch: int) -> dict:
+def memory_record(mode: str, batch: int, chunk: int = CHUNK) -> dict:
     """Run in a fresh process: peak RSS before and after one step."""
     enc = small_bert()
     inputs = make_batch(batch)
-    step = make_step(mode, enc, inputs)
+    step = make_step(mode, enc, inputs, chunk)
     torch.set_num_threads(THREADS)
     before = _vm_hwm_mb()
     t0 = time.perf_counter()
@@ -112,8 +114,10 @@ def memory_record(mode: str, batch: int) -> dict:
 
 
 def measure_in_subprocess(mode: str, batch: int) -> dict:
+    # the chunk travels as an argument: a fresh process has the options' defaults
     out = subprocess.run(
-        [sys.executable, __file__, mode, str(batch)],
+        [sys.executable, "-m", "benchmarks.bench_gradcache", mode, str(batch), str(CHUNK)],
+        cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
         timeout=300,
@@ -192,4 +196,4 @@ def test_gradcache_overhead_paired(benchmark, threads):
 
 
 if __name__ == "__main__":
-    print(json.dumps(memory_record(sys.argv[1], int(sys.argv[2]))))
+    print(json.dumps(memory_record(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))

@@ -31,11 +31,11 @@ achieved TFLOP/s on ``8 * B * N * d`` and its share of the GEMM rate of the same
 
     pytest benchmarks --benchmark-only                       # CPU grid (a few minutes)
     pytest benchmarks/bench_losses.py -m gpu --benchmark-only  # GPU grid (needs CUDA)
-    FASTCL_BENCH_THREADS=1 ...                               # one thread (default: all cores)
-    FASTCL_BENCH_MEMORY=0 ...                                # skip the memory probes
-    FASTCL_BENCH_IMPLS=eager,torch,st-mnrl ...               # a subset of implementations
-    FASTCL_BENCH_TARGETS=1 ...                               # add the csrc CPU-target cases
-    FASTCL_BENCH_BUDGET_S=5 FASTCL_BENCH_MIN_ROUNDS=3 FASTCL_BENCH_MAX_ROUNDS=30 ...
+    ... --bench-threads 1                                    # one thread (default: all cores)
+    ... --bench-no-memory                                    # skip the memory probes
+    ... --bench-impls eager,torch,st-mnrl                    # a subset of implementations
+    ... --bench-targets                                      # add the csrc CPU-target cases
+    ... --bench-budget-s 5 --bench-min-rounds 3 --bench-max-rounds 30
     python -m fastcl.bench report .benchmarks/fastcl-latest.json   # RESULTS.md + plots
 """
 
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from benchmarks import options
 from fastcl.bench import peers, timing
 from fastcl.bench.cases import make_inputs
 from fastcl.bench.floor import FLOOR_LIMITS, fastest_floor, floor_step, named_floor_plans, share_of_floor
@@ -66,7 +67,7 @@ CPU_GRID = [
     ("infonce", 1, 0, 128, "float32", (1024, 2048, 4096)),
 ]
 # The csrc issue's CPU targets, side by side in one run (opt-in, ~5 min more on 2 cores:
-# FASTCL_BENCH_TARGETS=1): time at B = 1024, P = Q = 5, d = 768 and memory at B = 8192,
+# --bench-targets): time at B = 1024, P = Q = 5, d = 768 and memory at B = 8192,
 # P = Q = 5, d = 128 (eager holds several 2.5 GiB [B, N] float32 buffers there).
 CPU_TARGET_GRID = [
     ("supmpn", 5, 5, 768, "float32", (1024,)),
@@ -85,12 +86,14 @@ GPU_GRID = [
     ("supmpn", 5, 5, 1024, "bfloat16", (4096, 16384)),
     ("infonce", 1, 0, 768, "float32", (4096, 16384, 65536)),
 ]
-SELECTED = [s for s in os.environ.get("FASTCL_BENCH_IMPLS", "").split(",") if s]
+# this run's settings (pytest options, benchmarks/options.py), fixed before this import
+SETTINGS = options.CURRENT
+SELECTED = list(SETTINGS.impls)
 IMPLS = [name for name in peers.IMPLS if not SELECTED or name in SELECTED]
-MEMORY = os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1"
-MEMORY_WORKERS = int(os.environ.get("FASTCL_BENCH_MEMORY_WORKERS", "2"))
-# the interleaved loop of fastcl.bench.timing, per case (the same knobs in every benchmark file)
-TIMING = timing.settings()
+MEMORY = SETTINGS.memory
+MEMORY_WORKERS = SETTINGS.memory_workers
+# the interleaved loop of fastcl.bench.timing, per case
+TIMING = options.timing_settings()
 FLOOR = "floor"  # the tall blocking's name in the interleaved loop (fastcl.bench.floor.named_floor_plans)
 GEMM = "gemm"  # one [B, d] @ [d, N] product: the GEMM rate, timed in the same rounds (fastcl.bench.metrics)
 # imported once by the memory probe server, before it forks a child per case (dynamo and
@@ -113,7 +116,7 @@ def _cases(grid, device, marks=(), impls=None):
                     yield pytest.param(case, id=f"{device}-{loss}-B{B}-P{P}-Q{Q}-d{d}-{dtype}-{impl}", marks=marks)
 
 
-TARGETS = os.environ.get("FASTCL_BENCH_TARGETS", "0") == "1"
+TARGETS = SETTINGS.targets
 CASES = [
     *_cases(CPU_GRID, "cpu"),
     *(_cases(CPU_TARGET_GRID, "cpu", impls=TARGET_IMPLS) if TARGETS else ()),

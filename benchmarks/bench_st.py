@@ -17,7 +17,7 @@ the first item of a (B, Q, d) case times every selected implementation of it tog
 round by round in a rotating order after a warm-up round, until their fastest rounds agree
 or the case's budget ends; each item then hands its rounds to pytest-benchmark. The record
 has the minimum over rounds (``min_s``), its spread and the case's ``noisy`` flag. On
-``FASTCL_BENCH_THREADS`` intra-op threads (default all cores). Before timing, each
+``--bench-threads`` intra-op threads (default all cores). Before timing, each
 implementation's loss value is checked against ``eager``'s. Peak memory: ``fastcl.bench.memory``'s
 meter (extra peak RSS of one step in a fresh process, after a warm-up step), with two
 changes. The fresh processes fork from a ``forkserver`` that imported sentence-transformers
@@ -27,8 +27,8 @@ up to 32 MiB stay resident after the warm-up step, so the measured step would re
 and under-report (eager's 16 MiB logits at B = 2048 read 22 to 37 MiB from run to run).
 
     pytest benchmarks/bench_st.py --benchmark-only          # CPU grid, ~1.5 min
-    FASTCL_BENCH_MEMORY=0 pytest benchmarks/bench_st.py     # skip the memory probes
-    FASTCL_BENCH_ST_GRID="8192,0,64" pytest benchmarks/bench_st.py   # other (B, Q, d)
+    pytest benchmarks/bench_st.py --bench-no-memory           # skip the memory probes
+    pytest benchmarks/bench_st.py --bench-st-grid "8192,0,64"  # other (B, Q, d)
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 
-from fastcl.bench import harness, timing  # noqa: E402
+from benchmarks import options  # noqa: E402
+from fastcl.bench import harness  # noqa: E402
 from fastcl.bench.memory import measure_extra_rss  # noqa: E402
-from fastcl.bench.timing import configured_threads  # noqa: E402
 from fastcl.ops import dispatch  # noqa: E402
 
 # (B, Q, d): triplets (one hard negative) at MiniLM's width, and a wide batch of pairs
@@ -51,12 +51,12 @@ CPU_GRID = [
     (1024, 1, 384),
     (4096, 0, 64),
 ]
-if os.environ.get("FASTCL_BENCH_ST_GRID"):  # e.g. "8192,0,64;2048,3,384"
-    CPU_GRID = [tuple(int(v) for v in case.split(",")) for case in os.environ["FASTCL_BENCH_ST_GRID"].split(";")]
+if options.CURRENT.st_grid:  # --bench-st-grid "8192,0,64;2048,3,384"
+    CPU_GRID = [tuple(case) for case in options.CURRENT.st_grid]
 MINI_BATCH_SIZE = 32
 IMPLS = ["eager", "st_cached", "fastcl-torch", "fastcl-cpp"]
-THREADS = configured_threads() or torch.get_num_threads()
-TIMING = timing.settings()  # the interleaved loop's knobs, as in bench_losses.py
+THREADS = torch.get_num_threads()  # --bench-threads, set by benchmarks/conftest.py
+TIMING = options.timing_settings()  # the interleaved loop's knobs (pytest options)
 
 
 def st_step(
@@ -181,7 +181,7 @@ def test_st_mnrl_fwd_bwd(benchmark, bench_record, request, B, Q, d, impl):
         pytest.skip(why)
     case = dict(impl=impl, B=B, Q=Q, d=d)
     peak = None
-    if os.environ.get("FASTCL_BENCH_MEMORY", "1") == "1":
+    if options.CURRENT.memory:
         peak = peak_bytes(case) / 2**20
 
     def members() -> list[str]:  # the selected implementations of this (B, Q, d)

@@ -9,12 +9,13 @@ reference was not measured soundly prints as "–" with the reason (``fastcl.ben
 cannot run are skipped through ``bench_skip`` so the reason reaches the JSON
 (``fastcl_skipped``) and the report.
 
-Threads: ``FASTCL_BENCH_THREADS=N`` sets PyTorch's intra-op threads for the whole run;
-unset, PyTorch's default (all cores) is kept. The count is recorded in the machine info
-and in every record.
+Settings are pytest options (``pytest benchmarks --help``, "fastcl benchmarks";
+``benchmarks/options.py``). Threads: ``--bench-threads N`` sets PyTorch's intra-op threads
+for the whole run; without it PyTorch's default (all cores) is kept. The count is recorded
+in the machine info and in every record.
 
 Without ``--benchmark-json`` the results are written to ``.benchmarks/fastcl-latest.json``
-(``FASTCL_BENCH_JSON`` changes the path, ``FASTCL_BENCH_JSON=0`` turns it off) for
+(``--bench-json PATH`` changes the path, ``--bench-json off`` turns it off) for
 ``python -m fastcl.bench report``.
 """
 
@@ -27,6 +28,8 @@ import platform
 from pathlib import Path
 
 import pytest
+
+from benchmarks import options
 
 _RESULTS: list[dict] = []
 _SKIPPED: list[dict] = []
@@ -56,19 +59,23 @@ def bench_skip():
     return skip
 
 
+def pytest_addoption(parser):
+    options.add_options(parser)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    # before pytest-benchmark reads its options: save JSON by default for the report
+    # before pytest-benchmark reads its options: save JSON by default for the report; and
+    # before the benchmark modules are imported, which read the settings
     _LOAD_AT_START[:] = os.getloadavg()
-    from fastcl.bench.timing import configured_threads
-
-    threads = configured_threads()
+    options.CURRENT = options.from_pytest(config)
+    threads = options.CURRENT.threads
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    target = os.environ.get("FASTCL_BENCH_JSON", str(DEFAULT_JSON))
-    if getattr(config.option, "benchmark_json", "absent") is None and target != "0":
+    target = options.CURRENT.json or str(DEFAULT_JSON)
+    if getattr(config.option, "benchmark_json", "absent") is None and target != "off":
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         config.option.benchmark_json = target
 
@@ -101,7 +108,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "threads_setting": os.environ.get("FASTCL_BENCH_THREADS") or "default (all cores)",
+        "threads_setting": str(options.CURRENT.threads or "default (all cores)"),
         "loadavg_start": list(_LOAD_AT_START) or None,
         "backends": _backends(dispatch),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

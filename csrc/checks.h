@@ -1,11 +1,12 @@
 // Host code of the CPU ops (cpu/lse_cpu.cpp): argument
 // checks (every op validates shapes, dtypes and devices before any compute), the compute
-// dtype, the head's inputs and the FASTCL_* size options.
+// dtype, the head's inputs and the strict reading of the environment's size options.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -16,10 +17,20 @@
 
 namespace fastcl {
 
-// A positive integer from the environment (FASTCL_CPP_ROWS, ...), or fallback when unset.
-inline int64_t env_int(const char* name, int64_t fallback) {
+// An integer >= least from the environment (test hooks such as _FASTCL_TEST_CPP_ROWS, and
+// FASTCL_CUDA_TILE), or fallback when unset or empty. Anything else ("abc", "-3", "1e6", "0"
+// where least is 1, a value beyond int64) is refused loudly: never read as 1 or clamped.
+inline int64_t env_int(const char* name, int64_t fallback, int64_t least = 1) {
   const char* s = std::getenv(name);
-  return (s && *s) ? std::max<int64_t>(1, std::atoll(s)) : fallback;
+  if (!s || !*s) return fallback;
+  const std::string text(s);
+  const bool digits = std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  errno = 0;
+  char* end = nullptr;
+  const long long value = digits ? std::strtoll(text.c_str(), &end, 10) : 0;
+  TORCH_CHECK(digits && errno == 0 && end && *end == '\0' && value >= least, "fastcl: ", name, "='", text,
+              "': expected an integer >= ", least);
+  return value;
 }
 
 inline const char* device_name(c10::DeviceType dev) { return dev == c10::DeviceType::CPU ? "CPU" : "CUDA"; }

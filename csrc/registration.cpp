@@ -5,7 +5,22 @@
 
 #include <torch/library.h>
 
+#include <string_view>
+
+#include "cpu/options.h"
+
+namespace {
+// The op's kernel: a plain function of no tensor (nothing to dispatch on).
+void set_cpu_options(int64_t tile, c10::string_view gemm) {
+  fastcl::cpu::set_options(tile, std::string_view(gemm.data(), gemm.size()));
+}
+}  // namespace
+
 TORCH_LIBRARY(fastcl, m) {
+  // The CPU kernels' knobs from fastcl.config (csrc/cpu/options.h): cpp.tile (0: automatic)
+  // and cpp.gemm ("auto", "own", "mkl"). Refuses what it cannot honour, keeping the old ones.
+  m.def("set_cpu_options(int tile, str gemm) -> ()", &set_cpu_options);
+
   // Forward only: lse [B] (-inf for a row without candidates) and the softmax-weighted
   // mean logit [B] (0 for such a row).
   m.def(

@@ -8,8 +8,8 @@ One rule per argument, applied by every loss before any compute, whatever the ba
   but fine for float64. A tensor's value is checked when the tensor lives on the CPU; a
   CUDA temperature is not read (that would be a host sync per call), so a bad value there
   gives NaN rather than an error, on every backend alike.
-* ``FASTCL_STRATEGY`` (``auto``/``fused``/``recompute``): checked on every call, with or
-  without grad.
+* ``reduction``, ``similarity`` and ``strategy``: one of their choices, checked on every
+  call, with or without grad.
 
 Shape, dtype and device checks read only metadata. "Some anchor has a valid positive"
 reads values (checked whenever ``pos_mask`` is given; for a CUDA mask this is the one host
@@ -27,20 +27,12 @@ import os
 import torch
 from torch import Tensor
 
+from . import config
 from .ops.contract import FLOAT_DTYPES, compute_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
 SIMILARITIES = ("cos", "dot")
-STRATEGY_ENV = "FASTCL_STRATEGY"
-STRATEGIES = ("auto", "fused", "recompute")
-
-
-def requested_strategy() -> str:
-    """``FASTCL_STRATEGY`` (default ``auto``), refused unless it is one of :data:`STRATEGIES`."""
-    wanted = os.environ.get(STRATEGY_ENV, "auto") or "auto"
-    if wanted not in STRATEGIES:
-        raise ValueError(f"{STRATEGY_ENV}={wanted!r}; expected one of {STRATEGIES}")
-    return wanted
+STRATEGIES = config.STRATEGIES
 
 
 def is_real_number(value) -> bool:

@@ -3,10 +3,12 @@
 Calls ``torch.ops.fastcl.lse_fused`` directly (supcon head, one positive logit per row,
 every candidate shared, no fold) on ``B`` anchors against ``N`` candidates of width ``d``,
 interleaved round by round with the floor (``fastcl.bench.floor``) of the same shape and
-with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_*``, read per call), so a
-loaded machine hits all of them alike. Prints min time and share of the floor.
+with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_TILE``, ``FASTCL_CPP_GEMM``:
+``fastcl.config``, re-read around each variant's step, a few microseconds; the test hooks
+``_FASTCL_TEST_CPP_*``, read per call), so a loaded machine hits all of them alike. Prints min
+time and share of the floor.
 
-    python scripts/bench_cpp_floor.py --B 512 --N 40960 --d 768 --env base= --env R128=FASTCL_CPP_ROWS=128
+    python scripts/bench_cpp_floor.py --B 512 --N 40960 --d 768 --env base= --env R128=_FASTCL_TEST_CPP_ROWS=128
     python scripts/bench_cpp_floor.py --loss infonce --B 1024 --P 1 --Q 0 --d 128 --impl cpp --around
 """
 
@@ -18,6 +20,7 @@ import time
 
 import torch
 
+from fastcl import config
 from fastcl.bench.floor import fastest_floor, floor_step, named_floor_plans
 from fastcl.bench.timing import interleave
 from fastcl.ops import _cpp
@@ -94,6 +97,7 @@ def with_env(step, env: dict[str, str]):
     def run():
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
+        config.reload()  # fastcl.config reads the environment only when told to
         try:
             step()
         finally:
@@ -102,6 +106,7 @@ def with_env(step, env: dict[str, str]):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+            config.reload()
 
     return run
 

@@ -5,12 +5,12 @@
 #   THREADS="1 2 4" scripts/bench_threads.sh OUT            # other thread counts
 #   scripts/bench_threads.sh OUT -k "supmpn"                # a slice of the grid
 #
-# One run of benchmarks/bench_losses.py per thread count (FASTCL_BENCH_THREADS=N), each
+# One run of benchmarks/bench_losses.py per thread count (--bench-threads N), each
 # in its own process: torch.compile bakes the thread count into the code it generates,
 # so counts cannot be switched inside one process. Writes OUT/threads-N.json and
 # OUT/threads-N.txt (the pytest log), then OUT/RESULTS.md from all of them: one section
 # per thread count and a "Thread scaling" table (time at each count, speed-up from the
-# fewest). Memory probes are skipped (FASTCL_BENCH_MEMORY=0 unless set): memory is the
+# fewest). Memory probes are skipped (--bench-no-memory; MEMORY=1 keeps them): memory is the
 # default run's business. Exit status: non-zero if a run or the report failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +26,10 @@ mkdir -p "$OUT"
 status=0
 for n in $THREADS; do
   echo "== $n thread(s)"
-  FASTCL_BENCH_THREADS=$n FASTCL_BENCH_MEMORY=${FASTCL_BENCH_MEMORY:-0} \
-    "$PYTHON" -m pytest benchmarks/bench_losses.py --benchmark-only -p no:cacheprovider \
+  memory=(--bench-no-memory)
+  [[ ${MEMORY:-0} == 1 ]] && memory=()
+  "$PYTHON" -m pytest benchmarks/bench_losses.py --benchmark-only -p no:cacheprovider \
+    --bench-threads "$n" "${memory[@]}" \
     --benchmark-json "$OUT/threads-$n.json" "$@" 2>&1 | tee "$OUT/threads-$n.txt"
   (( PIPESTATUS[0] == 0 )) || status=1
 done

@@ -104,9 +104,9 @@ fi
 
 if has bench; then
   say "benchmark"
-  FASTCL_BENCH_IMPLS=$IMPLS FASTCL_BENCH_MIN_ROUNDS=${ROUNDS:-10} FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
+  FASTCL_BENCH_IMPLS=$IMPLS FASTCL_BENCH_BUDGET_S=${BUDGET:-1.0} \
     timeout -s INT -k 15 $(lim ${T_BENCH:-150}) "$PY" -m pytest benchmarks/bench_losses.py --benchmark-only -k "$BENCH_K" \
-    -p no:cacheprovider --benchmark-json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
+    --bench-min-rounds ${ROUNDS:-10} -p no:cacheprovider --benchmark-json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   say "benchmark: exit $?"
 fi
 

@@ -54,6 +54,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def fastcl_config():
+    """``fastcl_config(cpp={"gemm": "own"}, strategy="fused", ...)`` sets ``fastcl.config`` knobs
+    for the rest of the test (calls stack); the configuration before the test comes back after."""
+    import contextlib
+
+    from fastcl import config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(config.override(**changes))
+
+
+@pytest.fixture
 def threads():
     """``threads(n)`` sets torch's intra-op thread count for the test; restored afterwards."""
     before = torch.get_num_threads()

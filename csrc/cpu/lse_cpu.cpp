@@ -16,6 +16,7 @@
 #include "../checks.h"
 #include "gemm_tile.h"
 #include "head.h"
+#include "options.h"
 #include "prepare.h"
 #include "rows.h"
 
@@ -27,8 +28,8 @@ enum class Mode { kForward, kBackward, kFused };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (FASTCL_CPP_KEEP_BYTES; 0:
-// never) is kept for the calling thread's next call: a fresh one costs ~1 page fault per 4 KiB
+// The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (test hook
+// _FASTCL_TEST_CPP_KEEP_BYTES; 0: never) is kept for the calling thread's next call: a fresh one costs ~1 page fault per 4 KiB
 // page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024,
 // d = 128; benchmarks/results/cpu-2026-11-27-amd/notes.md). Larger buffers are allocated per
 // call, as nothing may hold O(B N).
@@ -36,7 +37,7 @@ constexpr int64_t kKeepBytes = int64_t(16) << 20;
 at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options) {
   thread_local at::Tensor kept;
   const int64_t n = c10::multiply_integers(shape);
-  if (n * int64_t(options.dtype().itemsize()) > env_int("FASTCL_CPP_KEEP_BYTES", kKeepBytes)) {
+  if (n * int64_t(options.dtype().itemsize()) > env_int("_FASTCL_TEST_CPP_KEEP_BYTES", kKeepBytes, 0)) {
     return at::empty(shape, options);
   }
   if (!kept.defined() || kept.numel() < n || kept.dtype() != options.dtype()) {
@@ -48,14 +49,16 @@ at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options)
 
 // Anchor rows H per block (all threads share a block): a [H, N] buffer of about (B + N) d
 // elements, at least 2^21 per thread, H in [8, 1024], evened out over the blocks. Each
-// block streams all of C, so short blocks lose (docs/csrc.md). FASTCL_CPP_TILE sets the
-// element budget, FASTCL_CPP_ROWS forces H (tests use it to cross block edges). A sweep that keeps
-// several [H, N] tiles (Matryoshka prefixes) shares the budget among them.
+// block streams all of C, so short blocks lose (docs/csrc.md). fastcl.config's cpp.tile
+// (options().tile) sets the element budget; the test hook _FASTCL_TEST_CPP_ROWS forces H (to
+// cross block edges). A sweep that keeps several [H, N] tiles (Matryoshka prefixes) shares the
+// budget among them.
 int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t tiles) {
-  int64_t rows = env_int("FASTCL_CPP_ROWS", 0);
+  int64_t rows = env_int("_FASTCL_TEST_CPP_ROWS", 0);
   if (rows == 0) {
-    const int64_t budget = std::max<int64_t>(threads << 21, (B + N) * d);
-    rows = std::clamp<int64_t>(env_int("FASTCL_CPP_TILE", budget) / (std::max<int64_t>(N, 1) * tiles), 8, 1024);
+    const int64_t set = options().tile.load(std::memory_order_relaxed);
+    const int64_t budget = set > 0 ? set : std::max<int64_t>(threads << 21, (B + N) * d);
+    rows = std::clamp<int64_t>(budget / (std::max<int64_t>(N, 1) * tiles), 8, 1024);
     rows = ceil_div(B, ceil_div(B, rows));  // even blocks: no short last one
   }
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
@@ -157,10 +160,11 @@ struct Chunk {
 
 // The candidates each thread takes in steps 1 and 4 of sweep(): an equal share
 // [t N / T, (t + 1) N / T) of the N columns, cut at the edge between the two blocks (one or
-// two GEMM calls; smaller chunks lose, docs/csrc.md). FASTCL_CPP_CHUNK caps every call.
+// two GEMM calls; smaller chunks lose, docs/csrc.md). The test hook _FASTCL_TEST_CPP_CHUNK caps
+// every call.
 template <typename T>
 std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t threads) {
-  const int64_t most = env_int("FASTCL_CPP_CHUNK", std::numeric_limits<int64_t>::max());
+  const int64_t most = env_int("_FASTCL_TEST_CPP_CHUNK", std::numeric_limits<int64_t>::max());
   std::vector<std::vector<Chunk>> shares(threads);
   auto add = [&](int64_t t, int blk, int64_t c, int64_t n) {
     for (int64_t k = 0; k < n; k += most) shares[t].push_back({blk, c + k, std::min(most, n - k)});
@@ -319,20 +323,13 @@ void zero_padded_rows(const Prepared<T>& p, const Sweep<T>& sw) {
 // ------------------------------------------------------------------ step 1 by fastcl's GEMM tile
 
 // Whether step 1 (S = A_blk C^T) of B anchors uses fastcl's GEMM tile (gemm_tile.h) instead of
-// MKL: FASTCL_CPP_GEMM=own, or by default from kMinTileAnchors anchors on CPUs other than
+// MKL: cpp.gemm "own", or by default ("auto") from kMinTileAnchors anchors on CPUs other than
 // Intel's, where MKL runs its generic kernels (docs/csrc.md, "Own GEMM tile": fewer anchors do
-// not repay packing the candidates); FASTCL_CPP_GEMM=mkl: MKL everywhere.
+// not repay packing the candidates); "mkl": MKL everywhere.
 constexpr int64_t kMinTileAnchors = 512;
 bool own_gemm_wanted(int64_t B) {
-  const char* env = std::getenv("FASTCL_CPP_GEMM");
-  const std::string_view v = env ? env : "";
-  TORCH_CHECK(v.empty() || v == "auto" || v == "own" || v == "mkl", "fastcl: FASTCL_CPP_GEMM=", v,
-              "; expected auto, own or mkl");
-  TORCH_CHECK(v != "own" || gemm::kAvailable,
-              "fastcl: FASTCL_CPP_GEMM=own needs the AVX-512 build of the cpp "
-              "backend (this one targets ",
-              FASTCL_CPU_TARGET, ")");
-  if (v == "own" || v == "mkl") return v == "own";
+  const auto choice = static_cast<Gemm>(options().gemm.load(std::memory_order_relaxed));
+  if (choice != Gemm::kAuto) return choice == Gemm::kOwn;  // set_options refused "own" without the tile
   static const bool intel = gemm::cpu_vendor_is_intel();
   return gemm::kAvailable && !intel && B >= kMinTileAnchors;
 }
@@ -671,6 +668,17 @@ void lse_prefix_fused(const at::Tensor& anchor, const at::Tensor& block0, const 
 }
 
 }  // namespace
+
+void set_options(int64_t tile, std::string_view gemm) {
+  TORCH_CHECK(tile >= 0, "fastcl: cpp.tile must be >= 0 (0: automatic), got ", tile);
+  TORCH_CHECK(gemm == "auto" || gemm == "own" || gemm == "mkl", "fastcl: cpp.gemm='", gemm,
+              "'; expected auto, own or mkl");
+  TORCH_CHECK(gemm != "own" || gemm::kAvailable, "fastcl: cpp.gemm='own' (FASTCL_CPP_GEMM=own) needs the "
+              "AVX-512 build of the cpp backend (this one targets ", FASTCL_CPU_TARGET, ")");
+  options().tile.store(tile, std::memory_order_relaxed);
+  options().gemm.store(static_cast<int>(gemm == "own" ? Gemm::kOwn : gemm == "mkl" ? Gemm::kMkl : Gemm::kAuto),
+                       std::memory_order_relaxed);
+}
 
 TORCH_LIBRARY_IMPL(fastcl, CPU, m) {
   m.impl("lse_forward", &lse_forward);

@@ -51,7 +51,7 @@ def measure_extra_rss(run, warmup: bool = True) -> int:
 # peak swing between 20 and 113 MiB from run to run). The cpp backend keeps a block buffer
 # of up to 16 MiB between calls (docs/csrc.md): the warm-up would hide it from the measured
 # step, so the probes allocate it per call (the step's peak is the same either way).
-_PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "FASTCL_CPP_KEEP_BYTES": "0"}
+_PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "_FASTCL_TEST_CPP_KEEP_BYTES": "0"}
 
 
 def _probe_env(threads: int | None) -> dict:

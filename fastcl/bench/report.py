@@ -363,7 +363,7 @@ def _machine_lines(m: dict) -> list[str]:
     lines = [
         f"- `{Path(m['path']).name}`: {f.get('date') or m.get('datetime')}, device **{device}** "
         f"({f.get('cpu_count', '?')} CPUs, {f.get('torch_threads', '?')} torch threads"
-        f"{', FASTCL_BENCH_THREADS=' + f['threads_setting'] if f.get('threads_setting', '').isdigit() else ''}), "
+        f"{', --bench-threads ' + f['threads_setting'] if f.get('threads_setting', '').isdigit() else ''}), "
         f"python {m.get('python_version', '?')}",
     ]
     start, end = f.get("loadavg_start"), f.get("loadavg_end")

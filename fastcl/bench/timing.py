@@ -26,14 +26,13 @@ Every benchmark file uses this loop and records the same fields (:func:`impl_fie
 :func:`case_fields`): ``min_s``, ``spread``, the case's ``noisy`` flag, rounds, how the
 loop stopped, the load average around the case.
 
-The thread count benchmarks run on is :func:`configured_threads`: ``FASTCL_BENCH_THREADS``
-when set, else PyTorch's default (all cores: what users run).
+The thread count benchmarks run on is PyTorch's (``--bench-threads`` sets it for a
+benchmark run; default all cores: what users run).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,30 +47,10 @@ BUDGET_S = 5.0  # seconds of timed rounds per case, after the warm-up (the main 
 MAX_REPEATS = 64  # calls of one reference step per sample, at most
 
 
-def configured_threads() -> int | None:
-    """``FASTCL_BENCH_THREADS`` as an int (None when unset: keep PyTorch's default)."""
-    raw = os.environ.get("FASTCL_BENCH_THREADS", "").strip()
-    if not raw:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"FASTCL_BENCH_THREADS={raw!r}: expected a positive integer") from None
-    if n < 1:
-        raise ValueError(f"FASTCL_BENCH_THREADS={raw!r}: expected a positive integer")
-    return n
-
-
-def settings() -> dict:
-    """The interleaved loop's knobs for a benchmark run (``interleave``'s keyword arguments),
-    the same for every benchmark file: ``FASTCL_BENCH_MIN_ROUNDS``, ``FASTCL_BENCH_MAX_ROUNDS``
-    and ``FASTCL_BENCH_BUDGET_S`` when set, else the defaults above."""
-    return dict(
-        warmup=WARMUP_ROUNDS,
-        min_rounds=int(os.environ.get("FASTCL_BENCH_MIN_ROUNDS", MIN_ROUNDS)),
-        max_rounds=int(os.environ.get("FASTCL_BENCH_MAX_ROUNDS", MAX_ROUNDS)),
-        budget_s=float(os.environ.get("FASTCL_BENCH_BUDGET_S", BUDGET_S)),
-    )
+def settings(min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS, budget_s: float = BUDGET_S) -> dict:
+    """The interleaved loop's knobs (``interleave``'s keyword arguments); the benchmark files
+    take theirs from their pytest options (``benchmarks/options.py``)."""
+    return dict(warmup=WARMUP_ROUNDS, min_rounds=min_rounds, max_rounds=max_rounds, budget_s=budget_s)
 
 
 def spread(samples: list[float], rank: int = SPREAD_RANK) -> float:

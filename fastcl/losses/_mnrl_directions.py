@@ -122,18 +122,19 @@ class _Batch:
         tau: Tensor,
         cosine: bool,
         backend: str,
+        strategy: str = "auto",
         group=None,
         dims=None,
         ring: bool = False,
     ):
-        self.q, self.d, self.tau, self.cosine, self.backend = q, d, tau, cosine, backend
+        self.q, self.d, self.tau, self.cosine, self.backend, self.strategy = q, d, tau, cosine, backend, strategy
         self.dims = dims  # Matryoshka: every row is [K, B], one per prefix
         B, dim = q.shape
         dev = q.device
         self.B = B
         self.Q = 0 if negs is None else negs.shape[1]
         self.negs = negs
-        negs_flat = negs.reshape(B * self.Q, dim) if self.Q else q.new_empty((0, dim))
+        negs_flat = negs.reshape(B * self.Q, dim) if negs is not None and self.Q else q.new_empty((0, dim))
         self.group = group if ring else None  # set: every primitive call goes round the ring
         if group is None or ring:  # the ring: this rank's candidates, tags for its own anchors
             world, self.offset = 1, 0
@@ -152,7 +153,7 @@ class _Batch:
         self.own_n = own.repeat_interleave(self.Q)  # n_jq left out of row j
         self.all_b = torch.full((world * B,), TAG_ALL, dtype=torch.int32, device=dev)
         self.all_n = torch.full((world * B * self.Q,), TAG_ALL, dtype=torch.int32, device=dev)
-        self._pos = None
+        self._pos: Tensor | None = None
         self.world = world if group is None or not ring else dist.get_world_size(group)
 
     def pair_logits(self, x: Tensor, ys: Tensor) -> Tensor:
@@ -162,6 +163,11 @@ class _Batch:
         return torch.stack(
             [positive_logits(x[:, :m], ys[..., :m], self.tau, cosine=self.cosine, eps=EPS) for m in self.dims]
         )
+
+    def own_negative_logits(self, x: Tensor) -> Tensor:
+        """``[B, Q]`` (``[K, B, Q]``) logits of each row's own hard negatives, a gather."""
+        assert self.negs is not None  # callers check Q > 0
+        return self.pair_logits(x, self.negs)
 
     def pos(self) -> Tensor:
         """``[B]`` (``[K, B]``) differentiable positive logits ``l(q_i, d_i)`` (float32/64)."""
@@ -190,6 +196,7 @@ class _Batch:
             cosine=self.cosine,
             eps=EPS,
             backend=self.backend,
+            strategy=self.strategy,
             dims=self.dims,  # no dim_weights: the prefixes' rows, combined per prefix below
         )
         if self.group is not None:  # sizes were checked once per loss call
@@ -223,7 +230,7 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
     pieces = []
     if hardness_mode == "hard_negatives":
         # hardened: the query's own negatives, a [B, Q] gather (only row i holds them)
-        own = bt.pair_logits(q, bt.negs)  # [B, Q]
+        own = bt.own_negative_logits(q)  # [B, Q]
         hard = own + alpha * (own * tau.to(own.dtype)).detach()
         pieces.append(torch.logsumexp(hard - bt.pos()[..., None], dim=-1))
         # unhardened: every other document and the queries
@@ -243,7 +250,7 @@ def _query_rows(bt: _Batch, with_q2q: bool, hardness_mode, alpha: float) -> Tens
         # in_batch_negatives (a [B, Q] gather), the queries for query_to_query
         pieces.append(torch.zeros_like(s_pos))
         if hardness_mode == "in_batch_negatives" and bt.Q:
-            own = bt.pair_logits(q, bt.negs)
+            own = bt.own_negative_logits(q)
             pieces.append(torch.logsumexp(own - bt.pos()[..., None], dim=-1))
         if with_q2q:
             pieces.append(bt.rows(q, bt.cand_q, bt.own_b))
@@ -273,6 +280,7 @@ def loss_rows(
     alpha: float,
     cosine: bool,
     backend: str,
+    strategy: str = "auto",
     group=None,
     ring: bool = False,
     dims: tuple[int, ...] | None = None,
@@ -282,8 +290,18 @@ def loss_rows(
     ``ring``: the group's candidates go round the ring (``cross_device="ring"``; the caller
     checked that every rank passes the same sizes)."""
     dirs = set(directions)
-    q, d = anchor.contiguous(), positive.contiguous()
-    bt = _Batch(q, d, negatives, tau, cosine, backend, group=group, dims=dims, ring=ring)
+    bt = _Batch(
+        anchor.contiguous(),
+        positive.contiguous(),
+        negatives,
+        tau,
+        cosine,
+        backend,
+        strategy,
+        group=group,
+        dims=dims,
+        ring=ring,
+    )
     if partition_mode == "joint":
         rows = _query_rows(bt, "query_to_query" in dirs, hardness_mode, alpha)
         if dirs & {"doc_to_query", "doc_to_doc"}:

@@ -42,6 +42,11 @@ ARG_DOCS: dict[str, str] = {
     "backend": '``"auto"`` (``FASTCL_BACKEND``, else the fastest available for the device), '
     '``"reference"``, ``"torch"``, ``"cpp"``, ``"triton"`` or ``"cuda"``. An explicit backend that '
     "cannot take the inputs raises ``BackendUnavailableError`` saying why.",
+    "strategy": '``"auto"`` (``fastcl.config``\'s ``strategy``, from ``FASTCL_STRATEGY``, whose own '
+    '``"auto"`` runs the fused gradient-in-forward step where the backend has one and ``reduction`` '
+    'is not ``"none"``), ``"fused"`` (raises ``ValueError`` where the backend cannot) or '
+    '``"recompute"`` (forward keeps the LSE only, backward recomputes the logits). Same values and '
+    "gradients either way; only speed and memory differ (docs/design.md).",
     "process_group": "``torch.distributed`` process group or None. With a group every rank's "
     "candidates join every anchor's denominator (all-gathered with gradient) and the loss is scaled "
     "so that DDP's gradient averaging gives exactly the gradient of the global batch's loss; every "
@@ -72,6 +77,7 @@ LSE_OPTIONS = (
     "temperature",
     "reduction",
     "backend",
+    "strategy",
     "process_group",
     "similarity",
     "matryoshka_dims",
@@ -118,6 +124,7 @@ class Options:
     temperature: float | Tensor = 0.05
     reduction: str = "mean"
     backend: str = "auto"
+    strategy: str = "auto"
     process_group: Any = None
     similarity: str = "cos"
     matryoshka_dims: Any = None
@@ -132,12 +139,12 @@ class Options:
 CROSS_DEVICE = ("gather", "ring")
 
 
-def check_options(reduction: str, similarity: str, cross_device: str = "gather") -> None:
+def check_options(reduction: str, similarity: str, strategy: str, cross_device: str = "gather") -> None:
     """The choices every LSE loss checks on every call, with or without grad."""
     _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
+    _checks.check_choice("strategy", strategy, _checks.STRATEGIES)
     _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
-    _checks.requested_strategy()
 
 
 def uses_ring(opts: Options) -> bool:
@@ -263,6 +270,7 @@ def fused_loss(
             backend=opts.backend,
             dims=dims,
             dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+            strategy=opts.strategy,
         )
     if opts.process_group is None:
         weights, offset = row_weights(has_pos, opts.reduction, cd, maybe_empty=pos_mask is not None), 0
@@ -291,6 +299,7 @@ def fused_loss(
         dims=dims,
         dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
         padded=padded or opts.process_group is not None,  # other ranks' candidates may carry padding
+        strategy=opts.strategy,
     )
 
 
@@ -310,7 +319,7 @@ def structured_loss(
     block 0 (left out of the owner's denominator with ``exclude_own``), every negative in
     block 1. ``zero_logit_own``: each *other* own positive adds ``exp(0)`` to the
     denominator (SupMPN's released code)."""
-    check_options(opts.reduction, opts.similarity, opts.cross_device)
+    check_options(opts.reduction, opts.similarity, opts.strategy, opts.cross_device)
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     B, d = check_matrix("anchor", anchor)
     matryoshka = _matryoshka.check(opts.matryoshka_dims, opts.matryoshka_weights, d, compute_dtype(anchor.dtype))
@@ -372,6 +381,7 @@ class TemperatureLoss(nn.Module):
         learn_temperature: bool = False,
         reduction: str = "mean",
         backend: str = "auto",
+        strategy: str = "auto",
         process_group=None,
         similarity: str = "cos",
         matryoshka_dims=None,
@@ -385,6 +395,7 @@ class TemperatureLoss(nn.Module):
         _checks.check_choice("reduction", reduction, _checks.REDUCTIONS)
         _checks.check_choice("similarity", similarity, _checks.SIMILARITIES)
         _checks.check_choice("cross_device", cross_device, CROSS_DEVICE)
+        _checks.check_choice("strategy", strategy, _checks.STRATEGIES)
         if isinstance(temperature, Tensor) and (learn_temperature or not temperature.requires_grad):
             temperature = float(temperature.detach())  # a value to start from / a constant
         elif not isinstance(temperature, Tensor):
@@ -398,6 +409,7 @@ class TemperatureLoss(nn.Module):
         self.options: dict[str, Any] = dict(
             reduction=reduction,
             backend=backend,
+            strategy=strategy,
             process_group=process_group,
             similarity=similarity,
             cross_device=cross_device,

@@ -119,8 +119,9 @@ def gclsr_loss(
         >>> gclsr_loss(h1, z1, h2, z2, group_size=16).shape
         torch.Size([])
     """
-    kw = dict(group_size=group_size, reduction=reduction, backend=backend)
-    return 0.5 * (grouped_cosine_loss(h1, z2, **kw) + grouped_cosine_loss(h2, z1, **kw))
+    one = grouped_cosine_loss(h1, z2, group_size=group_size, reduction=reduction, backend=backend)
+    other = grouped_cosine_loss(h2, z1, group_size=group_size, reduction=reduction, backend=backend)
+    return 0.5 * (one + other)
 
 
 @document("reduction", "backend", extra=GROUP_DOCS)

@@ -75,6 +75,7 @@ def mnrl_loss(
     temperature: float | Tensor = 0.05,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -115,7 +116,15 @@ def mnrl_loss(
         torch.Size([8])
     """
     opts = Options(
-        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+        temperature,
+        reduction,
+        backend,
+        strategy,
+        process_group,
+        similarity,
+        matryoshka_dims,
+        matryoshka_weights,
+        cross_device,
     )
     directions = check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
     if not _mnrl_directions.is_plain(directions, partition_mode, hardness_mode, hardness_strength):
@@ -144,6 +153,7 @@ def mnrl_directions_loss(
     temperature: float | Tensor = 0.05,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     similarity: str = "cos",
     process_group=None,
     matryoshka_dims=None,
@@ -168,7 +178,8 @@ def mnrl_directions_loss(
 
     With a ``process_group`` every rank's queries, documents and negatives join every
     direction's candidates; rows stay this rank's (sentence-transformers'
-    ``gather_across_devices=True``).
+    ``gather_across_devices=True``). The rows are combined after the primitive, so its calls
+    run the recompute strategy (``strategy="fused"`` raises ``ValueError``).
 
     Returns:
         {returns}
@@ -183,7 +194,7 @@ def mnrl_directions_loss(
         torch.Size([])
     """
     directions = check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
-    check_options(reduction, similarity, cross_device)
+    check_options(reduction, similarity, strategy, cross_device)
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     B, dim = check_matrix("anchor", anchor)
     _checks.check_rank("positive", positive, 2, "[B, d]")
@@ -218,12 +229,14 @@ def mnrl_directions_loss(
             alpha=alpha,
             cosine=similarity == "cos",
             backend=backend,
+            strategy=strategy,
             group=process_group,
             ring=cross_device == "ring",
             dims=None if matryoshka is None else matryoshka[0],
         )
         if matryoshka is not None:  # [K, B] -> sum_k w_k * rows_k
-            rows = (_matryoshka.weight_tensor(matryoshka, rows)[:, None] * rows).sum(0)
+            weights = torch.tensor(matryoshka[1], dtype=rows.dtype, device=rows.device)
+            rows = (weights[:, None] * rows).sum(0)
         if reduction == "none":
             return rows.to(anchor.dtype)
         # every query has its positive: every rank's B rows count
@@ -243,6 +256,7 @@ def infonce_loss(
     symmetric: bool = False,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -275,7 +289,15 @@ def infonce_loss(
     _checks.check_embeddings(anchor=anchor, positive=positive)
     _checks.check_rank("positive", positive, 2, "[B, d]")
     opts = Options(
-        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+        temperature,
+        reduction,
+        backend,
+        strategy,
+        process_group,
+        similarity,
+        matryoshka_dims,
+        matryoshka_weights,
+        cross_device,
     )
     rows = mnrl_loss(anchor, positive, **opts.kwargs())
     if not symmetric:
@@ -294,6 +316,7 @@ def edacse_loss(
     temperature: float | Tensor = 0.05,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -337,7 +360,15 @@ def edacse_loss(
             f"{tuple(dropout_view.shape)}, {tuple(augmented_view.shape)}"
         )
     kw = Options(
-        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+        temperature,
+        reduction,
+        backend,
+        strategy,
+        process_group,
+        similarity,
+        matryoshka_dims,
+        matryoshka_weights,
+        cross_device,
     ).kwargs()
     return infonce_loss(anchor, dropout_view, **kw) + lam * infonce_loss(anchor, augmented_view, **kw)
 

@@ -75,6 +75,7 @@ def supcon_loss(
     temperature: float | Tensor | None = None,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -126,7 +127,15 @@ def supcon_loss(
     if temperature is None:
         temperature = LABELS_TEMPERATURE if labels is not None else TEMPERATURE
     opts = Options(
-        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+        temperature,
+        reduction,
+        backend,
+        strategy,
+        process_group,
+        similarity,
+        matryoshka_dims,
+        matryoshka_weights,
+        cross_device,
     )
     if labels is not None:
         if positives is not None or negatives is not None or pos_mask is not None or neg_mask is not None:
@@ -172,6 +181,7 @@ def supcon_labels_loss(
     temperature: float | Tensor = LABELS_TEMPERATURE,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     similarity: str = "cos",
     process_group=None,
     matryoshka_dims=None,
@@ -215,7 +225,7 @@ def supcon_labels_loss(
         >>> supcon_labels_loss(x, y, reduction="none").shape
         torch.Size([32])
     """
-    check_options(reduction, similarity, cross_device)
+    check_options(reduction, similarity, strategy, cross_device)
     _checks.check_embeddings(features=features, ref_emb=ref_emb)
     if features.dim() not in (2, 3):
         raise ValueError(f"features must have shape [N, d] or [B, V, d], got {tuple(features.shape)}")
@@ -335,6 +345,7 @@ def supcon_labels_loss(
             backend=backend,
             dims=None if matryoshka is None else matryoshka[0],
             dim_weights=_matryoshka.weight_tensor(matryoshka, features),
+            strategy=strategy,
         )
 
 
@@ -353,6 +364,7 @@ def supcon_pool_loss(
     temperature: float | Tensor = TEMPERATURE,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -385,9 +397,9 @@ def supcon_pool_loss(
         >>> supcon_pool_loss(a, c, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 6]])).shape
         torch.Size([])
     """
-    check_options(reduction, similarity, cross_device)
+    check_options(reduction, similarity, strategy, cross_device)
     _checks.check_embeddings(anchor=anchor, candidates=candidates)
-    opts = Options(temperature, reduction, backend, process_group, similarity, cross_device=cross_device)
+    opts = Options(temperature, reduction, backend, strategy, process_group, similarity, cross_device=cross_device)
     if not isinstance(pos_index, Tensor):
         raise TypeError(f"pos_index must be a torch.Tensor of int64 indices [B, P], got {type(pos_index).__name__}")
     B, d = check_matrix("anchor", anchor)

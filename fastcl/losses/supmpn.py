@@ -32,6 +32,7 @@ def supmpn_loss(
     temperature: float | Tensor = 0.05,
     reduction: str = "mean",
     backend: str = "auto",
+    strategy: str = "auto",
     process_group=None,
     similarity: str = "cos",
     matryoshka_dims=None,
@@ -74,7 +75,15 @@ def supmpn_loss(
     """
     _checks.check_choice("own_positives", own_positives, OWN_POSITIVES)
     opts = Options(
-        temperature, reduction, backend, process_group, similarity, matryoshka_dims, matryoshka_weights, cross_device
+        temperature,
+        reduction,
+        backend,
+        strategy,
+        process_group,
+        similarity,
+        matryoshka_dims,
+        matryoshka_weights,
+        cross_device,
     )
     zero_logit = own_positives == "zero_logit"
     return structured_loss(

@@ -10,6 +10,7 @@ import functools
 import torch
 from torch import Tensor
 
+from .. import config
 from ._build import Extension, cpu_capability_flags
 from .backend import Backend, input_reasons
 from .contract import FusedResult, LSEProblem, compute_dtype, new_output, prefix_order
@@ -41,6 +42,16 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"fastcl::{op}")(lambda *args, **kwargs: None)
 
 
+def _push_config(cfg: config.Config) -> None:
+    torch.ops.fastcl.set_cpu_options(cfg.cpp.tile or 0, cfg.cpp.gemm)
+
+
+@functools.cache
+def _follow_config() -> None:
+    """Hand ``fastcl.config``'s ``cpp`` knobs to the loaded library, now and on every change."""
+    config.on_change(_push_config)
+
+
 def _args(problem: LSEProblem, tau: Tensor) -> tuple:
     return (problem.anchor, *problem.blocks, *problem.tags, tau, problem.cosine, float(problem.eps))
 
@@ -59,10 +70,12 @@ class CppLSE(Backend):
     fused_takes_dims = True
 
     def unavailable(self) -> str | None:
-        """Why the C++ library cannot run here (builds it on the first call), or None."""
+        """Why the C++ library cannot run here (builds it on the first call), or None. A
+        configuration the library refuses (``cpp.gemm="own"`` without AVX-512) raises here."""
         why = EXTENSION.error()
         if why is None:
             _register_fakes()
+            _follow_config()
         return why
 
     def unsupported(self, problem: LSEProblem) -> list[str]:
@@ -84,15 +97,16 @@ class CppLSE(Backend):
         """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
         cd = compute_dtype(problem.dtype)
         d_anchor, d0, d1 = (_out(problem, t.shape) for t in (problem.anchor, *problem.blocks))
-        fold = d_pos is not None and problem.positives is not None
-        offset = problem.positives.offset if fold else 0
-        op, dims = torch.ops.fastcl.lse_backward, ()
+        if problem.positives is None:
+            d_pos = None  # nothing to fold
+        offset = 0 if problem.positives is None else problem.positives.offset
+        op, dims = torch.ops.fastcl.lse_backward, []
         if problem.dims is not None:  # the prefixes shortest first, as lse_prefix_backward takes them
             order, _ = prefix_order(problem.dims)
-            lse, g, d_pos = lse[order], g[order], d_pos[order] if fold else None
-            op, dims = torch.ops.fastcl.lse_prefix_backward, ([problem.dims[k] for k in order],)
+            lse, g, d_pos = lse[order], g[order], None if d_pos is None else d_pos[order]
+            op, dims = torch.ops.fastcl.lse_prefix_backward, [[problem.dims[k] for k in order]]
         out = dict(d_anchor=d_anchor, d_block0=d0, d_block1=d1)
-        op(*_args(problem, tau), *dims, lse.to(cd), g.to(cd), d_pos.to(cd) if fold else None, offset, **out)
+        op(*_args(problem, tau), *dims, lse.to(cd), g.to(cd), None if d_pos is None else d_pos.to(cd), offset, **out)
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
@@ -102,15 +116,20 @@ class CppLSE(Backend):
         rows = (B,) if problem.dims is None else (problem.num_prefixes, B)
         order, back = prefix_order(problem.dims) if problem.dims is not None else (None, None)
         sort = (lambda t: t) if order is None else (lambda t: t[order])  # noqa: E731  (the op's order)
-        out = FusedResult(_out(problem, rows), _out(problem, rows), _out(problem, problem.anchor.shape))
-        out.d_blocks = tuple(_out(problem, b.shape) for b in problem.blocks)
-        out.g_dot_mean_logit, out.loss_rows = _out(problem, ()), _out(problem, rows)
+        lse, mean_logit, loss_rows = _out(problem, rows), _out(problem, rows), _out(problem, rows)
+        d_anchor, g_dot_mean_logit = _out(problem, problem.anchor.shape), _out(problem, ())
+        d_blocks = (_out(problem, problem.blocks[0].shape), _out(problem, problem.blocks[1].shape))
         own = head.pos_logits is None  # the kernel writes the own positives' logits (forms_own_logits)
-        pos_logits = _out(problem, (*rows, problem.positives.count)) if own else sort(head.pos_logits.to(cd))
-        out.d_pos = _out(problem, pos_logits.shape)
-        op, dims = torch.ops.fastcl.lse_fused, ()
-        if problem.dims is not None:
-            op, dims = torch.ops.fastcl.lse_prefix_fused, ([problem.dims[k] for k in order],)
+        if head.pos_logits is not None:
+            pos_logits = sort(head.pos_logits.to(cd))
+        elif problem.positives is not None:
+            pos_logits = _out(problem, (*rows, problem.positives.count))
+        else:
+            raise ValueError("fused: without own positives the head needs pos_logits")
+        d_pos = _out(problem, pos_logits.shape)
+        op, dims = torch.ops.fastcl.lse_fused, []
+        if problem.dims is not None and order is not None:
+            op, dims = torch.ops.fastcl.lse_prefix_fused, [[problem.dims[k] for k in order]]
         op(
             *_args(problem, tau),
             *dims,
@@ -122,15 +141,16 @@ class CppLSE(Backend):
             0 if problem.positives is None else problem.positives.offset,
             problem.positives is not None,
             own,
-            lse=out.lse,
-            mean_logit=out.mean_logit,
-            loss_rows=out.loss_rows,
-            d_pos=out.d_pos,
-            d_anchor=out.d_anchor,
-            d_block0=out.d_blocks[0],
-            d_block1=out.d_blocks[1],
-            g_dot_mean_logit=out.g_dot_mean_logit,
+            lse=lse,
+            mean_logit=mean_logit,
+            loss_rows=loss_rows,
+            d_pos=d_pos,
+            d_anchor=d_anchor,
+            d_block0=d_blocks[0],
+            d_block1=d_blocks[1],
+            g_dot_mean_logit=g_dot_mean_logit,
         )
+        out = FusedResult(lse, mean_logit, d_anchor, d_blocks, g_dot_mean_logit, loss_rows, d_pos)
         out.pos_logits = pos_logits if own else None
         if back is not None and back != list(range(len(back))):  # back to the caller's order of dims
             for name in ("lse", "mean_logit", "loss_rows", "d_pos", "pos_logits"):

@@ -1,28 +1,31 @@
 """Chunked PyTorch backend (``"torch"``): the primitive's exact contract without a B x N buffer.
 
 Blocks of anchor rows whose ``[R, N]`` logits exist only while the block is processed
-(``R * N <= TILE_ELEMENTS``): extra memory O((B + N) * d + TILE_ELEMENTS). Forward,
+(``R * N <=`` :func:`tile_elements`): extra memory O((B + N) * d + tile). Forward,
 recompute-backward and gradient-in-forward are one loop, :func:`_sweep`.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .. import config
 from . import _torch_prefix
 from .backend import Backend
 from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
 from .head import HeadInputs
 from .normalize import normalize_backward, normalize_rows
 
-# One [R, N] float32 tile is at most 4M elements (16 MB); a block holds about three.
-# Measured on the 2-core CI machine (benchmarks/bench_losses.py): 2^20..2^23 are within
-# 5% of each other at d=768; smaller tiles lose GEMM efficiency, larger ones only add memory.
-TILE_ELEMENTS = int(os.environ.get("FASTCL_TORCH_TILE", 1 << 22))
+
+def tile_elements() -> int:
+    """Elements of one ``[R, N]`` float32 tile: ``fastcl.config``'s ``torch.tile`` (default 2^22,
+    16 MB; a block holds about three). Measured on the 2-core CI machine
+    (benchmarks/bench_losses.py): 2^20..2^23 are within 5 % of each other at d = 768; smaller
+    tiles lose GEMM efficiency, larger ones only add memory."""
+    return config.get().torch.tile
 
 
 @dataclass
@@ -53,7 +56,7 @@ def _prepare(problem: LSEProblem) -> _Prepared:
     tags = [problem.tags[i] for i in nonempty]
     if len(parts) == 1:
         return _Prepared(a_hat, a_norm, parts[0][0], parts[0][1], tags[0])
-    c_norm = None if not problem.cosine else torch.cat([p[1] for p in parts])
+    c_norm = None if not problem.cosine else torch.cat([p[1] for p in parts if p[1] is not None])  # all, cosine
     return _Prepared(a_hat, a_norm, torch.cat([p[0] for p in parts]), c_norm, torch.cat(tags))
 
 
@@ -62,6 +65,7 @@ def _fold_positives(
 ) -> None:
     """Add the own-positive logits' gradient to the float32 accumulators, in place."""
     B, d = prep.a_hat.shape
+    assert problem.positives is not None  # the caller folds only with own positives
     rows = problem.positives.rows(0, B)
     scaled = d_pos.to(d_a_hat.dtype) * inv_tau  # [B, P]
     c_pos = prep.c_hat[rows].view(B, -1, d)
@@ -93,10 +97,11 @@ def _sweep(
         d_c_hat = torch.zeros_like(prep.c_hat)
         g_dot_ml = torch.zeros((), dtype=cd, device=problem.device)
     if head is not None:
+        assert head.pos_logits is not None  # the torch backend does not form them (forms_own_logits)
         loss_rows = new_output(B, dtype=cd, device=problem.device)
-        d_pos = new_output(head.pos_logits.shape, dtype=cd, device=problem.device)
+        head_d_pos = new_output(head.pos_logits.shape, dtype=cd, device=problem.device)
 
-    step = max(1, min(B, TILE_ELEMENTS // max(N, 1)))  # anchor rows per block
+    step = max(1, min(B, tile_elements() // max(N, 1)))  # anchor rows per block
     for r0 in range(0, B, step):
         r1 = min(B, r0 + step)
         a_blk = prep.a_hat[r0:r1] * inv_tau  # 1/tau on the [R, d] side, not on [R, N]
@@ -126,8 +131,9 @@ def _sweep(
         if head is not None:
             blk_loss, g, blk_dpos = head.rows(r0, r1, blk_lse)
             loss_rows[r0:r1] = blk_loss
-            d_pos[r0:r1] = blk_dpos
+            head_d_pos[r0:r1] = blk_dpos
         else:
+            assert row_grad is not None  # want_grad without a head: the recompute backward
             g = row_grad[r0:r1].to(cd)
         g_dot_ml += torch.dot(g, blk_ml)
         # dLoss/dsim_ic = g_i * p_ic / tau; padded columns have p = 0 exactly
@@ -135,8 +141,10 @@ def _sweep(
         d_c_hat.addmm_(probs.mul_(g[:, None]).T, a_blk)  # a_blk carries the 1/tau
 
     out = FusedResult(lse, mean_logit)
-    if want_grad and d_pos is not None and problem.positives is not None:
-        _fold_positives(prep, problem, d_pos, inv_tau, d_a_hat, d_c_hat)
+    # the own positives' logit gradient: given (recompute backward) or formed by the head (fused)
+    fold = head_d_pos if head is not None else d_pos
+    if want_grad and fold is not None and problem.positives is not None:
+        _fold_positives(prep, problem, fold, inv_tau, d_a_hat, d_c_hat)
     if want_grad:
         out.d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
         d_c = normalize_backward(prep.c_hat, prep.c_norm, d_c_hat, problem.eps)
@@ -145,7 +153,7 @@ def _sweep(
         n0 = problem.blocks[0].shape[0]
         out.d_blocks, out.g_dot_mean_logit = (d_c[:n0], d_c[n0:]), g_dot_ml
     if head is not None:
-        out.loss_rows, out.d_pos = loss_rows, d_pos
+        out.loss_rows, out.d_pos = loss_rows, head_d_pos
     return out
 
 

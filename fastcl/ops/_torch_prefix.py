@@ -68,10 +68,10 @@ def _prepare(problem: LSEProblem, bounds: list[int]) -> tuple[_Scaled, _Scaled, 
 
 
 def _rows_per_tile(problem: LSEProblem, tiles: int) -> int:
-    from ._torch_impl import TILE_ELEMENTS  # one budget for both paths
+    from ._torch_impl import tile_elements  # one budget for both paths
 
     N, B = max(sum(b.shape[0] for b in problem.blocks), 1), problem.num_anchors
-    return max(1, min(B, (3 * TILE_ELEMENTS) // (tiles * N)))
+    return max(1, min(B, (3 * tile_elements()) // (tiles * N)))
 
 
 def _prefix_tiles(a: _Scaled, c: _Scaled, bounds: list[int], r0: int, r1: int, inv_tau: Tensor):
@@ -126,6 +126,7 @@ def forward(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
 
 def _radial(x: _Scaled, stat: Tensor) -> Tensor:
     """``[K, rows]`` factor of ``u`` in the norms' gradient: ``stat * coef^2 / s`` where unclamped."""
+    assert x.unclamped is not None  # cosine similarity only: dot products have no norms
     return stat * x.coef.square() * x.unclamped.to(stat.dtype) / x.scale
 
 
@@ -150,7 +151,7 @@ def backward(problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Te
     inv_tau = tau.to(cd).reciprocal()
     lse, g = lse.to(cd)[order], g.to(cd)[order]
     pos = problem.positives if d_pos is not None else None
-    if pos is not None:
+    if d_pos is not None:
         d_pos = d_pos.to(cd)[order]
     d_ua, d_uc = torch.zeros_like(a.u), torch.zeros_like(c.u)
     rad_a = torch.zeros(K, B, dtype=cd, device=dev)
@@ -165,7 +166,7 @@ def backward(problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Te
         for j, logits in _prefix_tiles(a, c, bounds, r0, r1, inv_tau):
             _, p = _softmax(logits, drop, lse[j, r0:r1])
             p.mul_(g[j, r0:r1, None])  # dLoss/dlogits_j
-            if pos is not None:  # own positive k of anchor i is column offset + i * count + k
+            if pos is not None and d_pos is not None:  # own positive k of anchor i: column offset + i * count + k
                 cols = pos.offset + rows[:, None] * pos.count + torch.arange(pos.count, device=dev)
                 p.scatter_add_(1, cols, d_pos[j, r0:r1])
             if problem.cosine:  # <x_hat, d x_hat> per anchor and per candidate (w[j] as scratch)

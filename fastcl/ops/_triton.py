@@ -64,8 +64,12 @@ class TritonHeadStep:
         dtype, ``per_row``), and what :meth:`backward` needs."""
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
-        folded = head.pos_logits is None
-        offset, count = (pos.offset, pos.count) if folded else (0, head.pos_logits.shape[1])
+        if head.pos_logits is None:  # own positives folded from block 0
+            if pos is None:
+                raise ValueError("the fused head needs own positives (problem.positives) or given pos_logits")
+            offset, count = pos.offset, pos.count
+        else:
+            offset, count = 0, head.pos_logits.shape[1]
         loss, *saved = _kernels().head_forward(
             problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps, head.kind, offset, count,
             head.pos_logits, head.pos_mask, head.log_extra, head.weights, per_row,
@@ -77,10 +81,9 @@ class TritonHeadStep:
         lse, dlse, dpos, w_row, norms = saved
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
-        folded = pos is not None
         d_anchor, d_b0, d_b1 = _kernels().head_backward(
             problem.anchor, b0, b1, t0, t1, tau, norms, lse, dlse, dpos, w_row, weights, grad_out,
-            pos.offset if folded else 0, folded, problem.cosine, fp32_ds(problem.anchor.dtype), problem.padded,
+            0 if pos is None else pos.offset, pos is not None, problem.cosine, fp32_ds(problem.anchor.dtype), problem.padded,
         )  # fmt: skip
         return d_anchor, (d_b0, d_b1)
 
@@ -129,11 +132,15 @@ class TritonLSE(Backend):
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
         d_pos = None if pos is None else d_pos
-        want = (problem.num_anchors, pos.count) if pos is not None else None
-        want = want if problem.dims is None or want is None else (problem.num_prefixes, *want)
-        if d_pos is not None and tuple(d_pos.shape) != want:
-            raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {want}")
-        inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, 0 if d_pos is None else pos.offset)
+        offset = 0
+        if pos is not None and d_pos is not None:
+            want: tuple[int, ...] = (problem.num_anchors, pos.count)
+            if problem.dims is not None:
+                want = (problem.num_prefixes, *want)
+            if tuple(d_pos.shape) != want:
+                raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {want}")
+            offset = pos.offset
+        inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, offset)
         if problem.dims is not None:
             d_anchor, d_b0, d_b1 = _kernels().lse_backward_prefixes(
                 *inputs, list(problem.dims), problem.cosine, problem.eps

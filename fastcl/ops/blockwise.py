@@ -40,6 +40,7 @@ class Merged:
         if self.lse is None:
             self.lse, self.mean_logit = lse_t.clone(), mean_logit_t.clone()
             return
+        assert self.mean_logit is not None  # set with self.lse
         lse = torch.logaddexp(self.lse, lse_t)
         self.mean_logit = _weight(self.lse, lse) * self.mean_logit + _weight(lse_t, lse) * mean_logit_t
         self.lse = lse

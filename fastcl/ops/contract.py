@@ -134,6 +134,19 @@ class FusedResult:
     d_pos: Tensor | None = None
     pos_logits: Tensor | None = None
 
+    def sweep_outputs(self) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor, Tensor, Tensor]:
+        """``(d_anchor, d_blocks, g_dot_mean_logit, loss_rows, d_pos)``: what every
+        gradient-in-forward sweep must set (a backend that leaves one unset fails here)."""
+        if (
+            self.d_anchor is None
+            or self.d_blocks is None
+            or self.g_dot_mean_logit is None
+            or self.loss_rows is None
+            or self.d_pos is None
+        ):
+            raise RuntimeError("fastcl: a fused backend returned a FusedResult without its gradients")
+        return self.d_anchor, self.d_blocks, self.g_dot_mean_logit, self.loss_rows, self.d_pos
+
 
 def structured_tags(
     batch: int, slots: int, mask: Tensor | None, *, device: torch.device, exclude_owner: bool

@@ -1,6 +1,6 @@
 """The autograd Function of the fused LSE losses (``ContrastiveLSE``: primitive + head on any
-backend) and ``contrastive_loss``, which picks the backend. Call path, strategies
-(``FASTCL_STRATEGY``) and the double-backward rule: docs/design.md.
+backend) and ``contrastive_loss``, which picks the backend. Call path, strategies (the losses'
+``strategy=`` argument) and the double-backward rule: docs/design.md.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import config
 from . import dispatch
 from .backend import Backend
 from .contract import LSEProblem, OwnPositives, compute_dtype
@@ -35,6 +35,7 @@ class LossSpec:
     dims: tuple[int, ...] | None = None  # Matryoshka prefixes: loss = sum_k dim_weights[k] * loss_k
     dim_weights: Tensor | None = None  # [K] compute dtype; None (reduction "none"): rows [K, B]
     padded: bool = True  # False: no tag is TAG_PADDING (no masks were given)
+    strategy: str = "auto"  # "auto" (fastcl.config's strategy), "fused" or "recompute"
 
     def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor) -> LSEProblem:
         return LSEProblem(
@@ -42,12 +43,15 @@ class LossSpec:
         )
 
 
-def _strategy(impl: Backend, reduction: str, dims) -> str:
-    wanted = _checks.requested_strategy()
+def _strategy(impl: Backend, reduction: str, dims, strategy: str) -> str:
+    """``"fused"`` or ``"recompute"`` for a call that needs gradients: the requested one
+    (``"auto"``: ``fastcl.config``'s ``strategy``, whose own ``"auto"`` fuses where it can)."""
+    wanted = config.get().strategy if strategy == "auto" else strategy
     can_fuse = impl.fused is not None and reduction != "none" and (dims is None or impl.fused_takes_dims)
     if wanted == "fused" and not can_fuse:
+        source = "strategy='fused'" if strategy == "fused" else "FASTCL_STRATEGY=fused (fastcl.config's strategy)"
         raise ValueError(
-            f"{_checks.STRATEGY_ENV}=fused needs reduction 'mean' or 'sum' and a backend with a fused path "
+            f"{source} needs reduction 'mean' or 'sum' and a backend with a fused path "
             f"(with matryoshka dims: one whose fused path takes them); got reduction={reduction!r}, "
             f"backend={impl.name!r}, dims={dims}"
         )
@@ -71,6 +75,7 @@ def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
     """``[B, P]`` own-positive logits from the block-0 layout (no custom autograd: torch ops
     that a second-order backward differentiates); ``[K, B, P]`` with dims, prefix ``k`` on
     the first ``dims[k]`` coordinates."""
+    assert spec.positives is not None  # folded own positives only
     B, P = problem.num_anchors, spec.positives.count
     own = problem.blocks[0][spec.positives.rows(0, B)].view(B, P, -1)
     prefixes = problem.prefixes if spec.dims is not None else (None,)
@@ -165,14 +170,17 @@ class ContrastiveLSE(torch.autograd.Function):
             raise ValueError(f"with matryoshka dims pos_logits is [K={len(spec.dims)}, B, P]: one per prefix")
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
-        ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims) if needs_grad else "none"
+        ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims, spec.strategy) if needs_grad else "none"
         # a backend that forms the folded own-positive logits in its sweep spares the [B, P, d]
         # normalisation passes of _own_logits (~5 % of a cpp SupMPN step)
         if ctx.mode != "fused":
             head = HeadInputs(
                 spec.kind, None if folded else pos_input.detach().to(cd), spec.pos_mask, spec.log_extra, spec.weights
             )
-            step = _head_step(spec, problem, head, spec.positives.count if folded else pos_input.shape[-1])
+            own_count = (
+                pos_input.shape[-1] if pos_input is not None else (spec.positives.count if spec.positives else 0)
+            )
+            step = _head_step(spec, problem, head, own_count)
             if step is not None:  # the head fused into the backend's kernels
                 loss, saved = step.forward(problem, tau, head, per_row=spec.reduction == "none")
                 if needs_grad:
@@ -186,19 +194,23 @@ class ContrastiveLSE(torch.autograd.Function):
             pos_logits = (_own_logit_values(spec, problem, tau) if folded else pos_input).detach().to(cd)
 
         if ctx.mode == "fused":
-            weights = spec.weights if spec.dims is None else spec.dim_weights[:, None] * spec.weights
+            # _strategy chose "fused": the backend has a sweep, and with dims a reduction's weights
+            assert spec.impl.fused is not None and (spec.dims is None or spec.dim_weights is not None)
+            weights = spec.weights if spec.dim_weights is None else spec.dim_weights[:, None] * spec.weights
             head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, weights)
             out = spec.impl.fused(problem, tau, head)
+            d_anchor, d_blocks, g_dot_mean_logit, rows, d_pos = out.sweep_outputs()
             pos_logits = out.pos_logits if in_sweep else pos_logits
             keep = _grad_store_dtype(anchor.dtype)
             # a float temperature needs no gradient: spare the small ops (launches on a GPU)
-            d_tau = (
-                _tau_grad(out.g_dot_mean_logit, out.d_pos, pos_logits, tau, folded) if ctx.needs_input_grad[4] else None
-            )
-            d_inputs = (t.to(keep) for t in (out.d_anchor, *out.d_blocks))
-            ctx.save_for_backward(*d_inputs, out.d_pos, None if d_tau is None else d_tau.to(tau.dtype))
+            d_tau = None
+            if ctx.needs_input_grad[4]:
+                assert pos_logits is not None  # given, or formed by the sweep (forms_own_logits)
+                d_tau = _tau_grad(g_dot_mean_logit, d_pos, pos_logits, tau, folded)
+            d_inputs = (t.to(keep) for t in (d_anchor, *d_blocks))
+            ctx.save_for_backward(*d_inputs, d_pos, None if d_tau is None else d_tau.to(tau.dtype))
             # with dims the head's rows are per prefix [K, B]
-            loss_rows = out.loss_rows if spec.dims is None else _sum_prefixes(out.loss_rows, spec.dim_weights)
+            loss_rows = rows if spec.dim_weights is None else _sum_prefixes(rows, spec.dim_weights)
         else:
             lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
             if needs_grad:
@@ -292,6 +304,7 @@ def contrastive_loss(
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
     padded: bool = True,
+    strategy: str = "auto",
 ) -> Tensor:
     """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``). Own
     positives are a layout in block 0 (``positives``: every backend folds their gradient) or
@@ -299,11 +312,25 @@ def contrastive_loss(
     ``dims`` (with ``dim_weights [K]``; ``pos_logits`` then ``[K, B, P]``): the weighted sum
     of the loss on each prefix; with ``reduction="none"`` and no ``dim_weights``, the
     prefixes' rows ``[K, B]``. ``padded=False`` promises that no tag is ``TAG_PADDING`` (the
-    caller gave no masks): backends may then skip masking padded rows."""
+    caller gave no masks): backends may then skip masking padded rows. ``strategy``: ``"auto"``,
+    ``"fused"`` or ``"recompute"`` (docs/design.md, "Two strategies")."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
     impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims, padded), backend=backend)
     spec = LossSpec(
-        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, weights, reduction, dims, dim_weights, padded
+        impl,
+        tags,
+        cosine,
+        eps,
+        positives,
+        kind,
+        pos_mask,
+        log_extra,
+        weights,
+        reduction,
+        dims,
+        dim_weights,
+        padded,
+        strategy,
     )
     return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, spec)

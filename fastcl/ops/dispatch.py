@@ -26,16 +26,22 @@ def get(name: str) -> Backend:
     rather than importlib because torch.compile traces the former: importing fastcl imports
     neither triton nor the C++ backend."""
     if name == "reference":
-        from ..reference import BACKEND
-    elif name == "torch":
-        from ._torch_impl import BACKEND
-    elif name == "cpp":
-        from ._cpp import BACKEND
-    elif name == "triton":
-        from ._triton import BACKEND
-    else:
-        raise KeyError(name)
-    return BACKEND
+        from ..reference import BACKEND as reference
+
+        return reference
+    if name == "torch":
+        from ._torch_impl import BACKEND as chunked_torch
+
+        return chunked_torch
+    if name == "cpp":
+        from ._cpp import BACKEND as cpp
+
+        return cpp
+    if name == "triton":
+        from ._triton import BACKEND as triton
+
+        return triton
+    raise KeyError(name)
 
 
 def _constant_under_compile(fn):

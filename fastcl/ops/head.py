@@ -34,6 +34,8 @@ class HeadInputs:
         def part(t):
             return None if t is None else t[r0:r1]
 
+        # a backend that forms the logits itself (forms_own_logits) has its own head loop
+        assert self.pos_logits is not None, "HeadInputs.rows needs pos_logits"
         loss, dlse, dpos = head_rows(lse, self.pos_logits[r0:r1], part(self.pos_mask), self.kind, part(self.log_extra))
         w = self.weights[r0:r1]
         return loss, dlse * w, dpos * w[:, None]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import _checks, distributed
+from .. import config, distributed
 from . import dispatch
 from .blockwise import Merged, block_grad, foreign_tags
 from .contract import LSEProblem, OwnPositives, compute_dtype
@@ -114,6 +114,7 @@ class RingLSE(torch.autograd.Function):
             try:  # an error here (no valid positive anywhere) is every rank's: all agree below
                 pos_values = (_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd)
                 weights = _weights(spec, counts, cd)
+                assert merged.lse is not None  # every rank's block was merged
                 loss_rows, dlse, dpos = head_of(ls, merged.lse, pos_values)
             except Exception as exc:
                 failure = exc
@@ -191,6 +192,7 @@ def ring_contrastive_loss(
     backend: str | None = "auto",
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
+    strategy: str = "auto",
 ) -> Tensor:
     """:func:`~fastcl.ops.contrastive.contrastive_loss` over every rank of ``group``'s candidates,
     by the ring (module docstring). Arguments as there, all of them this rank's: ``tags``
@@ -202,10 +204,11 @@ def ring_contrastive_loss(
     (the caller checked shapes and dtype already). Every rank must call it, and backward."""
     if (has_pos is None) == (weights is None):
         raise TypeError("ring_contrastive_loss takes has_pos or weights (exactly one)")
-    if _checks.requested_strategy() == "fused":
+    if strategy == "fused" or (strategy == "auto" and config.get().strategy == "fused"):
+        source = "strategy='fused'" if strategy == "fused" else "FASTCL_STRATEGY=fused (fastcl.config's strategy)"
         raise ValueError(
-            f"{_checks.STRATEGY_ENV}=fused: cross_device='ring' always recomputes (the loss head needs "
-            "every rank's candidates before any gradient); unset it or use cross_device='gather'"
+            f"{source}: cross_device='ring' always recomputes (the loss head needs every rank's "
+            "candidates before any gradient); use strategy='recompute' or cross_device='gather'"
         )
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())

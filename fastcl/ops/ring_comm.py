@@ -128,7 +128,10 @@ def circulate_grads(
     accumulators); the contributions of every rank for one block add up on their way home.
     Returns ``(grads of own, failure)``: the summed gradients of this rank's ``own`` payload."""
     world = comm.world
-    failure, cur, spare, acc, acc_in, acc_works = None, list(own), None, None, None, []
+    failure, cur, spare = None, list(own), None
+    acc: list[Tensor] | None = None
+    acc_in: list[Tensor] | None = None
+    acc_works: list = []
     for step in range(world):
         last = step == world - 1
         if not last:
@@ -147,12 +150,14 @@ def circulate_grads(
         else:  # the accumulator of this block, from the previous rank
             for w in acc_works:
                 w.wait()
+            assert acc_in is not None  # received in the previous step
             for a, p in zip(acc_in, part, strict=True):
                 a.add_(p)
             acc, free = acc_in, acc  # the one sent last step is free again
         part = None  # not alive during the next step's work
         if world > 1:
             acc_in = free or new_grads()
+            assert acc is not None
             acc_works = comm.exchange(acc, acc_in, _TAG_GRAD)
         if not last:
             for w in works:

@@ -33,17 +33,6 @@ def test_noisy_threshold():
     assert not timing.is_noisy([])
 
 
-def test_configured_threads(monkeypatch):
-    monkeypatch.delenv("FASTCL_BENCH_THREADS", raising=False)
-    assert timing.configured_threads() is None
-    monkeypatch.setenv("FASTCL_BENCH_THREADS", "1")
-    assert timing.configured_threads() == 1
-    for bad in ("0", "two"):
-        monkeypatch.setenv("FASTCL_BENCH_THREADS", bad)
-        with pytest.raises(ValueError, match="FASTCL_BENCH_THREADS"):
-            timing.configured_threads()
-
-
 # --- interleaved rounds on a fake clock ------------------------------------------------
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fastcl.losses as L
+from fastcl import config
 from tests.helpers.spawn import run_rank
 
 B, D = 3, 8  # anchors per rank (odd on purpose), embedding width
@@ -219,17 +220,11 @@ def inputs(case: Case, seed: int, rank: int) -> dict:
 
 @contextmanager
 def _strategy(backend: str):
-    """``torch:recompute`` runs the torch backend with FASTCL_STRATEGY=recompute."""
+    """``torch:recompute`` runs the torch backend with ``fastcl.config``'s strategy "recompute"
+    (what ``strategy="auto"``, every case's default, then means)."""
     name, _, strategy = backend.partition(":")
-    before = os.environ.get("FASTCL_STRATEGY")
-    os.environ["FASTCL_STRATEGY"] = strategy or "auto"
-    try:
+    with config.override(strategy=strategy or "auto"):
         yield name
-    finally:
-        if before is None:
-            os.environ.pop("FASTCL_STRATEGY", None)
-        else:
-            os.environ["FASTCL_STRATEGY"] = before
 
 
 def run_case(case: Case, x: dict, backend: str, group) -> dict:

@@ -23,6 +23,7 @@ def gradcheck_contrastive(
     cosine: bool = True,
     folded: bool = True,
     zero_logit: bool = False,
+    strategy: str = "auto",
 ) -> None:
     """``folded``: the backend adds the positives' gradient itself (``OwnPositives``);
     otherwise precomputed differentiable positive logits (shared positives)."""
@@ -57,6 +58,7 @@ def gradcheck_contrastive(
             eps=1e-8,
             log_extra=log_extra,
             backend=backend,
+            strategy=strategy,
         )
 
     assert torch.autograd.gradcheck(f, (a, pos, neg, tau))

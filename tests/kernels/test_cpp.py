@@ -60,10 +60,10 @@ def _head(B, P, kind, gen, dtype=torch.float64, masks=True, log_extra=False):
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 @pytest.mark.parametrize("kind, zero_logit", [("supcon", False), ("supmpn", False), ("supmpn", True)])
 @pytest.mark.parametrize("cosine", [True, False])
-def test_gradcheck_cpp(monkeypatch, strategy, kind, zero_logit, cosine, folded):
+def test_gradcheck_cpp(fastcl_config, monkeypatch, strategy, kind, zero_logit, cosine, folded):
     """Folded: the backend adds the positives' gradient itself (OwnPositives); not folded:
     precomputed differentiable positive logits (shared positives)."""
-    monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+    fastcl_config(strategy=strategy)
     gradcheck_contrastive("cpp", kind=kind, cosine=cosine, folded=folded, zero_logit=zero_logit)
 
 
@@ -129,7 +129,7 @@ def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_ext
     """Forced block sizes make many waves and short last blocks; the head in C++ must
     agree with fastcl/ops/head.py row by row (masks, empty rows, log_extra); folded own
     positives (3 per anchor from row 5 of block 0) must match ``_fold_positives``."""
-    monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
+    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
     g = torch.Generator().manual_seed(int(rows) * 7 + len(kind))
     B = 37
     prob = _problem(B, 5 + 3 * B + 4, 29, 19, gen=g, positives=OwnPositives(5, 3) if folded else None)
@@ -141,7 +141,7 @@ def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_ext
 def test_empty_row_among_others(monkeypatch, kind):
     """Every candidate tagged 0 or padding: row 0 has none (lse -inf, no gradient, no NaN)
     while the other rows have all of them; folded own positives one per anchor."""
-    monkeypatch.setenv("FASTCL_CPP_ROWS", "2")
+    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "2")
     g = torch.Generator().manual_seed(11)
     B, d = 5, 6
     tags0 = torch.where(torch.rand(B + 3, generator=g) < 0.3, TAG_PADDING, 0).to(torch.int32)
@@ -160,7 +160,7 @@ def test_empty_row_among_others(monkeypatch, kind):
 
 @pytest.mark.parametrize("cosine", [True, False])
 def test_forward_and_backward_match_torch(monkeypatch, cosine):
-    monkeypatch.setenv("FASTCL_CPP_ROWS", "4")
+    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "4")
     prob = _problem(23, 2 * 23 + 1, 17, 9, cosine=cosine, positives=OwnPositives(1, 2))
     tau = torch.tensor(0.1, dtype=torch.float64)
     ref = TorchLSE()

@@ -29,9 +29,9 @@ def _needs_cpp():
 @pytest.mark.parametrize("d", [130, 200])
 def test_split_matches_torch(monkeypatch, threads, num_threads, rows, d):
     if rows is None:
-        monkeypatch.delenv("FASTCL_CPP_ROWS", raising=False)
+        monkeypatch.delenv("_FASTCL_TEST_CPP_ROWS", raising=False)
     else:
-        monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
+        monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
     threads(num_threads)
     g = torch.Generator().manual_seed(num_threads * 1000 + d)
     B = 26
@@ -41,7 +41,7 @@ def test_split_matches_torch(monkeypatch, threads, num_threads, rows, d):
 
 
 def test_split_is_bitwise_reproducible(monkeypatch, threads):
-    monkeypatch.setenv("FASTCL_CPP_ROWS", "9")
+    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "9")
     threads(2)
     g = torch.Generator().manual_seed(3)
     prob = _problem(40, 700, 90, 140, dtype=torch.float32, gen=g, positives=OwnPositives(0, 1))
@@ -67,7 +67,7 @@ def _all_outputs(prob, tau, head):
 def test_kept_block_buffer_changes_nothing(monkeypatch, threads):
     """The block buffer kept between calls (lse_cpu.cpp, block_buffer) is reused by calls of
     other shapes and dtypes, after calls that filled it with NaN: every output is bitwise the
-    same as with a fresh buffer per call (FASTCL_CPP_KEEP_BYTES=0)."""
+    same as with a fresh buffer per call (_FASTCL_TEST_CPP_KEEP_BYTES=0)."""
     threads(2)
     g = torch.Generator().manual_seed(11)
     tau = torch.tensor(0.05)
@@ -83,11 +83,35 @@ def test_kept_block_buffer_changes_nothing(monkeypatch, threads):
     results = {}
     for keep in ("0", None):
         if keep is None:
-            monkeypatch.delenv("FASTCL_CPP_KEEP_BYTES", raising=False)
+            monkeypatch.delenv("_FASTCL_TEST_CPP_KEEP_BYTES", raising=False)
         else:
-            monkeypatch.setenv("FASTCL_CPP_KEEP_BYTES", keep)
+            monkeypatch.setenv("_FASTCL_TEST_CPP_KEEP_BYTES", keep)
         results[keep] = [_all_outputs(prob, tau.to(prob.dtype), head) for prob, head in calls]
     assert results["0"][0][0].isnan().any(), "the first call should have filled the buffer with NaN"
     for i, (fresh, kept) in enumerate(zip(results["0"], results[None])):
         for j, (u, v) in enumerate(zip(fresh, kept)):
             assert torch.equal(u.nan_to_num(7.0), v.nan_to_num(7.0)) and torch.equal(u.isnan(), v.isnan()), (i, j)
+
+
+@pytest.mark.parametrize(
+    "name, raw",
+    [("_FASTCL_TEST_CPP_ROWS", "abc"), ("_FASTCL_TEST_CPP_ROWS", "0"), ("_FASTCL_TEST_CPP_ROWS", "-3"),
+     ("_FASTCL_TEST_CPP_ROWS", "1e3"), ("_FASTCL_TEST_CPP_ROWS", "99999999999999999999"),
+     ("_FASTCL_TEST_CPP_CHUNK", "4.5"), ("_FASTCL_TEST_CPP_KEEP_BYTES", "-1")],
+)  # fmt: skip
+def test_invalid_environment_values_are_refused(monkeypatch, name, raw):
+    """The C++ side reads its test hooks (and the CUDA op its tile) with a strict ``env_int``:
+    a value that is not a decimal integer in range raises, naming the variable, instead of
+    becoming 1 (``atoll`` then ``max(1, .)``, as before) or wrapping around."""
+    monkeypatch.setenv(name, raw)
+    prob = _problem(5, 9, 3, 4, dtype=torch.float32, gen=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=f"{name}='{raw}': expected an integer >= "):
+        _cpp.CppLSE().forward(prob, torch.tensor(0.1))
+
+
+def test_keep_bytes_zero_is_a_valid_value(monkeypatch):
+    """0 (never keep the block buffer, what the memory probes set) is in range for this hook."""
+    monkeypatch.setenv("_FASTCL_TEST_CPP_KEEP_BYTES", "0")
+    prob = _problem(5, 9, 3, 4, dtype=torch.float32, gen=torch.Generator().manual_seed(0))
+    lse, _ = _cpp.CppLSE().forward(prob, torch.tensor(0.1))
+    assert torch.isfinite(lse).all()

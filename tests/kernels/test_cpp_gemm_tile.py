@@ -1,5 +1,5 @@
 """fastcl's GEMM tile (``csrc/cpu/gemm_tile.h``): step 1 of a float32 sweep, ``S = A C^T``, by the
-tile instead of MKL (``FASTCL_CPP_GEMM``; docs/csrc.md, "Own GEMM tile").
+tile instead of MKL (``fastcl.config``'s ``cpp.gemm``, ``FASTCL_CPP_GEMM``; docs/csrc.md, "Own GEMM tile").
 
 The tile computes ``kRows x kCols = 12 x 32`` outputs at a time from packed anchors and
 candidate panels, so the cases put block and panel edges everywhere: anchors and candidates not multiples
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastcl import config
 from fastcl.losses import infonce_loss
 from fastcl.ops import _cpp
 from fastcl.ops._torch_impl import TorchLSE
@@ -45,9 +46,8 @@ def _head_as(head, dtype):
     return replace(head, pos_logits=head.pos_logits.to(dtype), weights=head.weights.to(dtype))
 
 
-def _fused(monkeypatch, gemm: str, prob, head, tau):
-    monkeypatch.setenv("FASTCL_CPP_GEMM", gemm)
-    with poison_outputs():
+def _fused(gemm: str, prob, head, tau):
+    with config.override(cpp={"gemm": gemm}), poison_outputs():
         return _cpp.CppLSE().fused(prob, tau, head)
 
 
@@ -70,7 +70,7 @@ def _close(got, want, tol):
 def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
     """The fused step with step 1 by the tile matches the float64 torch backend on the same
     float32 inputs (and the MKL path) across block, row-tile and panel edges."""
-    monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
+    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
     g = torch.Generator().manual_seed(B * 31 + d)
     P = 2
     prob = _problem(B, 3 + P * B + 4, N1, d, torch.float32, gen=g, positives=OwnPositives(3, P) if folded else None)
@@ -79,8 +79,8 @@ def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        own = _fused(monkeypatch, "own", prob, head, tau)
-        mkl = _fused(monkeypatch, "mkl", prob, head, tau)
+        own = _fused("own", prob, head, tau)
+        mkl = _fused("mkl", prob, head, tau)
     finally:
         torch.set_num_threads(before)
     want = TorchLSE().fused(_as(prob, torch.float64), tau.double(), _head_as(head, torch.float64))
@@ -89,7 +89,7 @@ def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
 
 
 @needs_tile
-def test_forward_and_recompute_backward_by_the_tile(monkeypatch):
+def test_forward_and_recompute_backward_by_the_tile(fastcl_config, monkeypatch):
     """Step 1 is shared by every mode: the forward and the recompute backward take the tile too."""
     prob = _problem(29, 2 * 29 + 5, 11, 37, torch.float32, positives=OwnPositives(1, 2))
     tau = torch.tensor(0.1)
@@ -97,7 +97,7 @@ def test_forward_and_recompute_backward_by_the_tile(monkeypatch):
     d_pos = torch.randn(29, 2)
     out = {}
     for gemm in ("own", "mkl"):
-        monkeypatch.setenv("FASTCL_CPP_GEMM", gemm)
+        fastcl_config(cpp={"gemm": gemm})
         with poison_outputs():
             lse, ml = _cpp.CppLSE().forward(prob, tau)
             grads = _cpp.CppLSE().backward(prob, tau, lse, g, d_pos)
@@ -107,10 +107,10 @@ def test_forward_and_recompute_backward_by_the_tile(monkeypatch):
 
 
 @needs_tile
-def test_nonfinite_rows_by_the_tile(monkeypatch):
+def test_nonfinite_rows_by_the_tile(fastcl_config, monkeypatch):
     """A NaN anchor row makes its row NaN and nothing else; a NaN in a padded candidate has no
     influence; a NaN in a valid candidate reaches every row that sees it."""
-    monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
+    fastcl_config(cpp={"gemm": "own"})
     g = torch.Generator().manual_seed(4)
     B, N, d = 25, 70, 20
     a, c = torch.randn(B, d, generator=g), torch.randn(N, d, generator=g)
@@ -140,8 +140,8 @@ def test_nonfinite_rows_by_the_tile(monkeypatch):
 
 
 @needs_tile
-def test_tile_is_deterministic(monkeypatch):
-    monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
+def test_tile_is_deterministic(fastcl_config, monkeypatch):
+    fastcl_config(cpp={"gemm": "own"})
     prob = _problem(150, 300, 200, 24, torch.float32)
     head = _head(150, 2, "supcon", torch.Generator().manual_seed(1), torch.float32)
     runs = [_cpp.CppLSE().fused(prob, torch.tensor(0.05), head) for _ in range(2)]
@@ -149,20 +149,29 @@ def test_tile_is_deterministic(monkeypatch):
 
 
 def test_gemm_choice_is_checked(monkeypatch):
-    prob = _problem(3, 4, 2, 5, torch.float32)
+    """An unknown GEMM is refused when the configuration is read or set, and by the library
+    itself; "own" without the AVX-512 build is refused by the library, the configuration
+    before it staying in force."""
     monkeypatch.setenv("FASTCL_CPP_GEMM", "blas")
-    with pytest.raises(RuntimeError, match="FASTCL_CPP_GEMM=blas; expected auto, own or mkl"):
-        _cpp.CppLSE().forward(prob, torch.tensor(0.1))
+    with pytest.raises(ValueError, match="FASTCL_CPP_GEMM='blas': expected one of"):
+        config.reload()
+    with pytest.raises(ValueError, match="gemm='blas'"):
+        config.override(cpp={"gemm": "blas"}).__enter__()
+    with pytest.raises(RuntimeError, match="cpp.gemm='blas'; expected auto, own or mkl"):
+        torch.ops.fastcl.set_cpu_options(0, "blas")
+    with pytest.raises(RuntimeError, match="cpp.tile must be >= 0"):
+        torch.ops.fastcl.set_cpu_options(-1, "auto")
+    assert config.get().cpp.gemm == "auto"
     if not TILE:
-        monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
         with pytest.raises(RuntimeError, match="needs the AVX-512 build"):
-            _cpp.CppLSE().forward(prob, torch.tensor(0.1))
+            config.override(cpp={"gemm": "own"}).__enter__()
+        assert config.get().cpp.gemm == "auto"
 
 
-def test_loss_on_the_default_path_matches_the_reference(monkeypatch):
+def test_loss_on_the_default_path_matches_the_reference(fastcl_config, monkeypatch):
     """B = 600 >= the tile's threshold: the automatic choice (the tile on non-Intel AVX-512 CPUs,
     MKL elsewhere) through the public loss, against the float64 reference."""
-    monkeypatch.delenv("FASTCL_CPP_GEMM", raising=False)
+    fastcl_config(cpp={"gemm": "auto"})
     g = torch.Generator().manual_seed(9)
     a, p = torch.randn(600, 64, generator=g), torch.randn(600, 64, generator=g)
     a64, p64 = a.double().requires_grad_(), p.double().requires_grad_()
@@ -183,14 +192,14 @@ def test_16_bit_inputs_take_the_tile_through_their_float32_copy(monkeypatch, dty
     prob = _problem(40, 90, 13, 48, dtype, gen=g)
     head = _head(40, 2, "supcon", g, torch.float32)
     tau = torch.tensor(0.05)
-    own = _fused(monkeypatch, "own", prob, head, tau)
-    mkl = _fused(monkeypatch, "mkl", prob, head, tau)
+    own = _fused("own", prob, head, tau)
+    mkl = _fused("mkl", prob, head, tau)
     assert own.d_anchor.dtype == torch.float32
     _close(own, mkl, 1e-5)
 
 
 @needs_tile
-def test_a_single_matryoshka_prefix_keeps_mkl(monkeypatch):
+def test_a_single_matryoshka_prefix_keeps_mkl(fastcl_config, monkeypatch):
     """dims = (m,) with m < d is one prefix but not the whole row: the tile (whole rows) must
     not take it. Forced "own" must give the prefix's values, as "mkl" and the plain problem on
     the first m coordinates do."""
@@ -200,7 +209,7 @@ def test_a_single_matryoshka_prefix_keeps_mkl(monkeypatch):
     tau = torch.tensor(0.1)
     prefix = LSEProblem(a, (b0, b1), tags, dims=(17,))
     plain = LSEProblem(a[:, :17].contiguous(), (b0[:, :17].contiguous(), b1[:, :17].contiguous()), tags)
-    monkeypatch.setenv("FASTCL_CPP_GEMM", "own")
+    fastcl_config(cpp={"gemm": "own"})
     lse, _ = _cpp.CppLSE().forward(prefix, tau)
     want, _ = _cpp.CppLSE().forward(plain, tau)
     torch.testing.assert_close(lse[0], want, rtol=1e-6, atol=1e-6)

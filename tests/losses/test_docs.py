@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fastcl.losses as L
+from fastcl import config
 from fastcl.losses import gclsr, mnrl, supcon, supmpn
 from fastcl.ops import dispatch
 from fastcl.ops.backend import MATRYOSHKA_BACKENDS, dims_reason
@@ -98,19 +99,16 @@ def test_matryoshka_backends_are_the_ones_that_take_dims(monkeypatch):
         ) or dispatch.reasons(name)
 
 
-def test_fused_step_with_dims_only_on_cpp(monkeypatch):
+def test_fused_step_with_dims_only_on_cpp():
     _says("The fused gradient-in-forward step takes dims on `cpp`; the other backends run the recompute strategy")
     _says("forcing the fused one there raises `ValueError`")
     a, p, n = (t.requires_grad_() for t in _small(1))
     for name in ("reference", "torch"):
-        monkeypatch.setenv("FASTCL_STRATEGY", "fused")
         with pytest.raises(ValueError, match="matryoshka dims"):
-            L.supmpn_loss(a, p, n, backend=name, matryoshka_dims=(8, 4))
-        monkeypatch.delenv("FASTCL_STRATEGY")
+            L.supmpn_loss(a, p, n, backend=name, matryoshka_dims=(8, 4), strategy="fused")
         L.supmpn_loss(a, p, n, backend=name, matryoshka_dims=(8, 4)).backward()  # auto: recompute
     if not dispatch.reasons("cpp"):
-        monkeypatch.setenv("FASTCL_STRATEGY", "fused")
-        L.supmpn_loss(a, p, n, backend="cpp", matryoshka_dims=(8, 4)).backward()
+        L.supmpn_loss(a, p, n, backend="cpp", matryoshka_dims=(8, 4), strategy="fused").backward()
 
 
 def test_st6_options_do_not_take_neg_mask():
@@ -174,18 +172,18 @@ def test_matryoshka_is_every_lse_loss_and_not_grouped_cosine():
 
 
 def test_choices_are_checked_without_grad(monkeypatch):
-    _says(
-        "`reduction`, `similarity`, `own_positives` and `FASTCL_STRATEGY` are checked on every call, with or without grad."
-    )
+    _says("`reduction`, `similarity`, `own_positives` and `strategy` are checked on every call, with or without grad")
+    _says("an invalid `FASTCL_STRATEGY` is refused when `fastcl.config` reads it")
     a, p, n = _small(5)
     with torch.no_grad():
         for kw, name in [({"reduction": "avg"}, "reduction"), ({"similarity": "l2"}, "similarity"),
-                         ({"own_positives": "keep"}, "own_positives")]:  # fmt: skip
+                         ({"own_positives": "keep"}, "own_positives"), ({"strategy": "bogus"}, "strategy")]:  # fmt: skip
             with pytest.raises(ValueError, match=name):
                 L.supmpn_loss(a, p, n, **kw)
-        monkeypatch.setenv("FASTCL_STRATEGY", "bogus")
-        with pytest.raises(ValueError, match="FASTCL_STRATEGY"):
-            L.supmpn_loss(a, p, n)
+    monkeypatch.setenv("FASTCL_STRATEGY", "bogus")
+    with pytest.raises(ValueError, match="FASTCL_STRATEGY='bogus'"):
+        config.reload()
+    assert config.get().strategy == "auto"  # the refused reading left the configuration as it was
 
 
 # Checked elsewhere: padded slots and non-finite inputs (tests/ops/test_robust.py,

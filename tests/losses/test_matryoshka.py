@@ -112,8 +112,8 @@ def test_bad_options_raise(dims, weights, match):
         L.supcon_pool_loss(x["a"], x["p1"], torch.arange(B)[:, None], matryoshka_dims=dims, matryoshka_weights=weights)
 
 
-def test_fused_strategy_refuses_dims(monkeypatch):
-    monkeypatch.setenv("FASTCL_STRATEGY", "fused")
+def test_fused_strategy_refuses_dims(fastcl_config, monkeypatch):
+    fastcl_config(strategy="fused")
     x = _inputs()
     with pytest.raises(ValueError, match="matryoshka dims"):
         L.mnrl_loss(x["a"], x["p1"], backend="torch", matryoshka_dims=(8, 4))

@@ -21,7 +21,6 @@ import torch
 
 import fastcl.losses as L
 from fastcl import reference as R
-from fastcl.ops import _torch_impl
 from fastcl.ops.contract import poison_outputs
 from fastcl.testing import FLOOR, assert_close
 from tests.helpers.backends import backends_under_test, device_under_test, require, small_only
@@ -145,11 +144,11 @@ def _backend_params():
 
 
 @pytest.fixture(params=_backend_params())
-def backend(request, monkeypatch):
+def backend(request, fastcl_config):
     name, _, variant = request.param.partition("/")
     require(name)
     if variant == "tiny-tiles":
-        monkeypatch.setattr(_torch_impl, "TILE_ELEMENTS", 97)
+        fastcl_config(torch={"tile": 97})
     return name
 
 

@@ -50,8 +50,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_reference_gradgradcheck(monkeypatch, case):
-    monkeypatch.setenv("FASTCL_STRATEGY", "recompute")
+def test_reference_gradgradcheck(fastcl_config, monkeypatch, case):
+    fastcl_config(strategy="recompute")
     fn = CASES[case]
     assert torch.autograd.gradgradcheck(lambda *x: fn(*x, "reference"), _inputs())
 
@@ -65,11 +65,11 @@ def test_grouped_cosine_gradgradcheck():
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 @pytest.mark.parametrize("case", ["supmpn", "supcon_none", "pool"])
 @pytest.mark.parametrize("backend", backends_under_test())
-def test_other_backends_refuse_double_backward(monkeypatch, backend, case, strategy):
+def test_other_backends_refuse_double_backward(fastcl_config, monkeypatch, backend, case, strategy):
     require(backend)
     if strategy == "fused" and (case == "supcon_none" or dispatch.get(backend).fused is None):
         pytest.skip("reduction='none' and backends without a fused path always recompute")
-    monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+    fastcl_config(strategy=strategy)
     dev = device_under_test()
     a, p, n, t = _inputs(torch.float32, dev)
     loss = CASES[case](a, p, n, t, backend)

@@ -158,8 +158,8 @@ def test_a_prefix_lost_to_a_huge_row_is_refused():
 @pytest.mark.parametrize("cosine", [True, False])
 def test_blocks_and_threads(monkeypatch, threads, rows, n_threads, cosine):
     """Many row blocks (forced short) or one, candidate chunks, one and two threads."""
-    monkeypatch.setenv("FASTCL_CPP_ROWS", rows)
-    monkeypatch.setenv("FASTCL_CPP_CHUNK", "37")
+    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
+    monkeypatch.setenv("_FASTCL_TEST_CPP_CHUNK", "37")
     threads(n_threads)
     prob = prefix_problem(23, 150, 61, 70, (64, 7, 70, 33), cosine=cosine, own=2, generator=_gen(11))
     _check(prob, 1e-9)
@@ -279,7 +279,7 @@ def test_fused_step_keeps_the_nan_rules(cosine):
     assert out.lse[:, 2].isnan().tolist() == [True, False, True, False]  # dims 24, 5, 12, 9
 
 
-def test_the_losses_take_the_fused_step(monkeypatch):
+def test_the_losses_take_the_fused_step(fastcl_config, monkeypatch):
     """A Matryoshka loss on cpp runs the fused step (FASTCL_STRATEGY=fused is accepted and no
     backward op is called) and equals the recompute strategy."""
     import fastcl.losses as L
@@ -290,13 +290,13 @@ def test_the_losses_take_the_fused_step(monkeypatch):
     kw = dict(temperature=tau, backend="cpp", matryoshka_dims=(20, 4, 9), matryoshka_weights=(1.0, 0.5, 2.0))
     results = {}
     for strategy in ("recompute", "fused"):
-        monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+        fastcl_config(strategy=strategy)
         loss = L.supmpn_loss(a, p, n, **kw)
         results[strategy] = (loss, *torch.autograd.grad(loss, (a, p, n, tau)))
     for got, want in zip(results["fused"], results["recompute"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     calls = []
-    monkeypatch.delenv("FASTCL_STRATEGY")
+    fastcl_config(strategy="auto")
     monkeypatch.setattr(_cpp.CppLSE, "backward", lambda *args: calls.append(args))
     L.supmpn_loss(a, p, n, **kw).backward()
     assert not calls and a.grad is not None

@@ -75,7 +75,7 @@ def test_kernel_logits_equal_the_similarities(kind, cosine, dtype, tol, nan_vali
 @pytest.mark.parametrize("loss", [L.supmpn_loss, L.supcon_loss])
 @pytest.mark.parametrize("cosine", [True, False])
 @pytest.mark.parametrize("nan_valid", [False, True])
-def test_fused_loss_matches_reference_without_own_logits(monkeypatch, loss, cosine, nan_valid):
+def test_fused_loss_matches_reference_without_own_logits(fastcl_config, monkeypatch, loss, cosine, nan_valid):
     """Values and gradients (the temperature's too) equal the float64 reference; a NaN in a
     valid positive makes the loss NaN, one in a padded slot changes nothing."""
     a, p, mask, n = _inputs(torch.float64, nan_valid, seed=1)
@@ -83,7 +83,7 @@ def test_fused_loss_matches_reference_without_own_logits(monkeypatch, loss, cosi
     runs = {}
     for backend in ("reference", "cpp"):
         if backend == "cpp":  # fused, the kernel forming the logits: the Python pass must not run
-            monkeypatch.setenv("FASTCL_STRATEGY", "fused")
+            fastcl_config(strategy="fused")
             monkeypatch.setattr(contrastive, "_own_logits", lambda *_: pytest.fail("_own_logits ran"))
         leaves = [t.clone().requires_grad_() for t in (a, p, n, torch.tensor(TAU, dtype=torch.float64))]
         out = loss(*leaves[:3], pos_mask=mask, temperature=leaves[3], similarity=similarity, backend=backend)

@@ -31,10 +31,10 @@ def _problem(B, N0, N1, d, dtype=torch.float64, device="cpu", cosine=True, exclu
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("kind", ["supcon", "supmpn"])
 @pytest.mark.parametrize("cosine", [True, False])
-def test_gradcheck_contrastive_lse(monkeypatch, strategy, reduction, kind, cosine):
+def test_gradcheck_contrastive_lse(fastcl_config, monkeypatch, strategy, reduction, kind, cosine):
     if strategy == "fused" and reduction == "none":
         pytest.skip("reduction='none' always recomputes")
-    monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+    fastcl_config(strategy=strategy)
     gradcheck_contrastive("torch", kind=kind, reduction=reduction, cosine=cosine)
 
 
@@ -65,12 +65,12 @@ def test_lse_contract(backend):
     torch.testing.assert_close(got[:5].double(), want[:5], rtol=1e-5, atol=1e-5)
 
 
-def test_fused_and_recompute_agree(monkeypatch):
+def test_fused_and_recompute_agree(fastcl_config, monkeypatch):
     B, P, Q, d = 9, 3, 2, 17
     a, pos, neg = torch.randn(B, d), torch.randn(B, P, d), torch.randn(B, Q, d)
     outs = {}
     for strategy in ("fused", "recompute"):
-        monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+        fastcl_config(strategy=strategy)
         leaves = [x.clone().requires_grad_() for x in (a, pos, neg)]
         loss = L.supmpn_loss(*leaves, backend="torch")
         loss.backward()
@@ -79,8 +79,8 @@ def test_fused_and_recompute_agree(monkeypatch):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
 
 
-def test_fused_strategy_rejects_none_reduction(monkeypatch):
-    monkeypatch.setenv("FASTCL_STRATEGY", "fused")
+def test_fused_strategy_rejects_none_reduction(fastcl_config, monkeypatch):
+    fastcl_config(strategy="fused")
     a = torch.randn(3, 4, requires_grad=True)
     with pytest.raises(ValueError, match="fused"):
         L.infonce_loss(a, torch.randn(3, 4), reduction="none", backend="torch")
@@ -167,3 +167,37 @@ def test_own_positives_must_fit_in_block0():
     LSEProblem(a, (b0, b1), tags, positives=OwnPositives(0, 2))  # 3 anchors x 2 = 6 rows: fits
     with pytest.raises(ValueError, match="do not fit"):
         LSEProblem(a, (b0, b1), tags, positives=OwnPositives(1, 2))
+
+
+@pytest.mark.parametrize("configured", ["auto", "fused", "recompute"])
+def test_strategy_is_an_argument(fastcl_config, monkeypatch, configured):
+    """``strategy=`` picks the algorithm per call, functions and modules alike, whatever
+    ``fastcl.config`` (``FASTCL_STRATEGY``) says; ``"auto"`` follows the configuration."""
+    from fastcl.ops import _torch_impl
+
+    calls = []
+    sweep = _torch_impl._sweep
+    monkeypatch.setattr(_torch_impl, "_sweep", lambda *a, **k: calls.append("head" in k) or sweep(*a, **k))
+    fastcl_config(strategy=configured)
+    a, p, n = torch.randn(5, 8, requires_grad=True), torch.randn(5, 2, 8), torch.randn(5, 3, 8)
+    x, y = torch.randn(15, 8, requires_grad=True), torch.arange(15) % 4
+    gte = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+    def ran(loss_fn) -> str:
+        """ "fused" when every sweep formed the gradient in forward (a head), "recompute" when
+        every one was a forward or a recompute backward."""
+        calls.clear()
+        loss_fn().backward()
+        return "fused" if all(calls) else "recompute" if not any(calls) else str(calls)
+
+    for strategy in ("fused", "recompute"):
+        assert ran(lambda s=strategy: L.supmpn_loss(a, p, n, backend="torch", strategy=s)) == strategy
+        assert ran(lambda s=strategy: L.SupMPNLoss(backend="torch", strategy=s)(a, p, n)) == strategy
+        assert ran(lambda s=strategy: L.supcon_labels_loss(x, y, backend="torch", strategy=s)) == strategy
+    # sentence-transformers 6 options reduce the primitive's rows afterwards: never fused
+    assert ran(lambda: L.mnrl_loss(a, p[:, 0], backend="torch", strategy="recompute", directions=gte)) == "recompute"
+    with pytest.raises(ValueError, match="strategy='fused' needs reduction 'mean' or 'sum'"):
+        L.mnrl_loss(a, p[:, 0], backend="torch", strategy="fused", directions=gte).backward()
+    assert ran(lambda: L.supmpn_loss(a, p, n, backend="torch")) == (
+        "recompute" if configured == "recompute" else "fused"
+    )

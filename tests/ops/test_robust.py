@@ -154,7 +154,9 @@ PADDED_LOSSES = {
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 @pytest.mark.parametrize("similarity", ["cos", "dot"])
-def test_nonfinite_anchor_leaves_padded_slots_zero(monkeypatch, backend, loss, bad, strategy, similarity):
+def test_nonfinite_anchor_leaves_padded_slots_zero(
+    fastcl_config, monkeypatch, backend, loss, bad, strategy, similarity
+):
     """A NaN/Inf anchor row reaches every valid candidate (NaN) but no padded one: padded
     negatives and padded own positives (anchor 1's own) get exactly 0, as in the reference
     (the GEMM E_c = X^T A would give them 0 * NaN)."""
@@ -166,7 +168,7 @@ def test_nonfinite_anchor_leaves_padded_slots_zero(monkeypatch, backend, loss, b
     a[1, 3] = BAD[bad]
     fn = functools.partial(PADDED_LOSSES[loss], pm=pm, nm=nm, temperature=0.1, similarity=similarity)
     want, want_g = _loss_and_grads(fn, a, p, n, backend="reference")
-    monkeypatch.setenv("FASTCL_STRATEGY", strategy)
+    fastcl_config(strategy=strategy)
     got, got_g = _loss_and_grads(fn, a, p, n, backend=backend)
     assert torch.isnan(got) and torch.isnan(want)
     for name, g, w in zip(("anchor", "positives", "negatives"), got_g, want_g):
@@ -308,11 +310,10 @@ def test_pool_loss_refuses_degenerate_inputs(args, exc, match):
         L.supcon_pool_loss(*args)
 
 
-def test_bad_strategy_refused_without_grad(monkeypatch, backend):
-    monkeypatch.setenv("FASTCL_STRATEGY", "bogus")
-    with pytest.raises(ValueError, match="FASTCL_STRATEGY"):
+def test_bad_strategy_refused_without_grad(backend):
+    with pytest.raises(ValueError, match="strategy='bogus'"):
         with torch.no_grad():
-            L.supmpn_loss(A, P, N, backend=backend)
+            L.supmpn_loss(A, P, N, backend=backend, strategy="bogus")
 
 
 # ----------------------------------------------------------------------------- item 6

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastcl.ops import _torch_impl, dispatch
+from fastcl.ops import dispatch
 from tests.helpers.matryoshka import check_backend, oracle, prefix_problem
 
 TORCH = dispatch.get("torch")
 
 
 @pytest.mark.parametrize("cosine", [True, False])
-def test_many_row_tiles(monkeypatch, cosine):
-    monkeypatch.setattr(_torch_impl, "TILE_ELEMENTS", 16)  # one or two anchor rows per tile
+def test_many_row_tiles(fastcl_config, cosine):
+    fastcl_config(torch={"tile": 16})  # one or two anchor rows per tile
     prob = prefix_problem(9, 6, 4, 12, (3, 12, 7), cosine=cosine, own=2, generator=torch.Generator().manual_seed(3))
     check_backend(TORCH, prob, 0.3, rtol=1e-10, atol=1e-10)
 

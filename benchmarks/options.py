@@ -1,0 +1,129 @@
+"""The benchmarks' settings, from pytest options (``benchmarks/conftest.py``: ``pytest benchmarks
+--help``, section "fastcl benchmarks"), fixed once when pytest configures, before any
+benchmark module is imported. Imported outside a benchmark run (``tests/bench``), the
+defaults hold.
+
+Two settings fall back to an environment variable when their option is not given, because
+the GPU lease script sets them that way: ``FASTCL_BENCH_IMPLS`` and ``FASTCL_BENCH_BUDGET_S``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from fastcl.bench import timing
+
+# the environment variables scripts/gpu_lease.sh sets (their option wins when given)
+IMPLS_ENV = "FASTCL_BENCH_IMPLS"
+BUDGET_ENV = "FASTCL_BENCH_BUDGET_S"
+
+
+def _csv(text: str | None) -> tuple[str, ...]:
+    return tuple(s.strip() for s in (text or "").split(",") if s.strip())
+
+
+def _grid(text: str | None) -> tuple[tuple[int, int, int], ...]:
+    if not text:
+        return ()
+    cases = []
+    for case in text.split(";"):
+        values = _ints("--bench-st-grid", case)
+        if len(values) != 3:
+            raise ValueError(f"--bench-st-grid={text!r}: expected cases B,Q,d separated by ';'")
+        cases.append(values)
+    return tuple(cases)
+
+
+def _ints(name: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(s) for s in _csv(text))
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected comma-separated positive integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{name}={text!r}: expected comma-separated positive integers")
+    return values
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    threads: int | None = None  # None: PyTorch's default (all cores)
+    json: str | None = None  # None: .benchmarks/fastcl-latest.json; "off": no file
+    impls: tuple[str, ...] = ()  # (): every implementation
+    memory: bool = True
+    memory_workers: int = 2
+    targets: bool = False
+    budget_s: float = timing.BUDGET_S
+    min_rounds: int = timing.MIN_ROUNDS
+    max_rounds: int = timing.MAX_ROUNDS
+    gc_batches: tuple[int, ...] = (64, 256, 1024)
+    gc_chunk: int = 64
+    gc_paired_batch: int = 256
+    st_grid: tuple[tuple[int, int, int], ...] = ()  # bench_st.py (B, Q, d) cases; (): its own grid
+    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
+
+
+CURRENT = BenchOptions()
+
+
+def add_options(parser) -> None:
+    """The benchmarks' pytest options (``pytest_addoption``)."""
+    g = parser.getgroup("fastcl benchmarks")
+    g.addoption("--bench-threads", type=int, help="PyTorch intra-op threads for the whole run (default: all cores)")
+    g.addoption("--bench-json", help="where the results go (default .benchmarks/fastcl-latest.json; 'off': nowhere)")
+    g.addoption("--bench-impls", help=f"comma-separated implementations to run (default: all; else ${IMPLS_ENV})")
+    g.addoption("--bench-no-memory", action="store_true", help="skip the memory probes")
+    g.addoption("--bench-memory-workers", type=int, default=2, help="memory probe servers at once (default 2)")
+    g.addoption("--bench-targets", action="store_true", help="add the csrc CPU-target cases of bench_losses.py")
+    g.addoption(
+        "--bench-budget-s", type=float, help=f"seconds of timed rounds per case (default 5; else ${BUDGET_ENV})"
+    )
+    g.addoption("--bench-min-rounds", type=int, default=timing.MIN_ROUNDS, help="timed rounds at least")
+    g.addoption("--bench-max-rounds", type=int, default=timing.MAX_ROUNDS, help="timed rounds at most")
+    g.addoption("--bench-gc-batches", default="64,256,1024", help="bench_gradcache.py batch sizes")
+    g.addoption("--bench-gc-chunk", type=int, default=64, help="bench_gradcache.py rows per cached chunk")
+    g.addoption("--bench-gc-paired-batch", type=int, default=256, help="bench_gradcache.py paired-overhead batch")
+    g.addoption("--bench-st-grid", help='bench_st.py cases "B,Q,d;B,Q,d" (default: its grid)')
+
+
+def from_pytest(config) -> BenchOptions:
+    """The settings of this run, checked (a bad value stops the run before any benchmark)."""
+    get = config.getoption
+    sources = {}
+    impls = get("--bench-impls")
+    if impls is None and os.environ.get(IMPLS_ENV):
+        impls, sources["impls"] = os.environ[IMPLS_ENV], IMPLS_ENV
+    budget = get("--bench-budget-s")
+    if budget is None and os.environ.get(BUDGET_ENV):
+        try:
+            budget, sources["budget_s"] = float(os.environ[BUDGET_ENV]), BUDGET_ENV
+        except ValueError:
+            raise ValueError(f"{BUDGET_ENV}={os.environ[BUDGET_ENV]!r}: expected a number of seconds") from None
+    opts = BenchOptions(
+        threads=get("--bench-threads"),
+        json=get("--bench-json"),
+        impls=_csv(impls),
+        memory=not get("--bench-no-memory"),
+        memory_workers=get("--bench-memory-workers"),
+        targets=get("--bench-targets"),
+        budget_s=timing.BUDGET_S if budget is None else budget,
+        min_rounds=get("--bench-min-rounds"),
+        max_rounds=get("--bench-max-rounds"),
+        gc_batches=_ints("--bench-gc-batches", get("--bench-gc-batches")),
+        gc_chunk=get("--bench-gc-chunk"),
+        gc_paired_batch=get("--bench-gc-paired-batch"),
+        st_grid=_grid(get("--bench-st-grid")),
+        sources=sources,
+    )
+    for name in ("threads", "memory_workers", "min_rounds", "max_rounds", "gc_chunk", "gc_paired_batch"):
+        value = getattr(opts, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--bench-{name.replace('_', '-')}={value}: expected a positive integer")
+    if not opts.budget_s >= 0:
+        raise ValueError(f"--bench-budget-s={opts.budget_s}: expected seconds >= 0")
+    return opts
+
+
+def timing_settings() -> dict:
+    """The interleaved loop's knobs of this run (``fastcl.bench.timing.interleave``)."""
+    return timing.settings(CURRENT.min_rounds, CURRENT.max_rounds, CURRENT.budget_s)

@@ -36,6 +36,7 @@ from typing import Any
 
 STRATEGIES = ("auto", "fused", "recompute")
 CPP_GEMMS = ("auto", "own", "mkl")
+TRITON_DS = ("auto", "fp32", "input")
 
 
 # --------------------------------------------------------------------------- kinds of knob
@@ -75,10 +76,22 @@ class Choice:
         return self.check(name, raw.strip())
 
 
+class Text:
+    """A non-empty string (a file path)."""
+
+    def check(self, name: str, value: Any) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{name}={value!r}: expected a non-empty string")
+        return value
+
+    def parse(self, name: str, raw: str) -> str:
+        return self.check(name, raw.strip())
+
+
 class OrNone:
     """``None`` (the automatic choice; an unset or empty variable) or a value of ``kind``."""
 
-    def __init__(self, kind: PositiveInt | Choice):
+    def __init__(self, kind: PositiveInt | Choice | Text):
         self.kind = kind
 
     def check(self, name: str, value: Any) -> Any:
@@ -88,7 +101,7 @@ class OrNone:
         return self.kind.parse(name, raw)
 
 
-def knob(default: Any, env: str, kind: PositiveInt | Choice | OrNone, doc: str) -> Any:
+def knob(default: Any, env: str, kind: PositiveInt | Choice | Text | OrNone, doc: str) -> Any:
     """A configuration field: its default, the environment variable that overrides the
     default, its kind (checked on every construction) and one line on what it does."""
     return field(default=default, metadata={"env": env, "kind": kind, "doc": doc})
@@ -142,6 +155,34 @@ class CppOptions:
 
 
 @dataclass(frozen=True)
+class TritonOptions:
+    """The Triton backend (``kernels/``, ``fastcl/ops/_triton.py``; docs/triton.md)."""
+
+    ds: str = knob(
+        "auto",
+        "FASTCL_TRITON_DS",
+        Choice(TRITON_DS),
+        "the backward's dS of bf16 inputs: 'input' (rounded to bf16, one MMA per product), 'fp32' (two "
+        "MMAs), 'auto' (= input); fp16 always keeps fp32 (its dS would be subnormal)",
+    )
+    ds_bytes: int = knob(
+        40 << 20,
+        "FASTCL_TRITON_DS_BYTES",
+        PositiveInt(),
+        "bytes of one recomputed dS chunk (at least 2048 columns): fewer chunks, fewer launches, more scratch",
+    )
+    table: str | None = knob(
+        None,
+        "FASTCL_TRITON_TABLE",
+        OrNone(Text()),
+        "a config-table file to read instead of kernels/tuned/<arch>.json (written by python -m fastcl.kernels.tune)",
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
 class Config:
     """Every knob of fastcl (see the module docstring)."""
 
@@ -154,6 +195,7 @@ class Config:
     )
     torch: TorchOptions = field(default_factory=TorchOptions)
     cpp: CppOptions = field(default_factory=CppOptions)
+    triton: TritonOptions = field(default_factory=TritonOptions)
 
     def __post_init__(self) -> None:
         _check_fields(self)

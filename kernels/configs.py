@@ -11,8 +11,8 @@ A configuration is chosen per **(role, arch, dtype class, d class)**:
 * d class: ``small`` (d <= 256) or ``large``.
 
 Lookups read, in order: the tuned table of the arch (``kernels/tuned/<arch>.json``, written by
-``python -m fastcl.kernels.tune`` on a GPU, or the file named by ``FASTCL_TRITON_TABLE``), then
-the built-in defaults below. Both are read once, at the first lookup (:func:`reload` reads
+``python -m fastcl.kernels.tune`` on a GPU, or the file of ``fastcl.config``'s ``triton.table``,
+``FASTCL_TRITON_TABLE``), then the built-in defaults below. Both are read once, at the first lookup (:func:`reload` reads
 them again). Nothing here ever benchmarks: a training step launches exactly the table's
 config, so a new batch size never retunes and a step can be captured in a CUDA graph.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +35,6 @@ ROLES = ("rows", "head", "fwd", "ds", "mm", "mm_split", "prefix_fwd", "prefix_ds
 ARCHS = ("sm80", "sm90", "interp")
 DCLASSES = ("16", "32", "64")
 DSIZES = ("small", "large")
-TABLE_ENV = "FASTCL_TRITON_TABLE"
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 
 
@@ -212,9 +210,12 @@ def key(role: str, arch: str, dclass: str, dsize: str) -> str:
 
 
 def table_path(arch: str) -> Path:
-    """Where the tuned table of ``arch`` is read from (``FASTCL_TRITON_TABLE`` names a file
-    holding the entries of any arch)."""
-    return Path(os.environ[TABLE_ENV]) if os.environ.get(TABLE_ENV) else TUNED_DIR / f"{arch}.json"
+    """Where the tuned table of ``arch`` is read from (``fastcl.config``'s ``triton.table``,
+    ``FASTCL_TRITON_TABLE``: a file holding the entries of any arch)."""
+    from fastcl import config
+
+    table = config.get().triton.table
+    return Path(table) if table else TUNED_DIR / f"{arch}.json"
 
 
 def read_table(path: Path) -> dict[str, Config]:
@@ -249,8 +250,9 @@ def write_table(path: Path, configs: dict[str, Config], note: dict | None = None
 
 
 _LOCK = threading.Lock()
-_TUNED: dict[str, dict[str, Config]] = {}  # arch -> entries, read once
+_TUNED: dict[tuple[str, Path], dict[str, Config]] = {}  # (arch, file) -> entries, read once
 _CACHE: dict[tuple, Config] = {}
+_CACHE_PATH: dict[str, Path] = {}  # arch -> the table file _CACHE's entries came from
 
 
 def reload() -> None:
@@ -258,22 +260,27 @@ def reload() -> None:
     with _LOCK:
         _TUNED.clear()
         _CACHE.clear()
+        _CACHE_PATH.clear()
 
 
-def _tuned(arch: str) -> dict[str, Config]:
-    if arch not in _TUNED:
-        path = table_path(arch)
-        _TUNED[arch] = read_table(path) if arch != "interp" and path.is_file() else {}
-    return _TUNED[arch]
+def _tuned(arch: str, path: Path) -> dict[str, Config]:
+    if (arch, path) not in _TUNED:
+        _TUNED[(arch, path)] = read_table(path) if arch != "interp" and path.is_file() else {}
+    return _TUNED[(arch, path)]
 
 
 def lookup(role: str, arch: str, dclass: str, d: int) -> Config:
     """The config of ``role`` for this arch, dtype class and feature dimension."""
     k = (role, arch, dclass, d_class(d))
     hit = _CACHE.get(k)
-    if hit is None:
+    path = table_path(arch)
+    if hit is None or _CACHE_PATH.get(arch) != path:
         with _LOCK:
-            tuned = _tuned(arch).get(key(*k))
+            if _CACHE_PATH.get(arch) != path:  # another table: forget what was looked up
+                for old in [c for c in _CACHE if c[1] == arch]:
+                    del _CACHE[old]
+                _CACHE_PATH[arch] = path
+            tuned = _tuned(arch, path).get(key(*k))
             hit = replace(tuned or _default(*k), dclass=dclass)
             _CACHE[k] = hit
     return hit

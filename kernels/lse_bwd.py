@@ -4,7 +4,7 @@ The gradient of a logit is ``G_ic = g_i * softmax_ic`` (plus the own-positive lo
 gradient ``d_pos`` at their columns). With ``d`` up to 1024 a row of ``d anchor`` does not
 fit in registers beside a logit tile, so the two products with ``G`` run as GEMMs
 (``matmul.py``) on a bounded *chunk* of recomputed ``dS`` (``B x width``, at most
-``plan.DS_CHUNK_BYTES``). Per chunk (three launches)::
+``fastcl.config``'s ``triton.ds_bytes``). Per chunk (three launches)::
 
     _lse_ds_kernel   recompute the chunk's logit tiles; dS = G * ia * ic / tau (or G / tau),
                      partial sums of G * l per column (COLW, per row tile) and, unless the

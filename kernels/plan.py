@@ -19,11 +19,11 @@ from fastcl.ops.contract import new_output
 
 from .configs import Config
 
-# Bytes of one recomputed dS chunk (all Matryoshka prefixes together); a chunk spans at
-# least MIN_CHUNK columns so that the launch count stays bounded (3 launches per chunk) and
-# the candidates' GEMM (M = chunk width) keeps enough programs. With the d-anchor
-# accumulator (B x d fp32) this keeps a SupMPN step at B = 4096, d = 768 under 64 MiB.
-DS_CHUNK_BYTES = 40 << 20
+# A dS chunk holds at most fastcl.config's triton.ds_bytes (default 40 MiB, all Matryoshka
+# prefixes together) and spans at least MIN_CHUNK columns, so that the launch count stays
+# bounded (3 launches per chunk) and the candidates' GEMM (M = chunk width) keeps enough
+# programs. With the d-anchor accumulator (B x d fp32) the default keeps a SupMPN step at
+# B = 4096, d = 768 under 64 MiB of scratch.
 MIN_CHUNK = 2048
 # the interpreter uses tiny chunks and splits so small test shapes cross their edges
 INTERP_CHUNK = 32
@@ -32,6 +32,13 @@ INTERP_SPLITS = 3
 # chunk and the anchors must each stay under 2**31 elements (chunks are capped to fit;
 # anchor blocks beyond it are refused by size_reasons).
 INT32_ELEMENTS = 2**31 - 1
+
+
+def ds_chunk_bytes() -> int:
+    """Bytes of one recomputed dS chunk: ``fastcl.config``'s ``triton.ds_bytes``."""
+    from fastcl import config
+
+    return config.get().triton.ds_bytes
 
 
 def cdiv(a: int, b: int) -> int:
@@ -116,13 +123,13 @@ def chunk_align(ds_cfg: Config, mm_cfg: Config) -> int:
 
 def chunk_width(rows: int, n: int, d: int, elt: int, align: int, arch: str) -> int:
     """Columns of one recomputed dS chunk for a block of ``n`` candidates: at most
-    ``DS_CHUNK_BYTES`` of dS (``rows`` rows of ``elt`` bytes; at least ``MIN_CHUNK`` columns),
+    ``ds_chunk_bytes()`` of dS (``rows`` rows of ``elt`` bytes; at least ``MIN_CHUNK`` columns),
     under 2**31 elements in dS and in the candidate chunk, and even: the block's chunks all
     have the same width, a multiple of ``align``."""
     if arch == "interp":
         widest = INTERP_CHUNK
     else:
-        widest = max(MIN_CHUNK, DS_CHUNK_BYTES // max(rows * elt, 1))
+        widest = max(MIN_CHUNK, ds_chunk_bytes() // max(rows * elt, 1))
     widest = min(widest, INT32_ELEMENTS // max(rows, d, 1))
     widest = max(align, widest // align * align)
     if n <= 0:

@@ -8,11 +8,10 @@ loss head fused into the kernels, :class:`TritonHeadStep`), other callers the pr
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from .. import config
 from .backend import Backend, input_reasons
 from .contract import LSEProblem
 from .head import HEADS, HeadInputs
@@ -27,18 +26,15 @@ def _kernels():
     return fastcl.kernels
 
 
-DS_ENV = "FASTCL_TRITON_DS"
-DS_PRECISIONS = ("auto", "fp32", "input")
+DS_PRECISIONS = config.TRITON_DS
 
 
 def ds_precision() -> str:
-    """``FASTCL_TRITON_DS``: how the backward keeps the recomputed softmax gradient dS of bf16
-    inputs: ``fp32`` (fp32-accurate, two MMAs per product), ``input`` (rounded to bf16, one MMA)
-    or ``auto`` (default: ``input``); fp16 always keeps fp32 (docs/triton.md)."""
-    mode = os.environ.get(DS_ENV, "auto") or "auto"
-    if mode not in DS_PRECISIONS:
-        raise ValueError(f"{DS_ENV}={mode!r}; expected one of {DS_PRECISIONS}")
-    return mode
+    """``fastcl.config``'s ``triton.ds`` (``FASTCL_TRITON_DS``; ``config.override(triton={"ds":
+    ...})`` for a block of code): how the backward keeps the recomputed softmax gradient dS of
+    bf16 inputs: ``fp32`` (fp32-accurate, two MMAs per product), ``input`` (rounded to bf16, one
+    MMA) or ``auto`` (default: ``input``); fp16 always keeps fp32 (docs/triton.md)."""
+    return config.get().triton.ds
 
 
 def fp32_ds(dtype: torch.dtype) -> bool:

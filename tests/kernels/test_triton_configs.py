@@ -12,17 +12,15 @@ import pytest
 
 pytest.importorskip("triton")
 
+from fastcl import config  # noqa: E402
 from fastcl.kernels import configs, plan, tune  # noqa: E402
 
 
 @pytest.fixture
-def table(tmp_path, monkeypatch):
+def table(tmp_path):
     path = tmp_path / "table.json"
-    monkeypatch.setenv(configs.TABLE_ENV, str(path))
-    configs.reload()
-    yield path
-    monkeypatch.delenv(configs.TABLE_ENV)
-    configs.reload()
+    with config.override(triton={"table": str(path)}):
+        yield path
 
 
 def test_every_role_has_a_default_for_every_arch_and_dtype_class():
@@ -39,7 +37,7 @@ def test_a_tuned_table_overrides_the_default_and_round_trips(table):
     k = configs.key("ds", "sm90", "16", "large")
     configs.write_table(table, {k: want}, {"device": "test"})
     assert json.loads(table.read_text())["note"] == {"device": "test"}
-    configs.reload()
+    configs.reload()  # the file was read (empty) by an earlier lookup: read it again
     got = configs.lookup("ds", "sm90", "16", 768)
     assert (got.meta, got.num_warps, got.num_stages, got.occupancy) == (want.meta, 4, 3, 2)
     assert got.source.endswith(k)
@@ -112,7 +110,7 @@ def test_chunks_are_even_aligned_and_bounded(rows, n, d, elt):
     assert w % align == 0
     chunks = plan.chunks((n, 0), (w, align))
     assert sum(c1 - c0 for _, c0, c1 in chunks) == n
-    assert rows * w * elt <= max(plan.DS_CHUNK_BYTES, rows * plan.MIN_CHUNK * elt) or len(chunks) == 1
+    assert rows * w * elt <= max(plan.ds_chunk_bytes(), rows * plan.MIN_CHUNK * elt) or len(chunks) == 1
     assert len(chunks) == plan.cdiv(n, w)
     # even: the last chunk is not a sliver (at most one alignment step short of the others)
     if len(chunks) > 1:

@@ -10,7 +10,7 @@ imported). The matrix covers the losses end to end on small shapes; this file co
 it cannot reach cheaply: the primitive on shapes that cross every tile, split and chunk
 edge of the launchers (interpreter tiles are 16 wide, chunks 32), the own-positive fold,
 ``d = 1024``, the structural-mask rule against ``contract.excluded``,
-both ``FASTCL_TRITON_DS`` modes, the custom-op registration, and that every launch is in the AOT list.
+both dS precisions (``triton.ds``), the custom-op registration, and that every launch is in the AOT list.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import fastcl.losses as L  # noqa: E402
+from fastcl import config  # noqa: E402
 from fastcl import reference as R  # noqa: E402
 from fastcl.kernels import _common, aot  # noqa: E402
 from fastcl.ops import _torch_impl, _triton  # noqa: E402
@@ -167,15 +168,18 @@ def test_empty_problems():
 
 
 @pytest.mark.parametrize("mode", ["input", "fp32"])
-def test_ds_precision_modes(monkeypatch, mode):
+def test_ds_precision_modes(mode):
     """Both dS precisions of bf16 (``input``: rounded to bf16, one MMA, the default for bf16;
     ``fp32``: two MMAs) stay within bf16 bounds."""
-    monkeypatch.setenv(_triton.DS_ENV, mode)
+    from fastcl.kernels._common import recording
+
     gen = torch.Generator().manual_seed(5)
     a, p, n = (torch.randn(*s, generator=gen).bfloat16() for s in ((19, 24), (19, 2, 24), (19, 3, 24)))
     leaves = [x.clone().requires_grad_() for x in (a, p, n)]
-    with poison_outputs():
+    with config.override(triton={"ds": mode}), poison_outputs(), recording() as rec:
         L.supcon_loss(*leaves, temperature=0.1, backend="triton").backward()
+    ds_out = {dict(x.signature)["DS"] for x in rec if x.kernel == "_lse_ds_kernel"}
+    assert ds_out == ({"*fp32"} if mode == "fp32" else {"*bf16"})  # the mode took effect
     ref = [x.double().requires_grad_() for x in (a, p, n)]
     R.supcon(*ref, temperature=0.1).backward()
     for x, y in zip(leaves, ref):
@@ -184,17 +188,23 @@ def test_ds_precision_modes(monkeypatch, mode):
 
 def test_ds_precision_default_and_choices(monkeypatch):
     """``auto`` (default): bf16 keeps dS in bf16, fp16 in fp32 (its range); ``fp32`` applies to
-    both, ``input`` to bf16 only; anything else is refused."""
-    monkeypatch.delenv(_triton.DS_ENV, raising=False)
+    both, ``input`` to bf16 only; set by ``fastcl.config`` (``FASTCL_TRITON_DS`` or
+    ``config.override``); anything else is refused, naming the variable."""
+    monkeypatch.delenv("FASTCL_TRITON_DS", raising=False)
+    config.reload()
     assert _triton.ds_precision() == "auto"
     assert not _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
-    monkeypatch.setenv(_triton.DS_ENV, "input")  # fp16 dS would be subnormal: fp16 keeps fp32
-    assert not _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
-    monkeypatch.setenv(_triton.DS_ENV, "fp32")
-    assert _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
-    monkeypatch.setenv(_triton.DS_ENV, "bogus")
-    with pytest.raises(ValueError, match="FASTCL_TRITON_DS"):
-        _triton.ds_precision()
+    with config.override(triton={"ds": "input"}):  # fp16 dS would be subnormal: fp16 keeps fp32
+        assert not _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
+    with config.override(triton={"ds": "fp32"}):
+        assert _triton.fp32_ds(torch.bfloat16) and _triton.fp32_ds(torch.float16)
+    monkeypatch.setenv("FASTCL_TRITON_DS", "bogus")
+    try:
+        with pytest.raises(ValueError, match="FASTCL_TRITON_DS"):
+            config.reload()
+    finally:
+        monkeypatch.delenv("FASTCL_TRITON_DS")
+        config.reload()
 
 
 def _head_problem(dtype, cosine, gen):

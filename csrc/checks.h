@@ -106,7 +106,7 @@ struct HeadTensors {
         weights(w.to(cd).contiguous()) {}
   template <typename T>
   cpu::Head<T> head(std::string_view kind, const at::Tensor& loss_rows, const at::Tensor& d_pos) const {
-    return {kind == "supmpn",
+    return {kind == "softplus",
             pos.size(-1),
             pos.data_ptr<T>(),
             mask.defined() ? mask.data_ptr<bool>() : nullptr,
@@ -175,7 +175,8 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
                            const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit,
                            c10::DeviceType dev, int64_t K = 0) {
   check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, dev, K);
-  TORCH_CHECK(head == "supcon" || head == "supmpn", "fastcl: unknown head '", head, "' (supcon or supmpn)");
+  TORCH_CHECK(head == "cross_entropy" || head == "softplus", "fastcl: unknown head '", head,
+              "' (cross_entropy or softplus)");
   const auto cd = compute_dtype(anchor);
   const int64_t B = anchor.size(0), d = anchor.size(1);
   // K > 0 (matryoshka): pos_logits, d_pos [K, B, P], weights and loss_rows [K, B]

@@ -34,7 +34,7 @@ TORCH_LIBRARY(fastcl, m) {
       "Tensor tau, bool cosine, float eps, Tensor lse, Tensor grad_lse, Tensor? d_pos, int pos_offset, "
       "*, Tensor(a!) d_anchor, Tensor(b!) d_block0, Tensor(c!) d_block1) -> ()");
 
-  // Gradient in forward: the loss head ("supcon" | "supmpn") applied to each block of rows
+  // Gradient in forward: the loss head ("cross_entropy" | "softplus") applied to each block of rows
   // as soon as its lse is known; outputs, fold_positives and own_logits (the kernel writes the
   // folded own positives' logits into pos_logits instead of reading them): docs/csrc.md.
   m.def(

@@ -30,15 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING, compute_dtype
+from fastcl.ops import contract
+from fastcl.ops.contract import compute_dtype
 
 # Triton chooses interpreted or compiled kernels when a kernel module is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 IS_INTERPRETER = tl.constexpr(INTERPRET)
 
 # The contract's tags as jit-time constants: the kernels apply contract.excluded's rule.
-PAD_TAG = tl.constexpr(TAG_PADDING)
-ALL_TAG = tl.constexpr(TAG_ALL)
+TAG_PADDING = tl.constexpr(contract.TAG_PADDING)
+TAG_ALL = tl.constexpr(contract.TAG_ALL)
 
 # Bounds of the power-of-two row scale of the scaled sums of squares (norm and head
 # kernels): 1/scale stays a normal number, so multiplying by it is exact.
@@ -159,18 +160,18 @@ def scale_logits(s, ia, ic, inv_tau, SCALE_TILE: tl.constexpr):
 @triton.jit
 def load_tags(TAGS, cols, col_ok):
     """Tags of a tile's columns; columns past the end read as padding."""
-    return tl.load(TAGS + cols, mask=col_ok, other=PAD_TAG)
+    return tl.load(TAGS + cols, mask=col_ok, other=TAG_PADDING)
 
 
 @triton.jit
 def structural_mask(rows, n_rows, tags, col_ok):
     """``~contract.excluded`` on a ``[BM, BN]`` tile, restricted to in-range rows and columns.
 
-    A column is left out of row ``r`` when its tag is ``PAD_TAG`` or equals ``r``
-    (``ALL_TAG`` and other rows' tags keep it); ``tests/kernels/test_triton_interpret.py`` checks
+    A column is left out of row ``r`` when its tag is ``TAG_PADDING`` or equals ``r``
+    (``TAG_ALL`` and other rows' tags keep it); ``tests/kernels/test_triton_interpret.py`` checks
     this against ``contract.excluded`` on random tags.
     """
-    keep = (tags[None, :] != PAD_TAG) & (tags[None, :] != rows[:, None]) & col_ok[None, :]
+    keep = (tags[None, :] != TAG_PADDING) & (tags[None, :] != rows[:, None]) & col_ok[None, :]
     return keep & (rows < n_rows)[:, None]
 
 

@@ -77,8 +77,8 @@ def dry_runs(arch: str, dtypes=(torch.bfloat16, torch.float16, torch.float32, to
                 mask = torch.ones(B, P, dtype=torch.bool)
                 extra = torch.zeros(B)
                 for kind, given, m, x, rows in (
-                    ("supmpn", False, None, None, False),
-                    ("supcon", True, mask, extra, True),
+                    ("softplus", False, None, None, False),
+                    ("cross_entropy", True, mask, extra, True),
                 ):
                     pos = torch.zeros(B, P) if given else None
                     _, *saved = lse._head_forward(

@@ -28,9 +28,9 @@ import triton.language as tl
 
 from ._common import Kernel, cast_to
 
-KIND_SUPCON = 0
-KIND_SUPMPN = 1
-KINDS = {"supcon": KIND_SUPCON, "supmpn": KIND_SUPMPN}
+KIND_CROSS_ENTROPY = 0
+KIND_SOFTPLUS = 1
+KINDS = {"cross_entropy": KIND_CROSS_ENTROPY, "softplus": KIND_SOFTPLUS}
 # own positives per anchor the fused head takes (a [BR, MAX_OWN] register tile); more take
 # the PyTorch head
 MAX_OWN = 64
@@ -154,10 +154,10 @@ def _head_kernel(
         if HAS_EXTRA:
             r = _logaddexp(lse, tl.load(LOG_EXTRA + rows, mask=ok, other=float("-inf")))
         x = r[:, None] - pos
-        if KIND == 0:  # supcon: phi(x) = x
+        if KIND == 0:  # cross_entropy: phi(x) = x
             phi = x
             dphi = tl.full([BR, PP], 1.0, dtype=ACC)
-        else:  # supmpn: softplus, exact for every x
+        else:  # softplus (SupMPN), exact for every x
             phi = tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
             dphi = 1.0 / (1.0 + tl.exp(-x))
         phi = tl.where(valid != 0, phi, 0.0)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import PAD_TAG, Kernel, cast_to, dot_tile, grouped_tile, load_tags, scale_logits, structural_mask
+from ._common import TAG_PADDING, Kernel, cast_to, dot_tile, grouped_tile, load_tags, scale_logits, structural_mask
 
 
 @triton.jit
@@ -140,7 +140,7 @@ def _lse_ds_kernel(
             # <G, l> per row (over this tile's columns) and per column (over its rows): the
             # radial part of the normalisation backward, summed by the GEMMs' epilogues
             # padded and out-of-range columns hold no gradient but may hold NaN logits
-            counted = row_ok[:, None] & (col_ok & (tags != PAD_TAG))[None, :]
+            counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
             gl = tl.where(counted, grad * logits, 0.0)
             if ROW_SUMS:  # (the fused head knows them from the forward: w_row)
                 tl.store(ROWW + (col_tile0 + pid_n).to(tl.int64) * B + rows, tl.sum(gl, 1), mask=row_ok)
@@ -205,7 +205,7 @@ def _prefix_ds_kernel(
         c_rows = C + tl.minimum(cols, nc - 1).to(tl.int64)[:, None] * d
         tags = load_tags(TAGS, cols, col_ok)
         keep = structural_mask(rows, B, tags, col_ok)
-        counted = row_ok[:, None] & (col_ok & (tags != PAD_TAG))[None, :]
+        counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
         ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
         ones = tl.full([BM], 1.0, dtype=ACC)
         acc = tl.zeros([BM, BN], dtype=ACC)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import PAD_TAG, Kernel, cast_to, grouped_tile, mma
+from ._common import TAG_PADDING, Kernel, cast_to, grouped_tile, mma
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def _mm_kernel(
                 x_ptrs += BK
             y_ok = k_ok
             if PAD_K:
-                y_ok = y_ok & (tl.load(TAGS + rk, mask=k_ok, other=PAD_TAG) != PAD_TAG)
+                y_ok = y_ok & (tl.load(TAGS + rk, mask=k_ok, other=TAG_PADDING) != TAG_PADDING)
             y = tl.load(y_ptrs, mask=y_ok[:, None] & (n_ok | EVEN_N)[None, :], other=0.0)
             y_ptrs += BK * stride_yk
             if Y_KSCALE:
@@ -122,7 +122,7 @@ def _mm_kernel(
         out_ok = m_ok[:, None] & n_ok[None, :]
         z_ok = out_ok
         if PAD_M:
-            m_pad = tl.load(TAGS + rm, mask=m_ok, other=PAD_TAG) == PAD_TAG
+            m_pad = tl.load(TAGS + rm, mask=m_ok, other=TAG_PADDING) == TAG_PADDING
             z_ok = out_ok & ~m_pad[:, None]
         if ACCUMULATE:
             acc += tl.load(ACC_IN + out_offs, mask=out_ok, other=0.0).to(ACC)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import PAD_TAG, SCALE_HI_F32, SCALE_HI_F64, SCALE_LO_F32, SCALE_LO_F64, Kernel, sqrt_rn
+from ._common import SCALE_HI_F32, SCALE_HI_F64, SCALE_LO_F32, SCALE_LO_F64, TAG_PADDING, Kernel, sqrt_rn
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def _row_norms_kernel(
     # (a [BR] vector: the interpreter cannot take a scalar bool inside a load mask)
     is_candidate = tl.full([BR], 0, tl.int32) + pid >= g_a
     tag = tl.load(TAGS + rows, mask=ok & is_candidate, other=0)
-    read = ok & (tag != PAD_TAG)
+    read = ok & (tag != TAG_PADDING)
     x_rows = X + rows.to(tl.int64)[:, None] * d
     out = NORMS + base + rows
     LO: tl.constexpr = SCALE_LO_F64 if ACC == tl.float64 else SCALE_LO_F32

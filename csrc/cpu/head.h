@@ -18,7 +18,7 @@ struct Fold {
 
 template <typename T>
 struct Head {
-  bool supmpn;
+  bool use_softplus;   // phi = softplus (SupMPN) instead of the identity (cross entropy)
   int64_t num_pos;     // P
   const T* pos;        // [B, P] own-positive logits
   const bool* mask;    // [B, P] or nullptr (all valid)
@@ -58,8 +58,8 @@ struct Head {
         continue;
       }
       const T x = r - p[k];
-      const T phi = supmpn ? softplus(x) : x;
-      const T dphi = supmpn ? sigmoid(x) : T(1);
+      const T phi = use_softplus ? softplus(x) : x;
+      const T dphi = use_softplus ? sigmoid(x) : T(1);
       sum_phi += phi;
       sum_dphi += dphi;
       dp[k] = -dphi * inv_count * w;

@@ -29,10 +29,9 @@ enum class Mode { kForward, kBackward, kFused };
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (test hook
-// _FASTCL_TEST_CPP_KEEP_BYTES; 0: never) is kept for the calling thread's next call: a fresh one costs ~1 page fault per 4 KiB
-// page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024,
-// d = 128; benchmarks/results/cpu-2026-11-27-amd/notes.md). Larger buffers are allocated per
-// call, as nothing may hold O(B N).
+// _FASTCL_TEST_CPP_KEEP_BYTES; 0: never) is kept for the calling thread's next call: a fresh one costs ~1 page fault
+// per 4 KiB page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024, d = 128;
+// benchmarks/results/cpu-2026-11-27-amd/notes.md). Larger buffers are allocated per call, as nothing may hold O(B N).
 constexpr int64_t kKeepBytes = int64_t(16) << 20;
 at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options) {
   thread_local at::Tensor kept;
@@ -673,10 +672,14 @@ void set_options(int64_t tile, std::string_view gemm) {
   TORCH_CHECK(tile >= 0, "fastcl: cpp.tile must be >= 0 (0: automatic), got ", tile);
   TORCH_CHECK(gemm == "auto" || gemm == "own" || gemm == "mkl", "fastcl: cpp.gemm='", gemm,
               "'; expected auto, own or mkl");
-  TORCH_CHECK(gemm != "own" || gemm::kAvailable, "fastcl: cpp.gemm='own' (FASTCL_CPP_GEMM=own) needs the "
-              "AVX-512 build of the cpp backend (this one targets ", FASTCL_CPU_TARGET, ")");
+  TORCH_CHECK(gemm != "own" || gemm::kAvailable,
+              "fastcl: cpp.gemm='own' (FASTCL_CPP_GEMM=own) needs the "
+              "AVX-512 build of the cpp backend (this one targets ",
+              FASTCL_CPU_TARGET, ")");
   options().tile.store(tile, std::memory_order_relaxed);
-  options().gemm.store(static_cast<int>(gemm == "own" ? Gemm::kOwn : gemm == "mkl" ? Gemm::kMkl : Gemm::kAuto),
+  options().gemm.store(static_cast<int>(gemm == "own"   ? Gemm::kOwn
+                                        : gemm == "mkl" ? Gemm::kMkl
+                                                        : Gemm::kAuto),
                        std::memory_order_relaxed);
 }
 

@@ -14,7 +14,7 @@ namespace fastcl::cpu {
 enum class Gemm : int { kAuto = 0, kOwn = 1, kMkl = 2 };
 
 struct Options {
-  std::atomic<int64_t> tile{0};                     // a row block's [H, N] element budget; 0: automatic
+  std::atomic<int64_t> tile{0};                          // a row block's [H, N] element budget; 0: automatic
   std::atomic<int> gemm{static_cast<int>(Gemm::kAuto)};  // step 1's GEMM (lse_cpu.cpp, own_gemm_wanted)
 };
 

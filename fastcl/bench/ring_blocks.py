@@ -105,7 +105,7 @@ def ring_blocks_throughput(
 
     steps = {"blocks": split, "single": single}
     if impl.fused is not None:
-        head = HeadInputs("supmpn", torch.zeros((B, P), dtype=cd, device=dev), None, None, g)
+        head = HeadInputs("softplus", torch.zeros((B, P), dtype=cd, device=dev), None, None, g)
 
         def fused() -> None:
             impl.fused(whole, tau, head)

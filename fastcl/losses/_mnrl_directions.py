@@ -187,7 +187,7 @@ class _Batch:
         tau = self.tau if tau is None else tau
         cd = compute_dtype(anchor.dtype)
         args = dict(
-            kind="supcon",
+            kind="cross_entropy",
             positives=OwnPositives(self.offset, 1) if fold else None,
             pos_logits=None if fold else self.pos()[..., None],
             pos_mask=None,

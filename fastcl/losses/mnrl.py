@@ -135,7 +135,14 @@ def mnrl_loss(
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")
     return structured_loss(
-        "supcon", anchor, positive.unsqueeze(1), _negatives_3d(negatives), None, neg_mask, opts, exclude_own=False
+        "cross_entropy",
+        anchor,
+        positive.unsqueeze(1),
+        _negatives_3d(negatives),
+        None,
+        neg_mask,
+        opts,
+        exclude_own=False,
     )
 
 

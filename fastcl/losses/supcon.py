@@ -145,7 +145,7 @@ def supcon_loss(
         raise TypeError("supcon_loss needs positives (structured form) or labels= (labels form)")
     if ref_emb is not None or ref_labels is not None:
         raise ValueError("supcon_loss: ref_emb/ref_labels belong to the labels form (give labels=)")
-    return structured_loss("supcon", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=False)
+    return structured_loss("cross_entropy", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=False)
 
 
 # --------------------------------------------------------------------------- labels form
@@ -334,7 +334,7 @@ def supcon_labels_loss(
             (cands, empty),
             (tags, empty_tags),
             tau,
-            kind="supcon",
+            kind="cross_entropy",
             positives=None,
             pos_logits=pos_logits,
             pos_mask=has_pos[:, None],
@@ -444,7 +444,7 @@ def supcon_pool_loss(
         empty, empty_tags = empty_block(anchor)
         blocks, tags = (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags)
         return fused_loss(
-            "supcon",
+            "cross_entropy",
             anchor,
             blocks,
             tags,

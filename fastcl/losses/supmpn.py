@@ -87,7 +87,7 @@ def supmpn_loss(
     )
     zero_logit = own_positives == "zero_logit"
     return structured_loss(
-        "supmpn", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=True, zero_logit_own=zero_logit
+        "softplus", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=True, zero_logit_own=zero_logit
     )
 
 

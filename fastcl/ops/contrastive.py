@@ -27,7 +27,7 @@ class LossSpec:
     cosine: bool
     eps: float
     positives: OwnPositives | None  # set: own positives are in block 0 and the backend folds d_pos
-    kind: str  # head: "supcon" | "supmpn"
+    kind: str  # head: "cross_entropy" | "softplus" (ops/head.py)
     pos_mask: Tensor | None
     log_extra: Tensor | None
     weights: Tensor  # [B] reduction weights

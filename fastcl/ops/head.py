@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-HEADS = ("supcon", "supmpn")
+HEADS = ("cross_entropy", "softplus")  # phi(x) = x (SupCon, MNRL, InfoNCE) | softplus(x) (SupMPN)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def head_rows(
 
     r = lse if log_extra is None else torch.logaddexp(lse, log_extra)
     x = r[:, None] - pos_logits
-    if kind == "supcon":
+    if kind == "cross_entropy":
         phi, dphi = x, torch.ones_like(x)
     else:
         # softplus(x) = logaddexp(x, 0), exact for every x (F.softplus returns x itself above

@@ -137,7 +137,7 @@ def supcon_labels_ring(
         (tags, empty_tags),
         tau,
         group=group,
-        kind="supcon",
+        kind="cross_entropy",
         positives=None,
         pos_logits=pos_logits,
         pos_mask=has_pos[:, None],

@@ -38,7 +38,7 @@ class Case:
     name: str
     P: int
     Q: int
-    kind: str = "supmpn"  # head; "supmpn" excludes own positives from the denominator
+    kind: str = "softplus"  # head (ops/head.py); "softplus" (SupMPN) also excludes own positives from the denominator
     zero_logit: bool = False  # SupMPN's released code: log_extra = log(P_i - 1)
     shared: bool = False  # own-positive logits given as a differentiable input (pool losses)
     dims: tuple[int, ...] | None = None
@@ -53,12 +53,12 @@ class Case:
 CASES = [
     Case("supmpn-masks", 3, 2),
     Case("supmpn-zero-logit-sum", 3, 2, zero_logit=True, reduction="sum"),
-    Case("supcon-learned-tau", 2, 2, kind="supcon", learn_tau=True),
-    Case("supcon-none", 2, 1, kind="supcon", reduction="none"),
-    Case("mnrl-like-dot", 1, 2, kind="supcon", masks=False, cosine=False),
-    Case("shared-pos-logits", 2, 2, kind="supcon", shared=True, learn_tau=True),
+    Case("supcon-learned-tau", 2, 2, kind="cross_entropy", learn_tau=True),
+    Case("supcon-none", 2, 1, kind="cross_entropy", reduction="none"),
+    Case("mnrl-like-dot", 1, 2, kind="cross_entropy", masks=False, cosine=False),
+    Case("shared-pos-logits", 2, 2, kind="cross_entropy", shared=True, learn_tau=True),
     Case("matryoshka", 2, 2, dims=(8, 3, 5), dim_weights=(1.0, 0.5, 2.0), learn_tau=True),
-    Case("matryoshka-shared", 2, 1, kind="supcon", shared=True, dims=(5, 8), dim_weights=(1.0, 0.25)),
+    Case("matryoshka-shared", 2, 1, kind="cross_entropy", shared=True, dims=(5, 8), dim_weights=(1.0, 0.25)),
     Case("supmpn-fp32", 2, 2, dtype=torch.float32),
 ]
 CASE_NAMES = [c.name for c in CASES]
@@ -90,7 +90,7 @@ def layout(case: Case, x: dict, tau: torch.Tensor) -> dict:
     n, d, P, Q = a.shape[0], a.shape[1], pos.shape[1], neg.shape[1]
     pm, nm = x.get("pos_mask"), x.get("neg_mask")
     tags = (
-        structured_tags(n, P, pm, device=a.device, exclude_owner=case.kind == "supmpn"),
+        structured_tags(n, P, pm, device=a.device, exclude_owner=case.kind == "softplus"),
         structured_tags(n, Q, nm, device=a.device, exclude_owner=False),
     )
     cd = compute_dtype(a.dtype)

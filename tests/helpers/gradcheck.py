@@ -35,7 +35,7 @@ def gradcheck_contrastive(
     pos_mask = torch.tensor([[True, False], [True, True], [False, False], [False, True]])
     neg_mask = torch.rand(B, Q) > 0.3
     tags = (
-        structured_tags(B, P, pos_mask, device=a.device, exclude_owner=kind == "supmpn"),
+        structured_tags(B, P, pos_mask, device=a.device, exclude_owner=kind == "softplus"),
         structured_tags(B, Q, neg_mask, device=a.device, exclude_owner=False),
     )
     weights = reduction_weights(pos_mask.any(1), reduction, torch.float64)

@@ -58,7 +58,7 @@ def _head(B, P, kind, gen, dtype=torch.float64, masks=True, log_extra=False):
 
 @pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
-@pytest.mark.parametrize("kind, zero_logit", [("supcon", False), ("supmpn", False), ("supmpn", True)])
+@pytest.mark.parametrize("kind, zero_logit", [("cross_entropy", False), ("softplus", False), ("softplus", True)])
 @pytest.mark.parametrize("cosine", [True, False])
 def test_gradcheck_cpp(fastcl_config, monkeypatch, strategy, kind, zero_logit, cosine, folded):
     """Folded: the backend adds the positives' gradient itself (OwnPositives); not folded:
@@ -76,7 +76,7 @@ def _op_cases(requires_grad: bool):
     args = (anchor, *prob.blocks, *prob.tags, torch.tensor(0.1), True, 1e-8)
     B, d = 5, 4
     g = torch.Generator().manual_seed(1)
-    head = _head(B, 1, "supmpn", g, torch.float32, log_extra=True)  # folded: rows 0 .. 4 of block0
+    head = _head(B, 1, "softplus", g, torch.float32, log_extra=True)  # folded: rows 0 .. 4 of block0
     yield "lse_forward", args, dict(lse=torch.empty(B), mean_logit=torch.empty(B))
     for d_pos in (None, torch.randn(B, 1)):  # positives at rows 2 + i of block0
         yield (
@@ -86,7 +86,7 @@ def _op_cases(requires_grad: bool):
         )
     yield (
         "lse_fused",
-        args + ("supmpn", head.pos_logits, head.pos_mask, head.log_extra, head.weights, 0, True),
+        args + ("softplus", head.pos_logits, head.pos_mask, head.log_extra, head.weights, 0, True),
         dict(
             lse=torch.empty(B),
             mean_logit=torch.empty(B),
@@ -124,7 +124,7 @@ def _compare_fused(prob, head, tau, atol):
 
 @pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("rows", ["1", "3", "64"])
-@pytest.mark.parametrize("kind, log_extra", [("supcon", False), ("supmpn", False), ("supmpn", True)])
+@pytest.mark.parametrize("kind, log_extra", [("cross_entropy", False), ("softplus", False), ("softplus", True)])
 def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_extra, folded):
     """Forced block sizes make many waves and short last blocks; the head in C++ must
     agree with fastcl/ops/head.py row by row (masks, empty rows, log_extra); folded own
@@ -137,7 +137,7 @@ def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_ext
     _compare_fused(prob, head, torch.tensor(0.2, dtype=torch.float64), 1e-10)
 
 
-@pytest.mark.parametrize("kind", ["supcon", "supmpn"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "softplus"])
 def test_empty_row_among_others(monkeypatch, kind):
     """Every candidate tagged 0 or padding: row 0 has none (lse -inf, no gradient, no NaN)
     while the other rows have all of them; folded own positives one per anchor."""
@@ -187,7 +187,7 @@ def test_forward_and_backward_match_torch(monkeypatch, cosine):
 def test_low_precision_inputs_compute_in_float32(dtype):
     g = torch.Generator().manual_seed(3)
     prob = _problem(19, 40, 25, 33, dtype=dtype, gen=g)
-    head = _head(19, 2, "supmpn", g, torch.float32)
+    head = _head(19, 2, "softplus", g, torch.float32)
     tau = torch.tensor(0.05)
     got = _cpp.CppLSE().fused(prob, tau, head)
     assert got.lse.dtype == got.d_anchor.dtype == got.d_blocks[0].dtype == torch.float32
@@ -226,7 +226,7 @@ def test_deterministic_for_a_thread_count(monkeypatch):
     """Same inputs and threads: bitwise the same; other thread counts: float rounding only."""
     g = torch.Generator().manual_seed(5)
     prob = _problem(150, 300, 200, 24, dtype=torch.float32, gen=g)
-    head = _head(150, 2, "supcon", g, torch.float32)
+    head = _head(150, 2, "cross_entropy", g, torch.float32)
     tau = torch.tensor(0.05)
     before = torch.get_num_threads()
     results = {}

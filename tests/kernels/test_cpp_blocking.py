@@ -36,7 +36,7 @@ def test_split_matches_torch(monkeypatch, threads, num_threads, rows, d):
     g = torch.Generator().manual_seed(num_threads * 1000 + d)
     B = 26
     prob = _problem(B, 3 + 2 * B + 300, 150, d, gen=g, positives=OwnPositives(3, 2))
-    head = _head(B, 2, "supmpn", g)
+    head = _head(B, 2, "softplus", g)
     _compare_fused(prob, head, torch.tensor(0.1, dtype=torch.float64), 1e-10)
 
 
@@ -45,7 +45,7 @@ def test_split_is_bitwise_reproducible(monkeypatch, threads):
     threads(2)
     g = torch.Generator().manual_seed(3)
     prob = _problem(40, 700, 90, 140, dtype=torch.float32, gen=g, positives=OwnPositives(0, 1))
-    head = _head(40, 1, "supcon", g, torch.float32)
+    head = _head(40, 1, "cross_entropy", g, torch.float32)
     tau = torch.tensor(0.05)
     runs = [_cpp.CppLSE().fused(prob, tau, head) for _ in range(2)]
     for name in ("lse", "loss_rows", "d_pos", "d_anchor", "g_dot_mean_logit"):
@@ -74,11 +74,11 @@ def test_kept_block_buffer_changes_nothing(monkeypatch, threads):
     nan_prob = _problem(30, 400, 20, 24, dtype=torch.float32, gen=g)
     nan_prob.anchor[3, 5] = float("nan")  # the NaN row's logits fill the buffer
     calls = [
-        (nan_prob, _head(30, 1, "supcon", g, torch.float32)),
-        (_problem(30, 400, 20, 24, dtype=torch.float32, gen=g), _head(30, 1, "supcon", g, torch.float32)),
-        (_problem(12, 90, 7, 24, dtype=torch.float32, gen=g), _head(12, 1, "supmpn", g, torch.float32)),
-        (_problem(20, 600, 0, 16, gen=g), _head(20, 2, "supmpn", g)),  # float64, more columns
-        (_problem(30, 400, 20, 24, dtype=torch.float32, gen=g), _head(30, 1, "supcon", g, torch.float32)),
+        (nan_prob, _head(30, 1, "cross_entropy", g, torch.float32)),
+        (_problem(30, 400, 20, 24, dtype=torch.float32, gen=g), _head(30, 1, "cross_entropy", g, torch.float32)),
+        (_problem(12, 90, 7, 24, dtype=torch.float32, gen=g), _head(12, 1, "softplus", g, torch.float32)),
+        (_problem(20, 600, 0, 16, gen=g), _head(20, 2, "softplus", g)),  # float64, more columns
+        (_problem(30, 400, 20, 24, dtype=torch.float32, gen=g), _head(30, 1, "cross_entropy", g, torch.float32)),
     ]
     results = {}
     for keep in ("0", None):

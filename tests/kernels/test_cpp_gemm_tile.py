@@ -74,7 +74,7 @@ def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
     g = torch.Generator().manual_seed(B * 31 + d)
     P = 2
     prob = _problem(B, 3 + P * B + 4, N1, d, torch.float32, gen=g, positives=OwnPositives(3, P) if folded else None)
-    head = _head_as(_head(B, P, "supmpn", g), torch.float32)
+    head = _head_as(_head(B, P, "softplus", g), torch.float32)
     tau = torch.tensor(0.05)
     before = torch.get_num_threads()
     try:
@@ -117,7 +117,7 @@ def test_nonfinite_rows_by_the_tile(fastcl_config, monkeypatch):
     tags = torch.full((N,), -1, dtype=torch.int32)
     tags[40] = TAG_PADDING
     empty = (torch.empty(0, d), torch.empty(0, dtype=torch.int32))
-    head = _head(B, 1, "supcon", g, torch.float32, masks=False)
+    head = _head(B, 1, "cross_entropy", g, torch.float32, masks=False)
     tau = torch.tensor(0.05)
 
     def run(a, c):
@@ -143,7 +143,7 @@ def test_nonfinite_rows_by_the_tile(fastcl_config, monkeypatch):
 def test_tile_is_deterministic(fastcl_config, monkeypatch):
     fastcl_config(cpp={"gemm": "own"})
     prob = _problem(150, 300, 200, 24, torch.float32)
-    head = _head(150, 2, "supcon", torch.Generator().manual_seed(1), torch.float32)
+    head = _head(150, 2, "cross_entropy", torch.Generator().manual_seed(1), torch.float32)
     runs = [_cpp.CppLSE().fused(prob, torch.tensor(0.05), head) for _ in range(2)]
     assert torch.equal(runs[0].d_anchor, runs[1].d_anchor) and torch.equal(runs[0].d_blocks[0], runs[1].d_blocks[0])
 
@@ -190,7 +190,7 @@ def test_loss_on_the_default_path_matches_the_reference(fastcl_config, monkeypat
 def test_16_bit_inputs_take_the_tile_through_their_float32_copy(monkeypatch, dtype):
     g = torch.Generator().manual_seed(6)
     prob = _problem(40, 90, 13, 48, dtype, gen=g)
-    head = _head(40, 2, "supcon", g, torch.float32)
+    head = _head(40, 2, "cross_entropy", g, torch.float32)
     tau = torch.tensor(0.05)
     own = _fused("own", prob, head, tau)
     mkl = _fused("mkl", prob, head, tau)

@@ -237,7 +237,7 @@ def _head_problem(dtype, cosine, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("cosine", [True, False])
-@pytest.mark.parametrize("kind", ["supmpn", "supcon"])
+@pytest.mark.parametrize("kind", ["softplus", "cross_entropy"])
 def test_fused_head_matches_the_pytorch_head(dtype, cosine, kind):
     """``head_forward`` (combine + own logits + head in one kernel) against the primitive's
     ``lse`` and ``fastcl/ops/head.py`` on the PyTorch path's own-positive logits: the
@@ -292,7 +292,7 @@ def test_fused_head_refuses_a_layout_that_does_not_fit():
     t0, t1 = torch.full((10,), TAG_ALL, dtype=torch.int32), torch.empty(0, dtype=torch.int32)
     w = torch.full((4,), 0.25)
     with pytest.raises(ValueError, match="do not fit"):
-        head_forward(a, c0, c1, t0, t1, torch.tensor(0.1), True, 1e-8, "supmpn", 3, 2, None, None, None, w, False)
+        head_forward(a, c0, c1, t0, t1, torch.tensor(0.1), True, 1e-8, "softplus", 3, 2, None, None, None, w, False)
 
 
 def test_loss_step_takes_the_fused_head(monkeypatch):
@@ -347,7 +347,7 @@ def test_custom_ops_pass_opcheck():
     )
     mask = torch.tensor([[True, False]] * 5)
     w = torch.full((5,), 0.2)
-    args = (a, c0, c1, t0, t1, tau, True, 1e-8, "supmpn", 0, 2, None, mask, None, w, False)
+    args = (a, c0, c1, t0, t1, tau, True, 1e-8, "softplus", 0, 2, None, mask, None, w, False)
     torch.library.opcheck(torch.ops.fastcl_triton.head_forward.default, args, test_utils=checks)
     _, lse, dlse, dpos, w_row, norms = torch.ops.fastcl_triton.head_forward(*args)
     args = (
@@ -383,7 +383,7 @@ def test_every_real_launch_is_in_the_aot_list():
                 problem = _problem(5, 2, 36, 12, dtype, cosine, gen)  # several chunks, with and without positives
                 lse, _ = TRITON.forward(problem, torch.tensor(0.2))
                 TRITON.backward(problem, torch.tensor(0.2), lse, torch.ones(5), torch.ones(5, 2))
-                head = HeadInputs("supmpn", None, None, None, torch.full((5,), 0.2))
+                head = HeadInputs("softplus", None, None, None, torch.full((5,), 0.2))
                 loss, saved = TRITON.head_step.forward(problem, torch.tensor(0.2), head, per_row=False)
                 TRITON.head_step.backward(problem, torch.tensor(0.2), saved, head.weights, torch.ones((), dtype=dtype))
     launched = {x.key for x in launched}

@@ -27,7 +27,7 @@ def _check(prob, tol, **kw):
     """The forward and backward ops, and the fused step (lse_prefix_fused) with either head."""
     with poison_outputs():  # every output element must be written
         check_backend(_cpp.BACKEND, prob, TAU, rtol=tol, atol=tol, **kw)
-        for kind in ("supcon", "supmpn"):
+        for kind in ("cross_entropy", "softplus"):
             check_fused(_cpp.BACKEND, prob, TAU, kind=kind, rtol=tol, atol=tol, **kw)
 
 
@@ -196,7 +196,13 @@ def _prefix_op_cases(requires_grad):
         outs = dict(d_anchor=torch.empty(5, 8), d_block0=torch.empty(11, 8), d_block1=torch.empty(3, 8))
         yield "lse_prefix_backward", args + (torch.randn(2, 5), torch.rand(2, 5), d_pos, 0), outs
     for own in (False, True):  # own: the op writes the own positives' logits into pos_logits
-        head = ("supmpn", torch.empty(2, 5, 1) if own else torch.randn(2, 5, 1), None, torch.randn(5), torch.rand(2, 5))
+        head = (
+            "softplus",
+            torch.empty(2, 5, 1) if own else torch.randn(2, 5, 1),
+            None,
+            torch.randn(5),
+            torch.rand(2, 5),
+        )
         outs = dict(
             lse=torch.empty(2, 5), mean_logit=torch.empty(2, 5), loss_rows=torch.empty(2, 5), d_pos=torch.empty(2, 5, 1),
             d_anchor=torch.empty(5, 8), d_block0=torch.empty(11, 8), d_block1=torch.empty(3, 8),
@@ -267,9 +273,9 @@ def test_fused_step_keeps_the_nan_rules(cosine):
     K, B = prob.num_prefixes, prob.num_anchors
     tau = torch.tensor(TAU, dtype=torch.float64)
     weights = torch.rand(K, B, generator=_gen(16), dtype=torch.float64)
-    out = _cpp.BACKEND.fused(prob, tau, HeadInputs("supmpn", None, None, None, weights))
+    out = _cpp.BACKEND.fused(prob, tau, HeadInputs("softplus", None, None, None, weights))
     lse, ml = _cpp.BACKEND.forward(prob, tau)
-    _, dlse, dpos = head_rows(lse.reshape(K * B), out.pos_logits.reshape(K * B, 1), None, "supmpn")
+    _, dlse, dpos = head_rows(lse.reshape(K * B), out.pos_logits.reshape(K * B, 1), None, "softplus")
     g, d_pos = dlse.view(K, B) * weights, dpos.view(K, B, 1) * weights[..., None]
     d_a, d_b = _cpp.BACKEND.backward(prob, tau, lse, g, d_pos)
     for got, want in zip(

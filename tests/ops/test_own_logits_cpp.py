@@ -48,7 +48,7 @@ def _problem(a, p, mask, n, cosine, exclude_own):
     return LSEProblem(a, (block0, n.reshape(B * Q, D)), (tags0, tags1), cosine, EPS, OwnPositives(OFFSET, P))
 
 
-@pytest.mark.parametrize("kind", ["supcon", "supmpn"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "softplus"])
 @pytest.mark.parametrize("cosine", [True, False])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-5)])
 @pytest.mark.parametrize("nan_valid", [False, True])
@@ -56,7 +56,7 @@ def test_kernel_logits_equal_the_similarities(kind, cosine, dtype, tol, nan_vali
     """The logits the kernel writes, and every output of the step, equal those of the same
     step given ``own_positive_similarities / tau`` (float64 on the same rounded inputs)."""
     a, p, mask, n = _inputs(dtype, nan_valid)
-    prob = _problem(a, p, mask, n, cosine, exclude_own=kind == "supmpn")
+    prob = _problem(a, p, mask, n, cosine, exclude_own=kind == "softplus")
     tau = torch.tensor(TAU, dtype=torch.float64)
     want = own_positive_similarities(a.double(), p.double(), cosine, EPS, mask) / TAU
     assert want[1, 2] == 0 and want[3, 0].isnan() == nan_valid
@@ -97,7 +97,7 @@ def test_fused_loss_matches_reference_without_own_logits(fastcl_config, monkeypa
 
 def _op_args(prob, mask, own_logits):
     cd = torch.float64
-    args = (prob.anchor, *prob.blocks, *prob.tags, torch.tensor(TAU), prob.cosine, EPS, "supmpn")
+    args = (prob.anchor, *prob.blocks, *prob.tags, torch.tensor(TAU), prob.cosine, EPS, "softplus")
     rest = (mask, None, reduction_weights(mask.any(1), "mean", cd), OFFSET, True, own_logits)
     N0, N1 = (b.shape[0] for b in prob.blocks)
     outs = dict(lse=B, mean_logit=B, loss_rows=B, d_pos=(B, P), d_anchor=(B, D), d_block0=(N0, D), d_block1=(N1, D))

@@ -326,7 +326,7 @@ def test_supmpn_head_is_exact_in_float64():
     lse = torch.randn(64, generator=gen, dtype=torch.float64) * 15
     pos = torch.randn(64, 3, generator=gen, dtype=torch.float64) * 15
     lse[:8] = pos[:8, 0] + torch.linspace(18, 40, 8, dtype=torch.float64)  # where softplus' threshold bites
-    loss, dlse, dpos = head_rows(lse, pos, None, "supmpn")
+    loss, dlse, dpos = head_rows(lse, pos, None, "softplus")
     for i in range(64):
         xs = [mpmath.mpf(float(lse[i])) - mpmath.mpf(float(pos[i, k])) for k in range(3)]
         want = sum(mpmath.log1p(mpmath.exp(x)) for x in xs) / 3

@@ -1,4 +1,4 @@
-"""The user-facing options against the peer that offers them today (issue 18).
+"""The user-facing options against the peer that offers them today.
 
 * labels-SupCon: ``fastcl.losses.supcon_labels_loss`` (two views per sample) against
   pytorch-metric-learning's ``SupConLoss`` on the same flattened features and labels

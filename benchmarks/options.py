@@ -19,6 +19,20 @@ IMPLS_ENV = "FASTCL_BENCH_IMPLS"
 BUDGET_ENV = "FASTCL_BENCH_BUDGET_S"
 
 
+RING_CASE = {"B": 1024, "P": 5, "Q": 5, "d": 768}
+
+
+def _ring_case(text: str | None) -> dict[str, int]:
+    """``B=1024,P=5,Q=5,d=768`` (any subset; the rest keep their defaults)."""
+    case = dict(RING_CASE)
+    for item in _csv(text):
+        key, _, value = item.partition("=")
+        if key not in RING_CASE or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--bench-ring-case={text!r}: expected keys B, P, Q, d with positive integer values")
+        case[key] = int(value)
+    return case
+
+
 def _csv(text: str | None) -> tuple[str, ...]:
     return tuple(s.strip() for s in (text or "").split(",") if s.strip())
 
@@ -60,6 +74,13 @@ class BenchOptions:
     gc_chunk: int = 64
     gc_paired_batch: int = 256
     st_grid: tuple[tuple[int, int, int], ...] = ()  # bench_st.py (B, Q, d) cases; (): its own grid
+    ring: bool = False  # bench_ring.py runs in the main job too
+    ring_worlds: tuple[int, ...] = (2, 4)
+    ring_case: dict[str, int] = field(default_factory=lambda: dict(RING_CASE))
+    ring_dtype: str = "float32"
+    ring_backend: str = "auto"
+    ring_rounds: int = 5
+    ring_threads: int | None = None  # None: the usable cores divided by W
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
 
 
@@ -84,6 +105,15 @@ def add_options(parser) -> None:
     g.addoption("--bench-gc-chunk", type=int, default=64, help="bench_gradcache.py rows per cached chunk")
     g.addoption("--bench-gc-paired-batch", type=int, default=256, help="bench_gradcache.py paired-overhead batch")
     g.addoption("--bench-st-grid", help='bench_st.py cases "B,Q,d;B,Q,d" (default: its grid)')
+    g.addoption("--bench-ring", action="store_true", help="run bench_ring.py (multi-process) in the main job too")
+    g.addoption("--bench-ring-worlds", default="2,4", help="bench_ring.py process counts (default 2,4)")
+    g.addoption("--bench-ring-case", help="bench_ring.py sizes per rank (default B=1024,P=5,Q=5,d=768)")
+    g.addoption("--bench-ring-dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    g.addoption(
+        "--bench-ring-backend", default="auto", help="bench_ring.py backend (default auto: cpp where it builds)"
+    )
+    g.addoption("--bench-ring-rounds", type=int, default=5, help="bench_ring.py timed rounds after one warm-up")
+    g.addoption("--bench-ring-threads", type=int, help="bench_ring.py threads per rank (default: cores / W)")
 
 
 def from_pytest(config) -> BenchOptions:
@@ -113,9 +143,17 @@ def from_pytest(config) -> BenchOptions:
         gc_chunk=get("--bench-gc-chunk"),
         gc_paired_batch=get("--bench-gc-paired-batch"),
         st_grid=_grid(get("--bench-st-grid")),
+        ring=get("--bench-ring"),
+        ring_worlds=_ints("--bench-ring-worlds", get("--bench-ring-worlds")),
+        ring_case=_ring_case(get("--bench-ring-case")),
+        ring_dtype=get("--bench-ring-dtype"),
+        ring_backend=get("--bench-ring-backend"),
+        ring_rounds=get("--bench-ring-rounds"),
+        ring_threads=get("--bench-ring-threads"),
         sources=sources,
     )
-    for name in ("threads", "memory_workers", "min_rounds", "max_rounds", "gc_chunk", "gc_paired_batch"):
+    positive = ("threads", "memory_workers", "min_rounds", "max_rounds", "gc_chunk", "gc_paired_batch")
+    for name in (*positive, "ring_rounds", "ring_threads"):
         value = getattr(opts, name)
         if value is not None and value < 1:
             raise ValueError(f"--bench-{name.replace('_', '-')}={value}: expected a positive integer")

@@ -2,7 +2,7 @@
 
 A benchmark file parametrises one test per (workload, implementation). Timing each item on
 its own (``benchmark.pedantic``: a few rounds of one implementation, then the next) lets a
-busy machine favour whichever ran in a quiet minute: issue 32 saw ``cpp`` at 0.24-0.30x
+busy machine favour whichever ran in a quiet minute: an earlier harness saw ``cpp`` at 0.24-0.30x
 eager in ``bench_api.py`` / ``bench_st.py`` where an idle run gives ~1.9x. Instead, the
 first item of a workload builds the step of every selected implementation of that
 workload, :func:`run_case` times them together in ``fastcl.bench.timing.interleave``'s

@@ -94,7 +94,7 @@ class Row:
 
 def _sound_share(e: dict, ref: str, problem_of) -> tuple[float | None, str | None]:
     """``(share, problem)`` of a record: the share only where ``fastcl.bench.shares`` finds
-    its reference sound. Records since issue 32 carry the measured ratio and the verdict;
+    its reference sound. Records from 2026-11-27 on carry the measured ratio and the verdict;
     older ones only the ratio, judged here by the same rules from what they recorded."""
     measured = e.get(f"{ref}_share_measured", e.get(f"{ref}_share"))
     problem = e[f"{ref}_share_problem"] if f"{ref}_share_problem" in e else problem_of(measured)

@@ -11,7 +11,7 @@ this device), on the exact code the ring runs per block (``fastcl.ops.blockwise`
   recompute strategy, as the ring uses; a backend with a gradient-in-forward path is also
   timed as ``single_fused``, what the gather mode runs by default).
 
-``share = single / blocks`` (issue 34's target on a GPU: >= 0.9). Timing: interleaved rounds,
+``share = single / blocks`` (the ring's target on a GPU: >= 0.9). Timing: interleaved rounds,
 minimum, CUDA-synchronised (``fastcl.bench.timing``). From a GPU lease::
 
     python -m fastcl.bench.ring_blocks --B 4096 --P 5 --Q 5 --d 768 --world 2 4 8 --dtype bfloat16

@@ -1,5 +1,5 @@
 """Gather against ring across processes on the CPU (gloo): time per step, bytes sent per rank,
-extra peak memory per rank (issue 34; ``benchmarks/bench_ring.py`` records it).
+extra peak memory per rank (``benchmarks/bench_ring.py`` records it).
 
 One call spawns ``world`` processes on a file store. Each rank builds its own SupMPN batch
 (``B`` anchors, ``P`` positives and ``Q`` negatives each, width ``d``) and, for every mode of

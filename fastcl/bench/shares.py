@@ -63,7 +63,7 @@ def share_problem(
     if share is None:
         return None  # nothing to print either way
     if not in_rounds:
-        return f"the {reference} was timed apart from the case's interleaved rounds (runs before issue 32)"
+        return f"the {reference} was timed apart from the case's interleaved rounds (runs before 2026-11-27)"
     if spread is None or not spread <= NOISY_SPREAD:
         shown = "unknown" if spread is None else f"{100 * spread:.0f}%"
         return f"the {reference}'s fastest rounds disagree (spread {shown} > {100 * NOISY_SPREAD:.0f}%)"

@@ -1,6 +1,6 @@
 """The option benchmarks (bench_api.py, bench_st.py) on the loss grid's interleaved harness:
 every implementation of a workload in the same rotating rounds, with spread and the noisy
-flag in each record (issue 32, item 7). Tiny shapes; nothing here is a measurement."""
+flag in each record. Tiny shapes; nothing here is a measurement."""
 
 from __future__ import annotations
 

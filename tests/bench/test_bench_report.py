@@ -266,7 +266,7 @@ def test_report_prints_a_share_only_where_its_reference_was_sound(tmp_path):
     rows = {(b["extra_info"].get("impl"), b["extra_info"].get("B")): b["extra_info"] for b in doc["benchmarks"]}
     # B=128 torch: a floor share no step doing the floor's GEMMs can reach, GEMM rate sound
     rows["torch", 128].update(floor_share=2.44, gemm_share=1.2)
-    # B=128 compile: a GEMM rate the run measured apart from its rounds (as before issue 32)
+    # B=128 compile: a GEMM rate the run measured apart from its rounds (as before 2026-11-27)
     rows["compile", 128].update(gemm_share=10.2, gemm_in_rounds=False)
     # B=512: the floor's own rounds disagree; the GEMM share was judged when recorded
     for impl in ("eager", "torch"):

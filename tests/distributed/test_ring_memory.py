@@ -4,7 +4,7 @@ Measured per rank (``ring_memory_worker``) at W = 2, 3 and 4 with the same per-r
 ring of two has no block in flight while it works on the other rank's block, so it holds one
 block buffer and one gradient accumulator less than any larger ring (W = 2 is the smallest
 case, not the constant); from W = 3 on the pipeline is full and the peak must stay within
-10 % (issue 34's target) and grow by less than a quarter of one rank's candidates (the
+10 % (the ring's target) and grow by less than a quarter of one rank's candidates (the
 gather adds two blocks per rank, candidates and gradients; noise here is ~0.1 MiB). The gather's peak must grow by more than that plus two blocks
 between W = 2 and 4, which shows the measurement sees growth (the test can fail).
 """

@@ -37,7 +37,7 @@ def _step(model, loss, features) -> tuple[torch.Tensor, dict]:
     return value.detach(), _param_grads(model)
 
 
-# --------------------------------------------------------------------------- item 4: BatchEncoding
+# --------------------------------------------------------------------------- BatchEncoding
 
 
 @pytest.mark.parametrize("make", ["preprocess", "tokenize"])
@@ -71,7 +71,7 @@ def test_read_only_mapping_and_non_mapping(tmp_path):
         fst.MultipleNegativesRankingLoss(model)([list(features[0].values()), dict(features[1])])
 
 
-# --------------------------------------------------------------------------- item 2: ST 6 MNRL options
+# --------------------------------------------------------------------------- ST 6 MNRL options
 
 from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
@@ -356,7 +356,7 @@ def _step_labels(model, loss, features, labels):
     return value.detach(), _param_grads(model)
 
 
-# --------------------------------------------------------------------------- item 3: Matryoshka, AdaptiveLayerLoss
+# --------------------------------------------------------------------------- Matryoshka, AdaptiveLayerLoss
 
 import random  # noqa: E402
 import warnings  # noqa: E402

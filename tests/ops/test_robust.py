@@ -60,7 +60,7 @@ def _loss_and_grads(fn, a, p, n, **kw):
     return out.detach(), grads
 
 
-# ----------------------------------------------------------------------------- item 1
+# --------------------------------------------------------------------------- bad input is refused
 
 
 @pytest.mark.parametrize("loss", list(LOSSES))
@@ -230,7 +230,7 @@ def test_nonfinite_anchor_primitive_backward(backend, bad, cosine, dims, col):
         _assert_like_reference(got, want, f"d_block{k}")
 
 
-# ----------------------------------------------------------------------------- item 4
+# --------------------------------------------------------------------------- cosine is scale-free
 
 
 @pytest.mark.parametrize("scale", [1e30, 1e20, 1e-6, 3e-5])
@@ -253,7 +253,7 @@ def test_cosine_scale_free_float64(backend):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-# ----------------------------------------------------------------------------- item 5
+# ---------------------------------------------------------------------------- tensor temperatures
 
 A, P, N = torch.randn(4, 8), torch.randn(4, 2, 8), torch.randn(4, 3, 8)
 
@@ -316,7 +316,7 @@ def test_bad_strategy_refused_without_grad(backend):
             L.supmpn_loss(A, P, N, backend=backend, strategy="bogus")
 
 
-# ----------------------------------------------------------------------------- item 6
+# ---------------------------------------------------------------------------- the head in float64
 
 
 def test_supmpn_head_is_exact_in_float64():

@@ -1,5 +1,5 @@
-"""Runs that cannot be lost or mixed (issue 32, item 1), and bad input refused in one line
-before any model loads (item 4).
+"""Runs that cannot be lost or mixed, and bad input refused in one line
+before any model loads.
 
 The first half drives :func:`fastcl.trainers.run.plan_run` on folders built by hand (a tiny
 ``nn.Linear``'s checkpoints, no training); the second half goes through ``fastcl train``
@@ -384,7 +384,7 @@ def test_a_run_is_never_lost_or_mixed(setup, tmp_path, capsys, monkeypatch):
     assert _snapshot(out) == before
 
 
-# --------------------------------------------------------------------------- item 4: bad input
+# --------------------------------------------------------------------------- bad input
 
 
 def _log_dir(out: Path) -> None:

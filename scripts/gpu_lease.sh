@@ -19,7 +19,8 @@
 #      CUDA graph, reduce-overhead), eager, compile, Inf-CL, cut-cross-entropy, Liger, the
 #      floor                                                           -> bench.json, bench.txt
 #   6. where the step spends its time (profile); correctness at B = 2048 -> measure.txt, correctness.json
-# PARTS picks the steps (default "checks tune kernels bench profile correctness"); T_* are
+#   7. the ring's per-block primitive against one call (W = 8 simulated)  -> measure.txt
+# PARTS picks the steps (default "checks tune kernels bench profile correctness ring"); T_* are
 # their time limits.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ say "setup"
 "$PY" -m fastcl.info >>"$CHECKS" 2>&1
 say "setup done"
 
-PARTS=${PARTS:-checks tune kernels bench profile correctness}
+PARTS=${PARTS:-checks tune kernels bench profile correctness ring}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if [[ $DRY == 1 ]]; then
   DEV=cpu SCALE=0.0078125 B=64 BI=128 D=32 SMOKE=(--B 64 --d 32)
@@ -122,5 +123,12 @@ if has correctness; then
     --losses supmpn,infonce,mnrl,supcon --dtypes bfloat16,float16,float32 --impls triton,torch \
     --out "$OUT/correctness.json" >>"$CHECKS" 2>&1
   say "correctness: exit $?"
+fi
+
+if has ring; then
+  say "ring blocks"
+  timeout -s INT -k 10 $(lim ${T_RING:-25}) "$PY" -m fastcl.bench.ring_blocks --B $B --P 5 --Q 5 --d $D --world 8 \
+    --dtype $([[ $DEV == cuda ]] && echo bfloat16 || echo float32) --device $DEV --budget-s 1 >>"$MEASURE" 2>&1
+  say "ring blocks: exit $?"
 fi
 say "done"

@@ -18,7 +18,8 @@ negatives). Logits ``l = s / tau``; per query ``i`` the rows of the selected dir
 ``query_to_doc`` only): ``scale * s + alpha * stopgrad(s)`` on in-batch negatives
 (``"in_batch_negatives"``: documents of other queries), on the query's own hard negatives
 (``"hard_negatives"``) or on both (``"all_negatives"``); the positive is never penalised.
-Exactly sentence-transformers 6.2's ``MultipleNegativesRankingLoss`` (SPEC.md).
+Exactly sentence-transformers 6.2's ``MultipleNegativesRankingLoss`` (docs/losses.md, "Directions,
+partition, hardness"; docs/contracts.md).
 
 How it stays fused, on every backend and with no kernel change:
 

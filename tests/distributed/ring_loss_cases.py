@@ -157,7 +157,7 @@ def _errors(seed: int, group, rank: int, world: int) -> dict:
 
 
 def _nonfinite(seed: int, group, rank: int) -> dict:
-    """SPEC's non-finite contract through the ring: a NaN in a valid candidate of rank 0 makes
+    """The non-finite contract (docs/contracts.md) through the ring: a NaN in a valid candidate of rank 0 makes
     every rank's loss NaN; one in a padded slot changes nothing and gets exactly zero gradient."""
     g = C._gen(seed, "ring-nonfinite", rank)
     a, p, n = C._randn(g, C.B, C.D), C._randn(g, C.B, 2, C.D), C._randn(g, C.B, 2, C.D)

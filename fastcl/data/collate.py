@@ -46,7 +46,9 @@ def collate_triplets(examples: Sequence[dict], tokenizer, max_length: int) -> di
 
 def collate_groups(examples: Sequence[dict], tokenizer, max_length: int) -> dict:
     """SupMPN: ``inputs`` rows = anchors (B), then the *valid* positives row-major, then the
-    valid negatives row-major; ``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool say where they go."""
+    valid negatives row-major; ``pos_mask [B, P]`` / ``neg_mask [B, Q]`` bool say where they go,
+    and ``n_pos`` / ``n_neg`` (host ints) how many there are, so that the step never reads a
+    device mask back to size its rows."""
     pos_mask = torch.tensor([e["pos_mask"] for e in examples], dtype=torch.bool)
     neg_mask = torch.tensor([e["neg_mask"] for e in examples], dtype=torch.bool)
     texts = [e["anchor"] for e in examples]
@@ -57,6 +59,8 @@ def collate_groups(examples: Sequence[dict], tokenizer, max_length: int) -> dict
         "batch_size": len(examples),
         "pos_mask": pos_mask,
         "neg_mask": neg_mask,
+        "n_pos": int(pos_mask.sum()),
+        "n_neg": int(neg_mask.sum()),
     }
 
 

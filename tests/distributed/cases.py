@@ -136,6 +136,27 @@ def _supmpn(own):
     )
 
 
+def _full_on_rank0(P, Q):
+    """Rank 0's masks all True, the others' padded: rank 0 passes None (as the SupMPN trainer
+    does for a batch without padding), the one-process reference the concatenated masks."""
+    structured = _structured(P, Q)
+
+    def make(g, rank):
+        x = structured(g, rank)
+        if rank == 0:
+            x["pos_mask"], x["neg_mask"] = torch.ones_like(x["pos_mask"]), torch.ones_like(x["neg_mask"])
+        return x
+
+    return make
+
+
+def _supmpn_without_full_masks(x, **kw):
+    full = "process_group" in kw and kw["process_group"] is not None and bool(x["pos_mask"].all())
+    if full and bool(x["neg_mask"].all()):
+        x = {k: v for k, v in x.items() if k not in ("pos_mask", "neg_mask")}
+    return _supmpn("exclude")(x, **kw)
+
+
 def _supcon(x, **kw):
     return L.supcon_loss(
         x["anchor"], x["positives"], x.get("negatives"), pos_mask=x.get("pos_mask"), neg_mask=x.get("neg_mask"), **kw
@@ -152,6 +173,7 @@ CASES = [
     Case("supcon-none", _structured(2, 2), _supcon, reduction="none"),
     Case("supcon-fp32", _structured(2, 2, dtype=torch.float32), _supcon),
     Case("supmpn-bf16", _structured(2, 2, dtype=torch.bfloat16), _supmpn("exclude")),
+    Case("supmpn-masks-on-some-ranks", _full_on_rank0(2, 2), _supmpn_without_full_masks),
     Case(
         "mnrl-hard-negatives",
         _pairs("anchor", "positive", Q=2),

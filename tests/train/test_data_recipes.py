@@ -221,6 +221,39 @@ def test_collate_groups_encodes_only_valid_slots():
     assert out["pos_mask"].tolist() == [[True, True, False], [True, False, False]]
     assert out["neg_mask"].tolist() == [[True, False], [False, False]]
     assert out["inputs"]["input_ids"].shape[0] == 2 + 3 + 1  # anchors + valid positives + valid negatives
+    assert (out["n_pos"], out["n_neg"]) == (3, 1)  # host ints: the step sizes its rows without a device read
+    assert type(out["n_pos"]) is int and type(out["n_neg"]) is int
+
+
+def test_supmpn_slot_layout_drops_a_full_mask_and_keeps_the_loss():
+    """A full mask becomes None (the kernels' unpadded path) with the same loss; a mask with a
+    padded slot is kept, and the slot is zero-filled."""
+    import torch
+
+    from fastcl.losses import supmpn_loss
+    from fastcl.trainers.recipes.supmpn import slot_layout
+
+    g = torch.Generator().manual_seed(0)
+    B, P, Q, d = 4, 2, 3, 8
+    anchor = torch.randn(B, d, generator=g, dtype=torch.float64)
+    pos_flat, neg_flat = (
+        torch.randn(B * P, d, generator=g, dtype=torch.float64),
+        torch.randn(B * Q, d, generator=g, dtype=torch.float64),
+    )
+    full_p, full_n = torch.ones(B, P, dtype=torch.bool), torch.ones(B, Q, dtype=torch.bool)
+    positives, pm = slot_layout(pos_flat, full_p, B * P)
+    negatives, nm = slot_layout(neg_flat, full_n, B * Q)
+    assert pm is None and nm is None and positives.data_ptr() == pos_flat.data_ptr()
+    unmasked = supmpn_loss(anchor, positives, negatives, pos_mask=pm, neg_mask=nm, backend="reference")
+    masked = supmpn_loss(anchor, positives, negatives, pos_mask=full_p, neg_mask=full_n, backend="reference")
+    torch.testing.assert_close(unmasked, masked, rtol=0, atol=1e-12)
+
+    part = full_n.clone()
+    part[1, 2] = part[3, 0] = False
+    negatives, nm = slot_layout(neg_flat[: int(part.sum())], part, int(part.sum()))
+    assert nm is part
+    assert negatives[1, 2].abs().sum() == 0 and negatives[3, 0].abs().sum() == 0
+    assert torch.equal(negatives[part], neg_flat[: int(part.sum())])
 
 
 def test_collate_liao_layout():

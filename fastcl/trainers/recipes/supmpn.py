@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from fastcl.data import NEG_FILLS, POS_FILLS, collate_groups, load_nli, supmpn_capacity, supmpn_groups
 from fastcl.losses import OWN_POSITIVES, supmpn_loss
 from fastcl.trainers.hf import HFRecipe, split_rows
@@ -98,20 +100,30 @@ class SupMPN(HFRecipe):
 
     def loss(self, model, batch, ctx):
         B, pos_mask, neg_mask = batch["batch_size"], batch["pos_mask"], batch["neg_mask"]
-        n_pos, n_neg = int(pos_mask.sum()), int(neg_mask.sum())
+        n_pos, n_neg = batch["n_pos"], batch["n_neg"]  # the collator's host counts: no device read
         emb = ctx.encode(model, **batch["inputs"])
         anchor, pos_flat, neg_flat = split_rows(emb, B, n_pos, n_neg)
-        # scatter the encoded valid texts into the padded [B, P, d] / [B, Q, d] layout
-        positives = emb.new_zeros(*pos_mask.shape, emb.shape[1]).masked_scatter(pos_mask[..., None], pos_flat)
-        negatives = emb.new_zeros(*neg_mask.shape, emb.shape[1]).masked_scatter(neg_mask[..., None], neg_flat)
+        positives, pos_mask = slot_layout(pos_flat, pos_mask, n_pos)
+        negatives, neg_mask = slot_layout(neg_flat, neg_mask, n_neg)
         loss = supmpn_loss(
             anchor,
             positives,
-            negatives if neg_mask.shape[1] else None,
+            negatives if negatives.shape[1] else None,
             pos_mask=pos_mask,
-            neg_mask=neg_mask if neg_mask.shape[1] else None,
+            neg_mask=neg_mask if negatives.shape[1] else None,
             temperature=ctx.cfg.temperature,
             own_positives=ctx.cfg.own_positives,
             **ctx.negatives(),
         )
         return loss, {}
+
+
+def slot_layout(flat: Tensor, mask: Tensor, n_valid: int) -> tuple[Tensor, Tensor | None]:
+    """The encoded valid texts ``flat [n_valid, d]`` (row-major over ``mask [B, S]``) in the
+    ``[B, S, d]`` slot layout, and the mask the loss takes: None when every slot is valid (the
+    same loss, and the fused kernels skip masking padded rows), else ``mask`` with the padded
+    slots zero-filled."""
+    if n_valid == mask.numel():
+        return flat.view(*mask.shape, flat.shape[-1]), None
+    slots = flat.new_zeros(*mask.shape, flat.shape[-1])
+    return slots.masked_scatter(mask[..., None], flat), mask

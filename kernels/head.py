@@ -164,8 +164,8 @@ def _head_kernel(
         dphi = tl.where(valid != 0, dphi, 0.0)
         loss = tl.sum(phi, 1) * inv_count
         dlse = tl.sum(dphi, 1) * inv_count
-        if HAS_EXTRA:  # d logaddexp(lse, c) / d lse = exp(lse - r); an empty row has r = -inf
-            dlse = dlse * tl.where((r == r) & (tl.abs(r) < float("inf")), tl.exp(lse - r), 0.0)
+        if HAS_EXTRA:  # d logaddexp(lse, c) / d lse = exp(lse - r): none for an empty row (r = -inf); NaN stays NaN
+            dlse = dlse * tl.where(r == float("-inf"), 0.0, tl.exp(lse - r))
         dpos = -dphi * inv_count[:, None]
         w_row = dlse * mean
         if FOLDED:

@@ -66,7 +66,8 @@ struct Head {
     }
     loss_rows[i] = sum_phi * inv_count;
     T dlse = sum_dphi * inv_count;
-    if (log_extra) dlse *= (r > -inf() && r < inf()) ? ::exp(lse - r) : T(0);
+    // d logaddexp(lse, c) / d lse = exp(lse - r): none for an empty row (r = -inf); NaN stays NaN
+    if (log_extra) dlse *= (r == -inf()) ? T(0) : ::exp(lse - r);
     return dlse * w;
   }
 };

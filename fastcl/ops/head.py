@@ -69,8 +69,8 @@ def head_rows(
     dr = dphi.sum(1) * inv_count
     if log_extra is None:
         dlse = dr
-    else:  # d logaddexp(lse, c) / d lse = exp(lse - r); an empty row has r = lse = -inf
-        share = torch.where(torch.isfinite(r), torch.exp(lse - r), torch.zeros_like(r))
+    else:  # d logaddexp(lse, c) / d lse = exp(lse - r): none for an empty row (r = lse = -inf); NaN stays NaN
+        share = torch.where(r == float("-inf"), torch.zeros_like(r), torch.exp(lse - r))
         dlse = dr * share
     dpos = -dphi * inv_count[:, None]
     return loss, dlse, dpos

@@ -12,7 +12,15 @@ candidate blocks stay where they are; copies travel around the ring (``ring_comm
 * backward: the blocks go round again; for each, ``backward`` with ``g_t = g * exp(lse_t -
   lse)`` (``blockwise.block_grad``) gives this rank's share of that block's gradient, added
   to the block's accumulator, which travels with it and is home after the last hop; the
-  anchor gradient stays local. Always the recompute strategy (4 GEMM-sized passes).
+  anchor gradient stays local. Every other rank's block costs 4 GEMM-sized passes
+  (forward, then recompute and two products).
+* the own block, when the backend has a gradient-in-forward sweep (``Backend.fused``: mean
+  or sum reduction, no Matryoshka dims, strategy not ``"recompute"``): it is visited last,
+  once every other block's ``lse`` is merged, by that sweep with the merged ``lse`` as the
+  head's ``log_extra`` (``logaddexp(lse_own, lse_others)`` is the final ``lse``), which gives
+  its loss rows and its share of the gradients (for an upstream gradient of 1) in 3 passes;
+  they are kept (one block of gradients, compute dtype) and start the own block's
+  accumulator in backward. ``W`` blocks then cost ``4W - 1`` passes instead of ``4W``.
 
 Each rank keeps its ``W`` partial ``lse`` rows (``[W, B]``, ``[W, K, B]`` with dims) between
 forward and backward: ``4 * W * B`` bytes, against ``W * N * d`` elements for the gather.
@@ -33,8 +41,8 @@ from .. import config, distributed
 from . import dispatch
 from .blockwise import Merged, block_grad, foreign_tags
 from .contract import LSEProblem, OwnPositives, compute_dtype
-from .contrastive import LossSpec, _first_order_only, _own_logit_values, _tau_grad, head_of
-from .head import reduction_weights
+from .contrastive import LossSpec, _first_order_only, _own_logit_values, _strategy, _tau_grad, head_of
+from .head import HeadInputs, reduction_weights
 from .ring_comm import RingComm, circulate, circulate_grads
 
 NO_POSITIVE = "no anchor of any rank has a valid positive (pos_mask is all False everywhere): the loss is undefined"
@@ -89,6 +97,31 @@ def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor
     return weights if spec.loss.reduction == "none" else weights * spec.comm.world
 
 
+def _fuses_own(ls: LossSpec, needs_grad: bool) -> bool:
+    """Whether the own block runs the backend's gradient-in-forward sweep (module docstring);
+    a ``"fused"`` strategy where it cannot raises, as in one process."""
+    if not needs_grad or _strategy(ls.impl, ls.reduction, ls.dims, ls.strategy) != "fused":
+        return False
+    if ls.dims is not None and "fused" in (ls.strategy, config.get().strategy):
+        raise ValueError(
+            "strategy='fused' (or fastcl.config's strategy 'fused'): cross_device='ring' with matryoshka "
+            "dims recomputes every block; use strategy='auto' or 'recompute', or cross_device='gather'"
+        )
+    return ls.dims is None
+
+
+def _own_sweep(ls: LossSpec, own, tau: Tensor, pos_values: Tensor, others: Tensor | None, weights: Tensor):
+    """The own block's gradient-in-forward sweep with the other blocks' merged ``lse`` (or
+    None) as extra denominator mass: ``(lse_own, mean_logit_own, d_anchor, (d0, d1))``."""
+    extra = others
+    if ls.log_extra is not None:
+        own_extra = ls.log_extra.to(pos_values.dtype)
+        extra = own_extra if extra is None else torch.logaddexp(extra, own_extra)
+    out = ls.impl.fused(own, tau, HeadInputs(ls.kind, pos_values, ls.pos_mask, extra, weights))
+    d_anchor, d_blocks, _, _, _ = out.sweep_outputs()
+    return out.lse, out.mean_logit, d_anchor, d_blocks
+
+
 class RingLSE(torch.autograd.Function):
     """``ContrastiveLSE`` with the candidates of every rank of a ring (module docstring):
     inputs ``anchor [B, d]``, this rank's ``block0 [N0, d]``, ``block1 [N1, d]``, ``pos_logits``
@@ -101,19 +134,27 @@ class RingLSE(torch.autograd.Function):
         cd = compute_dtype(anchor.dtype)
         folded = pos_logits is None
         own = ls.problem(anchor, block0, block1)
-        merged, partials, counts = Merged(), [], []
+        fuse_own = _fuses_own(ls, any(ctx.needs_input_grad[:5]))
+        merged, partials, counts = Merged(), [None] * comm.world, []
+        own_grads: tuple = ()
 
         def visit(source: int, payload: list[Tensor]) -> None:
+            counts.append(payload[2][-1:].clone())  # the buffer is reused by a later receive
+            if fuse_own and source == comm.rank:
+                return  # visited last, by the sweep (while the first transfer is in flight)
             lse_t, ml_t = ls.impl.forward(spec.problem(anchor, payload, source == comm.rank), tau)
             merged.add(lse_t, ml_t)
-            partials.append(lse_t)
-            counts.append(payload[2][-1:].clone())  # the buffer is reused by a later receive
+            partials[(comm.rank - source) % comm.world] = lse_t
 
         failure = circulate(comm, spec.payload(block0, block1), visit)
         if failure is None:
             try:  # an error here (no valid positive anywhere) is every rank's: all agree below
                 pos_values = (_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd)
                 weights = _weights(spec, counts, cd)
+                if fuse_own:
+                    lse_t, ml_t, *own_grads = _own_sweep(ls, own, tau, pos_values, merged.lse, weights)
+                    merged.add(lse_t, ml_t)
+                    partials[0] = lse_t
                 assert merged.lse is not None  # every rank's block was merged
                 loss_rows, dlse, dpos = head_of(ls, merged.lse, pos_values)
             except Exception as exc:
@@ -121,6 +162,7 @@ class RingLSE(torch.autograd.Function):
         comm.agree_on_status(failure, "forward")
 
         ctx.spec, ctx.dtype, ctx.folded, ctx.weights = spec, anchor.dtype, folded, weights
+        ctx.own_grads = own_grads  # (d_anchor, (d0, d1)) of the own block for grad_out = 1, or ()
         if any(ctx.needs_input_grad[:5]):
             saved = (anchor, block0, block1, tau, pos_logits, merged.lse, merged.mean_logit)
             ctx.save_for_backward(*saved, dlse, dpos, pos_values, torch.stack(partials))
@@ -146,8 +188,14 @@ class RingLSE(torch.autograd.Function):
         d_pos = dpos * row_w[..., None]
         d_anchor = torch.zeros(anchor.shape, dtype=cd, device=anchor.device)
 
+        own_grads, ctx.own_grads = ctx.own_grads, ()  # released once they have started the accumulator
+
         def contribute(source: int, payload: list[Tensor]) -> list[Tensor]:
             step = (comm.rank - source) % comm.world
+            if step == 0 and own_grads:  # formed in forward for grad_out = 1 (own positives folded in)
+                d_a, (d0, d1) = own_grads
+                d_anchor.add_(d_a * go)
+                return [d0.mul_(go), d1.mul_(go)]
             lse_t = partials[step]
             fold = d_pos if step == 0 and ctx.folded else None  # own positives: this rank's block only
             d_a, (d0, d1) = ls.impl.backward(
@@ -204,12 +252,6 @@ def ring_contrastive_loss(
     (the caller checked shapes and dtype already). Every rank must call it, and backward."""
     if (has_pos is None) == (weights is None):
         raise TypeError("ring_contrastive_loss takes has_pos or weights (exactly one)")
-    if strategy == "fused" or (strategy == "auto" and config.get().strategy == "fused"):
-        source = "strategy='fused'" if strategy == "fused" else "FASTCL_STRATEGY=fused (fastcl.config's strategy)"
-        raise ValueError(
-            f"{source}: cross_device='ring' always recomputes (the loss head needs every rank's "
-            "candidates before any gradient); use strategy='recompute' or cross_device='gather'"
-        )
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
     tags = (tags[0].contiguous(), tags[1].contiguous())
@@ -219,7 +261,8 @@ def ring_contrastive_loss(
     impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims), backend=backend)
     placeholder = anchor.new_empty(0) if weights is None else weights
     spec = LossSpec(
-        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, placeholder, reduction, dims, dim_weights
-    )
+        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, placeholder, reduction, dims, dim_weights,
+        strategy=strategy,
+    )  # fmt: skip
     ring = RingSpec(spec, RingComm(group), has_pos, check_positive, no_positive)
     return RingLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, ring)

@@ -10,6 +10,7 @@ rank 2 has none). Run one world by hand: ``python -m tests.distributed.ring_case
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastcl import config
 from fastcl.ops import dispatch
 from fastcl.ops.contract import EPS, OwnPositives, compute_dtype, structured_tags
 from fastcl.ops.contrastive import contrastive_loss
@@ -31,6 +33,9 @@ TIMEOUT_S = 90
 # triton only in the Triton interpreter suite (TRITON_INTERPRET=1: its kernels on CPU tensors)
 _TRITON = ("triton",) if os.environ.get("TRITON_INTERPRET") == "1" else ()
 BACKENDS = tuple(b for b in ("torch", "reference", "cpp", *_TRITON) if dispatch.unavailable(b) is None)
+# the primitive cases also under fastcl.config's strategy "recompute": the default fuses the
+# own block where the backend can (torch, cpp), so the recompute path needs its own runs
+CASE_BACKENDS = BACKENDS + tuple(f"{b}:recompute" for b in ("torch", "cpp") if b in BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -128,14 +133,16 @@ def run(case: Case, x: dict, backend: str, group) -> dict:
     x = {k: (v.detach().clone().requires_grad_(v.is_floating_point())) for k, v in x.items()}
     tau = torch.tensor(0.1, dtype=x["anchor"].dtype, requires_grad=case.learn_tau)
     args, has_pos = layout(case, x, tau)
-    if group is None:
-        weights = reduction_weights(has_pos, case.reduction, compute_dtype(x["anchor"].dtype))
-        out = contrastive_loss(tau=tau, weights=weights, backend=backend, **args)
-    else:
-        check = args["pos_mask"] is not None
-        out = ring_contrastive_loss(
-            tau=tau, group=group, has_pos=has_pos, check_positive=check, backend=backend, **args
-        )
+    backend, _, strategy = backend.partition(":")  # "cpp:recompute": fastcl.config's strategy
+    with config.override(strategy=strategy) if strategy else contextlib.nullcontext():
+        if group is None:
+            weights = reduction_weights(has_pos, case.reduction, compute_dtype(x["anchor"].dtype))
+            out = contrastive_loss(tau=tau, weights=weights, backend=backend, **args)
+        else:
+            check = args["pos_mask"] is not None
+            out = ring_contrastive_loss(
+                tau=tau, group=group, has_pos=has_pos, check_positive=check, backend=backend, **args
+            )
     (out.sum() if case.reduction == "none" else out).backward()
     grads = {k: v.grad.detach().clone() for k, v in x.items() if v.is_floating_point()}
     return {"loss": out.detach().clone(), "grads": grads, "tau_grad": tau.grad.clone() if case.learn_tau else None}
@@ -225,18 +232,29 @@ def _outcome(fn) -> tuple[str, str] | None:
     return None
 
 
+# (case, backend method that raises, on which rank, on which call, fastcl.config's strategy)
+FAILURES = (
+    ("forward", "forward", 1, 2, "recompute"),
+    ("backward", "backward", 0, 2, "recompute"),
+    ("own-sweep", "fused", 1, 1, "auto"),
+)
+
+
 def failures(seed: int, group, rank: int, world: int) -> dict:
     """Errors that must reach every rank, then a call that must still work (group usable)."""
     case = CASES[0]
     x = inputs(case, seed, rank)
     out = {}
     real = dispatch.get("torch")
-    for name, method, bad_rank in (("forward", "forward", 1), ("backward", "backward", 0)):
-        impl = _Raises(real, method, 2) if rank == bad_rank else real
+    # the recompute strategy calls forward/backward once per block (the 2nd call is mid-ring);
+    # the default one runs the own block's gradient-in-forward sweep ("fused") after the others
+    for name, method, bad_rank, when, strategy in FAILURES:
+        impl = _Raises(real, method, when) if rank == bad_rank else real
         choose = dispatch.choose
         dispatch.choose = lambda problem, backend=None, impl=impl: impl  # noqa: E731
         try:
-            out[name] = _outcome(lambda: run(case, x, "torch", group))
+            with config.override(strategy=strategy):
+                out[name] = _outcome(lambda: run(case, x, "torch", group))
         finally:
             dispatch.choose = choose
     bad = dict(x, negatives=x["negatives"][:, :1], neg_mask=x["neg_mask"][:, :1]) if rank == world - 1 else x
@@ -262,7 +280,7 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> N
                 results["labels"][case.name, backend] = run_labels(case, x, backend, group)
         for case in CASES:
             x = inputs(case, seed, rank)
-            for backend in BACKENDS:
+            for backend in CASE_BACKENDS:
                 results["cases"][case.name, backend] = run(case, x, backend, group)
         return results
 

@@ -153,6 +153,12 @@ def _errors(seed: int, group, rank: int, world: int) -> dict:
     y = torch.arange(C.B) + rank * C.B  # every label once in the global batch
     out["labels-no-positive"] = C._error(lambda: L.supcon_loss(a, labels=y, **ring))
     out["bad-choice"] = C._error(lambda: L.supcon_loss(a, p, n, process_group=group, cross_device="rings"))
+    # strategy="fused" where the ring cannot fuse its own block (inputs with gradients: the
+    # strategy only matters then, as in one process)
+    ag = a.clone().requires_grad_()
+    dims = dict(matryoshka_dims=(4, 8))
+    out["fused-with-dims"] = C._error(lambda: L.supmpn_loss(ag, p, n, strategy="fused", **dims, **ring))
+    out["fused-rows"] = C._error(lambda: L.supmpn_loss(ag, p, n, strategy="fused", reduction="none", **ring))
     return out
 
 
@@ -169,6 +175,12 @@ def _nonfinite(seed: int, group, rank: int) -> dict:
     if rank == 0:
         bad[1, 0] = float("nan")  # a valid negative
     out["valid-nan"] = L.supmpn_loss(a, p, bad, **ring).detach()
+    # the gradients too, with a cross-entropy head (whose dlse is 1 even on a NaN row): every
+    # rank's own block, whose share the gradient-in-forward sweep forms, sees the NaN
+    for strategy in ("auto", "recompute"):
+        pos = p.clone().requires_grad_()
+        L.supcon_loss(a, pos, bad, strategy=strategy, **ring).backward()
+        out[f"valid-nan-grad-{strategy}"] = pos.grad.clone()
     padded = n.clone()
     padded[0, 1] = float("inf") if rank == 0 else float("nan")  # a padded slot on every rank
     zeroed = n.clone()

@@ -117,10 +117,19 @@ def test_unknown_cross_device_is_refused(world_run):
         assert err is not None and err[0] == "ValueError" and "cross_device" in err[1], err
 
 
+@pytest.mark.parametrize(("name", "says"), [("fused-with-dims", "matryoshka"), ("fused-rows", "reduction")])
+def test_a_fused_strategy_the_ring_cannot_run_is_refused(world_run, name, says):
+    for err in _errors(world_run, name):
+        assert err is not None and err[0] == "ValueError" and "strategy='fused'" in err[1] and says in err[1], err
+
+
 def test_non_finite_contract(world_run):
     for r, got in enumerate(world_run["ranks"]):
         res = got["nonfinite"]
         assert res["valid-nan"].isnan(), f"rank {r}: a NaN in a valid candidate of rank 0 must reach every rank"
+        for strategy in ("auto", "recompute"):  # auto: the own block by the gradient-in-forward sweep
+            grad = res[f"valid-nan-grad-{strategy}"]
+            assert grad.isnan().all(), f"rank {r} ({strategy}): a NaN candidate must reach every gradient"
         (loss_p, grad_p), (loss_z, grad_z) = res["padded"], res["zeroed"]
         assert torch.isfinite(loss_p) and torch.isfinite(grad_p).all(), f"rank {r}"
         torch.testing.assert_close(loss_p, loss_z, rtol=1e-12, atol=1e-12)

@@ -43,7 +43,7 @@ def _close(got, ref, dtype, what):
     assert torch.isfinite(got).all() and err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]}"
 
 
-@pytest.mark.parametrize("backend", C.BACKENDS)
+@pytest.mark.parametrize("backend", C.CASE_BACKENDS)
 @pytest.mark.parametrize("case", C.CASES, ids=C.CASE_NAMES)
 def test_ring_equals_one_process_on_concatenated_batch(world_run, case, backend):
     world, seed = world_run["world"], world_run["seed"]
@@ -88,16 +88,17 @@ def _failures(world_run, name):
     return [r["failures"][name] for r in world_run["ranks"]]
 
 
-@pytest.mark.parametrize(("name", "bad_rank"), [("forward", 1), ("backward", 0)])
-def test_a_rank_failing_mid_ring_stops_every_rank_with_its_reason(world_run, name, bad_rank):
+@pytest.mark.parametrize(("name", "method", "bad_rank", "when", "strategy"), C.FAILURES)
+def test_a_rank_failing_mid_ring_stops_every_rank_with_its_reason(world_run, name, method, bad_rank, when, strategy):
     errs = _failures(world_run, name)
+    ring_pass = "backward" if method == "backward" else "forward"  # the own sweep ends the forward pass
     for r, err in enumerate(errs):
         assert err is not None, f"rank {r} did not raise"
         if r == bad_rank:
-            assert err == ("FloatingPointError", f"injected failure in {name} call 2"), err
+            assert err == ("FloatingPointError", f"injected failure in {method} call {when}"), err
         else:
             assert err[0] == "RingFailure", err
-            assert f"rank(s) [{bad_rank}] failed during the {name} pass" in err[1], err
+            assert f"rank(s) [{bad_rank}] failed during the {ring_pass} pass" in err[1], err
             assert "injected failure" in err[1], err
 
 

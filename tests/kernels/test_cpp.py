@@ -7,6 +7,7 @@ tests/ops/test_memory.py) already runs ``"cpp"`` against the float64 oracles.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -156,6 +157,35 @@ def test_empty_row_among_others(monkeypatch, kind):
     got = _compare_fused(prob, head, torch.tensor(0.2, dtype=torch.float64), 1e-10)
     assert got.lse[0] == float("-inf") and got.mean_logit[0] == 0
     assert torch.isfinite(got.lse[1:]).all() and torch.isfinite(got.d_anchor).all()
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "softplus"])
+def test_log_extra_nan_reaches_the_gradients_and_minus_inf_adds_nothing(monkeypatch, kind):
+    """``log_extra`` is the ring's other blocks' merged ``lse`` (fastcl/ops/ring.py): a NaN
+    there (a NaN candidate on another rank) must make the row's gradient share NaN, as
+    the recompute path's ``exp(lse_t - lse)`` does, never 0; ``-inf`` (no other candidate)
+    leaves the row as it is. The C++ head agrees with fastcl/ops/head.py."""
+    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "2")
+    g = torch.Generator().manual_seed(5)
+    B = 6
+    prob = _problem(B, 13, 7, 5, gen=g)
+    head = _head(B, 2, kind, g, masks=False, log_extra=True)
+    head.log_extra[1], head.log_extra[4] = float("nan"), float("-inf")
+    tau = torch.tensor(0.2, dtype=torch.float64)
+    want = TorchLSE().fused(prob, tau, head)
+    with poison_outputs():
+        got = _cpp.CppLSE().fused(prob, tau, head)
+    for name in ("loss_rows", "d_anchor", "g_dot_mean_logit"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-10, atol=1e-10, equal_nan=True)
+    for gb, wb in zip(got.d_blocks, want.d_blocks):
+        torch.testing.assert_close(gb, wb, rtol=1e-10, atol=1e-10, equal_nan=True)
+    assert got.loss_rows[1].isnan() and got.d_anchor[1].isnan().all()
+    assert got.g_dot_mean_logit.isnan()
+    padded = prob.tags[0] == TAG_PADDING
+    assert got.d_blocks[0][~padded].isnan().any() and (got.d_blocks[0][padded] == 0).all()
+    plain = _cpp.CppLSE().fused(prob, tau, dataclasses.replace(head, log_extra=None))
+    torch.testing.assert_close(got.loss_rows[4], plain.loss_rows[4], rtol=1e-12, atol=0)
+    torch.testing.assert_close(got.d_anchor[4], plain.d_anchor[4], rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("cosine", [True, False])

@@ -8,8 +8,9 @@ this device), on the exact code the ring runs per block (``fastcl.ops.blockwise`
 * ``blocks``: for each of ``W`` blocks ``forward`` and an online merge, then for each
   ``backward`` with ``g_t = g * exp(lse_t - lse)``;
 * ``single``: ``forward`` and ``backward`` once on the concatenated ``W * N`` candidates (the
-  recompute strategy, as the ring uses; a backend with a gradient-in-forward path is also
-  timed as ``single_fused``, what the gather mode runs by default).
+  recompute strategy, as the ring uses for every block on ``triton`` and for the other
+  ranks' blocks elsewhere; a backend with a gradient-in-forward path is also timed as
+  ``single_fused``, what the gather mode runs by default).
 
 ``share = single / blocks`` (the ring's target on a GPU: >= 0.9). Timing: interleaved rounds,
 minimum, CUDA-synchronised (``fastcl.bench.timing``). From a GPU lease::

@@ -117,6 +117,7 @@ def _own_sweep(ls: LossSpec, own, tau: Tensor, pos_values: Tensor, others: Tenso
     if ls.log_extra is not None:
         own_extra = ls.log_extra.to(pos_values.dtype)
         extra = own_extra if extra is None else torch.logaddexp(extra, own_extra)
+    assert ls.impl.fused is not None  # _fuses_own checked it
     out = ls.impl.fused(own, tau, HeadInputs(ls.kind, pos_values, ls.pos_mask, extra, weights))
     d_anchor, d_blocks, _, _, _ = out.sweep_outputs()
     return out.lse, out.mean_logit, d_anchor, d_blocks
@@ -135,7 +136,8 @@ class RingLSE(torch.autograd.Function):
         folded = pos_logits is None
         own = ls.problem(anchor, block0, block1)
         fuse_own = _fuses_own(ls, any(ctx.needs_input_grad[:5]))
-        merged, partials, counts = Merged(), [None] * comm.world, []
+        merged, counts = Merged(), []
+        partials: list[Tensor | None] = [None] * comm.world  # by step: the block of rank - step
         own_grads: tuple = ()
 
         def visit(source: int, payload: list[Tensor]) -> None:
@@ -165,7 +167,8 @@ class RingLSE(torch.autograd.Function):
         ctx.own_grads = own_grads  # (d_anchor, (d0, d1)) of the own block for grad_out = 1, or ()
         if any(ctx.needs_input_grad[:5]):
             saved = (anchor, block0, block1, tau, pos_logits, merged.lse, merged.mean_logit)
-            ctx.save_for_backward(*saved, dlse, dpos, pos_values, torch.stack(partials))
+            lse_parts = [t for t in partials if t is not None]  # every block visited
+            ctx.save_for_backward(*saved, dlse, dpos, pos_values, torch.stack(lse_parts))
         out = loss_rows if ls.reduction == "none" else (loss_rows * weights.to(cd)).sum()
         return out.to(anchor.dtype)
 

@@ -140,10 +140,18 @@ class RingLSE(torch.autograd.Function):
         partials: list[Tensor | None] = [None] * comm.world  # by step: the block of rank - step
         own_grads: tuple = ()
 
+        own_values: list[Tensor] = []  # the own-positive logits, formed once
+
+        def positive_values() -> Tensor:
+            if not own_values:
+                own_values.append((_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd))
+            return own_values[0]
+
         def visit(source: int, payload: list[Tensor]) -> None:
             counts.append(payload[2][-1:].clone())  # the buffer is reused by a later receive
             if fuse_own and source == comm.rank:
-                return  # visited last, by the sweep (while the first transfer is in flight)
+                positive_values()  # while the first block is in flight; the sweep runs last
+                return
             lse_t, ml_t = ls.impl.forward(spec.problem(anchor, payload, source == comm.rank), tau)
             merged.add(lse_t, ml_t)
             partials[(comm.rank - source) % comm.world] = lse_t
@@ -151,7 +159,7 @@ class RingLSE(torch.autograd.Function):
         failure = circulate(comm, spec.payload(block0, block1), visit)
         if failure is None:
             try:  # an error here (no valid positive anywhere) is every rank's: all agree below
-                pos_values = (_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd)
+                pos_values = positive_values()
                 weights = _weights(spec, counts, cd)
                 if fuse_own:
                     lse_t, ml_t, *own_grads = _own_sweep(ls, own, tau, pos_values, merged.lse, weights)

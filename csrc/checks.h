@@ -115,14 +115,17 @@ struct HeadTensors {
             loss_rows.data_ptr<T>(),
             d_pos.data_ptr<T>()};
   }
-  // One head per matryoshka prefix k: its slices of pos_logits, weights, loss_rows [K, B] and
-  // d_pos [K, B, P] (mask and log_extra are shared); a plain problem has one.
+  // One head per matryoshka prefix k: its slices of pos_logits, weights, loss_rows [K, B],
+  // d_pos [K, B, P] and of log_extra when it is [K, B] (the ring's other blocks' lse per
+  // prefix; a [B] one and the mask are shared); a plain problem has one.
   template <typename T>
   std::vector<cpu::Head<T>> heads(std::string_view kind, const at::Tensor& loss_rows, const at::Tensor& d_pos) const {
     const int64_t K = pos.dim() == 3 ? pos.size(0) : 1, B = pos.size(-2), P = pos.size(-1);
+    const bool extra_per_prefix = extra.defined() && extra.dim() == 2;
     std::vector<cpu::Head<T>> out(K, head<T>(kind, loss_rows, d_pos));
     for (int64_t k = 0; k < K; ++k) {
       out[k].pos += k * B * P, out[k].weights += k * B, out[k].loss_rows += k * B, out[k].d_pos += k * B * P;
+      if (extra_per_prefix) out[k].log_extra += k * B;
     }
     return out;
   }
@@ -189,7 +192,10 @@ inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, c
     TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes().slice(R - 1),
                 "fastcl: pos_mask must be a bool [B, P] tensor");
   }
-  if (log_extra) TORCH_CHECK(log_extra->numel() == B, "fastcl: log_extra must be [B]");
+  if (log_extra) {
+    TORCH_CHECK((log_extra->dim() == 1 && log_extra->size(0) == B) || (K && log_extra->sizes() == rows),
+                "fastcl: log_extra must be [B]", K ? " or [K, B]" : "");
+  }
   TORCH_CHECK(weights.sizes() == rows, "fastcl: weights must be ", K ? "[K, B]" : "[B]");
   check_out(loss_rows, "loss_rows", rows, cd, dev);
   check_out(d_pos, "d_pos", pos_logits.sizes().vec(), cd, dev);

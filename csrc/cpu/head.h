@@ -22,7 +22,7 @@ struct Head {
   int64_t num_pos;     // P
   const T* pos;        // [B, P] own-positive logits
   const bool* mask;    // [B, P] or nullptr (all valid)
-  const T* log_extra;  // [B] or nullptr
+  const T* log_extra;  // [B] (this prefix's rows with matryoshka dims) or nullptr
   const T* weights;    // [B]
   T* loss_rows;        // [B] out
   T* d_pos;            // [B, P] out

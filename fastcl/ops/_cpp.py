@@ -136,7 +136,9 @@ class CppLSE(Backend):
             head.kind,
             pos_logits,
             head.pos_mask,
-            None if head.log_extra is None else head.log_extra.to(cd),
+            None
+            if head.log_extra is None
+            else (head.log_extra if head.log_extra.dim() == 1 else sort(head.log_extra)).to(cd),
             sort(head.weights.to(cd)),
             0 if problem.positives is None else problem.positives.offset,
             problem.positives is not None,

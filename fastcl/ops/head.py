@@ -20,7 +20,8 @@ class HeadInputs:
     ``pos_mask [B, P]`` or None, ``log_extra [B]`` or None and ``weights [B]``, the reduction's
     weight of each row (``1/n_valid`` for mean, 1 for sum). With Matryoshka dims
     (``Backend.fused_takes_dims``): ``pos_logits [K, B, P]`` and ``weights [K, B]``, row ``k``
-    the reduction's weights times prefix ``k``'s weight."""
+    the reduction's weights times prefix ``k``'s weight, and ``log_extra`` ``[B]`` (shared)
+    or ``[K, B]`` (one per prefix: the ring's other blocks' ``lse``)."""
 
     kind: str
     pos_logits: Tensor | None

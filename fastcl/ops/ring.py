@@ -15,7 +15,8 @@ candidate blocks stay where they are; copies travel around the ring (``ring_comm
   anchor gradient stays local. Every other rank's block costs 4 GEMM-sized passes
   (forward, then recompute and two products).
 * the own block, when the backend has a gradient-in-forward sweep (``Backend.fused``: mean
-  or sum reduction, no Matryoshka dims, strategy not ``"recompute"``): it is visited last,
+  or sum reduction, with Matryoshka dims only where the sweep takes them, strategy not
+  ``"recompute"``): it is visited last,
   once every other block's ``lse`` is merged, by that sweep with the merged ``lse`` as the
   head's ``log_extra`` (``logaddexp(lse_own, lse_others)`` is the final ``lse``), which gives
   its loss rows and its share of the gradients (for an upstream gradient of 1) in 3 passes;
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import config, distributed
+from .. import distributed
 from . import dispatch
 from .blockwise import Merged, block_grad, foreign_tags
 from .contract import LSEProblem, OwnPositives, compute_dtype
@@ -100,24 +101,20 @@ def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor
 def _fuses_own(ls: LossSpec, needs_grad: bool) -> bool:
     """Whether the own block runs the backend's gradient-in-forward sweep (module docstring);
     a ``"fused"`` strategy where it cannot raises, as in one process."""
-    if not needs_grad or _strategy(ls.impl, ls.reduction, ls.dims, ls.strategy) != "fused":
-        return False
-    if ls.dims is not None and "fused" in (ls.strategy, config.get().strategy):
-        raise ValueError(
-            "strategy='fused' (or fastcl.config's strategy 'fused'): cross_device='ring' with matryoshka "
-            "dims recomputes every block; use strategy='auto' or 'recompute', or cross_device='gather'"
-        )
-    return ls.dims is None
+    return needs_grad and _strategy(ls.impl, ls.reduction, ls.dims, ls.strategy) == "fused"
 
 
 def _own_sweep(ls: LossSpec, own, tau: Tensor, pos_values: Tensor, others: Tensor | None, weights: Tensor):
     """The own block's gradient-in-forward sweep with the other blocks' merged ``lse`` (or
-    None) as extra denominator mass: ``(lse_own, mean_logit_own, d_anchor, (d0, d1))``."""
+    None; ``[K, B]`` with dims) as extra denominator mass: ``(lse_own, mean_logit_own,
+    d_anchor, (d0, d1))``."""
     extra = others
     if ls.log_extra is not None:
         own_extra = ls.log_extra.to(pos_values.dtype)
         extra = own_extra if extra is None else torch.logaddexp(extra, own_extra)
     assert ls.impl.fused is not None  # _fuses_own checked it
+    if ls.dim_weights is not None:  # the head's weights per prefix [K, B]
+        weights = ls.dim_weights.to(weights.dtype)[:, None] * weights
     out = ls.impl.fused(own, tau, HeadInputs(ls.kind, pos_values, ls.pos_mask, extra, weights))
     d_anchor, d_blocks, _, _, _ = out.sweep_outputs()
     return out.lse, out.mean_logit, d_anchor, d_blocks

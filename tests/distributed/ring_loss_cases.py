@@ -157,7 +157,8 @@ def _errors(seed: int, group, rank: int, world: int) -> dict:
     # strategy only matters then, as in one process)
     ag = a.clone().requires_grad_()
     dims = dict(matryoshka_dims=(4, 8))
-    out["fused-with-dims"] = C._error(lambda: L.supmpn_loss(ag, p, n, strategy="fused", **dims, **ring))
+    torch_dims = dict(dims, backend="torch")  # torch's sweep does not take dims (cpp's does)
+    out["fused-with-dims"] = C._error(lambda: L.supmpn_loss(ag, p, n, strategy="fused", **torch_dims, **ring))
     out["fused-rows"] = C._error(lambda: L.supmpn_loss(ag, p, n, strategy="fused", reduction="none", **ring))
     return out
 

@@ -68,6 +68,38 @@ def test_one_prefix_is_the_plain_problem():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["cross_entropy", "softplus"])
+def test_fused_log_extra_per_prefix(kind):
+    """``log_extra [K, B]`` (the ring's other blocks' ``lse`` per prefix, fastcl/ops/ring.py):
+    prefix ``k``'s head reads row ``k``, whatever order the dims come in; each prefix equals
+    the plain sweep on ``prefix(k)`` with that row, and the gradients are their sum."""
+    g = _gen(7)
+    dims = (12, 4, 8)
+    prob = prefix_problem(6, 9, 5, 12, dims, generator=g)
+    K, B, P = len(dims), 6, 2
+    tau = torch.tensor(TAU, dtype=torch.float64)
+    pos = torch.randn(K, B, P, generator=g, dtype=torch.float64)
+    extra = torch.randn(K, B, generator=g, dtype=torch.float64)
+    extra[1, 2] = float("-inf")  # no mass beyond this block for one row of one prefix
+    weights = torch.rand(K, B, generator=g, dtype=torch.float64)
+    with poison_outputs():
+        got = _cpp.BACKEND.fused(prob, tau, HeadInputs(kind, pos, None, extra, weights))
+    d_anchor = torch.zeros_like(prob.anchor)
+    d_blocks = [torch.zeros_like(b) for b in prob.blocks]
+    for k, m in enumerate(dims):
+        want = _cpp.BACKEND.fused(prob.prefix(k), tau, HeadInputs(kind, pos[k], None, extra[k], weights[k]))
+        torch.testing.assert_close(got.loss_rows[k], want.loss_rows, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got.lse[k], want.lse, rtol=1e-12, atol=1e-12)
+        d_anchor[:, :m] += want.d_anchor
+        for acc, w in zip(d_blocks, want.d_blocks):
+            acc[:, :m] += w
+    torch.testing.assert_close(got.d_anchor, d_anchor, rtol=1e-10, atol=1e-12)
+    for gb, wb in zip(got.d_blocks, d_blocks):
+        torch.testing.assert_close(gb, wb, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match=r"log_extra must be \[B\]"):
+        _cpp.BACKEND.fused(prob.prefix(0), tau, HeadInputs(kind, pos[0], None, extra, weights[0]))
+
+
 @pytest.mark.parametrize("cosine", [True, False])
 @pytest.mark.parametrize("all_padded", [False, True])
 def test_empty_rows_and_all_padding(cosine, all_padded):

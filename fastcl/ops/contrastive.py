@@ -37,6 +37,11 @@ class LossSpec:
     padded: bool = True  # False: no tag is TAG_PADDING (no masks were given)
     strategy: str = "auto"  # "auto" (fastcl.config's strategy), "fused" or "recompute"
 
+    def head_weights(self, weights: Tensor) -> Tensor:
+        """The head's row weights from the reduction's ``[B]``: ``[K, B]`` with dims (each
+        prefix's weight times the row's), else as given."""
+        return weights if self.dim_weights is None else self.dim_weights.to(weights.dtype)[:, None] * weights
+
     def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor) -> LSEProblem:
         return LSEProblem(
             anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims, self.padded
@@ -196,8 +201,7 @@ class ContrastiveLSE(torch.autograd.Function):
         if ctx.mode == "fused":
             # _strategy chose "fused": the backend has a sweep, and with dims a reduction's weights
             assert spec.impl.fused is not None and (spec.dims is None or spec.dim_weights is not None)
-            weights = spec.weights if spec.dim_weights is None else spec.dim_weights[:, None] * spec.weights
-            head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, weights)
+            head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.head_weights(spec.weights))
             out = spec.impl.fused(problem, tau, head)
             d_anchor, d_blocks, g_dot_mean_logit, rows, d_pos = out.sweep_outputs()
             pos_logits = out.pos_logits if in_sweep else pos_logits

@@ -113,9 +113,7 @@ def _own_sweep(ls: LossSpec, own, tau: Tensor, pos_values: Tensor, others: Tenso
         own_extra = ls.log_extra.to(pos_values.dtype)
         extra = own_extra if extra is None else torch.logaddexp(extra, own_extra)
     assert ls.impl.fused is not None  # _fuses_own checked it
-    if ls.dim_weights is not None:  # the head's weights per prefix [K, B]
-        weights = ls.dim_weights.to(weights.dtype)[:, None] * weights
-    out = ls.impl.fused(own, tau, HeadInputs(ls.kind, pos_values, ls.pos_mask, extra, weights))
+    out = ls.impl.fused(own, tau, HeadInputs(ls.kind, pos_values, ls.pos_mask, extra, ls.head_weights(weights)))
     d_anchor, d_blocks, _, _, _ = out.sweep_outputs()
     return out.lse, out.mean_logit, d_anchor, d_blocks
 
@@ -136,18 +134,16 @@ class RingLSE(torch.autograd.Function):
         merged, counts = Merged(), []
         partials: list[Tensor | None] = [None] * comm.world  # by step: the block of rank - step
         own_grads: tuple = ()
-
-        own_values: list[Tensor] = []  # the own-positive logits, formed once
+        pos_values: Tensor | None = None
 
         def positive_values() -> Tensor:
-            if not own_values:
-                own_values.append((_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd))
-            return own_values[0]
+            return (_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd)
 
         def visit(source: int, payload: list[Tensor]) -> None:
+            nonlocal pos_values
             counts.append(payload[2][-1:].clone())  # the buffer is reused by a later receive
             if fuse_own and source == comm.rank:
-                positive_values()  # while the first block is in flight; the sweep runs last
+                pos_values = positive_values()  # while the first block is in flight; the sweep runs last
                 return
             lse_t, ml_t = ls.impl.forward(spec.problem(anchor, payload, source == comm.rank), tau)
             merged.add(lse_t, ml_t)
@@ -156,7 +152,7 @@ class RingLSE(torch.autograd.Function):
         failure = circulate(comm, spec.payload(block0, block1), visit)
         if failure is None:
             try:  # an error here (no valid positive anywhere) is every rank's: all agree below
-                pos_values = positive_values()
+                pos_values = positive_values() if pos_values is None else pos_values
                 weights = _weights(spec, counts, cd)
                 if fuse_own:
                     lse_t, ml_t, *own_grads = _own_sweep(ls, own, tau, pos_values, merged.lse, weights)

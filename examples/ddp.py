@@ -132,6 +132,11 @@ def main() -> None:
         global_loss /= world
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  global-batch loss {global_loss.item():.4f}")
+    # Leave together: DDP's reducer goes first, then every rank waits for the others before
+    # gloo's threads are torn down (a rank that left early once made its peer abort at exit
+    # with "terminate called without an active exception" on a loaded machine).
+    del ddp_model
+    dist.barrier()
     dist.destroy_process_group()
 
 

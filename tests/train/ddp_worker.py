@@ -33,6 +33,8 @@ def run_rank(rank: int, world: int, port: int, argvs: list[list[str]]) -> None:
             recipe, cfg = parse(argv)
             recipe.build_optimizer = sgd
             train(recipe, cfg)
+        if dist.is_initialized():
+            dist.barrier()  # leave together (see examples/ddp.py); not after a failure: it would hang
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

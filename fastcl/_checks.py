@@ -94,13 +94,22 @@ def check_some_positive(pos_mask: Tensor | None) -> None:
         raise ValueError("no anchor has a valid positive (pos_mask is all False): the loss is undefined")
 
 
-@functools.lru_cache(maxsize=64)
-def _check_temperature_value(value: float, dtype: torch.dtype) -> None:
-    """Finite, > 0, and with a finite reciprocal once cast to ``dtype``. Memoised: a training
-    loop passes the same value every step, and the check is nine small tensor ops."""
+def _temperature_rule(value: float, dtype: torch.dtype) -> None:
+    """Finite, > 0, and with a finite reciprocal once cast to ``dtype``."""
     t = torch.tensor(value, dtype=dtype)
     if not (math.isfinite(value) and value > 0 and bool(t > 0) and bool(torch.isfinite(t.reciprocal()))):
         raise ValueError(f"temperature must be finite and > 0 with a finite 1/temperature in {dtype}, got {value!r}")
+
+
+# Memoised: a training loop passes the same value every step, and the rule is nine small tensor ops.
+_cached_temperature_rule = functools.lru_cache(maxsize=64)(_temperature_rule)
+
+
+def _check_temperature_value(value: float, dtype: torch.dtype) -> None:
+    if torch.compiler.is_compiling():  # Dynamo would trace through the cache anyway, with a warning
+        _temperature_rule(value, dtype)
+    else:
+        _cached_temperature_rule(value, dtype)
 
 
 def check_temperature(temperature, compute_dtype: torch.dtype = torch.float32) -> None:

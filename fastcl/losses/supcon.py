@@ -58,11 +58,6 @@ LABELS_TEMPERATURE = 0.1
 TEMPERATURE = 0.05
 
 
-def _are_labels(t) -> bool:
-    """A 1-D integer tensor: class labels, never structured positives ``[B, P, d]``."""
-    return isinstance(t, Tensor) and t.dim() == 1 and not t.is_floating_point() and not t.is_complex()
-
-
 @distributed.agree_on_errors
 @document("pos_mask", "neg_mask", *LSE_OPTIONS)
 def supcon_loss(
@@ -92,8 +87,8 @@ def supcon_loss(
     included (Liao's SCL: ``similarity="dot", temperature=1.0``; a shared pool of
     candidates: :func:`supcon_pool_loss`). Labels form ``supcon_loss(features, labels=y)``:
     :func:`supcon_labels_loss`. As in SupContrast and pytorch-metric-learning the labels may
-    come second, positionally (``supcon_loss(features, y)``): a 1-D integer tensor there,
-    which can never be structured positives ``[B, P, d]``, is read as labels.
+    come second, positionally (``supcon_loss(features, y)``): a 1-D tensor there, which can
+    never be structured positives ``[B, P, d]``, is read as labels (and must be integer).
 
     Args:
         anchor: ``[B, d]`` float16, bfloat16, float32 or float64 raw embeddings (labels form:
@@ -122,7 +117,9 @@ def supcon_loss(
         >>> torch.equal(supcon_loss(x, y), supcon_loss(x, labels=y, temperature=0.1))
         True
     """
-    if labels is None and _are_labels(positives):  # loss(features, labels), as PML / SupContrast take it
+    if labels is None and isinstance(positives, Tensor) and positives.dim() == 1:
+        # loss(features, labels), as PML / SupContrast take it: 1-D is never structured positives
+        # (and non-integer labels are refused by the labels check)
         labels, positives = positives, None
     if temperature is None:
         temperature = LABELS_TEMPERATURE if labels is not None else TEMPERATURE

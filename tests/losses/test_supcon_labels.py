@@ -192,8 +192,8 @@ def test_supcon_loss_labels_form_and_module():
 @pytest.mark.parametrize("shape", [(16, 6), (8, 2, 6)])
 def test_labels_second_positionally_as_pml_and_supcontrast_take_them(shape):
     """``loss(features, labels)``: a 1-D integer tensor second is read as labels (function and
-    module), values and gradients as with ``labels=``; with ref_emb too; anything else second
-    stays the structured form's positives."""
+    module), values and gradients as with ``labels=``; with ref_emb too; a 1-D tensor of another dtype
+    is refused as labels; anything else second stays the structured form's positives."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 3, shape[:1], generator=g)
@@ -210,8 +210,8 @@ def test_labels_second_positionally_as_pml_and_supcontrast_take_them(shape):
     )
     with pytest.raises(ValueError, match="not both"):  # labels positionally and hard negatives
         L.supcon_loss(x, y, torch.randn(shape[0], 2, 6, dtype=torch.float64))
-    with pytest.raises(ValueError, match="must have shape"):  # float labels are not labels: the
-        L.supcon_loss(x, y.double())  # structured form refuses them as positives
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):  # 1-D is labels' shape:
+        L.supcon_loss(x, y.double())  # float ones are refused as labels, not as positives
 
 
 def test_input_errors():

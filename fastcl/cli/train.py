@@ -62,12 +62,28 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"fastcl train {args.method}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    import torch.distributed as dist
+
     from fastcl.trainers.loop import train
 
+    joined = dist.is_available() and dist.is_initialized()  # a caller's group is the caller's to end
     try:
         summary = train(recipe, cfg)
     except SetupError as e:  # raised by the checks before the model loads (or by a checkpoint's files)
         print(f"fastcl train {args.method}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    if not joined and dist.is_available() and dist.is_initialized():
+        _leave_together()
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _leave_together() -> None:
+    """End the process group the run started (torchrun): every rank waits for the others,
+    then the group goes. A rank that leaves while a peer still tears down gloo's threads can
+    make that peer abort at exit ("terminate called without an active exception"), turning a
+    finished run into a failed job."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

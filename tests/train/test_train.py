@@ -287,6 +287,7 @@ def test_cli_unknown_method(capsys):
 def test_ddp_two_processes_match_one(setup, tmp_path):
     """torchrun-style 2-process gloo run (cross-device negatives through the loss's
     process_group, DDP gradient averaging) equals one process on the global batch."""
+    import contextlib
     import socket
 
     import torch.multiprocessing as mp
@@ -306,10 +307,12 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
         recipe.build_optimizer = sgd
         train(recipe, cfg)
         argvs.append(_argv(method, _options(setup, method, tmp_path / name / "two", **common, **two_extra)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run_rank, args=(2, port, argvs), nprocs=2, join=True)
+    with contextlib.ExitStack() as stack:  # distinct free ports, released before the ranks bind them
+        socks = [stack.enter_context(socket.socket()) for _ in argvs]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+    mp.spawn(run_rank, args=(2, ports, argvs), nprocs=2, join=True)
     from fastcl.trainers.checkpoint import MANIFEST, problem
 
     for method in cases:  # (the case's name)

@@ -85,13 +85,15 @@ def check_mask(name: str, mask: Tensor | None, shape: tuple[int, ...], device: t
         raise ValueError(f"{name} is on {mask.device} but the embeddings are on {device}")
 
 
-def check_some_positive(pos_mask: Tensor | None) -> None:
+def check_some_positive(
+    pos_mask: Tensor | None, why: str = "no anchor has a valid positive (pos_mask is all False)"
+) -> None:
     """``ValueError`` when no anchor has a valid positive, for a mask on the CPU. A mask on a
     GPU is not read on the host (that would stall the host until the GPU is done, and cannot
     be captured in a CUDA graph): there the loss of such a batch is NaN instead (the
     reduction's weights are ``0 / 0``, ``fastcl.ops.head.reduction_weights``)."""
     if pos_mask is not None and pos_mask.device.type == "cpu" and not bool(pos_mask.any()):
-        raise ValueError("no anchor has a valid positive (pos_mask is all False): the loss is undefined")
+        raise ValueError(f"{why}: the loss is undefined")
 
 
 def _temperature_rule(value: float, dtype: torch.dtype) -> None:

@@ -288,7 +288,7 @@ def supcon_labels_loss(
     num_pos = counts[anchor_id] - (1 if self_set else 0)  # |P(i)|
     has_pos = num_pos > 0
     if world == 1:
-        _checks.check_some_positive(has_pos)
+        _checks.check_some_positive(has_pos, "no anchor has a positive (no label occurs twice among the candidates)")
         weights = row_weights(has_pos, reduction, cd)
     else:
         # every candidate is some rank's anchor: the global count of anchors with a positive

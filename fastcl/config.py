@@ -193,6 +193,13 @@ class Config:
         "what a loss's strategy='auto' means: 'auto' (fused gradient-in-forward where the backend "
         "has it, for mean/sum), or always 'fused' / 'recompute'",
     )
+    ring_pieces: int = knob(
+        2,
+        "FASTCL_RING_PIECES",
+        PositiveInt(),
+        "cross_device='ring': into how many row ranges each rank's candidates are cut for the trip "
+        "(memory in flight ~ 5 blocks / pieces, constant in the world size from 2 pieces on)",
+    )
     torch: TorchOptions = field(default_factory=TorchOptions)
     cpp: CppOptions = field(default_factory=CppOptions)
     triton: TritonOptions = field(default_factory=TritonOptions)

@@ -2,33 +2,35 @@
 
 The gather mode (``fastcl.distributed``) all-gathers the candidates, so each rank holds
 ``W * N * d`` of them and as many gradients. Here each rank keeps its anchors and its
-candidate blocks stay where they are; copies travel around the ring (``ring_comm``):
+candidate blocks stay where they are; copies travel around the ring in pieces (row ranges,
+``ring_comm``: one local step, then ``pieces`` chained rounds of ``W - 1`` hops):
 
-* forward: step ``t`` runs the backend's ``forward`` on the block of rank ``rank - t``
-  (its tags made foreign: another rank's owner tags become ``TAG_ALL``, and own positives
-  are folded only from this rank's block) while the next block is in flight; the partial
-  ``(lse, mean_logit)`` merge online (``blockwise.Merged``, fixed order: reproducible for
-  a world size); then the loss head runs once on the merged ``lse``.
-* backward: the blocks go round again; for each, ``backward`` with ``g_t = g * exp(lse_t -
-  lse)`` (``blockwise.block_grad``) gives this rank's share of that block's gradient, added
-  to the block's accumulator, which travels with it and is home after the last hop; the
-  anchor gradient stays local. Every other rank's block costs 4 GEMM-sized passes
-  (forward, then recompute and two products).
-* the own block, when the backend has a gradient-in-forward sweep (``Backend.fused``: mean
+* forward: each step runs the backend's ``forward`` on what the rank holds, its own blocks
+  (whole) or a piece of another rank's (its tags made foreign: another rank's owner tags
+  become ``TAG_ALL``, and own positives are folded only from this rank's block 0) while the
+  next piece is in flight; the partial ``(lse, mean_logit)`` merge online
+  (``blockwise.Merged``, fixed order: reproducible for a world size and piece count); then
+  the loss head runs once on the merged ``lse``.
+* backward: the pieces go round again; for each, ``backward`` with ``g_t = g * exp(lse_t -
+  lse)`` (``blockwise.block_grad``) gives this rank's share of that piece's gradient, added
+  to the piece's accumulator, which travels with it and is added at home to the owner's
+  share; the anchor gradient stays local. Every other rank's candidates cost 4 GEMM-sized
+  passes (forward, then recompute and two products).
+* the own blocks, when the backend has a gradient-in-forward sweep (``Backend.fused``: mean
   or sum reduction, with Matryoshka dims only where the sweep takes them, strategy not
-  ``"recompute"``): it is visited last,
-  once every other block's ``lse`` is merged, by that sweep with the merged ``lse`` as the
+  ``"recompute"``): they are visited last,
+  once every other piece's ``lse`` is merged, by that sweep with the merged ``lse`` as the
   head's ``log_extra`` (``logaddexp(lse_own, lse_others)`` is the final ``lse``), which gives
   its loss rows and its share of the gradients (for an upstream gradient of 1) in 3 passes;
-  they are kept (one block of gradients, compute dtype) and start the own block's
-  accumulator in backward. ``W`` blocks then cost ``4W - 1`` passes instead of ``4W``.
+  they are kept (one block of gradients, compute dtype) and are the start of the own
+  gradients in backward. ``W`` ranks' candidates then cost ``4W - 1`` passes instead of ``4W``.
 
-Each rank keeps its ``W`` partial ``lse`` rows (``[W, B]``, ``[W, K, B]`` with dims) between
-forward and backward: ``4 * W * B`` bytes, against ``W * N * d`` elements for the gather.
-The valid-anchor count travels with the tags, so the reduction weights are those of the
-gather mode (``W / n_valid_global`` for mean, ``W`` for sum; docs/distributed.md) and DDP's
-averaging gives exactly the one-process gradient. A rank that fails makes every rank raise
-at the end of that pass (``ring_comm``); a second derivative raises.
+Each rank keeps one partial ``lse`` row per item visited (``[1 + (W-1) * pieces, B]``, with
+dims ``[.., K, B]``) between forward and backward, against ``W * N * d`` elements for the
+gather. The valid-anchor count travels with piece 0, so the reduction weights are those of
+the gather mode (``W / n_valid_global`` for mean, ``W`` for sum; docs/distributed.md) and
+DDP's averaging gives exactly the one-process gradient. A rank that fails makes every rank
+raise at the end of that pass (``ring_comm``); a second derivative raises.
 """
 
 from __future__ import annotations
@@ -68,23 +70,22 @@ class RingSpec:
     no_positive: str = NO_POSITIVE
 
     def payload(self, block0: Tensor, block1: Tensor) -> list[Tensor]:
-        """What travels: the two blocks and one int32 vector of their tags plus this rank's
-        valid-anchor count (``[N0 + N1 + 1]``)."""
+        """What travels: the two blocks, their tags and (``[1]``, int32) this rank's
+        valid-anchor count; the count is a row range of its own, so only piece 0 carries it."""
         tags = self.loss.tags
         count = torch.zeros(1, dtype=torch.int32, device=tags[0].device)
         if self.has_pos is not None:
             count = self.has_pos.sum().to(device=tags[0].device, dtype=torch.int32).reshape(1)
-        return [block0, block1, torch.cat([tags[0], tags[1], count])]
+        return [block0, block1, tags[0], tags[1], count]
 
     def problem(self, anchor: Tensor, payload: list[Tensor], own: bool) -> LSEProblem:
-        """This rank's anchors against a block that arrived (``own``: this rank's block)."""
-        b0, b1, meta = payload
+        """This rank's anchors against what it holds: its own payload (whole) or a piece of
+        another rank's."""
+        b0, b1, t0, t1, _ = payload
         ls = self.loss
         if own:
             return ls.problem(anchor, b0, b1)
-        n0 = b0.shape[0]
-        tags = (foreign_tags(meta[:n0]), foreign_tags(meta[n0:-1]))
-        return LSEProblem(anchor, (b0, b1), tags, ls.cosine, ls.eps, None, ls.dims)
+        return LSEProblem(anchor, (b0, b1), (foreign_tags(t0), foreign_tags(t1)), ls.cosine, ls.eps, None, ls.dims)
 
 
 def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -132,22 +133,25 @@ class RingLSE(torch.autograd.Function):
         own = ls.problem(anchor, block0, block1)
         fuse_own = _fuses_own(ls, any(ctx.needs_input_grad[:5]))
         merged, counts = Merged(), []
-        partials: list[Tensor | None] = [None] * comm.world  # by step: the block of rank - step
+        partials: dict[tuple[int, int | None], Tensor] = {}  # (source, piece): its lse_t
         own_grads: tuple = ()
         pos_values: Tensor | None = None
 
         def positive_values() -> Tensor:
             return (_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd)
 
-        def visit(source: int, payload: list[Tensor]) -> None:
+        def visit(source: int, piece: int | None, payload: list[Tensor]) -> None:
             nonlocal pos_values
-            counts.append(payload[2][-1:].clone())  # the buffer is reused by a later receive
-            if fuse_own and source == comm.rank:
-                pos_values = positive_values()  # while the first block is in flight; the sweep runs last
+            if payload[4].numel():  # the own payload, or piece 0 of another rank's
+                counts.append(payload[4].clone())  # the buffer is reused by a later receive
+            if fuse_own and piece is None:
+                pos_values = positive_values()  # while the first piece is in flight; the sweep runs last
                 return
-            lse_t, ml_t = ls.impl.forward(spec.problem(anchor, payload, source == comm.rank), tau)
+            if piece is not None and payload[0].shape[0] + payload[1].shape[0] == 0:
+                return  # an empty piece (fewer candidate rows than pieces): nothing to merge
+            lse_t, ml_t = ls.impl.forward(spec.problem(anchor, payload, piece is None), tau)
             merged.add(lse_t, ml_t)
-            partials[(comm.rank - source) % comm.world] = lse_t
+            partials[source, piece] = lse_t
 
         failure = circulate(comm, spec.payload(block0, block1), visit)
         if failure is None:
@@ -157,7 +161,7 @@ class RingLSE(torch.autograd.Function):
                 if fuse_own:
                     lse_t, ml_t, *own_grads = _own_sweep(ls, own, tau, pos_values, merged.lse, weights)
                     merged.add(lse_t, ml_t)
-                    partials[0] = lse_t
+                    partials[comm.rank, None] = lse_t
                 assert merged.lse is not None  # every rank's block was merged
                 loss_rows, dlse, dpos = head_of(ls, merged.lse, pos_values)
             except Exception as exc:
@@ -168,8 +172,8 @@ class RingLSE(torch.autograd.Function):
         ctx.own_grads = own_grads  # (d_anchor, (d0, d1)) of the own block for grad_out = 1, or ()
         if any(ctx.needs_input_grad[:5]):
             saved = (anchor, block0, block1, tau, pos_logits, merged.lse, merged.mean_logit)
-            lse_parts = [t for t in partials if t is not None]  # every block visited
-            ctx.save_for_backward(*saved, dlse, dpos, pos_values, torch.stack(lse_parts))
+            ctx.visits = {key: i for i, key in enumerate(partials)}  # every item visited
+            ctx.save_for_backward(*saved, dlse, dpos, pos_values, torch.stack(list(partials.values())))
         out = loss_rows if ls.reduction == "none" else (loss_rows * weights.to(cd)).sum()
         return out.to(anchor.dtype)
 
@@ -194,24 +198,26 @@ class RingLSE(torch.autograd.Function):
 
         own_grads, ctx.own_grads = ctx.own_grads, ()  # released once they have started the accumulator
 
-        def contribute(source: int, payload: list[Tensor]) -> list[Tensor]:
-            step = (comm.rank - source) % comm.world
-            if step == 0 and own_grads:  # formed in forward for grad_out = 1 (own positives folded in)
+        def contribute(source: int, piece: int | None, payload: list[Tensor]) -> list[Tensor]:
+            own = piece is None
+            if own and own_grads:  # formed in forward for grad_out = 1 (own positives folded in)
                 d_a, (d0, d1) = own_grads
                 d_anchor.add_(d_a * go)
                 return [d0.mul_(go), d1.mul_(go)]
-            lse_t = partials[step]
-            fold = d_pos if step == 0 and ctx.folded else None  # own positives: this rank's block only
+            if (source, piece) not in ctx.visits:  # an empty piece
+                return [torch.zeros(b.shape, dtype=cd, device=b.device) for b in payload[:2]]
+            lse_t = partials[ctx.visits[source, piece]]
+            fold = d_pos if own and ctx.folded else None  # own positives: this rank's block only
             d_a, (d0, d1) = ls.impl.backward(
-                spec.problem(anchor, payload, step == 0), tau, lse_t, block_grad(g, lse, lse_t), fold
+                spec.problem(anchor, payload, own), tau, lse_t, block_grad(g, lse, lse_t), fold
             )
             d_anchor.add_(d_a)
             return [d0, d1]
 
-        def new_grads() -> list[Tensor]:
-            return [torch.empty(b.shape, dtype=cd, device=b.device) for b in (block0, block1)]
+        def zeros() -> list[Tensor]:
+            return [torch.zeros(b.shape, dtype=cd, device=b.device) for b in (block0, block1)]
 
-        (d_b0, d_b1), failure = circulate_grads(comm, spec.payload(block0, block1), contribute, new_grads)
+        (d_b0, d_b1), failure = circulate_grads(comm, spec.payload(block0, block1), contribute, zeros)
         comm.agree_on_status(failure, "backward")
         d_tau = None
         if ctx.needs_input_grad[4]:

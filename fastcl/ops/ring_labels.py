@@ -55,7 +55,7 @@ class RingLabelSums(torch.autograd.Function):
         sums = [torch.zeros_like(c) for c in prefixes]
         count = torch.zeros_like(labels)
 
-        def visit(source: int, payload: list[Tensor]) -> None:
+        def visit(source: int, piece: int | None, payload: list[Tensor]) -> None:
             mine, theirs, n = _ids(labels, payload[0])
             count.add_(torch.bincount(theirs, minlength=n)[mine])
             for s, c in zip(sums, payload[1:], strict=True):
@@ -76,7 +76,7 @@ class RingLabelSums(torch.autograd.Function):
             for g, (shape, dtype) in zip(grads[:-1], ctx.shapes, strict=True)
         ]
 
-        def contribute(source: int, payload: list[Tensor]) -> list[Tensor]:
+        def contribute(source: int, piece: int | None, payload: list[Tensor]) -> list[Tensor]:
             # d c_k of the visiting rows: the dS_k of this rank's rows with the same label
             mine, theirs, n = _ids(labels, payload[0])
             return [
@@ -84,10 +84,10 @@ class RingLabelSums(torch.autograd.Function):
                 for g in d_sums
             ]
 
-        def new_grads() -> list[Tensor]:
-            return [torch.empty(shape, dtype=dtype, device=labels.device) for shape, dtype in ctx.shapes]
+        def zeros() -> list[Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=labels.device) for shape, dtype in ctx.shapes]
 
-        d_prefixes, failure = circulate_grads(ctx.spec.comm, [labels], contribute, new_grads)
+        d_prefixes, failure = circulate_grads(ctx.spec.comm, [labels], contribute, zeros)
         ctx.spec.comm.agree_on_status(failure, "backward (label sums)")
         return (None, None, *d_prefixes)
 

@@ -8,7 +8,8 @@ gradient that of the global sum); a learnable temperature: ``mean_r dL_r/dtau ==
 Failures run first in the same workers: a rank raising in the middle of the forward or the
 backward ring makes every rank raise (the failed one its own error, the others a
 ``RingFailure`` naming it), shape and dtype mismatches raise on every rank, and a call after
-them still works (the group stays usable).
+them still works (the group stays usable). The last run cuts each rank's payload into 7
+pieces (``FASTCL_RING_PIECES``), more than some blocks have rows: uneven and empty pieces.
 """
 
 from __future__ import annotations
@@ -19,23 +20,38 @@ import torch
 from tests.distributed import ring_cases as C
 from tests.helpers.spawn import spawn_ranks
 
-WORLDS = (2, 3, 4)
+RUNS = ((2, None), (3, None), (4, None), (3, 7))  # (world, pieces; None: the default)
 SPAWN_TIMEOUT_S = 240
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 pytestmark = pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 
-_RUNS: dict[int, dict] = {}
+_RUNS: dict[tuple[int, int | None], dict] = {}
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def world_run(request, tmp_path_factory):
-    world = request.param
-    if world not in _RUNS:
+@pytest.fixture(scope="module", params=RUNS, ids=lambda r: f"world{r[0]}" + (f"-pieces{r[1]}" if r[1] else ""))
+def world_run(request, tmp_path_factory, monkeypatch_module):
+    world, pieces = request.param
+    if request.param not in _RUNS:
         seed = int(torch.initial_seed() % (1 << 31))
-        ranks = spawn_ranks(C.worker, world, str(tmp_path_factory.mktemp(f"ring{world}")), seed, SPAWN_TIMEOUT_S)
-        _RUNS[world] = {"world": world, "seed": seed, "ranks": ranks}
-    return _RUNS[world]
+        if pieces is None:
+            monkeypatch_module.delenv("FASTCL_RING_PIECES", raising=False)
+        else:
+            monkeypatch_module.setenv("FASTCL_RING_PIECES", str(pieces))  # read by the spawned ranks
+        tmp = str(tmp_path_factory.mktemp(f"ring{world}"))
+        _RUNS[request.param] = {
+            "world": world,
+            "seed": seed,
+            "ranks": spawn_ranks(C.worker, world, tmp, seed, SPAWN_TIMEOUT_S),
+        }
+    return _RUNS[request.param]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
 
 
 def _close(got, ref, dtype, what):

@@ -5,8 +5,9 @@ candidate block (``fastcl.ops.ring``) instead of once on every candidate. This m
 that split without any communication ("simulated hops": the ``W`` blocks already sit on
 this device), on the exact code the ring runs per block (``fastcl.ops.blockwise``):
 
-* ``blocks``: for each of ``W`` blocks ``forward`` and an online merge, then for each
-  ``backward`` with ``g_t = g * exp(lse_t - lse)``;
+* ``blocks``: what one rank runs: ``forward`` and an online merge for its own block (whole)
+  and for each of the ``pieces`` row ranges of the other ``W - 1`` blocks (``ring_pieces``,
+  ``fastcl.ops.ring_comm``), then ``backward`` for each with ``g_t = g * exp(lse_t - lse)``;
 * ``single``: ``forward`` and ``backward`` once on the concatenated ``W * N`` candidates (the
   recompute strategy, as the ring uses for every block on ``triton`` and for the other
   ranks' blocks elsewhere; a backend with a gradient-in-forward path is also timed as
@@ -15,7 +16,7 @@ this device), on the exact code the ring runs per block (``fastcl.ops.blockwise`
 ``share = single / blocks`` (the ring's target on a GPU: >= 0.9). Timing: interleaved rounds,
 minimum, CUDA-synchronised (``fastcl.bench.timing``). From a GPU lease::
 
-    python -m fastcl.bench.ring_blocks --B 4096 --P 5 --Q 5 --d 768 --world 2 4 8 --dtype bfloat16
+    python -m fastcl.bench.ring_blocks --B 4096 --P 5 --Q 5 --d 768 --world 2 4 8 --dtype bfloat16 [--pieces 2]
 
 or ``ring_blocks_throughput(B=4096, P=5, Q=5, d=768, world=8)`` from a script.
 """
@@ -27,10 +28,12 @@ import json
 
 import torch
 
+from .. import config
 from ..ops import dispatch
 from ..ops.blockwise import Merged, block_grad
 from ..ops.contract import TAG_ALL, LSEProblem, OwnPositives, compute_dtype, structured_tags
 from ..ops.head import HeadInputs
+from ..ops.ring_comm import split as row_ranges
 from .timing import interleave
 
 
@@ -67,18 +70,25 @@ def ring_blocks_throughput(
     budget_s: float = 5.0,
     min_rounds: int = 3,
     seed: int = 0,
+    pieces: int | None = None,
 ) -> dict:
     """Time one rank's loss step split into ``world`` blocks against one call (module docstring).
 
     Returns a JSON-able dict: the case, the backend, ``blocks_s``, ``single_s`` (and
     ``single_fused_s`` when the backend has a fused path), their spreads and ``share``.
+    ``pieces``: row ranges per other rank's block (default ``fastcl.config``'s ``ring_pieces``).
     """
+    pieces = config.get().ring_pieces if pieces is None else pieces
     dev, dt = torch.device(device), getattr(torch, dtype)
     anchor, blocks = _blocks(B, P, Q, d, world, dt, dev, seed)
     pos = OwnPositives(0, P)
     cd = compute_dtype(dt)
     tau = torch.tensor(0.05, dtype=torch.float32, device=dev)
-    parts = [LSEProblem(anchor, b, t, positives=pos if i == 0 else None) for i, (b, t) in enumerate(blocks)]
+    (own, own_tags), others = blocks[0], blocks[1:]
+    parts = [LSEProblem(anchor, own, own_tags, positives=pos)]
+    for b, t in others:  # the ring's pieces: row ranges of both blocks and their tags alike
+        for b0, b1, t0, t1 in row_ranges([b[0], b[1], t[0], t[1]], pieces):
+            parts.append(LSEProblem(anchor, (b0, b1), (t0, t1)))
     whole = LSEProblem(
         anchor,
         (torch.cat([b[0] for b, _ in blocks]), torch.cat([b[1] for b, _ in blocks])),
@@ -117,7 +127,7 @@ def ring_blocks_throughput(
     if timed.errors:
         name, exc = next(iter(timed.errors.items()))
         raise RuntimeError(f"ring_blocks_throughput: {name} failed: {type(exc).__name__}: {exc}") from exc
-    out = dict(B=B, P=P, Q=Q, d=d, world=world, dtype=dtype, device=str(dev), backend=impl.name)
+    out = dict(B=B, P=P, Q=Q, d=d, world=world, pieces=pieces, dtype=dtype, device=str(dev), backend=impl.name)
     for name in steps:
         out[f"{name}_s"], out[f"{name}_spread"] = timed.minimum(name), timed.spread(name)
     out["share"] = out["single_s"] / out["blocks_s"]
@@ -135,10 +145,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--budget-s", type=float, default=5.0)
+    parser.add_argument("--pieces", type=int, default=None, help="row ranges per other block (default: ring_pieces)")
     args = parser.parse_args(argv)
     for world in args.world:
         case = dict(B=args.B, P=args.P, Q=args.Q, d=args.d, dtype=args.dtype, device=args.device)
-        print(json.dumps(ring_blocks_throughput(world=world, backend=args.backend, budget_s=args.budget_s, **case)))
+        run = ring_blocks_throughput(
+            world=world, backend=args.backend, budget_s=args.budget_s, pieces=args.pieces, **case
+        )
+        print(json.dumps(run))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ starts the next round. Rounds therefore chain without a gap, and a rank holds tw
   transfer overlaps work too) and is added at home to the owner's own contribution.
   A rank holds two pieces, two accumulators (one leaving, one arriving) and one contribution.
 
-Memory beyond the inputs, per rank: that many *pieces*, not blocks, whatever ``W`` is; a
-ring of two holds as much as a larger one (with whole blocks, ``pieces = 1``, it would hold
-one block and one accumulator less: nothing is in flight while it works on the other
-block). Traffic: ``W - 1`` hops of every piece in each pass and ``W - 1`` of every
+Memory beyond the inputs, per rank: that many *pieces*, not blocks, whatever ``W`` is,
+and a ring of two holds as much as a larger one from ``pieces = 2`` on (with whole blocks,
+``pieces = 1``, nothing is in flight while a ring of two works on the other rank's block,
+so it holds less than a larger ring: constant only from ``W = 3``). Traffic: ``W - 1`` hops of every piece in each pass and ``W - 1`` of every
 accumulator. ``fastcl.config``'s ``ring_pieces`` (``FASTCL_RING_PIECES``, default 2) sets
 ``pieces``.
 

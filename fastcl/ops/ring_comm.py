@@ -25,9 +25,9 @@ starts the next round. Rounds therefore chain without a gap, and a rank holds tw
 Memory beyond the inputs, per rank: that many *pieces*, not blocks, whatever ``W`` is,
 and a ring of two holds as much as a larger one from ``pieces = 2`` on (with whole blocks,
 ``pieces = 1``, nothing is in flight while a ring of two works on the other rank's block,
-so it holds less than a larger ring: constant only from ``W = 3``). Traffic: ``W - 1`` hops of every piece in each pass and ``W - 1`` of every
-accumulator. ``fastcl.config``'s ``ring_pieces`` (``FASTCL_RING_PIECES``, default 2) sets
-``pieces``.
+so it holds less than a larger ring: constant only from ``W = 3``). Traffic: ``W - 1`` hops
+of every piece in each pass and ``W - 1`` of every accumulator. ``fastcl.config``'s
+``ring_pieces`` (``FASTCL_RING_PIECES``, default 2) sets ``pieces``.
 
 Failures: a ``visit``/``contribute`` that raises does not leave the ring. The rank records
 the exception, does no more work and keeps forwarding what arrives, so every send and
@@ -62,13 +62,13 @@ class RingComm:
     """This rank's place in the ring of ``group``: neighbours, piece count, transfers and the
     status check. ``sent_bytes`` counts the bytes this rank has sent point-to-point."""
 
-    def __init__(self, group, pieces: int | None = None) -> None:
+    def __init__(self, group) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
-        self.pieces = config.get().ring_pieces if pieces is None else pieces
+        self.pieces = config.get().ring_pieces
         self.sent_bytes = 0
 
     def source(self, hop: int) -> int:
@@ -143,7 +143,7 @@ class _Buffers:
             self.free.append(base)
 
 
-def _tour(comm: RingComm, own: Sequence[Tensor], work: Callable[[int, int | None, list[Tensor]], None]) -> None:
+def _tour(comm: RingComm, own: Sequence[Tensor], work: Visit) -> None:
     """Drive ``work(hop, piece, payload)`` over the :func:`schedule`, each item's work
     overlapping the transfer of the next one (two piece buffers: the one worked on and the
     one arriving)."""

@@ -10,7 +10,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops.backend import Backend
-from .ops.contract import EPS, TAG_PADDING, LSEProblem, compute_dtype, excluded
+from .ops.contract import (
+    EPS,
+    TAG_PADDING,
+    LSEProblem,
+    compute_dtype,
+    excluded,
+    filtered,
+    finite_or_zero,
+    own_positive_columns,
+    sigmoid_terms,
+)
 from .ops.normalize import normalize_backward, normalize_rows
 
 # --------------------------------------------------------------------------- the "reference" backend
@@ -42,24 +52,42 @@ def _safe_logsumexp(logits: Tensor, keep: Tensor) -> Tensor:
 
 
 class ReferenceLSE(Backend):
-    """Masked LSE on the full logits matrix (``backend="reference"``) in plain out-of-place torch
-    ops, so its backward is differentiable: the one exact double backward (``create_graph=True``)."""
+    """Masked LSE (or the sigmoid reduction) on the full logits matrix (``backend="reference"``)
+    in plain out-of-place torch ops, so its backward is differentiable: the one exact double
+    backward (``create_graph=True``). Filters are applied literally (docs/design.md, "Filters")."""
 
     name = "reference"
     double_backward = True
     fused = None
+    takes_filter = True
+    takes_sigmoid = True
 
     @staticmethod
     def _logits(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(a, c, logits [B, N], keep [B, N])`` with ``a``, ``c`` the raw rows in the compute dtype."""
+        """``(a, c, logits [B, N], keep [B, N])`` with ``a``, ``c`` the raw rows in the compute dtype
+        (with a filter: non-finite rows read as zeros, their NaN added to the logits instead)."""
         cd, tags = compute_dtype(problem.dtype), torch.cat(problem.tags)
         a, c = problem.anchor.to(cd), torch.cat(problem.blocks).to(cd)
         # a padded candidate is read as zeros: whatever it holds (NaN, Inf) reaches no value
         # and no gradient (a masked NaN logit would still give NaN = 0 * NaN in backward)
         c = torch.where((tags != TAG_PADDING)[:, None], c, torch.zeros((), dtype=cd, device=c.device))
-        logits = _similarity(a, c, problem.cosine, problem.eps) / tau.to(cd)
+        f = problem.filter
+        if f is not None:
+            a, poison_a = finite_or_zero(a)
+            c, poison_c = finite_or_zero(c)
+        sim = _similarity(a, c, problem.cosine, problem.eps)
+        if f is not None:
+            sim = sim + poison_a[:, None] + poison_c[None, :]
         rows = torch.arange(problem.num_anchors, device=problem.device)
-        return a, c, logits, ~excluded(tags, rows)
+        keep = ~excluded(tags, rows)
+        if f is not None:
+            own = own_positive_columns(problem.positives, rows, c.shape[0])
+            if f.guide_anchor is not None and f.guide_blocks is not None:
+                guide = _similarity(f.guide_anchor.to(cd), torch.cat(f.guide_blocks).to(cd), True, problem.eps)
+            else:
+                guide = sim
+            keep = keep & ~filtered(guide.detach(), f.threshold, own)
+        return a, c, sim / tau.to(cd), keep
 
     @staticmethod
     def _softmax(logits: Tensor, keep: Tensor, lse: Tensor) -> Tensor:
@@ -67,22 +95,39 @@ class ReferenceLSE(Backend):
         shifted = torch.where(keep, logits - torch.where(torch.isfinite(lse), lse, 0.0)[:, None], -torch.inf)
         return torch.where(keep, shifted.exp(), 0.0)
 
+    @staticmethod
+    def _sigmoid(problem: LSEProblem, logits: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """``(terms, sigma)`` ``[B, N]`` of the sigmoid reduction, zero outside ``keep``."""
+        assert problem.sigmoid is not None
+        rows = torch.arange(problem.num_anchors, device=problem.device)
+        z = torch.where(own_positive_columns(problem.positives, rows, logits.shape[1]), 1.0, -1.0).to(logits.dtype)
+        terms, sigma = sigmoid_terms(logits, z, problem.sigmoid.bias.to(logits.dtype))
+        return torch.where(keep, terms, 0.0), torch.where(keep, sigma, 0.0)
+
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         if problem.dims is not None:  # Matryoshka: the definition, one plain problem per prefix
             outs = [self.forward(problem.prefix(k), tau) for k in range(problem.num_prefixes)]
-            return torch.stack([lse for lse, _ in outs]), torch.stack([ml for _, ml in outs])
+            stack_dim = 1 if problem.sigmoid is not None else 0  # sigmoid stats: [2, K, B]
+            return torch.stack([v for v, _ in outs]), torch.stack([m for _, m in outs], dim=stack_dim)
         _, _, logits, keep = self._logits(problem, tau)
+        kept_logits = torch.where(keep, logits, 0.0)
+        if problem.sigmoid is not None:
+            terms, sigma = self._sigmoid(problem, logits, keep)
+            return terms.sum(1), torch.stack([(sigma * kept_logits).sum(1), sigma.sum(1)])
         lse = _safe_logsumexp(logits, keep)
         p = self._softmax(logits, keep, lse)
-        return lse, (p * torch.where(keep, logits, 0.0)).sum(1)
+        return lse, (p * kept_logits).sum(1)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         if problem.dims is not None:
             return self._prefix_backward(problem, tau, lse, g, d_pos)
         a, c, logits, keep = self._logits(problem, tau)
-        d_logits = g[:, None].to(logits.dtype) * self._softmax(logits, keep, lse)
-        if d_pos is not None and problem.positives is not None:  # fold the own positives' gradient
-            B, P = d_pos.shape
+        if problem.sigmoid is not None:  # the own positives are inside the sum: nothing to fold
+            d_logits = g[:, None].to(logits.dtype) * self._sigmoid(problem, logits, keep)[1]
+        else:
+            d_logits = g[:, None].to(logits.dtype) * self._softmax(logits, keep, lse)
+        if d_pos is not None and problem.positives is not None and problem.sigmoid is None:
+            B, P = d_pos.shape  # fold the own positives' gradient
             rows = torch.arange(B, device=problem.device)[:, None].expand(B, P)
             cols = problem.positives.offset + rows * P + torch.arange(P, device=problem.device)
             d_logits = d_logits.index_put((rows, cols), d_pos.to(d_logits.dtype), accumulate=True)

@@ -2,7 +2,8 @@
 
 Blocks of anchor rows whose ``[R, N]`` logits exist only while the block is processed
 (``R * N <=`` :func:`tile_elements`): extra memory O((B + N) * d + tile). Forward,
-recompute-backward and gradient-in-forward are one loop, :func:`_sweep`.
+recompute-backward and gradient-in-forward are one loop, :func:`_sweep`, for both
+reductions (the LSE, and the sigmoid of ``problem.sigmoid``) and with a ``problem.filter``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from torch import Tensor
 from .. import config
 from . import _torch_prefix
 from .backend import Backend
-from .contract import TAG_PADDING, FusedResult, LSEProblem, excluded, new_output
+from .contract import (
+    TAG_PADDING,
+    FusedResult,
+    LSEProblem,
+    excluded,
+    filtered,
+    finite_or_zero,
+    new_output,
+    own_positive_columns,
+)
 from .head import HeadInputs
 from .normalize import normalize_backward, normalize_rows
 
@@ -35,6 +45,11 @@ class _Prepared:
     c_hat: Tensor  # [N, d] compute dtype, both blocks
     c_norm: Tensor | None
     tags: Tensor  # int32 [N]
+    # with a filter: NaN for a row that held a non-finite value (read as zeros above), else 0
+    poison_a: Tensor | None = None  # [B]
+    poison_c: Tensor | None = None  # [N]
+    guide_a: Tensor | None = None  # [B, g] normalised guide rows (guide filter)
+    guide_c: Tensor | None = None  # [N, g]
 
 
 def _keep(tags: Tensor) -> Tensor | None:
@@ -48,16 +63,48 @@ def _keep(tags: Tensor) -> Tensor | None:
 
 
 def _prepare(problem: LSEProblem) -> _Prepared:
-    a_hat, a_norm = normalize_rows(problem.anchor, problem.eps, problem.cosine)
+    f = problem.filter
+    anchor, blocks = problem.anchor, problem.blocks
+    if f is not None:  # non-finite rows read as zeros, their NaN added to the logits (contract.Filter)
+        anchor, poison_a = finite_or_zero(anchor)
+        (b0, p0), (b1, p1) = finite_or_zero(blocks[0]), finite_or_zero(blocks[1])
+        blocks = (b0, b1)
+        pad = torch.cat(problem.tags) == TAG_PADDING  # padding is read as zeros: no poison either
+        poison_c = torch.cat([p0, p1]).masked_fill(pad, 0.0)
+    a_hat, a_norm = normalize_rows(anchor, problem.eps, problem.cosine)
     # one [N, d] matrix of both blocks; no concatenation copy when the second is empty
-    nonempty = [i for i, b in enumerate(problem.blocks) if b.shape[0] > 0] or [0]
+    nonempty = [i for i, b in enumerate(blocks) if b.shape[0] > 0] or [0]
     # padded candidates are read as zeros (never their values: they may hold NaN/Inf)
-    parts = [normalize_rows(problem.blocks[i], problem.eps, problem.cosine, _keep(problem.tags[i])) for i in nonempty]
+    parts = [normalize_rows(blocks[i], problem.eps, problem.cosine, _keep(problem.tags[i])) for i in nonempty]
     tags = [problem.tags[i] for i in nonempty]
     if len(parts) == 1:
-        return _Prepared(a_hat, a_norm, parts[0][0], parts[0][1], tags[0])
-    c_norm = None if not problem.cosine else torch.cat([p[1] for p in parts if p[1] is not None])  # all, cosine
-    return _Prepared(a_hat, a_norm, torch.cat([p[0] for p in parts]), c_norm, torch.cat(tags))
+        prep = _Prepared(a_hat, a_norm, parts[0][0], parts[0][1], tags[0])
+    else:
+        c_norm = None if not problem.cosine else torch.cat([p[1] for p in parts if p[1] is not None])  # all, cosine
+        prep = _Prepared(a_hat, a_norm, torch.cat([p[0] for p in parts]), c_norm, torch.cat(tags))
+    if f is not None:
+        prep.poison_a, prep.poison_c = poison_a, poison_c
+        if f.guide_anchor is not None and f.guide_blocks is not None:
+            cd = a_hat.dtype
+            prep.guide_a = normalize_rows(f.guide_anchor.to(cd), problem.eps, True)[0]
+            prep.guide_c = normalize_rows(torch.cat(f.guide_blocks).to(cd), problem.eps, True)[0]
+    return prep
+
+
+def _drop(problem: LSEProblem, prep: _Prepared, r0: int, r1: int, logits: Tensor, tau: Tensor) -> Tensor:
+    """``[R, N]`` bool for anchor rows ``r0:r1``: structurally excluded or filtered (read before
+    ``logits`` is masked in place)."""
+    rows = torch.arange(r0, r1, device=problem.device)
+    drop = excluded(prep.tags, rows)
+    f = problem.filter
+    if f is None:
+        return drop
+    own = own_positive_columns(problem.positives, rows, prep.c_hat.shape[0])
+    if prep.guide_a is not None and prep.guide_c is not None:
+        sim = prep.guide_a[r0:r1] @ prep.guide_c.T
+    else:
+        sim = logits * tau.to(logits.dtype)  # the model's own similarity
+    return drop | filtered(sim, f.threshold[r0:r1], own)
 
 
 def _fold_positives(
@@ -82,21 +129,22 @@ def _sweep(
     d_pos: Tensor | None = None,
 ) -> FusedResult:
     """One pass over blocks of anchor rows: forward only; recompute-backward with ``row_grad``
-    (``[B]``, ``dLoss/dlse``) and ``d_pos`` (``[B, P]``, folded when ``problem.positives`` is
-    set); gradient in forward with ``head``."""
+    (``[B]``, ``dLoss/dlse``, or ``dLoss/dvalue`` for the sigmoid) and ``d_pos`` (``[B, P]``,
+    folded when ``problem.positives`` is set; LSE only); gradient in forward with ``head``."""
     prep = _prepare(problem)
     B, N = prep.a_hat.shape[0], prep.c_hat.shape[0]
     cd = prep.a_hat.dtype
     inv_tau = tau.to(cd).reciprocal()
     want_grad = row_grad is not None or head is not None
+    sigmoid = problem.sigmoid is not None
 
-    lse = new_output(B, dtype=cd, device=problem.device)
-    mean_logit = new_output(B, dtype=cd, device=problem.device)
+    lse = new_output(B, dtype=cd, device=problem.device)  # the row value: LSE, or the sigmoid's sum
+    mean_logit = new_output((2, B) if sigmoid else B, dtype=cd, device=problem.device)
     if want_grad:
         d_a_hat = new_output(prep.a_hat.shape, dtype=cd, device=problem.device)
         d_c_hat = torch.zeros_like(prep.c_hat)
         g_dot_ml = torch.zeros((), dtype=cd, device=problem.device)
-    if head is not None:
+    if head is not None and not sigmoid:
         assert head.pos_logits is not None  # the torch backend does not form them (forms_own_logits)
         loss_rows = new_output(B, dtype=cd, device=problem.device)
         head_d_pos = new_output(head.pos_logits.shape, dtype=cd, device=problem.device)
@@ -106,10 +154,25 @@ def _sweep(
         r1 = min(B, r0 + step)
         a_blk = prep.a_hat[r0:r1] * inv_tau  # 1/tau on the [R, d] side, not on [R, N]
         logits = a_blk @ prep.c_hat.T  # [R, N]
-        rows = torch.arange(r0, r1, device=problem.device)
+        if prep.poison_a is not None and prep.poison_c is not None:
+            logits += prep.poison_a[r0:r1, None] + prep.poison_c[None, :]
+        drop = _drop(problem, prep, r0, r1, logits, tau)
+        if sigmoid:
+            rows = torch.arange(r0, r1, device=problem.device)
+            probs, blk_value, blk_stats = _torch_prefix.sigmoid_block(problem, logits, drop, rows)
+            lse[r0:r1] = blk_value
+            mean_logit[:, r0:r1] = blk_stats
+            if not want_grad:
+                continue
+            weights = head.weights if head is not None else row_grad
+            assert weights is not None  # want_grad: one of the two
+            g = weights[r0:r1].to(cd)
+            g_dot_ml += torch.dot(g, blk_stats[0])
+            torch.mm(probs, prep.c_hat, out=d_a_hat[r0:r1]).mul_((g * inv_tau)[:, None])
+            d_c_hat.addmm_(probs.mul_(g[:, None]).T, a_blk)
+            continue
         # with a gradient to form, mean_logit comes from a GEMM we do anyway (below), so the
         # raw logits are not needed again and the mask goes in place
-        drop = excluded(prep.tags, rows)
         masked = logits.masked_fill_(drop, float("-inf")) if want_grad else logits.masked_fill(drop, float("-inf"))
         # log-sum-exp by hand so exp runs once: its result becomes the softmax in place
         row_max = masked.amax(dim=1)
@@ -121,7 +184,8 @@ def _sweep(
         # an empty row gets all-zero softmax weights instead of NaN
         probs.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))[:, None])
         if not want_grad:
-            mean_logit[r0:r1] = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+            kept = logits.masked_fill(drop, 0.0)  # a dropped logit may be a NaN (filter)
+            mean_logit[r0:r1] = torch.bmm(probs.unsqueeze(1), kept.unsqueeze(2)).view(-1)
             continue
 
         # sum_c p_ic c_hat_c: the anchor-gradient GEMM, and <a_i/tau, .> is the mean logit
@@ -142,7 +206,7 @@ def _sweep(
 
     out = FusedResult(lse, mean_logit)
     # the own positives' logit gradient: given (recompute backward) or formed by the head (fused)
-    fold = head_d_pos if head is not None else d_pos
+    fold = None if sigmoid else head_d_pos if head is not None else d_pos
     if want_grad and fold is not None and problem.positives is not None:
         _fold_positives(prep, problem, fold, inv_tau, d_a_hat, d_c_hat)
     if want_grad:
@@ -152,7 +216,9 @@ def _sweep(
             d_c.masked_fill_(~keep[:, None], 0)
         n0 = problem.blocks[0].shape[0]
         out.d_blocks, out.g_dot_mean_logit = (d_c[:n0], d_c[n0:]), g_dot_ml
-    if head is not None:
+    if head is not None and sigmoid:
+        out.loss_rows, out.d_pos = lse, lse.new_zeros((B, 0))
+    elif head is not None:
         out.loss_rows, out.d_pos = loss_rows, head_d_pos
     return out
 
@@ -161,6 +227,8 @@ class TorchLSE(Backend):
     """The ``"torch"`` backend of the masked-LSE primitive."""
 
     name = "torch"
+    takes_filter = True
+    takes_sigmoid = True
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         if problem.dims is not None:

@@ -20,7 +20,12 @@ does not grow with K).
 Non-finite rows: a NaN/Inf at coordinate ``c`` of a read row makes that row's factor NaN in
 exactly the prefixes longer than ``c`` (as the plain problem on each prefix); the shorter
 prefixes' raw dots are prefix sums that never read it, and the scale ``s`` is taken over the
-finite entries. Values beyond ``m_K`` are never read.
+finite entries. Values beyond ``m_K`` are never read. With a filter the products read the
+non-finite entries as zeros too (``contract.Filter``: the NaN reaches the logits through the
+factor only, so a dropped logit carries none into the gradients).
+
+The sigmoid reduction (``problem.sigmoid``) and the filter (``problem.filter``) act on each
+prefix's logits tile exactly as on the plain path's: ``P_j`` is then ``g * sigma_j``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import TAG_PADDING, LSEProblem, compute_dtype, excluded, new_output, prefix_order
+from .contract import (
+    TAG_PADDING,
+    LSEProblem,
+    compute_dtype,
+    excluded,
+    filtered,
+    new_output,
+    own_positive_columns,
+    prefix_order,
+    sigmoid_terms,
+)
+from .normalize import normalize_rows
 
 
 @dataclass
@@ -41,13 +57,18 @@ class _Scaled:
     unclamped: Tensor | None  # [K, rows] |x|_k > eps (None for dot)
 
 
-def _scaled(x: Tensor, keep: Tensor | None, bounds: list[int], cosine: bool, eps: float) -> _Scaled:
+def _scaled(
+    x: Tensor, keep: Tensor | None, bounds: list[int], cosine: bool, eps: float, clean: bool = False
+) -> _Scaled:
+    """``clean``: non-finite entries are read as zeros (the NaN stays in ``coef``)."""
     cd = compute_dtype(x.dtype)
     x = x[:, : bounds[-1]]
     if keep is not None:  # padding is read as zeros, whatever it holds
         x = torch.where(keep.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
     ones = torch.ones(x.shape[0], dtype=cd, device=x.device)
     finite = torch.isfinite(x)
+    if clean:
+        x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
     first_bad = torch.where(finite.all(-1), x.shape[1], (~finite).to(torch.int8).argmax(-1))
     bounds_t = torch.tensor(bounds, device=x.device)[:, None]
     poison = torch.where(first_bad[None, :] < bounds_t, torch.nan, 0.0).to(cd)  # [K, rows]
@@ -63,8 +84,54 @@ def _scaled(x: Tensor, keep: Tensor | None, bounds: list[int], cosine: bool, eps
 def _prepare(problem: LSEProblem, bounds: list[int]) -> tuple[_Scaled, _Scaled, Tensor]:
     tags = torch.cat(problem.tags)
     c = torch.cat(problem.blocks) if problem.blocks[1].shape[0] else problem.blocks[0]
-    a = _scaled(problem.anchor, None, bounds, problem.cosine, problem.eps)
-    return a, _scaled(c, tags != TAG_PADDING, bounds, problem.cosine, problem.eps), tags
+    clean = problem.filter is not None
+    a = _scaled(problem.anchor, None, bounds, problem.cosine, problem.eps, clean)
+    return a, _scaled(c, tags != TAG_PADDING, bounds, problem.cosine, problem.eps, clean), tags
+
+
+class _Filter:
+    """The filter's decisions on a block of rows: the guide's tile once (shared by the
+    prefixes), or the prefix's own similarity against its threshold row."""
+
+    def __init__(self, problem: LSEProblem, order: list[int], r0: int, r1: int):
+        self.f, self.order, self.r0, self.r1 = problem.filter, order, r0, r1
+        self.own: Tensor | None = None
+        self.guide: Tensor | None = None
+        f = self.f
+        if f is None:
+            return
+        rows = torch.arange(r0, r1, device=problem.device)
+        N = sum(b.shape[0] for b in problem.blocks)
+        self.own = own_positive_columns(problem.positives, rows, N)
+        if f.guide_anchor is not None and f.guide_blocks is not None:
+            cd = compute_dtype(problem.dtype)
+            ga = normalize_rows(f.guide_anchor[r0:r1].to(cd), problem.eps, True)[0]
+            gc = normalize_rows(torch.cat(f.guide_blocks).to(cd), problem.eps, True)[0]
+            self.guide = ga @ gc.T
+
+    def drop(self, base: Tensor, j: int, logits: Tensor, tau: Tensor) -> Tensor:
+        """``base`` (the structural mask) with prefix ``j``'s (sorted position) filter added."""
+        f = self.f
+        if f is None:
+            return base
+        assert self.own is not None
+        thr = f.threshold if f.threshold.dim() == 1 else f.threshold[self.order[j]]
+        sim = self.guide if self.guide is not None else logits * tau.to(logits.dtype)
+        return base | filtered(sim, thr[self.r0 : self.r1], self.own)
+
+
+def sigmoid_block(problem: LSEProblem, logits: Tensor, drop: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(sigma [R, N], value [R], stats [2, R])`` of the sigmoid reduction on a block's logits
+    (``sigma``, zero where dropped, is the block's ``dvalue/dlogits``); plain and prefix paths."""
+    assert problem.sigmoid is not None
+    own = own_positive_columns(problem.positives, rows, logits.shape[1])
+    z = torch.where(own, 1.0, -1.0).to(logits.dtype)
+    terms, sigma = sigmoid_terms(logits, z, problem.sigmoid.bias.to(logits.dtype))
+    terms.masked_fill_(drop, 0.0)
+    sigma.masked_fill_(drop, 0.0)
+    kept = logits.masked_fill(drop, 0.0)
+    stats = torch.stack([torch.linalg.vecdot(sigma, kept), sigma.sum(1)])
+    return sigma, terms.sum(1), stats
 
 
 def _rows_per_tile(problem: LSEProblem, tiles: int) -> int:
@@ -106,21 +173,30 @@ def _order(problem: LSEProblem) -> tuple[list[int], list[int]]:
 
 
 def forward(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-    """``(lse [K, B], mean_logit [K, B])`` in the caller's dims order."""
+    """``(lse [K, B], mean_logit [K, B])`` in the caller's dims order; with the sigmoid
+    reduction ``(value [K, B], stats [2, K, B])``."""
     bounds, order = _order(problem)
     a, c, tags = _prepare(problem, bounds)
     K, B = len(bounds), problem.num_anchors
     inv_tau = tau.to(a.u.dtype).reciprocal()
+    sigmoid = problem.sigmoid is not None
     lse = new_output((K, B), dtype=a.u.dtype, device=problem.device)
-    mean = new_output((K, B), dtype=a.u.dtype, device=problem.device)
-    step = _rows_per_tile(problem, 4)  # live: acc, logits, softmax, mask
+    mean = new_output((2, K, B) if sigmoid else (K, B), dtype=a.u.dtype, device=problem.device)
+    # live tiles: acc, logits, softmax, mask (and the guide's)
+    step = _rows_per_tile(problem, 5 if problem.filter is not None else 4)
     for r0 in range(0, B, step):
         r1 = min(B, r0 + step)
-        drop = excluded(tags, torch.arange(r0, r1, device=problem.device))
+        rows = torch.arange(r0, r1, device=problem.device)
+        base, filt = excluded(tags, rows), _Filter(problem, order, r0, r1)
         for j, logits in _prefix_tiles(a, c, bounds, r0, r1, inv_tau):
+            drop = filt.drop(base, j, logits, tau)
+            if sigmoid:
+                _, lse[order[j], r0:r1], mean[:, order[j], r0:r1] = sigmoid_block(problem, logits, drop, rows)
+                continue
             blk_lse, p = _softmax(logits, drop)
             lse[order[j], r0:r1] = blk_lse
-            mean[order[j], r0:r1] = torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+            kept = logits.masked_fill(drop, 0.0)  # a dropped logit may be a NaN (filter)
+            mean[order[j], r0:r1] = torch.bmm(p.unsqueeze(1), kept.unsqueeze(2)).view(-1)
     return lse, mean
 
 
@@ -150,22 +226,28 @@ def backward(problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Te
     cd, dev = a.u.dtype, problem.device
     inv_tau = tau.to(cd).reciprocal()
     lse, g = lse.to(cd)[order], g.to(cd)[order]
-    pos = problem.positives if d_pos is not None else None
+    pos = problem.positives if d_pos is not None and problem.sigmoid is None else None
     if d_pos is not None:
         d_pos = d_pos.to(cd)[order]
     d_ua, d_uc = torch.zeros_like(a.u), torch.zeros_like(c.u)
     rad_a = torch.zeros(K, B, dtype=cd, device=dev)
     rad_c = torch.zeros(K, N, dtype=cd, device=dev)
-    step = _rows_per_tile(problem, K + 4)  # live: K weight tiles, acc, logits, softmax, mask
+    step = _rows_per_tile(problem, K + 5)  # live: K weight tiles, acc, logits, softmax, mask, guide
     w_all = torch.empty((K, step, N), dtype=cd, device=dev)
     for r0 in range(0, B, step):
         r1 = min(B, r0 + step)
         rows = torch.arange(r0, r1, device=dev)
-        drop = excluded(tags, rows)
+        base, filt = excluded(tags, rows), _Filter(problem, order, r0, r1)
         w = w_all[:, : r1 - r0]
         for j, logits in _prefix_tiles(a, c, bounds, r0, r1, inv_tau):
-            _, p = _softmax(logits, drop, lse[j, r0:r1])
+            drop = filt.drop(base, j, logits, tau)
+            if problem.sigmoid is not None:
+                p = sigmoid_block(problem, logits, drop, rows)[0]
+            else:
+                _, p = _softmax(logits, drop, lse[j, r0:r1])
             p.mul_(g[j, r0:r1, None])  # dLoss/dlogits_j
+            if problem.filter is not None:  # a dropped logit may be a NaN: p is 0 there
+                logits = logits.masked_fill(drop, 0.0)
             if pos is not None and d_pos is not None:  # own positive k of anchor i: column offset + i * count + k
                 cols = pos.offset + rows[:, None] * pos.count + torch.arange(pos.count, device=dev)
                 p.scatter_add_(1, cols, d_pos[j, r0:r1])

@@ -52,8 +52,9 @@ class TritonHeadStep:
     reduction weights as device tensors (no PyTorch op between the kernels)."""
 
     def takes(self, problem: LSEProblem, head: HeadInputs, own_count: int) -> bool:
-        """Plain problems (no Matryoshka dims) of a known head with 1..``MAX_OWN`` positives."""
-        return problem.dims is None and head.kind in HEADS and 1 <= own_count <= _kernels().MAX_OWN
+        """Plain problems (no Matryoshka dims, filter or sigmoid) of a known head with 1..``MAX_OWN`` positives."""
+        plain = problem.dims is None and problem.filter is None and problem.sigmoid is None
+        return plain and head.kind in HEADS and 1 <= own_count <= _kernels().MAX_OWN
 
     def forward(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, per_row: bool):
         """``(loss, saved)``: the reduced loss (0-d, input dtype) or the rows ``[B]`` (compute

@@ -33,6 +33,10 @@ class Backend(Protocol):
     # ``(problem, pos_mask, tau) -> [B, P]``: the own-positive logits of ``problem.positives``
     # as values (no autograd, no dims) in fewer ops than the PyTorch path, or None.
     own_logits: Callable[[LSEProblem, Tensor | None, Tensor], Tensor] | None = None
+    # The primitive's extensions the backend computes (contract.Filter, contract.Sigmoid); a
+    # problem with one it lacks gets a reason from extension_reasons (dispatch adds it).
+    takes_filter: bool = False
+    takes_sigmoid: bool = False
     # The recompute strategy's whole loss step with the head fused into the backend's kernels
     # (``fastcl/ops/_triton.py``'s ``TritonHeadStep``: ``takes``, ``forward``, ``backward``), or
     # None: ``ContrastiveLSE`` then runs ``forward``, the PyTorch head and ``backward``.
@@ -74,6 +78,25 @@ def input_reasons(problem: LSEProblem, *, backend: str, device_type: str, takes_
         why.append(f"the {backend} backend needs candidate blocks of the anchor's dtype")
     if any(t.dtype != torch.int32 for t in problem.tags):
         why.append(f"the {backend} backend takes int32 tags")
+    return why
+
+
+def extension_reasons(impl: Backend, problem: LSEProblem) -> list[str]:
+    """Why ``impl`` cannot run the extensions ``problem`` asks for (dispatch adds these to every
+    backend's own reasons)."""
+    why = []
+    if problem.filter is not None and not impl.takes_filter:
+        why.append(
+            f"the {impl.name} backend does not take a false-negative filter (backends that do: reference, torch)"
+        )
+    if problem.sigmoid is not None and not impl.takes_sigmoid:
+        why.append(
+            f"the {impl.name} backend does not compute the sigmoid reduction (backends that do: reference, torch)"
+        )
+    if problem.filter is not None and problem.filter.guide_anchor is not None:
+        guides = (problem.filter.guide_anchor, *(problem.filter.guide_blocks or ()))
+        if any(t.device != problem.device for t in guides):
+            why.append(f"the {impl.name} backend needs the guide embeddings on the problem's device ({problem.device})")
     return why
 
 

@@ -1,6 +1,8 @@
-"""The contract every backend implements: the masked log-sum-exp of contrastive logits.
+"""The contract every backend implements: the masked log-sum-exp of contrastive logits, and
+its two extensions, the sigmoid reduction (SigLIP) and the false-negative filter (GIST).
 
-Problem, tag table, outputs and the memory rule: docs/design.md, "The primitive".
+Problem, tag table, outputs and the memory rule: docs/design.md, "The primitive"; the
+extensions: docs/design.md, "Sigmoid reduction" and "Filters".
 """
 
 from __future__ import annotations
@@ -38,6 +40,53 @@ class OwnPositives:
 
 
 @dataclass(frozen=True)
+class Filter:
+    """False negatives left out of the rows, decided tile by tile and never stored: candidate
+    ``c`` leaves row ``i`` when ``sim(i, c) > threshold[i]`` (strictly: a tie stays), unless
+    it is one of ``i``'s own positives (``LSEProblem.positives``), which never leave.
+
+    * guide (``guide_anchor`` and ``guide_blocks`` given): ``sim`` is the cosine of a guide
+      model's embeddings (any width ``g``, any float dtype, no gradient; norms clamped at the
+      problem's ``eps``), the same decision for every Matryoshka prefix;
+    * self (both None): ``sim`` is the model's own similarity ``s_ic`` (the cosine, or the
+      dot product with ``cosine=False``: the logit times ``tau``) of the prefix in question.
+
+    ``threshold``: ``[B]`` in the compute dtype; with Matryoshka dims a self filter may give
+    ``[K, B]``, one row per prefix. A NaN threshold or similarity drops nothing. A dropped
+    candidate reaches neither the row's value nor its gradients, not even as a NaN: with a
+    filter, backends read a non-finite input row as zeros in every product and add NaN to
+    every logit it takes part in instead (a row that keeps it is NaN, as without a filter).
+    """
+
+    threshold: Tensor
+    guide_anchor: Tensor | None = None  # [B, g]
+    guide_blocks: tuple[Tensor, Tensor] | None = None  # [N0, g], [N1, g]
+
+    @property
+    def guided(self) -> bool:
+        return self.guide_anchor is not None
+
+    def for_prefix(self, k: int) -> Filter:
+        """The filter of Matryoshka prefix ``k`` (a per-prefix threshold's row ``k``)."""
+        if self.threshold.dim() == 1:
+            return self
+        return Filter(self.threshold[k], self.guide_anchor, self.guide_blocks)
+
+
+@dataclass(frozen=True)
+class Sigmoid:
+    """SigLIP's pairwise reduction in place of the log-sum-exp: the row value is
+    ``v_i = sum_{c in S_i} softplus(-z_ic * (l_ic + bias))`` with ``z_ic = +1`` for ``i``'s own
+    positives (``LSEProblem.positives``; none: every ``z = -1``) and ``-1`` for every other
+    candidate of the row's set ``S_i`` (tags and filter as for the LSE; an empty row gives 0).
+    With ``sigma_ic = dv_i/dl_ic = -z_ic * sigmoid(-z_ic * (l_ic + bias))`` the forward's row
+    statistics are ``(sum_c sigma_ic * l_ic, sum_c sigma_ic)`` (``l`` without the bias): the
+    temperature's and the bias's gradients. ``bias``: 0-d, compute dtype, problem's device."""
+
+    bias: Tensor
+
+
+@dataclass(frozen=True)
 class LSEProblem:
     """Inputs of the masked-LSE primitive (semantics: docs/design.md)."""
 
@@ -54,6 +103,10 @@ class LSEProblem:
     # False: the caller knows no tag is TAG_PADDING (no masks were given), so backends may
     # read every candidate row without masking (the Triton GEMMs then pipeline fully)
     padded: bool = True
+    # False-negative filter (GIST's guide, or a self-margin), or None: every tagged candidate
+    filter: Filter | None = None
+    # Set: the sigmoid reduction (SigLIP) instead of the LSE (outputs: docs/design.md)
+    sigmoid: Sigmoid | None = None
 
     def __post_init__(self):
         if self.dims is not None:
@@ -71,6 +124,26 @@ class LSEProblem:
                 f"own positives (offset {pos.offset}, {pos.count} per anchor, {self.anchor.shape[0]} anchors) "
                 f"do not fit in block 0 ({self.blocks[0].shape[0]} rows)"
             )
+        if self.filter is not None:
+            self._check_filter(self.filter)
+
+    def _check_filter(self, f: Filter) -> None:
+        """Shapes only (no sync): a wrong one would compare against another row's threshold."""
+        B, K = self.anchor.shape[0], len(self.prefixes)
+        shapes = [(B,)] + ([(K, B)] if self.dims is not None and not f.guided else [])
+        if tuple(f.threshold.shape) not in shapes:
+            raise ValueError(f"filter threshold has shape {tuple(f.threshold.shape)}; expected one of {shapes}")
+        if (f.guide_anchor is None) != (f.guide_blocks is None):
+            raise ValueError("a guide filter needs guide_anchor and guide_blocks (a self filter: neither)")
+        if f.guide_anchor is not None and f.guide_blocks is not None:
+            g = f.guide_anchor.shape[-1]
+            rows = (B, *(b.shape[0] for b in self.blocks))
+            got = (f.guide_anchor, *f.guide_blocks)
+            if any(t.dim() != 2 or t.shape[0] != n or t.shape[1] != g for t, n in zip(got, rows)):
+                raise ValueError(
+                    f"guide embeddings must be [B, g], [N0, g], [N1, g] = {[(n, g) for n in rows]}, "
+                    f"got {[tuple(t.shape) for t in got]}"
+                )
 
     @property
     def num_anchors(self) -> int:
@@ -94,9 +167,11 @@ class LSEProblem:
         prefix ``k`` of a Matryoshka problem means."""
         m = self.prefixes[k]
         blocks = (self.blocks[0][:, :m], self.blocks[1][:, :m])
+        filt = None if self.filter is None else self.filter.for_prefix(k)
         return LSEProblem(
-            self.anchor[:, :m], blocks, self.tags, self.cosine, self.eps, self.positives, padded=self.padded
-        )
+            self.anchor[:, :m], blocks, self.tags, self.cosine, self.eps, self.positives,
+            padded=self.padded, filter=filt, sigmoid=self.sigmoid,
+        )  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -174,6 +249,42 @@ def excluded(tags: Tensor, rows: Tensor) -> Tensor:
     definition of the structural mask for PyTorch code (kernels apply the same rule)."""
     t = tags[None, :]
     return (t == TAG_PADDING) | (t == rows[:, None].to(tags.dtype))
+
+
+def own_positive_columns(positives: OwnPositives | None, rows: Tensor, num_columns: int) -> Tensor:
+    """``[R, N]`` bool: column ``c`` (of the two blocks side by side) is an own positive of row
+    ``rows[r]`` (``offset + i * count <= c < offset + (i + 1) * count``); all False without
+    ``positives``. What the sigmoid reduction's ``z = +1`` and the filter's exemption read."""
+    cols = torch.arange(num_columns, device=rows.device)[None, :]
+    if positives is None:
+        return torch.zeros((rows.shape[0], num_columns), dtype=torch.bool, device=rows.device)
+    first = positives.offset + rows[:, None].to(torch.int64) * positives.count
+    return (cols >= first) & (cols < first + positives.count)
+
+
+def filtered(sim: Tensor, threshold: Tensor, own_positive: Tensor) -> Tensor:
+    """``[R, N]`` bool: the filter drops the candidate (``sim > threshold`` per row, never an own
+    positive; a NaN on either side drops nothing); the one definition for PyTorch code."""
+    return (sim > threshold[:, None].to(sim.dtype)) & ~own_positive
+
+
+def finite_or_zero(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x with non-finite rows read as zeros, poison [rows])``: ``poison`` is NaN for a row that
+    held a NaN or an Inf, else 0. Filtered problems compute on the first and add ``poison`` to
+    every logit of the row (docs/design.md, "Filters"): a dropped logit is masked by selection,
+    so the NaN reaches exactly the rows that keep it, in values and gradients."""
+    bad = ~torch.isfinite(x).all(dim=-1)
+    clean = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=x.dtype, device=x.device), x)
+    poison = torch.where(bad, float("nan"), 0.0).to(compute_dtype(x.dtype))
+    return clean, poison
+
+
+def sigmoid_terms(logits: Tensor, z: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """``(softplus(-z (l + b)), sigma = -z sigmoid(-z (l + b)))`` elementwise: the sigmoid
+    reduction's term and its derivative, for PyTorch code (``z`` is +1 or -1)."""
+    u = -z * (logits + bias)
+    # softplus(u) = logaddexp(u, 0), exact for every u (F.softplus switches to u above 20)
+    return torch.logaddexp(u, torch.zeros_like(u)), -z * torch.sigmoid(u)
 
 
 _POISON = False

@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import config
 from . import dispatch
 from .backend import Backend
-from .contract import LSEProblem, OwnPositives, compute_dtype
+from .contract import Filter, LSEProblem, OwnPositives, compute_dtype
 from .head import HeadInputs, head_rows
 from .positive_logits import own_positive_similarities
 
@@ -36,6 +36,7 @@ class LossSpec:
     dim_weights: Tensor | None = None  # [K] compute dtype; None (reduction "none"): rows [K, B]
     padded: bool = True  # False: no tag is TAG_PADDING (no masks were given)
     strategy: str = "auto"  # "auto" (fastcl.config's strategy), "fused" or "recompute"
+    filter: Filter | None = None  # false negatives left out of the rows (contract.Filter)
 
     def head_weights(self, weights: Tensor) -> Tensor:
         """The head's row weights from the reduction's ``[B]``: ``[K, B]`` with dims (each
@@ -44,8 +45,9 @@ class LossSpec:
 
     def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor) -> LSEProblem:
         return LSEProblem(
-            anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims, self.padded
-        )
+            anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims, self.padded,
+            filter=self.filter,
+        )  # fmt: skip
 
 
 def _strategy(impl: Backend, reduction: str, dims, strategy: str) -> str:
@@ -309,6 +311,7 @@ def contrastive_loss(
     dim_weights: Tensor | None = None,
     padded: bool = True,
     strategy: str = "auto",
+    filter: Filter | None = None,
 ) -> Tensor:
     """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``). Own
     positives are a layout in block 0 (``positives``: every backend folds their gradient) or
@@ -317,10 +320,12 @@ def contrastive_loss(
     of the loss on each prefix; with ``reduction="none"`` and no ``dim_weights``, the
     prefixes' rows ``[K, B]``. ``padded=False`` promises that no tag is ``TAG_PADDING`` (the
     caller gave no masks): backends may then skip masking padded rows. ``strategy``: ``"auto"``,
-    ``"fused"`` or ``"recompute"`` (docs/design.md, "Two strategies")."""
+    ``"fused"`` or ``"recompute"`` (docs/design.md, "Two strategies"). ``filter``: false
+    negatives left out of the rows (``contract.Filter``)."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims, padded), backend=backend)
+    probe = LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims, padded, filter=filter)
+    impl = dispatch.choose(probe, backend=backend)
     spec = LossSpec(
         impl,
         tags,
@@ -336,5 +341,6 @@ def contrastive_loss(
         dim_weights,
         padded,
         strategy,
+        filter,
     )
     return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, spec)

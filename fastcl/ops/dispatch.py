@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .backend import Backend
+from .backend import Backend, extension_reasons
 from .contract import LSEProblem
 
 NAMES = ("reference", "torch", "cpp", "triton")
@@ -69,7 +69,10 @@ def reasons(name: str, problem: LSEProblem | None = None) -> list[str]:
     why = unavailable(name)
     if why:
         return [why]
-    return [] if problem is None else list(get(name).unsupported(problem))
+    if problem is None:
+        return []
+    impl = get(name)
+    return list(impl.unsupported(problem)) + extension_reasons(impl, problem)
 
 
 def choose(problem: LSEProblem, backend: str | None = "auto") -> Backend:

@@ -11,6 +11,9 @@ import torch
 from torch import Tensor
 
 HEADS = ("cross_entropy", "softplus")  # phi(x) = x (SupCon, MNRL, InfoNCE) | softplus(x) (SupMPN)
+# The sigmoid reduction's head (``LSEProblem.sigmoid``): a row's loss is its value itself, so a
+# gradient-in-forward sweep needs only the row weights (``HeadInputs.weights``).
+SIGMOID_HEAD = "sigmoid"
 
 
 @dataclass(frozen=True)

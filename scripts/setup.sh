@@ -12,8 +12,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${FASTCL_TORCH:-torch==2.13.0}
 GPU_TRITON=3.6.0
+OPEN_CLIP=3.3.0
 stamp=.venv/.fastcl-setup
-want="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC triton-$GPU_TRITON"
+want="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC triton-$GPU_TRITON open_clip-$OPEN_CLIP"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
@@ -28,6 +29,10 @@ else
 fi
 # torch is already satisfied, so fastcl's own `torch>=2.4` pulls nothing more.
 pip install -q -e ".[dev]"
+# open_clip's loss code, the peer of the image-text losses (tests and benchmarks load its
+# loss.py, which needs only torch): --no-deps, since its dependencies pull torchvision and
+# would replace the CPU torch with a multi-GB CUDA build.
+pip install -q --no-deps "open_clip_torch==$OPEN_CLIP"
 # The Triton version the lent GPU machines have, beside ours: the AOT test compiles the
 # kernels with both (tests/kernels/test_triton_aot.py); imported only by that test's child.
 pip install -q --no-deps --upgrade --target .venv/triton-3.6 "triton==$GPU_TRITON"

@@ -7,6 +7,8 @@
 ``mnrl``        :func:`mnrl_loss`, :func:`mnrl_directions_loss`, :func:`infonce_loss`,
                 :func:`edacse_loss`, :class:`MNRLoss`, :class:`InfoNCELoss`, :class:`EdaCSELoss`
                 (Gao et al. 2021; sentence-transformers 6; Liu et al. 2023)
+``clip``        :func:`clip_loss`, :func:`siglip_loss`, :class:`ClipLoss`, :class:`SigLipLoss`
+                (Radford et al. 2021; Zhai et al. 2023; open_clip's conventions)
 ``gclsr``       :func:`grouped_cosine_loss`, :func:`gclsr_loss`, :class:`GroupedCosineLoss`,
                 :class:`GCLSRLoss` (Wang et al. 2023)
 ``_shared``     argument docs, option checks, the structured layout, the distributed scaling
@@ -21,6 +23,7 @@ loss comes back in the input dtype, accumulated in float32 (float64 for float64 
 Formulas: docs/losses.md. Each function's docstring lists its arguments, shapes and paper.
 """
 
+from .clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .gclsr import GCLSRLoss, GroupedCosineLoss, gclsr_loss, grouped_cosine_loss
 from .mnrl import EdaCSELoss, InfoNCELoss, MNRLoss, edacse_loss, infonce_loss, mnrl_directions_loss, mnrl_loss
 from .supcon import LABELS_TEMPERATURE, SupConLoss, supcon_labels_loss, supcon_loss, supcon_pool_loss
@@ -36,6 +39,10 @@ __all__ = [
     "edacse_loss",
     "supcon_pool_loss",
     "grouped_cosine_loss",
+    "clip_loss",
+    "siglip_loss",
+    "ClipLoss",
+    "SigLipLoss",
     "gclsr_loss",
     "SupMPNLoss",
     "SupConLoss",

@@ -1,0 +1,191 @@
+"""CLIP and SigLIP: parity with open-clip-torch's own loss code, the float64 oracle, options and errors.
+
+open_clip's ``ClipLoss`` / ``SigLipLoss`` (loaded from the installed package's ``loss.py``)
+are the oracle in float64; fastcl's drop-ins (``fastcl.integrations.open_clip``) and
+functions must give the same value and every gradient (both feature tensors, ``logit_scale``,
+``logit_bias``) on raw and normalised features, ``B = 1`` and odd ``B``, with and without
+the bias, on every backend. Lower precisions are held to the dtype's bound against that
+oracle (``fastcl.testing``). Several processes: tests/distributed/test_clip_distributed.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastcl.losses as L
+from fastcl.integrations import open_clip as foc
+from fastcl.ops.dispatch import BackendUnavailableError
+from fastcl.testing import assert_close
+from tests.helpers.backends import backends_under_test, device_under_test, require
+from tests.helpers.open_clip import require_open_clip
+
+BACKENDS = ["reference", *backends_under_test()]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    require(request.param)
+    return request.param
+
+
+def _features(B, d, seed, *, normalised, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    img, txt = torch.randn(B, d, generator=g, dtype=torch.float64), torch.randn(B, d, generator=g, dtype=torch.float64)
+    if normalised:
+        img, txt = F.normalize(img, dim=-1), F.normalize(txt, dim=-1)
+    txt = txt + 0.5 * img  # pairs that agree, as after some training
+    dev = device_under_test()
+    return img.to(dev, dtype).requires_grad_(), txt.to(dev, dtype).requires_grad_()
+
+
+def _grads(loss, leaves):
+    return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+def _scale_bias(with_bias: bool):
+    dev = device_under_test()
+    t = torch.tensor(math.exp(2.3), dtype=torch.float64, device=dev, requires_grad=True)
+    b = torch.tensor(-4.0, dtype=torch.float64, device=dev, requires_grad=True) if with_bias else None
+    return t, b
+
+
+@pytest.mark.parametrize("B", [1, 7, 32])
+@pytest.mark.parametrize("normalised", [True, False], ids=["normalised", "raw"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_drop_in_equals_open_clip(backend, B, normalised, with_bias, loss):
+    oc = require_open_clip()
+    img, txt = _features(B, 9, B * 7 + normalised, normalised=normalised)
+    t, b = _scale_bias(with_bias)
+    if loss == "siglip":
+        theirs, ours = oc.SigLipLoss(), foc.SigLipLoss(backend=backend)
+        b = b if b is not None else torch.zeros((), dtype=torch.float64, device=img.device, requires_grad=True)
+    else:
+        theirs, ours = oc.ClipLoss(), foc.ClipLoss(backend=backend)
+    leaves = [x for x in (img, txt, t, b) if x is not None]
+    want = theirs(img, txt, t, b)
+    got = ours(img, txt, t, b)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(f"{loss} loss", got, want, torch.float64)
+    for name, g, w in zip(
+        ("d image", "d text", "d logit_scale", "d logit_bias"), _grads(got, leaves), _grads(want, leaves)
+    ):
+        if w is None:  # open_clip's ClipLoss: the bias cancels, its gradient is (rounding of) 0
+            assert g is None or g.abs().max() <= 1e-12, name
+            continue
+        assert_close(f"{loss} {name}", g, w, torch.float64, abs_scale=t.item())
+    as_dict = ours(img, txt, t, b, output_dict=True)
+    assert set(as_dict) == {"contrastive_loss"} and torch.equal(as_dict["contrastive_loss"], got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_lower_precision_within_the_dtype_bound(backend, dtype, loss):
+    """Values and gradients against open_clip in float64 on the same rounded inputs, within
+    the dtype's bound (at most EAGER_FACTOR times open_clip's own error in that dtype)."""
+    if backend == "reference" and dtype != torch.float32:
+        pytest.skip("the reference computes in float32 for bf16/fp16 inputs like any backend: covered once")
+    oc = require_open_clip()
+    img, txt = _features(37, 64, 3, normalised=True, dtype=dtype)
+    t, b = 20.0, -5.0
+    fn = L.siglip_loss if loss == "siglip" else L.clip_loss
+    peer = oc.SigLipLoss() if loss == "siglip" else oc.ClipLoss()
+    got = fn(img, txt, t, b, similarity="dot", backend=backend)
+    got_g = _grads(got, (img, txt))
+    leaves64 = [x.detach().double().requires_grad_() for x in (img, txt)]
+    want = peer(*leaves64, torch.tensor(t, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+    want_g = _grads(want, leaves64)
+    leaves_lp = [x.detach().requires_grad_() for x in (img, txt)]
+    eager = peer(*leaves_lp, torch.tensor(t, dtype=dtype), torch.tensor(b, dtype=dtype))
+    eager_g = _grads(eager, leaves_lp)
+    assert_close(f"{loss} {dtype}", got.float(), want, dtype, eager=eager.float(), abs_scale=t)
+    for name, g, w, e in zip(("d image", "d text"), got_g, want_g, eager_g):
+        assert_close(f"{loss} {dtype} {name}", g.float(), w, dtype, eager=e.float(), abs_scale=t)
+
+
+def test_reductions_and_mask(backend):
+    """``none`` gives open_clip's per-image terms; a padded pair is the batch without it (value,
+    and exactly zero gradient for both of its features), for both losses."""
+    img, txt = _features(9, 5, 11, normalised=False)
+    mask = torch.tensor([True, True, False, True, True, True, False, True, True], device=img.device)
+    keep = mask.nonzero().squeeze(1)
+    for fn, extra in ((L.siglip_loss, dict(logit_bias=-1.0)), (L.clip_loss, {})):
+        rows = fn(img, txt, 3.0, reduction="none", backend=backend, **extra)
+        assert rows.shape == (9,)
+        total = fn(img, txt, 3.0, reduction="sum", backend=backend, **extra)
+        assert_close("sum = sum of rows", total, rows.sum(), torch.float64)
+        masked = fn(img, txt, 3.0, mask=mask, backend=backend, **extra)
+        sub = fn(img[keep], txt[keep], 3.0, backend=backend, **extra)
+        assert_close("masked = the batch without the padded pairs", masked, sub, torch.float64)
+        d_img, d_txt = _grads(masked, (img, txt))
+        assert (d_img[~mask] == 0).all() and (d_txt[~mask] == 0).all()
+        assert d_img[mask].abs().sum() > 0
+
+
+def test_siglip_matryoshka_is_the_sum_over_prefixes(backend):
+    img, txt = _features(6, 12, 5, normalised=False)
+    dims, weights = (12, 4, 8), (1.0, 0.5, 2.0)
+    got = L.siglip_loss(img, txt, 5.0, -2.0, matryoshka_dims=dims, matryoshka_weights=weights, backend=backend)
+    want = sum(w * L.siglip_loss(img[:, :m], txt[:, :m], 5.0, -2.0, backend="reference") for m, w in zip(dims, weights))
+    assert_close("matryoshka value", got, want, torch.float64)
+    for g, w in zip(_grads(got, (img, txt)), _grads(want, (img, txt))):
+        assert_close("matryoshka grad", g, w, torch.float64)
+
+
+def test_strategies_agree(backend):
+    """Fused (gradient in forward) and recompute give the same values and gradients."""
+    from fastcl.ops import dispatch
+
+    if dispatch.get(backend).fused is None:
+        pytest.skip(f"the {backend} backend has no fused sweep (recompute only)")
+    img, txt = _features(11, 8, 2, normalised=False)
+    out = []
+    for strategy in ("fused", "recompute"):
+        loss = L.siglip_loss(img, txt, 4.0, 1.0, backend=backend, strategy=strategy)
+        out.append((loss, *_grads(loss, (img, txt))))
+    for a, b in zip(*out):
+        assert_close("fused vs recompute", a, b, torch.float64)
+
+
+def test_module_forms():
+    img, txt = _features(5, 6, 1, normalised=False)
+    assert torch.equal(L.SigLipLoss()(img, txt, 2.0, -1.0), L.siglip_loss(img, txt, 2.0, -1.0))
+    assert torch.equal(L.ClipLoss(similarity="dot")(img, txt, 2.0), L.clip_loss(img, txt, 2.0, similarity="dot"))
+
+
+@pytest.mark.parametrize("fn", [L.clip_loss, L.siglip_loss])
+def test_bad_input(fn):
+    img, txt = _features(4, 6, 0, normalised=True)
+    with pytest.raises(ValueError, match=r"both be \[B, d\]"):
+        fn(img, txt[:3], 2.0)
+    with pytest.raises(ValueError, match=r"both be \[B, d\]"):
+        fn(img, txt[:, :5], 2.0)
+    for bad in (0.0, -1.0, math.inf, math.nan, torch.tensor(-2.0), torch.tensor(math.nan)):
+        with pytest.raises(ValueError, match="logit_scale must be finite and > 0"):
+            fn(img, txt, bad)
+    with pytest.raises(ValueError, match="logit_bias must be finite"):
+        fn(img, txt, 2.0, math.inf)
+    with pytest.raises(TypeError, match="logit_scale"):
+        fn(img, txt, "2")
+    with pytest.raises(TypeError, match="one dtype"):
+        fn(img, txt.float(), 2.0)
+
+
+def test_drop_in_refusals():
+    img, txt = _features(4, 6, 0, normalised=True)
+    with pytest.raises(ValueError, match="Horovod"):
+        foc.ClipLoss(use_horovod=True)
+    with pytest.raises(ValueError, match="dist_impl"):
+        foc.SigLipLoss(dist_impl="allreduce")
+    with pytest.raises(ValueError, match="needs logit_bias"):
+        foc.SigLipLoss()(img, txt, 2.0, None)
+    with pytest.raises(RuntimeError, match="initialised"):
+        foc.SigLipLoss(rank=0, world_size=2)(img, txt, 2.0, 0.0)
+    with pytest.raises(ValueError, match="local_loss=True and gather_with_grad=True"):
+        foc.ClipLoss(cross_device="ring")
+    with pytest.raises(BackendUnavailableError, match="unknown backend"):
+        L.siglip_loss(img, txt, 2.0, backend="nope")

@@ -297,3 +297,69 @@ def gclsr(h1, z1, h2, z2, *, group_size=16, reduction="mean"):
     """GCLSR eq. 7 (SimSiam-symmetric): ``0.5 * (L(h1, z2) + L(h2, z1))``."""
     kw = dict(group_size=group_size, reduction=reduction)
     return 0.5 * (grouped_cosine(h1, z2, **kw) + grouped_cosine(h2, z1, **kw))
+
+
+def gist(
+    anchor,
+    positive,
+    negatives=None,
+    *,
+    guide,
+    margin_strategy="absolute",
+    margin=0.0,
+    contrast_anchors=True,
+    contrast_positives=True,
+    temperature=0.01,
+    reduction="mean",
+    similarity="cos",
+):
+    """GISTEmbed as sentence-transformers 6.2's ``GISTEmbedLoss`` computes it on given embeddings:
+    the blocks ``[ap | aa | pp | an]``, a guide cosine above the anchor–positive one (less the
+    margin) masked with ``-inf`` (the own positive never), cross-entropy with target ``i``."""
+    ga, gp = guide[0], guide[1]
+    gn = guide[2] if len(guide) > 2 else None
+    B = anchor.shape[0]
+    if negatives is not None and negatives.dim() == 3:
+        negatives, gn = negatives.reshape(-1, negatives.shape[-1]), gn.reshape(-1, gn.shape[-1])
+
+    def sim(x, y, cosine=similarity == "cos"):
+        return _similarity(x, y, cosine, EPS)
+
+    def guide_sim(x, y):
+        return F.cosine_similarity(x[:, None, :], y[None, :, :], dim=-1)
+
+    g_ap = guide_sim(ga, gp)
+    g = g_ap.diagonal()[:, None]
+    threshold = g - margin if margin_strategy == "absolute" else g - g.abs() * margin
+
+    def masked(guided, s, protect=None):
+        drop = guided > threshold
+        if protect is not None:
+            drop = drop & ~protect
+        return s.masked_fill(drop, float("-inf"))
+
+    eye = torch.eye(B, dtype=torch.bool, device=anchor.device)
+    scores = [masked(g_ap, sim(anchor, positive), eye)]
+    if contrast_anchors:
+        scores.append(masked(guide_sim(ga, ga), sim(anchor, anchor)))
+    if contrast_positives:
+        scores.append(masked(guide_sim(gp, gp), sim(positive, positive)))
+    if negatives is not None:
+        scores.append(masked(guide_sim(ga, gn), sim(anchor, negatives)))
+    logits = torch.cat(scores, dim=1) / temperature
+    return F.cross_entropy(logits, torch.arange(B, device=anchor.device), reduction=reduction)
+
+
+def self_margin_mnrl(anchor, positive, negatives=None, *, margin, temperature=0.05, reduction="mean", similarity="cos"):
+    """MNRL whose candidates more similar to the anchor than its positive plus ``margin`` leave the
+    row (the positive itself stays): the self-margin false-negative filter, written out."""
+    B = anchor.shape[0]
+    cols = [positive]
+    if negatives is not None:
+        negatives = negatives[:, None, :] if negatives.dim() == 2 else negatives
+        cols.append(negatives.reshape(-1, negatives.shape[-1]))
+    s = _similarity(anchor, torch.cat(cols), similarity == "cos", EPS)
+    pos = s.diagonal()[:, None]
+    drop = (s > pos.detach() + margin) & ~torch.eye(B, s.shape[1], dtype=torch.bool, device=s.device)
+    logits = s.masked_fill(drop, float("-inf")) / temperature
+    return F.cross_entropy(logits, torch.arange(B, device=anchor.device), reduction=reduction)

@@ -9,6 +9,9 @@
                 (Gao et al. 2021; sentence-transformers 6; Liu et al. 2023)
 ``clip``        :func:`clip_loss`, :func:`siglip_loss`, :class:`ClipLoss`, :class:`SigLipLoss`
                 (Radford et al. 2021; Zhai et al. 2023; open_clip's conventions)
+``gist``        :func:`gist_loss`, :class:`GISTLoss` (Solatorio 2024; sentence-transformers 6.2's
+                ``GISTEmbedLoss``); the self-margin filter is ``false_negative_margin=`` of
+                :func:`mnrl_loss` and :func:`infonce_loss`
 ``gclsr``       :func:`grouped_cosine_loss`, :func:`gclsr_loss`, :class:`GroupedCosineLoss`,
                 :class:`GCLSRLoss` (Wang et al. 2023)
 ``_shared``     argument docs, option checks, the structured layout, the distributed scaling
@@ -25,6 +28,7 @@ Formulas: docs/losses.md. Each function's docstring lists its arguments, shapes 
 
 from .clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .gclsr import GCLSRLoss, GroupedCosineLoss, gclsr_loss, grouped_cosine_loss
+from .gist import GISTLoss, gist_loss
 from .mnrl import EdaCSELoss, InfoNCELoss, MNRLoss, edacse_loss, infonce_loss, mnrl_directions_loss, mnrl_loss
 from .supcon import LABELS_TEMPERATURE, SupConLoss, supcon_labels_loss, supcon_loss, supcon_pool_loss
 from .supmpn import OWN_POSITIVES, SupMPNLoss, supmpn_loss
@@ -42,6 +46,8 @@ __all__ = [
     "clip_loss",
     "siglip_loss",
     "ClipLoss",
+    "gist_loss",
+    "GISTLoss",
     "SigLipLoss",
     "gclsr_loss",
     "SupMPNLoss",

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
-from ..ops.contract import EPS, OwnPositives, compute_dtype, empty_block, structured_tags
+from ..ops.contract import EPS, Filter, OwnPositives, compute_dtype, empty_block, structured_tags
 from ..ops.contrastive import contrastive_loss
 from ..ops.head import reduction_weights
 from ..ops.ring import ring_contrastive_loss
@@ -237,13 +237,15 @@ def fused_loss(
     pos_logits: Tensor | None = None,
     log_extra: Tensor | None = None,
     padded: bool = True,
+    filter: Filter | None = None,
 ) -> Tensor:
     """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``), weigh
     the rows by :func:`row_weights` and run the fused loss; or, with ``cross_device="ring"``,
     run it over the ring (``fastcl.ops.ring``: the same weights, from the global count).
     Own positives are ``own_count`` rows per anchor in block 0 (from where this rank's
     candidates start) or the given differentiable ``pos_logits``. ``padded=False``: no tag is
-    padding (no masks were given; backends may skip masking padded rows)."""
+    padding (no masks were given; backends may skip masking padded rows). ``filter``: a self
+    filter (``contract.Filter`` without a guide) on this rank's rows."""
     cd = compute_dtype(anchor.dtype)
     has_pos = (
         torch.ones(anchor.shape[0], dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
@@ -271,6 +273,7 @@ def fused_loss(
             dims=dims,
             dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
             strategy=opts.strategy,
+            filter=filter,
         )
     if opts.process_group is None:
         weights, offset = row_weights(has_pos, opts.reduction, cd, maybe_empty=pos_mask is not None), 0
@@ -300,6 +303,7 @@ def fused_loss(
         dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
         padded=padded or opts.process_group is not None,  # other ranks' candidates may carry padding
         strategy=opts.strategy,
+        filter=filter,
     )
 
 
@@ -314,11 +318,13 @@ def structured_loss(
     *,
     exclude_own: bool,
     zero_logit_own: bool = False,
+    false_negative_margin: float | None = None,
 ) -> Tensor:
     """The layout of SupMPN, SupCon, MNRL and InfoNCE: every anchor's ``P`` own positives in
     block 0 (left out of the owner's denominator with ``exclude_own``), every negative in
     block 1. ``zero_logit_own``: each *other* own positive adds ``exp(0)`` to the
-    denominator (SupMPN's released code)."""
+    denominator (SupMPN's released code). ``false_negative_margin``: the self-margin filter on
+    the first positive (``fastcl.losses.gist.self_margin_filter``; MNRL and InfoNCE)."""
     check_options(opts.reduction, opts.similarity, opts.strategy, opts.cross_device)
     _checks.check_embeddings(anchor=anchor, positives=positives, negatives=negatives)
     B, d = check_matrix("anchor", anchor)
@@ -348,6 +354,12 @@ def structured_loss(
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
         blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
         sizes = {"B": B, "P": P, "Q": Q, "d": d}
+        filt = None
+        if false_negative_margin is not None:
+            from .gist import self_margin_filter
+
+            dims = None if matryoshka is None else matryoshka[0]
+            filt = self_margin_filter(anchor, positives[:, 0], false_negative_margin, opts.similarity == "cos", dims)
         return fused_loss(
             head,
             anchor,
@@ -361,6 +373,7 @@ def structured_loss(
             own_count=P,
             log_extra=log_extra,
             padded=pos_mask is not None or neg_mask is not None,  # no mask: no padding tag anywhere
+            filter=filt,
         )
 
 

@@ -30,6 +30,7 @@ from ._shared import (
     row_weights,
     structured_loss,
 )
+from .gist import GIST_DOCS, check_false_negative_margin
 
 __all__ = [
     "mnrl_loss",
@@ -64,8 +65,11 @@ def _negatives_3d(negatives: Tensor | None) -> Tensor | None:
     return negatives.unsqueeze(1) if negatives is not None and negatives.dim() == 2 else negatives
 
 
+FILTER_DOCS = {"false_negative_margin": GIST_DOCS["false_negative_margin"]}
+
+
 @distributed.agree_on_errors
-@document(*LSE_OPTIONS, *ST6_OPTIONS, extra=ST6_DOCS)
+@document(*LSE_OPTIONS, *ST6_OPTIONS, "false_negative_margin", extra={**ST6_DOCS, **FILTER_DOCS})
 def mnrl_loss(
     anchor: Tensor,
     positive: Tensor,
@@ -85,6 +89,7 @@ def mnrl_loss(
     partition_mode: str = "joint",
     hardness_mode: str | None = None,
     hardness_strength: float = 0.0,
+    false_negative_margin: float | None = None,
 ) -> Tensor:
     """Multiple negatives ranking loss = SimCSE supervised (Gao et al. 2021, eq. 5; Henderson et al. 2017).
 
@@ -127,9 +132,14 @@ def mnrl_loss(
         cross_device,
     )
     directions = check_mnrl_options(directions, partition_mode, hardness_mode, hardness_strength)
+    margin = check_false_negative_margin(false_negative_margin)
     if not _mnrl_directions.is_plain(directions, partition_mode, hardness_mode, hardness_strength):
         if neg_mask is not None:
             raise ValueError("mnrl_loss: directions/hardness options do not take neg_mask yet")
+        if margin is not None:
+            raise ValueError(
+                "mnrl_loss: false_negative_margin filters the query_to_doc rows only (no directions/hardness)"
+            )
         st6 = dict(partition_mode=partition_mode, hardness_mode=hardness_mode, hardness_strength=hardness_strength)
         return mnrl_directions_loss(anchor, positive, negatives, directions=directions, **st6, **opts.kwargs())
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
@@ -143,6 +153,7 @@ def mnrl_loss(
         neg_mask,
         opts,
         exclude_own=False,
+        false_negative_margin=margin,
     )
 
 
@@ -254,7 +265,7 @@ def mnrl_directions_loss(
 
 
 @distributed.agree_on_errors
-@document(*LSE_OPTIONS)
+@document(*LSE_OPTIONS, "false_negative_margin", extra=FILTER_DOCS)
 def infonce_loss(
     anchor: Tensor,
     positive: Tensor,
@@ -269,6 +280,7 @@ def infonce_loss(
     matryoshka_dims=None,
     matryoshka_weights=None,
     cross_device: str = "gather",
+    false_negative_margin: float | None = None,
 ) -> Tensor:
     """InfoNCE / SimCSE unsupervised (Gao et al. 2021, eq. 1): row ``i`` of the ``anchor x positive`` logits, target ``i``.
 
@@ -306,10 +318,11 @@ def infonce_loss(
         matryoshka_weights,
         cross_device,
     )
-    rows = mnrl_loss(anchor, positive, **opts.kwargs())
+    kw = dict(opts.kwargs(), false_negative_margin=false_negative_margin)
+    rows = mnrl_loss(anchor, positive, **kw)
     if not symmetric:
         return rows
-    return 0.5 * (rows + mnrl_loss(positive, anchor, **opts.kwargs()))
+    return 0.5 * (rows + mnrl_loss(positive, anchor, **kw))
 
 
 @distributed.agree_on_errors
@@ -383,7 +396,7 @@ def edacse_loss(
 # --------------------------------------------------------------------------- modules
 
 
-@document("learn_temperature", *LSE_OPTIONS, *ST6_OPTIONS, extra=ST6_DOCS)
+@document("learn_temperature", *LSE_OPTIONS, *ST6_OPTIONS, "false_negative_margin", extra={**ST6_DOCS, **FILTER_DOCS})
 class MNRLoss(TemperatureLoss):
     """Module form of :func:`mnrl_loss`: ``forward(anchor [B, d], positive [B, d], negatives=None, neg_mask=None)``.
 
@@ -399,6 +412,7 @@ class MNRLoss(TemperatureLoss):
         partition_mode: str = "joint",
         hardness_mode: str | None = None,
         hardness_strength: float = 0.0,
+        false_negative_margin: float | None = None,
         **kw,
     ):
         super().__init__(temperature, **kw)
@@ -408,13 +422,14 @@ class MNRLoss(TemperatureLoss):
             partition_mode=partition_mode,
             hardness_mode=hardness_mode,
             hardness_strength=hardness_strength,
+            false_negative_margin=check_false_negative_margin(false_negative_margin),
         )
 
     def forward(self, anchor, positive, negatives=None, neg_mask=None) -> Tensor:
         return mnrl_loss(anchor, positive, negatives, neg_mask=neg_mask, **self.mnrl_options, **self._kw())
 
 
-@document("learn_temperature", *LSE_OPTIONS)
+@document("learn_temperature", *LSE_OPTIONS, "false_negative_margin", extra=FILTER_DOCS)
 class InfoNCELoss(TemperatureLoss):
     """Module form of :func:`infonce_loss`: ``forward(anchor [B, d], positive [B, d])``.
 
@@ -423,12 +438,22 @@ class InfoNCELoss(TemperatureLoss):
         symmetric: also the column direction, averaged.
     """
 
-    def __init__(self, temperature: float | Tensor = 0.05, *, symmetric: bool = False, **kw):
+    def __init__(
+        self,
+        temperature: float | Tensor = 0.05,
+        *,
+        symmetric: bool = False,
+        false_negative_margin: float | None = None,
+        **kw,
+    ):
         super().__init__(temperature, **kw)
         self.symmetric = symmetric
+        self.false_negative_margin = check_false_negative_margin(false_negative_margin)
 
     def forward(self, anchor, positive) -> Tensor:
-        return infonce_loss(anchor, positive, symmetric=self.symmetric, **self._kw())
+        return infonce_loss(
+            anchor, positive, symmetric=self.symmetric, false_negative_margin=self.false_negative_margin, **self._kw()
+        )
 
 
 @document("learn_temperature", *LSE_OPTIONS)

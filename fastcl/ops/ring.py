@@ -43,7 +43,7 @@ from torch import Tensor
 from .. import distributed
 from . import dispatch
 from .blockwise import Merged, block_grad, foreign_tags
-from .contract import LSEProblem, OwnPositives, compute_dtype
+from .contract import Filter, LSEProblem, OwnPositives, compute_dtype
 from .contrastive import LossSpec, _first_order_only, _own_logit_values, _strategy, _tau_grad, head_of
 from .head import HeadInputs, reduction_weights
 from .ring_comm import RingComm, circulate, circulate_grads
@@ -70,22 +70,29 @@ class RingSpec:
     no_positive: str = NO_POSITIVE
 
     def payload(self, block0: Tensor, block1: Tensor) -> list[Tensor]:
-        """What travels: the two blocks, their tags and (``[1]``, int32) this rank's
-        valid-anchor count; the count is a row range of its own, so only piece 0 carries it."""
+        """What travels: the two blocks, their tags, (``[1]``, int32) this rank's valid-anchor
+        count (a row range of its own, so only piece 0 carries it) and, with a guide filter,
+        the blocks' guide embeddings (row ranges like the blocks')."""
         tags = self.loss.tags
         count = torch.zeros(1, dtype=torch.int32, device=tags[0].device)
         if self.has_pos is not None:
             count = self.has_pos.sum().to(device=tags[0].device, dtype=torch.int32).reshape(1)
-        return [block0, block1, tags[0], tags[1], count]
+        f = self.loss.filter
+        guide = [] if f is None or f.guide_blocks is None else [g.contiguous() for g in f.guide_blocks]
+        return [block0, block1, tags[0], tags[1], count, *guide]
 
     def problem(self, anchor: Tensor, payload: list[Tensor], own: bool) -> LSEProblem:
         """This rank's anchors against what it holds: its own payload (whole) or a piece of
         another rank's."""
-        b0, b1, t0, t1, _ = payload
+        b0, b1, t0, t1, _, *guide = payload
         ls = self.loss
         if own:
             return ls.problem(anchor, b0, b1)
-        return LSEProblem(anchor, (b0, b1), (foreign_tags(t0), foreign_tags(t1)), ls.cosine, ls.eps, None, ls.dims)
+        f = ls.filter
+        if f is not None and guide:  # the piece's guide rows travelled with it
+            f = Filter(f.threshold, f.guide_anchor, (guide[0], guide[1]))
+        tags = (foreign_tags(t0), foreign_tags(t1))
+        return LSEProblem(anchor, (b0, b1), tags, ls.cosine, ls.eps, None, ls.dims, filter=f)
 
 
 def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -251,6 +258,7 @@ def ring_contrastive_loss(
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
     strategy: str = "auto",
+    filter: Filter | None = None,
 ) -> Tensor:
     """:func:`~fastcl.ops.contrastive.contrastive_loss` over every rank of ``group``'s candidates,
     by the ring (module docstring). Arguments as there, all of them this rank's: ``tags``
@@ -268,11 +276,12 @@ def ring_contrastive_loss(
     if handshake:
         shapes = {"B": anchor.shape[0], "N0": blocks[0].shape[0], "N1": blocks[1].shape[0], "d": anchor.shape[1]}
         distributed.check_same_sizes(group, sizes or shapes, blocks[0].dtype)
-    impl = dispatch.choose(LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims), backend=backend)
+    probe = LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims, filter=filter)
+    impl = dispatch.choose(probe, backend=backend)
     placeholder = anchor.new_empty(0) if weights is None else weights
     spec = LossSpec(
         impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, placeholder, reduction, dims, dim_weights,
-        strategy=strategy,
+        strategy=strategy, filter=filter,
     )  # fmt: skip
     ring = RingSpec(spec, RingComm(group), has_pos, check_positive, no_positive)
     return RingLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, ring)

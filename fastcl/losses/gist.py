@@ -312,7 +312,7 @@ def gist_loss(
     "contrast_anchors",
     "contrast_positives",
     "learn_temperature",
-    *LSE_OPTIONS[1:],
+    *LSE_OPTIONS,
     extra=GIST_DOCS,
 )
 class GISTLoss(TemperatureLoss):

@@ -61,13 +61,13 @@ def check_group(group) -> None:
     """``TypeError``/``RuntimeError`` unless ``group`` is a usable process group of this rank."""
     if not dist.is_available():
         raise RuntimeError("process_group given but torch.distributed is not available in this build of torch")
-    if not dist.is_initialized():
-        raise RuntimeError("process_group given but torch.distributed is not initialised (call init_process_group)")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"process_group must be a torch.distributed.ProcessGroup this rank belongs to "
             f"(e.g. dist.group.WORLD), got {type(group).__name__}"
         )
+    if not dist.is_initialized():
+        raise RuntimeError("process_group given but torch.distributed is not initialised (call init_process_group)")
 
 
 # --------------------------------------------------------------------------- handshake

@@ -265,6 +265,7 @@ def supcon_labels_loss(
                     dims=None if matryoshka is None else matryoshka[0],
                     dim_weights=_matryoshka.weight_tensor(matryoshka, features),
                     group=process_group,
+                    strategy=strategy,
                 )
         distributed.check_same_sizes(process_group, {"N": N, "d": d}, features.dtype)
         world, offset = dist.get_world_size(process_group), dist.get_rank(process_group) * N

@@ -35,6 +35,15 @@ def body(rank: int) -> dict:
         "loss": lambda: (L.supcon_loss if rank else L.supmpn_loss)(a, p, process_group=group),
         "reduction": lambda: L.supmpn_loss(a, p, process_group=group, reduction="sum" if rank else "mean"),
         "agree": lambda: L.supmpn_loss(a, p, process_group=group),
+        # refused as in one process (the labels ring passed no strategy and accepted it)
+        "labels_ring_fused_reference": lambda: L.supcon_labels_loss(
+            a.requires_grad_(),
+            torch.tensor([0, 0, 1, 1]),
+            process_group=group,
+            cross_device="ring",
+            backend="reference",
+            strategy="fused",
+        ),
     }
     out = {}
     for name, call in cases.items():

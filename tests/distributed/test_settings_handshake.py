@@ -31,3 +31,9 @@ def test_agreeing_ranks_run(ranks):
     """The same call with the same settings runs (after the failed ones: the worker's barrier
     after every case shows the group stayed usable)."""
     assert all(out["agree"] is None for out in ranks)
+
+
+def test_the_labels_ring_refuses_a_fused_strategy_it_cannot_run(ranks):
+    for r, out in enumerate(ranks):
+        kind, text = out["labels_ring_fused_reference"]
+        assert kind == "ValueError" and "strategy='fused' needs" in text, f"rank {r}: {kind}: {text}"

@@ -40,7 +40,7 @@ ARG_DOCS: dict[str, str] = {
     "reduction": '``"mean"`` (over the anchors that have a valid positive), ``"sum"``, or ``"none"`` '
     "(one float row per anchor, 0 for an anchor without a valid positive).",
     "backend": '``"auto"`` (``FASTCL_BACKEND``, else the fastest available for the device), '
-    '``"reference"``, ``"torch"``, ``"cpp"``, ``"triton"`` or ``"cuda"``. An explicit backend that '
+    '``"reference"``, ``"torch"``, ``"cpp"`` or ``"triton"``. An explicit backend that '
     "cannot take the inputs raises ``BackendUnavailableError`` saying why.",
     "strategy": '``"auto"`` (``fastcl.config``\'s ``strategy``, from ``FASTCL_STRATEGY``, whose own '
     '``"auto"`` runs the fused gradient-in-forward step where the backend has one and ``reduction`` '

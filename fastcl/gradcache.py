@@ -217,10 +217,14 @@ class _EncoderState:
         return cls([(n, p, p.dtype, p.device) for n, p in named], [(n, m, m.training) for n, m in modules], source)
 
     def changes(self) -> list[str]:
-        now = dict(self.source())
+        # position by position: the names of a plain callable's modules may repeat (two
+        # top-level modules built alike), the order of the parameters does not change
+        now = [p for _, p in self.source()]
         out = []
-        for name, p, dtype, device in self.params:
-            if name in now and now[name] is not p:
+        if len(now) != len(self.params):
+            out.append(f"encode_fn has {len(now)} parameters now, {len(self.params)} when it encoded")
+        for (name, p, dtype, device), current in zip(self.params, now):
+            if current is not p:
                 out.append(f"parameter {name} was replaced by another object")
             elif p.dtype != dtype or p.device != device:
                 out.append(

@@ -467,3 +467,19 @@ def test_parameter_versions_allow_accumulation_and_autocast_scaler_steps():
         loss.backward()
         opt.step()  # after backward: the next gc(...) records the new versions
         opt.zero_grad(set_to_none=True)
+
+
+def test_two_modules_built_alike_are_not_taken_for_a_replacement():
+    """A plain-callable encode_fn that runs two top-level modules of the same structure (a
+    guide built like the model): their parameters share path names, not identities."""
+    enc, twin, batch = tiny_encoder(dropout=0.1), tiny_encoder(dropout=0.1, seed=4), make_batch(6)
+
+    def encode(**b):
+        with torch.no_grad():
+            twin(**b)
+        return enc(**b)
+
+    gc = GradCache(encode, chunk_size=4)
+    loss = infonce(gc(**batch), gc(**make_batch(6, seed=1)))
+    loss.backward()  # nothing changed: no refusal
+    assert all(p.grad is not None for p in enc.parameters())

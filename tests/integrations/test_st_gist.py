@@ -392,6 +392,16 @@ def test_tokenizer_checks_follow_sentence_transformers():
     for make in (fst.CachedGISTEmbedLoss, st_losses.CachedGISTEmbedLoss):
         with pytest.raises(ValueError, match="StaticEmbedding"):
             make(static, static)
+    # re-tokenizing (another vocabulary) a StaticEmbedding model that has a transformers tokenizer
+    static_tok = torch.nn.Sequential(static[0])
+    static_tok.tokenizer, static_tok.max_seq_length = common.toy_tokenizer(), 16
+    from transformers import BertTokenizerFast
+
+    other = common.lookup_model(torch.randn(4, 3, dtype=torch.float64), trainable=False)
+    other.tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(common.SPECIAL + ["cat", "dog"])})
+    for make in (fst.GISTEmbedLoss, st_losses.GISTEmbedLoss):
+        with pytest.raises(ValueError, match="must not be based on a StaticEmbedding"):
+            make(static_tok, other)
 
 
 def test_bad_guide_embeddings_raise_through_the_drop_in_and_gist_loss():

@@ -29,8 +29,10 @@ from fastcl import testing as T  # noqa: E402
 from fastcl.integrations import sentence_transformers as fst  # noqa: E402
 from fastcl.losses import gist_loss  # noqa: E402
 from tests.helpers import st as common  # noqa: E402
+from tests.helpers.gradcache import one_thread  # noqa: E402, F401  (the fixture)
 
-pytestmark = pytest.mark.timeout(240)
+# tiny models: one intra-op thread (two stall each other on a busy 2-core machine: 4x slower)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
 F64_TOL = 1e-10
 B, D, G = 5, 6, 4  # an odd batch: cached chunks of 2 leave a chunk of 1

@@ -22,6 +22,10 @@ import torch
 import fastcl.losses as L
 from fastcl import reference as R
 from tests.helpers.backends import backends_under_test, device_under_test, require
+from tests.helpers.gradcache import one_thread  # noqa: F401  (the fixture)
+
+# B = 7: one intra-op thread (two stall each other on a busy 2-core machine: 5x slower)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BACKENDS = ["reference", *backends_under_test()]
 TOL = 1e-9  # float64 (fastcl.testing's floor)

@@ -14,8 +14,7 @@ variable or field, at that time, never later and never silently clamped.
     ...     fastcl.config.get().cpp.gemm
     'mkl'
 
-What is not here: the choice of backend (``FASTCL_BACKEND``: the ``backend=`` argument's
-default), the build (``FASTCL_NO_BUILD``, ``FASTCL_CACHE_DIR``), the data folder
+What is not here: the build (``FASTCL_NO_BUILD``, ``FASTCL_CACHE_DIR``), the data folder
 (``FASTCL_DATA_DIR``) and ``FASTCL_CHECK_FINITE``, read where they act; the algorithm of a
 call (``strategy=``) is an argument of every loss, whose ``"auto"`` takes :attr:`Config.strategy`.
 
@@ -35,6 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STRATEGIES = ("auto", "fused", "recompute")
+BACKENDS = ("auto", "reference", "torch", "cpp", "triton")  # fastcl.ops.dispatch.NAMES and "auto"
+# decimal digits of the largest value an integer knob takes: it reaches C++ as an int64
+_MAX_DIGITS = 18
+
+
+class ConfigError(ValueError):
+    """A knob's value is refused (by its kind, or by the library that would use it: the C++
+    backend refuses ``cpp.gemm="own"`` without its AVX-512 build). Never turned into a
+    backend being "unavailable": a setting the user asked for is honoured or refused."""
 CPP_GEMMS = ("auto", "own", "mkl")
 TRITON_DS = ("auto", "fp32", "input")
 
@@ -49,16 +57,15 @@ class PositiveInt:
         self.least = least
 
     def check(self, name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < self.least:
-            raise ValueError(f"{name}={value!r}: expected an integer >= {self.least}")
+        if isinstance(value, bool) or not isinstance(value, int) or not self.least <= value < 10**_MAX_DIGITS:
+            raise ConfigError(f"{name}={value!r}: expected an integer >= {self.least} (below 1e{_MAX_DIGITS})")
         return value
 
     def parse(self, name: str, raw: str) -> int:
-        text = raw.strip()
-        # "abc", "-3", "1e6", "4.5", "0x10": refused, never read as something else
-        if not (text.isascii() and text.isdigit()) or int(text) < self.least:
-            raise ValueError(f"{name}={raw!r}: expected an integer >= {self.least}")
-        return int(text)
+        # "abc", "-3", "1e6", "4.5", "0x10", " 5", 20 digits: refused, never read as something else
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= _MAX_DIGITS) or int(raw) < self.least:
+            raise ConfigError(f"{name}={raw!r}: expected an integer >= {self.least} (decimal digits, below 1e{_MAX_DIGITS})")
+        return int(raw)
 
 
 class Choice:
@@ -69,7 +76,7 @@ class Choice:
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.choices:
-            raise ValueError(f"{name}={value!r}: expected one of {self.choices}")
+            raise ConfigError(f"{name}={value!r}: expected one of {self.choices}")
         return value
 
     def parse(self, name: str, raw: str) -> str:
@@ -81,7 +88,7 @@ class Text:
 
     def check(self, name: str, value: Any) -> str:
         if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{name}={value!r}: expected a non-empty string")
+            raise ConfigError(f"{name}={value!r}: expected a non-empty string")
         return value
 
     def parse(self, name: str, raw: str) -> str:
@@ -186,6 +193,12 @@ class TritonOptions:
 class Config:
     """Every knob of fastcl (see the module docstring)."""
 
+    backend: str = knob(
+        "auto",
+        "FASTCL_BACKEND",
+        Choice(BACKENDS),
+        "what a loss's backend='auto' means: 'auto' (the fastest available for the device) or one backend",
+    )
     strategy: str = knob(
         "auto",
         "FASTCL_STRATEGY",
@@ -334,6 +347,7 @@ def on_change(listener: Callable[[Config], None]) -> None:
 
 
 __all__ = [
+    "ConfigError",
     "Config",
     "CppOptions",
     "TorchOptions",

@@ -61,6 +61,7 @@ class ReferenceLSE(Backend):
     fused = None
     takes_filter = True
     takes_sigmoid = True
+    takes_columns = True
 
     @staticmethod
     def _logits(problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -110,13 +111,20 @@ class ReferenceLSE(Backend):
             stack_dim = 1 if problem.sigmoid is not None else 0  # sigmoid stats: [2, K, B]
             return torch.stack([v for v, _ in outs]), torch.stack([m for _, m in outs], dim=stack_dim)
         _, _, logits, keep = self._logits(problem, tau)
+        if problem.columns:  # the columns' LSEs are the rows' of the transposed logits
+            lse_r, ml_r = self._lse_rows(logits, keep)
+            lse_c, ml_c = self._lse_rows(logits.T, keep.T)
+            return torch.cat([lse_r, lse_c]), torch.cat([ml_r, ml_c])
         kept_logits = torch.where(keep, logits, 0.0)
         if problem.sigmoid is not None:
             terms, sigma = self._sigmoid(problem, logits, keep)
             return terms.sum(1), torch.stack([(sigma * kept_logits).sum(1), sigma.sum(1)])
+        return self._lse_rows(logits, keep)
+
+    def _lse_rows(self, logits: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
         lse = _safe_logsumexp(logits, keep)
         p = self._softmax(logits, keep, lse)
-        return lse, (p * kept_logits).sum(1)
+        return lse, (p * torch.where(keep, logits, 0.0)).sum(1)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         if problem.dims is not None:
@@ -124,6 +132,10 @@ class ReferenceLSE(Backend):
         a, c, logits, keep = self._logits(problem, tau)
         if problem.sigmoid is not None:  # the own positives are inside the sum: nothing to fold
             d_logits = g[:, None].to(logits.dtype) * self._sigmoid(problem, logits, keep)[1]
+        elif problem.columns:  # rows' softmax weighted by g_i plus the columns' by g_(B + j)
+            B = problem.num_anchors
+            g_r, g_c = g[:B, None].to(logits.dtype), g[B:, None].to(logits.dtype)
+            d_logits = g_r * self._softmax(logits, keep, lse[:B]) + (g_c * self._softmax(logits.T, keep.T, lse[B:])).T
         else:
             d_logits = g[:, None].to(logits.dtype) * self._softmax(logits, keep, lse)
         if d_pos is not None and problem.positives is not None and problem.sigmoid is None:

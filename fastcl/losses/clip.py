@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
+from ..ops import symmetric as _symmetric
 from ..ops.contract import EPS, TAG_ALL, TAG_PADDING, OwnPositives, compute_dtype, empty_block
 from ..ops.ring_sigmoid import ring_sigmoid_loss
 from ..ops.sigmoid import sigmoid_loss
@@ -144,18 +145,32 @@ def clip_loss(
         >>> clip_loss(img, txt, logit_scale=100.0).shape
         torch.Size([])
     """
-    _pairs(image_features, text_features, mask)
+    check_options(reduction, similarity, strategy, cross_device)
+    B, _ = _pairs(image_features, text_features, mask)
     scale = _scalar("logit_scale", logit_scale, image_features, positive=True)
     opts = Options(
         1.0 / scale, reduction, backend, strategy, process_group, similarity, matryoshka_dims, matryoshka_weights,
         cross_device,
     )  # fmt: skip
     pos_mask = None if mask is None else mask[:, None]
+    symmetric = None
+    if mask is None and process_group is None and matryoshka_dims is None and strategy != "fused":
+        symmetric = _symmetric.takes(backend, image_features, text_features, similarity == "cos", EPS)
 
     def direction(x: Tensor, y: Tensor) -> Tensor:
         return structured_loss("cross_entropy", x, y.unsqueeze(1), None, pos_mask, None, opts, exclude_own=False)
 
-    loss = 0.5 * (direction(image_features, text_features) + direction(text_features, image_features))
+    if symmetric is not None:  # one pass for both directions' LSEs, one recompute backward
+        cd = compute_dtype(image_features.dtype)
+        tau = _checks.as_temperature(1.0 / scale, image_features)
+        weights = row_weights(torch.ones(B, dtype=torch.bool, device=image_features.device), reduction, cd)
+        with no_autocast(image_features):
+            loss = _symmetric.symmetric_loss(
+                image_features, text_features, tau, weights=weights, reduction=reduction,
+                cosine=similarity == "cos", eps=EPS, backend=symmetric,
+            )  # fmt: skip
+    else:
+        loss = 0.5 * (direction(image_features, text_features) + direction(text_features, image_features))
     if logit_bias is not None:  # shifts every logit of a row alike: no value, a zero gradient
         loss = loss + 0 * _scalar("logit_bias", logit_bias, image_features, positive=False).to(loss.dtype)
     return loss

@@ -43,7 +43,10 @@ def _register_fakes() -> None:
 
 
 def _push_config(cfg: config.Config) -> None:
-    torch.ops.fastcl.set_cpu_options(cfg.cpp.tile or 0, cfg.cpp.gemm)
+    try:
+        torch.ops.fastcl.set_cpu_options(cfg.cpp.tile or 0, cfg.cpp.gemm)
+    except RuntimeError as exc:  # the library refuses a knob ("own" GEMM without AVX-512)
+        raise config.ConfigError(str(exc).splitlines()[0]) from exc
 
 
 @functools.cache

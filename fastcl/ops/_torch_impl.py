@@ -223,23 +223,92 @@ def _sweep(
     return out
 
 
+def _shifted_exp(masked: Tensor, lse: Tensor, dim: int) -> Tensor:
+    """``exp(masked - lse)`` along ``dim`` (rows: 1, columns: 0); 0 for an empty line (lse -inf)."""
+    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(dim)
+    return torch.exp(masked - shift)
+
+
+def _columns_sweep(
+    problem: LSEProblem, tau: Tensor, lse_in: Tensor | None = None, g: Tensor | None = None, d_pos: Tensor | None = None
+) -> FusedResult:
+    """Column statistics (``problem.columns``): forward ``(lse, mean_logit)`` ``[B + N]``, the
+    columns' merged over the row blocks like split partials (one running max and sums per
+    column); with ``lse_in`` and ``g`` ``[B + N]`` the recompute backward, weights
+    ``g_i p_row_ic + g_(B + c) p_col_ic`` (and the folded ``d_pos``)."""
+    prep = _prepare(problem)
+    B, N = prep.a_hat.shape[0], prep.c_hat.shape[0]
+    cd, dev = prep.a_hat.dtype, problem.device
+    inv_tau = tau.to(cd).reciprocal()
+    out = FusedResult(new_output(B + N, dtype=cd, device=dev), new_output(B + N, dtype=cd, device=dev))
+    col_max = torch.full((N,), float("-inf"), dtype=cd, device=dev)
+    col_sum, col_suml = torch.zeros(N, dtype=cd, device=dev), torch.zeros(N, dtype=cd, device=dev)
+    if g is not None:
+        assert lse_in is not None
+        lse_r, lse_c = lse_in[:B].to(cd), lse_in[B:].to(cd)
+        g_r, g_c = g[:B].to(cd), g[B:].to(cd)
+        d_a_hat, d_c_hat = torch.empty_like(prep.a_hat), torch.zeros_like(prep.c_hat)
+    step = max(1, min(B, tile_elements() // (2 * max(N, 1))))  # two [R, N] tiles live at once
+    for r0 in range(0, B, step):
+        r1 = min(B, r0 + step)
+        a_blk = prep.a_hat[r0:r1] * inv_tau
+        logits = a_blk @ prep.c_hat.T
+        masked = logits.masked_fill_(_drop(problem, prep, r0, r1, logits, tau), float("-inf"))
+        if g is None:  # the rows' statistics, and the columns' partials merged into the running ones
+            e = _shifted_exp(masked, masked.amax(1), 1)
+            total = e.sum(1)
+            out.lse[r0:r1] = total.log() + torch.where(torch.isfinite(masked.amax(1)), masked.amax(1), 0.0)
+            kept = masked.nan_to_num(neginf=0.0)
+            out.mean_logit[r0:r1] = torch.where(total > 0, torch.linalg.vecdot(e, kept) / total, 0.0)
+            new_max = torch.maximum(col_max, masked.amax(0))
+            shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+            rescale = torch.exp(col_max - shift)  # 0 while a column has seen no row
+            e = torch.exp(masked - shift[None, :])
+            col_sum.mul_(rescale).add_(e.sum(0))
+            col_suml.mul_(rescale).add_((e * kept).sum(0))
+            col_max = new_max
+            continue
+        x = _shifted_exp(masked, lse_r[r0:r1], 1).mul_(g_r[r0:r1, None])
+        x.add_(_shifted_exp(masked, lse_c, 0).mul_(g_c[None, :]))
+        torch.mm(x, prep.c_hat, out=d_a_hat[r0:r1]).mul_(inv_tau)
+        d_c_hat.addmm_(x.T, a_blk)
+    if g is None:
+        shift = torch.where(torch.isfinite(col_max), col_max, torch.zeros_like(col_max))
+        out.lse[B:] = torch.where(col_sum > 0, col_sum.log() + shift, float("-inf"))
+        out.mean_logit[B:] = torch.where(col_sum > 0, col_suml / col_sum.clamp_min(1e-300), 0.0)
+        return out
+    if d_pos is not None and problem.positives is not None:
+        _fold_positives(prep, problem, d_pos, inv_tau, d_a_hat, d_c_hat)
+    out.d_anchor = normalize_backward(prep.a_hat, prep.a_norm, d_a_hat, problem.eps)
+    d_c = normalize_backward(prep.c_hat, prep.c_norm, d_c_hat, problem.eps)
+    if (keep := _keep(prep.tags)) is not None:
+        d_c.masked_fill_(~keep[:, None], 0)
+    n0 = problem.blocks[0].shape[0]
+    out.d_blocks = (d_c[:n0], d_c[n0:])
+    return out
+
+
 class TorchLSE(Backend):
     """The ``"torch"`` backend of the masked-LSE primitive."""
 
     name = "torch"
     takes_filter = True
     takes_sigmoid = True
+    takes_columns = True  # without Matryoshka dims (extension_reasons)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
         if problem.dims is not None:
             return _torch_prefix.forward(problem, tau)
-        out = _sweep(problem, tau)
+        out = _columns_sweep(problem, tau) if problem.columns else _sweep(problem, tau)
         return out.lse, out.mean_logit
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         if problem.dims is not None:
             return _torch_prefix.backward(problem, tau, lse, g, d_pos)
-        out = _sweep(problem, tau, row_grad=g, d_pos=d_pos)
+        if problem.columns:
+            out = _columns_sweep(problem, tau, lse, g, d_pos)
+        else:
+            out = _sweep(problem, tau, row_grad=g, d_pos=d_pos)
         return out.d_anchor, out.d_blocks
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .contract import (
@@ -44,7 +45,6 @@ from .contract import (
     new_output,
     own_positive_columns,
     prefix_order,
-    sigmoid_terms,
 )
 from .normalize import normalize_rows
 
@@ -122,14 +122,22 @@ class _Filter:
 
 def sigmoid_block(problem: LSEProblem, logits: Tensor, drop: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(sigma [R, N], value [R], stats [2, R])`` of the sigmoid reduction on a block's logits
-    (``sigma``, zero where dropped, is the block's ``dvalue/dlogits``); plain and prefix paths."""
+    (``sigma``, zero where dropped, is the block's ``dvalue/dlogits``); plain and prefix paths.
+    Three ``[R, N]`` temporaries: the own positives' entries (``z = +1``) are flipped by index."""
     assert problem.sigmoid is not None
-    own = own_positive_columns(problem.positives, rows, logits.shape[1])
-    z = torch.where(own, 1.0, -1.0).to(logits.dtype)
-    terms, sigma = sigmoid_terms(logits, z, problem.sigmoid.bias.to(logits.dtype))
+    u = logits + problem.sigmoid.bias.to(logits.dtype)  # u = -z (l + b): z = -1 but at the own positives
+    pos = problem.positives
+    if pos is not None:
+        cols = pos.offset + rows[:, None] * pos.count + torch.arange(pos.count, device=rows.device)
+        at = (torch.arange(rows.shape[0], device=rows.device)[:, None], cols)
+        u[at] = -u[at]
+    sigma = torch.sigmoid(u)  # -z sigmoid(u): the sign flips back at the own positives below
+    if pos is not None:
+        sigma[at] = -sigma[at]
+    terms = F.logsigmoid(u.neg_()).neg_()  # softplus(u) = -log sigmoid(-u), exact for every u
     terms.masked_fill_(drop, 0.0)
     sigma.masked_fill_(drop, 0.0)
-    kept = logits.masked_fill(drop, 0.0)
+    kept = logits if problem.filter is None else logits.masked_fill(drop, 0.0)  # a dropped logit may be NaN
     stats = torch.stack([torch.linalg.vecdot(sigma, kept), sigma.sum(1)])
     return sigma, terms.sum(1), stats
 

@@ -37,6 +37,7 @@ class Backend(Protocol):
     # problem with one it lacks gets a reason from extension_reasons (dispatch adds it).
     takes_filter: bool = False
     takes_sigmoid: bool = False
+    takes_columns: bool = False  # contract: LSEProblem.columns (CLIP's symmetric step)
     # The recompute strategy's whole loss step with the head fused into the backend's kernels
     # (``fastcl/ops/_triton.py``'s ``TritonHeadStep``: ``takes``, ``forward``, ``backward``), or
     # None: ``ContrastiveLSE`` then runs ``forward``, the PyTorch head and ``backward``.
@@ -65,7 +66,7 @@ class Backend(Protocol):
 
 
 def input_reasons(problem: LSEProblem, *, backend: str, device_type: str, takes_dims: bool = False) -> list[str]:
-    """Device, dtype and tag checks shared by the ``cpp``, ``cuda`` and ``triton`` backends."""
+    """Device, dtype and tag checks shared by the ``cpp`` and ``triton`` backends."""
     why = [] if takes_dims or problem.dims is None else [dims_reason(backend)]
     tensors = (problem.anchor, *problem.blocks, *problem.tags)
     if any(t.device != problem.device for t in tensors):
@@ -93,6 +94,10 @@ def extension_reasons(impl: Backend, problem: LSEProblem) -> list[str]:
         why.append(
             f"the {impl.name} backend does not compute the sigmoid reduction (backends that do: reference, torch)"
         )
+    if problem.columns and not impl.takes_columns:
+        why.append(f"the {impl.name} backend does not compute column statistics (backends that do: reference, torch)")
+    if problem.columns and problem.dims is not None and impl.name != "reference":
+        why.append(f"the {impl.name} backend does not compute column statistics with matryoshka dims")
     if problem.filter is not None and problem.filter.guide_anchor is not None:
         guides = (problem.filter.guide_anchor, *(problem.filter.guide_blocks or ()))
         if any(t.device != problem.device for t in guides):

@@ -107,6 +107,9 @@ class LSEProblem:
     filter: Filter | None = None
     # Set: the sigmoid reduction (SigLIP) instead of the LSE (outputs: docs/design.md)
     sigmoid: Sigmoid | None = None
+    # True: the LSE of every column too (over the rows whose set holds it): outputs and row
+    # gradients are [B + N], rows then columns (docs/design.md, "Column statistics")
+    columns: bool = False
 
     def __post_init__(self):
         if self.dims is not None:
@@ -126,6 +129,8 @@ class LSEProblem:
             )
         if self.filter is not None:
             self._check_filter(self.filter)
+        if self.columns and (self.filter is not None or self.sigmoid is not None):
+            raise ValueError("column statistics are an LSE extension without a filter")
 
     def _check_filter(self, f: Filter) -> None:
         """Shapes only (no sync): a wrong one would compare against another row's threshold."""
@@ -159,6 +164,15 @@ class LSEProblem:
         return (self.dim,) if self.dims is None else tuple(self.dims)
 
     @property
+    def num_columns(self) -> int:
+        return self.blocks[0].shape[0] + self.blocks[1].shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the per-row outputs: ``B``, or ``B + N`` with column statistics."""
+        return self.num_anchors + (self.num_columns if self.columns else 0)
+
+    @property
     def num_prefixes(self) -> int:
         return len(self.prefixes)
 
@@ -170,7 +184,7 @@ class LSEProblem:
         filt = None if self.filter is None else self.filter.for_prefix(k)
         return LSEProblem(
             self.anchor[:, :m], blocks, self.tags, self.cosine, self.eps, self.positives,
-            padded=self.padded, filter=filt, sigmoid=self.sigmoid,
+            padded=self.padded, filter=filt, sigmoid=self.sigmoid, columns=self.columns,
         )  # fmt: skip
 
     @property

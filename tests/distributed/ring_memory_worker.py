@@ -1,7 +1,7 @@
 """The multi-process side of tests/distributed/test_ring_memory.py: each rank's extra peak
 RSS of one forward + backward step, ring against gather, at a fixed per-rank batch.
 
-The step is ``supmpn_loss`` on the torch backend in float64 (the gather mode with its
+The step is ``supmpn_loss`` (and ``siglip_loss``, the sigmoid ring) on the torch backend in float64 (the gather mode with its
 default gradient-in-forward strategy, the ring recomputing), sized so that one rank's
 candidates (2 MiB) dominate the noise.
 Peak RSS is read as ``fastcl.bench.memory`` reads it (``VmHWM`` after ``clear_refs``, one
@@ -18,8 +18,9 @@ from fastcl.bench.memory import measure_extra_rss
 from tests.helpers.spawn import run_rank
 
 B, P, Q, D = 32, 4, 4, 1024  # one rank's candidates: B * (P + Q) * D float64 = 2 MiB
+B_SIGLIP = 256  # SigLIP: one rank's texts, B_SIGLIP * D float64 = 2 MiB
 TIMEOUT_S = 90
-MODES = ("ring", "gather")
+MODES = ("ring", "gather", "siglip_ring", "siglip_gather")
 
 
 def _inputs(rank: int) -> dict:
@@ -28,18 +29,26 @@ def _inputs(rank: int) -> dict:
         "anchor": torch.randn(B, D, generator=g, dtype=torch.float64).requires_grad_(),
         "positives": torch.randn(B, P, D, generator=g, dtype=torch.float64).requires_grad_(),
         "negatives": torch.randn(B, Q, D, generator=g, dtype=torch.float64).requires_grad_(),
+        "image": torch.randn(B_SIGLIP, D, generator=g, dtype=torch.float64).requires_grad_(),
+        "text": torch.randn(B_SIGLIP, D, generator=g, dtype=torch.float64).requires_grad_(),
     }
 
 
 def step(mode: str, x: dict, group) -> None:
-    """One SupMPN forward + backward with ``cross_device=mode``."""
+    """One SupMPN (or, ``siglip_*``, SigLIP) forward + backward with ``cross_device=mode``."""
+    if mode.startswith("siglip_"):
+        img, txt = x["image"], x["text"]
+        loss = L.siglip_loss(img, txt, 10.0, -10.0, backend="torch", process_group=group, cross_device=mode[7:])
+        loss.backward()
+        img.grad = txt.grad = None
+        return
     loss = L.supmpn_loss(
         x["anchor"], x["positives"], x["negatives"], temperature=0.1, backend="torch", process_group=group,
         cross_device=mode,
     )  # fmt: skip
     loss.backward()
-    for t in x.values():
-        t.grad = None
+    for k in ("anchor", "positives", "negatives"):
+        x[k].grad = None
 
 
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:

@@ -125,9 +125,10 @@ def test_one_rank_failing_validation_stops_all_ranks(world_run, name):
         assert err is not None and err[0] == "RuntimeError" and "rank(s) [0] rejected their inputs" in err[1], err
 
 
-def test_process_group_needs_initialised_distributed():
+def test_process_group_must_be_a_process_group():
+    """Not a ProcessGroup: a TypeError saying so (not "torch.distributed is not initialised")."""
     a, p = torch.randn(4, 8), torch.randn(4, 2, 8)
-    with pytest.raises(RuntimeError, match="not initialised"):
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
         L.supmpn_loss(a, p, process_group=object())
-    with pytest.raises(RuntimeError, match="not initialised"):
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
         L.supcon_pool_loss(a, torch.randn(5, 8), torch.zeros(4, 1, dtype=torch.long), process_group=object())

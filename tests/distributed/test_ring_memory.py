@@ -1,7 +1,7 @@
 """The ring's per-rank extra memory does not grow with the world size, while the gather's does.
 
 Measured per rank (``ring_memory_worker``) at W = 2, 3 and 4 with the same per-rank batch.
-The ring cuts each rank's candidates into pieces (``FASTCL_RING_PIECES``, default 2) and
+(SigLIP's sigmoid ring too: its texts travel.) The ring cuts each rank's candidates into pieces (``FASTCL_RING_PIECES``, default 2) and
 chains its rounds, so a ring of two holds as many pieces in flight as a larger one: the peak
 must stay within 10 % from W = 2 to 4 (the ring's target) and vary by less than a quarter of
 one rank's candidates (the gather adds two blocks per rank, candidates and gradients; noise
@@ -63,3 +63,16 @@ def test_ring_holds_pieces_not_blocks(peaks):
 def test_gather_extra_peak_grows_with_world_size(peaks):
     gather = {w: peaks[w, DEFAULT_PIECES]["gather"] for w in (2, 4)}
     assert gather[4] > 1.10 * gather[2] + 2 * BLOCK, f"gather: {_mib(peaks, 'gather')}"
+
+
+SIGLIP_BLOCK = M.B_SIGLIP * M.D * 8  # bytes of one rank's texts (float64)
+
+
+def test_siglip_ring_extra_peak_is_constant_in_world_size(peaks):
+    """The sigmoid ring (SigLIP's texts in pieces) holds as much at W = 4 as at W = 2; its gather
+    grows by two blocks per rank (texts and their gradients), which shows the meter sees it."""
+    ring = {w: peaks[w, DEFAULT_PIECES]["siglip_ring"] for w in (2, 3, 4)}
+    why = f"SigLIP ring extra peak per rank changed with W ({_mib(peaks, 'siglip_ring')})"
+    assert max(ring.values()) <= 1.10 * min(ring.values()), why
+    gather = {w: peaks[w, DEFAULT_PIECES]["siglip_gather"] for w in (2, 4)}
+    assert gather[4] > 1.10 * gather[2] + 2 * SIGLIP_BLOCK, f"SigLIP gather: {_mib(peaks, 'siglip_gather')}"

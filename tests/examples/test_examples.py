@@ -94,9 +94,15 @@ def run_gclsr_repro(tmp_path, data_dir):
 
 
 slow = pytest.mark.slow
+def run_clip_tiny(tmp_path, data_dir=None):
+    out = _run([*_py("clip_tiny.py"), "--steps", "40", "--batch", "256"], tmp_path)
+    assert "siglip: after 40 steps" in out and "the loss fell" in out, out
+
+
 RUNS = {  # example -> (run function, needs the staged data, marks)
     "losses_tour.py": (run_losses_tour, False, ()),
     "gradcache_bert.py": (run_gradcache, False, ()),
+    "clip_tiny.py": (run_clip_tiny, False, ()),
     "ddp.py": (run_ddp, False, (slow,)),
     "sentence_transformers_train.py": (run_sentence_transformers, False, (slow,)),
     "gist_false_negatives.py": (run_gist_false_negatives, False, (slow,)),

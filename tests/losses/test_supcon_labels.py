@@ -226,7 +226,7 @@ def test_input_errors():
         supcon_labels_loss(x, torch.zeros(6, dtype=torch.long), ref_emb=x)
     with pytest.raises(ValueError, match=r"\[N, d\] or \[B, V, d\]"):
         supcon_labels_loss(torch.randn(6), torch.zeros(6, dtype=torch.long))
-    with pytest.raises(RuntimeError, match="process_group"):
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
         supcon_labels_loss(x, torch.zeros(6, dtype=torch.long), process_group=object())
 
 

@@ -436,3 +436,53 @@ def test_bad_filter_shapes():
         )
     with pytest.raises(ValueError, match="guide_anchor and guide_blocks"):
         LSEProblem(a, blocks, tags, filter=Filter(torch.zeros(3), torch.randn(3, 2), None))
+
+
+@pytest.mark.parametrize("shape", CASES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cosine", [True, False], ids=["cos", "dot"])
+def test_column_statistics(backend, monkeypatch, fastcl_config, shape, cosine):
+    """``LSEProblem.columns``: the columns' LSE and mean logit over the rows whose set holds the
+    column (the transposed mask), merged over row tiles; the backward's weights add the
+    columns' softmax times their gradients (the rows' ``[B + N]`` layout: rows, then columns)."""
+    impl = dispatch.get(backend)
+    seed = hash((shape, cosine, "columns")) % 1000
+    case = make_case(*shape, seed=seed, cosine=cosine)
+    prob = case.problem()
+    prob = LSEProblem(prob.anchor, prob.blocks, prob.tags, prob.cosine, positives=prob.positives, columns=True)
+    _takes(impl, prob)
+    dev, B = prob.device, prob.num_anchors
+    tau = torch.tensor(case.tau, device=dev)
+    _, _, (a, b0, b1), L, _ = oracle(case)
+    tags = torch.cat(case.tags).long().cpu()
+    keep = torch.tensor([[t != TAG_PADDING and t != i for t in tags.tolist()] for i in range(B)], device=L.device)
+
+    def lse_of(logits, k):
+        masked = torch.where(k, logits, -math.inf)
+        empty = ~k.any(1)
+        lse = torch.where(empty, -math.inf, torch.logsumexp(torch.where(empty[:, None], 0.0, masked), 1))
+        p = torch.where(k, torch.exp(masked - torch.where(empty, 0.0, lse)[:, None]), 0.0)
+        return lse, (p * torch.where(k, logits, 0.0)).sum(1)
+
+    (lr, mr), (lc, mc) = lse_of(L, keep), lse_of(L.T, keep.T)
+    want, want_ml = torch.cat([lr, lc]), torch.cat([mr, mc])
+    with small_tiles(backend, monkeypatch, fastcl_config), poison_outputs():
+        value, ml = impl.forward(prob, tau)
+    assert value.shape == (prob.num_rows,)
+    _compare("lse", value, want, abs_scale=1 / case.tau)
+    _compare("mean logit", ml, want_ml.detach(), abs_scale=1 / case.tau)
+    g = torch.randn(prob.num_rows, generator=torch.Generator().manual_seed(seed)).double()
+    g = torch.where(torch.isfinite(want.detach().cpu()), g, 0.0)
+    d_pos = None if case.positives is None else torch.randn(B, case.positives.count).double()
+    total = (g[g != 0].to(want.device) * want[g != 0]).sum()
+    if d_pos is not None:
+        cols = (
+            case.positives.offset + torch.arange(B)[:, None] * case.positives.count + torch.arange(case.positives.count)
+        )
+        total = total + (d_pos.to(L.device) * L[torch.arange(B)[:, None], cols.to(L.device)]).sum()
+    ref = torch.autograd.grad(total, (a, b0, b1))
+    with small_tiles(backend, monkeypatch, fastcl_config), poison_outputs():
+        d_a, (d0, d1) = impl.backward(
+            prob, tau, value, g.float().to(dev), None if d_pos is None else d_pos.float().to(dev)
+        )
+    for name, got, r in zip(("d anchor", "d block0", "d block1"), (d_a, d0, d1), ref):
+        _compare(name, got, r, abs_scale=1 / case.tau)

@@ -233,16 +233,41 @@ def test_unused_output_is_not_waited_for_and_separate_backwards_work():
     assert_grads_close(param_grads(enc), want)
 
 
-def test_backward_twice():
+def test_backward_twice_is_refused():
+    """A second backward through the same outputs (retain_graph=True) would re-encode and add
+    the encoder's gradient to .grad again: refused, and the first backward's gradients stay."""
     enc, batch = tiny_encoder(dropout=0.1), make_batch(6)
     gc = GradCache(enc, chunk_size=4)
     loss = infonce(gc(**batch), gc(**batch))
     loss.backward(retain_graph=True)
     once = param_grads(enc)
-    loss.backward()
-    assert_grads_close(param_grads(enc), {k: 2 * v for k, v in once.items()})
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+    with pytest.raises(RuntimeError, match="second backward through the same gc"):
         loss.backward()
+    assert_grads_close(param_grads(enc), once)
+
+
+@pytest.mark.parametrize("wrap", ["module", "callable"])
+@pytest.mark.parametrize("change", ["replace_parameter", "eval", "double"])
+def test_encoder_changed_before_backward_is_refused(wrap, change):
+    """A parameter object replaced, the encoder switched to eval() (dropout would not replay)
+    or cast to another dtype between gc(...) and backward(): refused with what changed."""
+    enc, batch = tiny_encoder(dropout=0.1), make_batch(6)
+    encode_fn = enc if wrap == "module" else (lambda **b: enc(**b))
+    gc = GradCache(encode_fn, chunk_size=4)
+    loss = infonce(gc(**batch), gc(**make_batch(6, seed=1)))
+    words = enc.model.embeddings.word_embeddings
+    if change == "replace_parameter":
+        words.weight = torch.nn.Parameter(words.weight.detach().clone())
+        match = "was replaced"
+    elif change == "eval":
+        enc.eval()
+        match = r"switched to eval\(\)"
+    else:
+        enc.double()
+        match = "moved from torch.float32"
+    with pytest.raises(RuntimeError, match=match):
+        loss.backward()
+    assert all(p.grad is None for p in enc.parameters()), "a gradient was accumulated before the refusal"
 
 
 def test_in_place_edit_of_cached_inputs_is_detected():

@@ -85,21 +85,25 @@ def _must_retokenize(model, guide) -> bool:
     return model.tokenizer.get_vocab() != guide.tokenizer.get_vocab() or guide.max_seq_length < model.max_seq_length
 
 
-class _GuidedEmbedding(_st._SentenceEmbedding):
+class _GuidedEmbedding(nn.Module):
     """GradCache's ``encode_fn``: the model's chunk embeddings and, while ``guide_out`` is a list
     (the first pass of one column), the guide's embeddings of the same chunk, appended to it.
 
     The guide runs right after the model's chunk, inside the same chunk, as in sentence-
     transformers' ``CachedGISTEmbedLoss``: each chunk's recorded RNG state is then the one that
     run had, and the re-encoding in ``backward()`` (``guide_out`` None) replays the model only.
+    An ``nn.Module`` holding the model alone, so that GradCache checks (parameter versions,
+    training flags) and restores (running statistics) the model's state and not the guide's,
+    which it never re-encodes; ``guide_fn`` is a plain attribute, not a submodule.
     """
 
     def __init__(self, model: nn.Module, guide_fn):
-        super().__init__(model)
+        super().__init__()
+        self.model = model
         self.guide_fn = guide_fn
         self.guide_out: list[Tensor] | None = None
 
-    def __call__(self, **features) -> Tensor:
+    def forward(self, **features) -> Tensor:
         features = _st._trim_padding(features)
         inputs = dict(features)  # the model writes its outputs into the mapping it is given
         out = self.model(features)["sentence_embedding"]

@@ -322,6 +322,17 @@ def test_cached_by_tokens_and_shorter_guide(minilm, minilm_vocab_model, toy_mode
         minilm.max_seq_length = saved
 
 
+def test_cached_with_a_guide_built_like_the_model(toy_model, tmp_path):
+    """A guide with the model's very parameter names (another tiny BERT of the same vocabulary):
+    the gradient cache tracks the model's parameters only, and the guide is not re-encoded."""
+    guide = common.tiny_model(tmp_path, dropout=0.0, seed=1).eval()
+    features = [toy_model.preprocess([t[c] for t in TRIPLETS]) for c in range(3)]
+    opts = dict(margin=0.1, temperature=0.05, mini_batch_size=4)
+    want = _model_step(toy_model, st_losses.CachedGISTEmbedLoss(toy_model, guide, **opts), features)
+    got = _model_step(toy_model, fst.CachedGISTEmbedLoss(toy_model, guide, **opts), features)
+    _assert_model_close(got, want, 0.05, "guide built like the model")
+
+
 # --------------------------------------------------------------------------- arguments and errors
 
 

@@ -43,6 +43,8 @@ class ConfigError(ValueError):
     """A knob's value is refused (by its kind, or by the library that would use it: the C++
     backend refuses ``cpp.gemm="own"`` without its AVX-512 build). Never turned into a
     backend being "unavailable": a setting the user asked for is honoured or refused."""
+
+
 CPP_GEMMS = ("auto", "own", "mkl")
 TRITON_DS = ("auto", "fp32", "input")
 
@@ -64,7 +66,9 @@ class PositiveInt:
     def parse(self, name: str, raw: str) -> int:
         # "abc", "-3", "1e6", "4.5", "0x10", " 5", 20 digits: refused, never read as something else
         if not (raw.isascii() and raw.isdigit() and len(raw) <= _MAX_DIGITS) or int(raw) < self.least:
-            raise ConfigError(f"{name}={raw!r}: expected an integer >= {self.least} (decimal digits, below 1e{_MAX_DIGITS})")
+            raise ConfigError(
+                f"{name}={raw!r}: expected an integer >= {self.least} (decimal digits, below 1e{_MAX_DIGITS})"
+            )
         return int(raw)
 
 

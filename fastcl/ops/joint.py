@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from .blockwise import block_grad
 from .contract import compute_dtype

@@ -94,6 +94,8 @@ def run_gclsr_repro(tmp_path, data_dir):
 
 
 slow = pytest.mark.slow
+
+
 def run_clip_tiny(tmp_path, data_dir=None):
     out = _run([*_py("clip_tiny.py"), "--steps", "40", "--batch", "256"], tmp_path)
     assert "siglip: after 40 steps" in out and "the loss fell" in out, out

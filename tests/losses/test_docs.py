@@ -23,7 +23,9 @@ _BLOCK = re.compile(r"```python\n(?P<code>.*?)```", re.S)
 PUBLIC = [getattr(L, name) for name in L.__all__ if callable(getattr(L, name))]
 
 
-@pytest.mark.parametrize("module", [supmpn, supcon, supcon_labels, mnrl, infonce, gclsr, clip, gist], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [supmpn, supcon, supcon_labels, mnrl, infonce, gclsr, clip, gist], ids=lambda m: m.__name__
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.attempted > 0, f"{module.__name__} has no docstring example"

@@ -1,14 +1,11 @@
 // Host code of the CPU ops (cpu/lse_cpu.cpp): the one record every op fills from its arguments
 // (OpArgs), its argument check (every op validates shapes, dtypes and devices before any
-// compute), the compute dtype, the head's inputs and the strict reading of the environment's
-// test hooks.
+// compute), the compute dtype and the head's inputs.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -17,22 +14,6 @@
 #include "cpu/head.h"
 
 namespace fastcl {
-
-// An integer >= least from the environment (the test hooks such as _FASTCL_TEST_CPP_ROWS), or
-// fallback when unset or empty. Anything else ("abc", "-3", "1e6", "0" where least is 1, a
-// value beyond int64) is refused loudly: never read as 1 or clamped.
-inline int64_t env_int(const char* name, int64_t fallback, int64_t least = 1) {
-  const char* s = std::getenv(name);
-  if (!s || !*s) return fallback;
-  const std::string text(s);
-  const bool digits = std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
-  errno = 0;
-  char* end = nullptr;
-  const long long value = digits ? std::strtoll(text.c_str(), &end, 10) : 0;
-  TORCH_CHECK(digits && errno == 0 && end && *end == '\0' && value >= least, "fastcl: ", name, "='", text,
-              "': expected an integer >= ", least);
-  return value;
-}
 
 using OptTensor = std::optional<at::Tensor>;
 

@@ -11,15 +11,18 @@
 
 namespace {
 // The op's kernel: a plain function of no tensor (nothing to dispatch on).
-void set_cpu_options(int64_t tile, c10::string_view gemm) {
-  fastcl::cpu::set_options(tile, std::string_view(gemm.data(), gemm.size()));
+void set_cpu_options(int64_t tile, c10::string_view gemm, int64_t test_rows, int64_t test_chunk,
+                     int64_t test_keep_bytes) {
+  fastcl::cpu::set_options(tile, std::string_view(gemm.data(), gemm.size()), test_rows, test_chunk, test_keep_bytes);
 }
 }  // namespace
 
 TORCH_LIBRARY(fastcl, m) {
-  // The CPU kernels' knobs from fastcl.config (csrc/cpu/options.h): cpp.tile (0: automatic)
-  // and cpp.gemm ("auto", "own", "mkl"). Refuses what it cannot honour, keeping the old ones.
-  m.def("set_cpu_options(int tile, str gemm) -> ()", &set_cpu_options);
+  // The CPU kernels' knobs from fastcl.config (csrc/cpu/options.h): cpp.tile (0: automatic),
+  // cpp.gemm ("auto", "own", "mkl") and the test hooks cpp.test_rows, cpp.test_chunk (0: none) and
+  // cpp.test_keep_bytes (-1: the default). Refuses what it cannot honour, keeping the old ones.
+  m.def("set_cpu_options(int tile, str gemm, int test_rows=0, int test_chunk=0, int test_keep_bytes=-1) -> ()",
+        &set_cpu_options);
 
   // The primitive's extensions, the same trailing group on every op (docs/csrc.md, "Op conventions"):
   // pos_count, with pos_offset, the own positives' layout (0: those folded, or none); bias: the
@@ -77,7 +80,7 @@ TORCH_LIBRARY(fastcl, m) {
       "int pos_count=0, Tensor? bias=None, Tensor? threshold=None, Tensor? guide_anchor=None, "
       "Tensor? guide_block0=None, Tensor? guide_block1=None, "
       "*, Tensor(a!) d_anchor, Tensor(b!) d_block0, Tensor(c!) d_block1) -> ()");
-  // lse_fused on the K prefixes (CPU only): weights, lse, mean_logit and loss_rows [K, B],
+  // lse_fused on the K prefixes: weights, lse, mean_logit and loss_rows [K, B],
   // pos_logits and d_pos [K, B, P], prefix k's head weighted by row k of weights.
   m.def(
       "lse_prefix_fused(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "

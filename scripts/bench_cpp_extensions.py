@@ -66,7 +66,9 @@ def floor(prob: LSEProblem):
     a, c = prob.anchor, prob.blocks[0]
     x = torch.empty(a.shape[0], c.shape[0])
     f = prob.filter
-    guide = None if f is None or f.guide_anchor is None or f.guide_blocks is None else (f.guide_anchor, f.guide_blocks[0])
+    guide = (
+        None if f is None or f.guide_anchor is None or f.guide_blocks is None else (f.guide_anchor, f.guide_blocks[0])
+    )
 
     def run():
         torch.mm(a, c.T, out=x)

@@ -3,9 +3,9 @@
 Calls ``torch.ops.fastcl.lse_fused`` directly (supcon head, one positive logit per row,
 every candidate shared, no fold) on ``B`` anchors against ``N`` candidates of width ``d``,
 interleaved round by round with the floor (``fastcl.bench.floor``) of the same shape and
-with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_TILE``, ``FASTCL_CPP_GEMM``:
-``fastcl.config``, re-read around each variant's step, a few microseconds; the test hooks
-``_FASTCL_TEST_CPP_*``, read per call), so a loaded machine hits all of them alike. Prints min
+with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_TILE``, ``FASTCL_CPP_GEMM`` and
+the test hooks ``_FASTCL_TEST_CPP_*``: ``fastcl.config``, re-read around each variant's step, a
+few microseconds), so a loaded machine hits all of them alike. Prints min
 time and share of the floor.
 
     python scripts/bench_cpp_floor.py --B 512 --N 40960 --d 768 --env base= --env R128=_FASTCL_TEST_CPP_ROWS=128

@@ -26,14 +26,15 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (test hook
-// _FASTCL_TEST_CPP_KEEP_BYTES; 0: never) is kept for the calling thread's next call: a fresh one costs ~1 page fault
+// cpp.test_keep_bytes; 0: never) is kept for the calling thread's next call: a fresh one costs ~1 page fault
 // per 4 KiB page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024, d = 128;
 // benchmarks/results/cpu-2026-11-27-amd/notes.md). Larger buffers are allocated per call, as nothing may hold O(B N).
 constexpr int64_t kKeepBytes = int64_t(16) << 20;
 at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options) {
   thread_local at::Tensor kept;
   const int64_t n = c10::multiply_integers(shape);
-  if (n * int64_t(options.dtype().itemsize()) > env_int("_FASTCL_TEST_CPP_KEEP_BYTES", kKeepBytes, 0)) {
+  const int64_t set = cpu::options().test_keep_bytes.load(std::memory_order_relaxed);  // (options: the argument)
+  if (n * int64_t(options.dtype().itemsize()) > (set < 0 ? kKeepBytes : set)) {
     return at::empty(shape, options);
   }
   if (!kept.defined() || kept.numel() < n || kept.dtype() != options.dtype()) {
@@ -46,11 +47,11 @@ at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options)
 // Anchor rows H per block (all threads share a block): a [H, N] buffer of about (B + N) d
 // elements, at least 2^21 per thread, H in [8, 1024], evened out over the blocks. Each
 // block streams all of C, so short blocks lose (docs/csrc.md). fastcl.config's cpp.tile
-// (options().tile) sets the element budget; the test hook _FASTCL_TEST_CPP_ROWS forces H (to
+// (options().tile) sets the element budget; the test hook cpp.test_rows forces H (to
 // cross block edges). A sweep that keeps several [H, N] tiles (Matryoshka prefixes) shares the
 // budget among them.
 int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t tiles) {
-  int64_t rows = env_int("_FASTCL_TEST_CPP_ROWS", 0);
+  int64_t rows = options().test_rows.load(std::memory_order_relaxed);
   if (rows == 0) {
     const int64_t set = options().tile.load(std::memory_order_relaxed);
     const int64_t budget = set > 0 ? set : std::max<int64_t>(threads << 21, (B + N) * d);
@@ -138,11 +139,12 @@ struct Chunk {
 
 // The candidates each thread takes in steps 1 and 4 of sweep(): an equal share
 // [t N / T, (t + 1) N / T) of the N columns, cut at the edge between the two blocks (one or
-// two GEMM calls; smaller chunks lose, docs/csrc.md). The test hook _FASTCL_TEST_CPP_CHUNK caps
-// every call.
+// two GEMM calls; smaller chunks lose, docs/csrc.md). The test hook cpp.test_chunk caps every
+// call.
 template <typename T>
 std::vector<std::vector<Chunk>> candidate_shares(const Params<T>& p, int64_t threads) {
-  const int64_t most = env_int("_FASTCL_TEST_CPP_CHUNK", std::numeric_limits<int64_t>::max());
+  const int64_t chunk = options().test_chunk.load(std::memory_order_relaxed);
+  const int64_t most = chunk > 0 ? chunk : std::numeric_limits<int64_t>::max();
   std::vector<std::vector<Chunk>> shares(threads);
   auto add = [&](int64_t t, int blk, int64_t c, int64_t n) {
     for (int64_t k = 0; k < n; k += most) shares[t].push_back({blk, c + k, std::min(most, n - k)});
@@ -778,8 +780,10 @@ void lse_prefix_fused(const at::Tensor& anchor, const at::Tensor& block0, const 
 
 }  // namespace
 
-void set_options(int64_t tile, std::string_view gemm) {
+void set_options(int64_t tile, std::string_view gemm, int64_t test_rows, int64_t test_chunk, int64_t test_keep_bytes) {
   TORCH_CHECK(tile >= 0, "fastcl: cpp.tile must be >= 0 (0: automatic), got ", tile);
+  TORCH_CHECK(test_rows >= 0 && test_chunk >= 0 && test_keep_bytes >= -1,
+              "fastcl: cpp.test_rows and cpp.test_chunk must be >= 0, cpp.test_keep_bytes >= -1");
   TORCH_CHECK(gemm == "auto" || gemm == "own" || gemm == "mkl", "fastcl: cpp.gemm='", gemm,
               "'; expected auto, own or mkl");
   TORCH_CHECK(gemm != "own" || gemm::kAvailable,
@@ -787,6 +791,9 @@ void set_options(int64_t tile, std::string_view gemm) {
               "AVX-512 build of the cpp backend (this one targets ",
               FASTCL_CPU_TARGET, ")");
   options().tile.store(tile, std::memory_order_relaxed);
+  options().test_rows.store(test_rows, std::memory_order_relaxed);
+  options().test_chunk.store(test_chunk, std::memory_order_relaxed);
+  options().test_keep_bytes.store(test_keep_bytes, std::memory_order_relaxed);
   options().gemm.store(static_cast<int>(gemm == "own"   ? Gemm::kOwn
                                         : gemm == "mkl" ? Gemm::kMkl
                                                         : Gemm::kAuto),

@@ -43,7 +43,9 @@ def _register_fakes() -> None:
 
 
 def _push_config(cfg: config.Config) -> None:
-    torch.ops.fastcl.set_cpu_options(cfg.cpp.tile or 0, cfg.cpp.gemm)
+    cpp = cfg.cpp
+    keep = -1 if cpp.test_keep_bytes is None else cpp.test_keep_bytes
+    torch.ops.fastcl.set_cpu_options(cpp.tile or 0, cpp.gemm, cpp.test_rows or 0, cpp.test_chunk or 0, keep)
 
 
 @functools.cache

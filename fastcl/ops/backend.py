@@ -65,7 +65,7 @@ class Backend(Protocol):
 
 
 def input_reasons(problem: LSEProblem, *, backend: str, device_type: str, takes_dims: bool = False) -> list[str]:
-    """Device, dtype and tag checks shared by the ``cpp``, ``cuda`` and ``triton`` backends."""
+    """Device, dtype and tag checks shared by the ``cpp`` and ``triton`` backends."""
     why = [] if takes_dims or problem.dims is None else [dims_reason(backend)]
     tensors = (problem.anchor, *problem.blocks, *problem.tags)
     if any(t.device != problem.device for t in tensors):

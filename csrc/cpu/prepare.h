@@ -241,7 +241,7 @@ Params<T> prepare(const OpArgs& o) {
   }
   if (p.filter) {
     p.row_poison = p.ra.poison;
-    p.threshold = o.threshold->to(st).contiguous().view({-1, B});
+    p.threshold = o.threshold->to(st).contiguous().view({o.threshold->dim() == 2 ? o.threshold->size(0) : 1, B});
     if (o.guided()) {  // cosine of the guide's rows, clamped at eps; any float dtype in, T here
       p.ga = o.guide_anchor->to(st).contiguous();
       p.gc0 = o.guide_block0->to(st).contiguous();

@@ -22,7 +22,16 @@ from fastcl.ops.contract import TAG_ALL, TAG_PADDING, Filter, LSEProblem, OwnPos
 from fastcl.ops.head import SIGMOID_HEAD, HeadInputs
 from fastcl.testing import assert_close
 from tests.helpers.backends import require
-from tests.ops.test_extensions import _compare, make_case, oracle, oracle_grads
+from tests.ops.test_extensions import (
+    Case,
+    _check_backward,
+    _check_forward,
+    _check_fused,
+    _compare,
+    make_case,
+    oracle,
+    oracle_grads,
+)
 
 CPP, TORCH = _cpp.CppLSE(), TorchLSE()
 TILE = _cpp._capability == "AVX512"
@@ -107,12 +116,10 @@ def _problem(B, N0, N1, d, *, seed, reduce, filt, cosine=True, gdim=7, dtype=tor
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("rows", [None, 5])
 @pytest.mark.parametrize("reduce, filt", [("sigmoid", None), ("sigmoid", "guide"), ("lse", "self"), ("lse", "guide")])
-def test_extensions_with_the_tile(monkeypatch, fastcl_config, threads, n_threads, rows, reduce, filt):
+def test_extensions_with_the_tile(fastcl_config, threads, n_threads, rows, reduce, filt):
     """cpp.gemm='own' forces the tile at any size: block, row-tile (12) and panel (32) edges."""
     threads(n_threads)
-    fastcl_config(cpp={"gemm": "own"})
-    if rows:
-        monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", str(rows))
+    fastcl_config(cpp={"gemm": "own", "test_rows": rows})
     prob = _problem(29, 70, 33, 40, seed=5, reduce=reduce, filt=filt)
     _agree(prob, torch.tensor(0.3), seed=1, tol=1e-4)
 
@@ -132,11 +139,10 @@ def test_tile_chosen_from_512_anchors(threads, reduce, filt):
 @pytest.mark.parametrize("reduce", ["lse", "sigmoid"])
 @pytest.mark.parametrize("filt", ["guide", "self"])
 @pytest.mark.parametrize("tau, cosine", [(0.05, True), (0.02, True), (2.0, False)], ids=["bound", "max", "dot"])
-def test_row_passes(monkeypatch, reduce, filt, tau, cosine):
+def test_row_passes(fastcl_config, reduce, filt, tau, cosine):
     """Cosine at tau >= 0.04 takes 1/tau for the row max (one pass fewer), a smaller tau and dot
     products the max; both with the filter's adds and both reductions; rows cut into blocks."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "4")
-    monkeypatch.setenv("_FASTCL_TEST_CPP_CHUNK", "9")
+    fastcl_config(cpp={"test_rows": 4, "test_chunk": 9})
     prob = _problem(11, 40, 9, 16, seed=4, reduce=reduce, filt=filt, cosine=cosine)
     _agree(prob, torch.tensor(tau), seed=3, tol=1 / tau)
 
@@ -153,6 +159,30 @@ def test_sixteen_bit_inputs(dtype, reduce, filt):
         guide = (f.guide_anchor.to(other), tuple(g.to(other) for g in f.guide_blocks))
         prob = replace(prob, filter=Filter(f.threshold, guide[0], guide[1]))  # type: ignore[arg-type]
     _agree(prob, torch.tensor(0.3), seed=4, tol=1e-3)
+
+
+@pytest.mark.parametrize("B, N0, N1", [(0, 5, 3), (4, 0, 0), (1, 1, 0), (5, 0, 4)])
+@pytest.mark.parametrize("reduce, filt", [("sigmoid", "guide"), ("sigmoid", None), ("lse", "self"), ("lse", "guide")])
+def test_degenerate_shapes(B, N0, N1, reduce, filt):
+    """No anchors, no candidates, one of each, against the oracle with every output poisoned:
+    empty rows give the sigmoid 0 and the LSE -inf, and no gradient."""
+    g = torch.Generator().manual_seed(B + N0 + N1)
+    d = 6
+    blocks = (torch.randn(N0, d, generator=g), torch.randn(N1, d, generator=g))
+    tags = (torch.full((N0,), TAG_ALL, dtype=torch.int32), torch.full((N1,), TAG_ALL, dtype=torch.int32))
+    case = Case(torch.randn(B, d, generator=g), blocks, tags, 0.3, True, None)
+    if reduce == "sigmoid":
+        case.bias = -1.0
+    if filt is not None:
+        case.threshold = torch.full((B,), 0.2)
+    if filt == "guide":
+        case.guide = (torch.randn(B, 3, generator=g), torch.randn(N0, 3, generator=g), torch.randn(N1, 3, generator=g))
+    _check_forward(CPP, case)
+    _check_backward(CPP, case, seed=1)
+    _check_fused(CPP, case, seed=1)
+    if N0 + N1 == 0 and B:
+        value = CPP.forward(case.problem(), torch.tensor(0.3))[0]
+        assert (value == (0 if reduce == "sigmoid" else -math.inf)).all()
 
 
 # ----------------------------------------------------------------- non-finite rows
@@ -213,11 +243,11 @@ def test_nan_anchor_row_under_a_filter(reduce, mode):
 @pytest.mark.parametrize("reduce", ["lse", "sigmoid"])
 @pytest.mark.parametrize("filt", ["guide", "self"])
 @pytest.mark.parametrize("cosine", [True, False])
-def test_fused_prefixes_are_the_plain_steps(monkeypatch, reduce, filt, cosine):
+def test_fused_prefixes_are_the_plain_steps(fastcl_config, reduce, filt, cosine):
     """The fused Matryoshka step (one sweep over d, K weight tiles) equals the K plain fused steps
     on the prefixes, summed: rows per prefix, gradients zero beyond each prefix (per-prefix self
     thresholds, [K, B])."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "3")
+    fastcl_config(cpp={"test_rows": 3})
     dims = (24, 8, 16)
     case = make_case(7, 20, 6, 24, seed=5, reduce=reduce, filt=filt, dims=dims, cosine=cosine)
     prob, tau = case.problem(), torch.tensor(case.tau)

@@ -11,6 +11,7 @@ floor / step:
 * ``gist``: an MNRL/InfoNCE step filtered by a guide model (GIST: a candidate whose guide cosine
   exceeds the guide's cosine of the anchor's own positive minus 0.1 leaves the row), guide width
   ``g``; floor: the three model GEMMs and the guide's ``A_g C_g^T``.
+* ``plain``: the same InfoNCE step without a filter, the plain LSE's share for comparison.
 
 With ``--threads 1`` the times are CPU seconds (``time.process_time``: other processes on a
 loaded machine cost little), otherwise wall seconds. ``--env name=VAR=value`` adds a variant of
@@ -42,6 +43,8 @@ def problem(case: str, B: int, d: int, g: int, seed: int = 0) -> LSEProblem:
     pos = OwnPositives(0, 1)
     if case == "siglip":
         return LSEProblem(a, (c, empty), tags, positives=pos, sigmoid=Sigmoid(torch.tensor(-10.0)))
+    if case == "plain":
+        return LSEProblem(a, (c, empty), tags, positives=pos)
     ga = torch.randn(B, g, generator=gen)
     gc = ga + torch.randn(B, g, generator=gen)
     unit_a, unit_c = torch.nn.functional.normalize(ga, dim=1), torch.nn.functional.normalize(gc, dim=1)

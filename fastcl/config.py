@@ -53,7 +53,8 @@ TRITON_DS = ("auto", "fp32", "input")
 
 
 class PositiveInt:
-    """An integer >= ``least`` (Python's, not a bool); from the environment, decimal digits only."""
+    """An integer >= ``least`` (Python's, not a bool) and below 2^63 (the C++ library's int64);
+    from the environment, decimal digits only."""
 
     def __init__(self, least: int = 1):
         self.least = least
@@ -159,6 +160,25 @@ class CppOptions:
         Choice(CPP_GEMMS),
         "step 1's GEMM: 'own' (fastcl's AVX-512 tile), 'mkl', or 'auto' (the tile from 512 anchors "
         "on AVX-512 CPUs other than Intel's)",
+    )
+    # Test hooks, not a public interface: tests and measurements cross the kernels' edges with them
+    test_rows: int | None = knob(
+        None,
+        "_FASTCL_TEST_CPP_ROWS",
+        OrNone(PositiveInt()),
+        "test hook: force the row-block height H (None: automatic)",
+    )
+    test_chunk: int | None = knob(
+        None,
+        "_FASTCL_TEST_CPP_CHUNK",
+        OrNone(PositiveInt()),
+        "test hook: cap every GEMM call's candidates (None: no cap)",
+    )
+    test_keep_bytes: int | None = knob(
+        None,
+        "_FASTCL_TEST_CPP_KEEP_BYTES",
+        OrNone(PositiveInt(0)),
+        "test hook: largest block buffer kept between calls (None: 16 MiB; 0: none)",
     )
 
     def __post_init__(self) -> None:

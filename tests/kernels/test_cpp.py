@@ -124,13 +124,13 @@ def _compare_fused(prob, head, tau, atol):
 
 
 @pytest.mark.parametrize("folded", [False, True])
-@pytest.mark.parametrize("rows", ["1", "3", "64"])
+@pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("kind, log_extra", [("cross_entropy", False), ("softplus", False), ("softplus", True)])
-def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_extra, folded):
+def test_fused_matches_torch_across_block_edges(fastcl_config, rows, kind, log_extra, folded):
     """Forced block sizes make many waves and short last blocks; the head in C++ must
     agree with fastcl/ops/head.py row by row (masks, empty rows, log_extra); folded own
     positives (3 per anchor from row 5 of block 0) must match ``_fold_positives``."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
+    fastcl_config(cpp={"test_rows": rows})
     g = torch.Generator().manual_seed(int(rows) * 7 + len(kind))
     B = 37
     prob = _problem(B, 5 + 3 * B + 4, 29, 19, gen=g, positives=OwnPositives(5, 3) if folded else None)
@@ -139,10 +139,10 @@ def test_fused_matches_torch_across_block_edges(monkeypatch, rows, kind, log_ext
 
 
 @pytest.mark.parametrize("kind", ["cross_entropy", "softplus"])
-def test_empty_row_among_others(monkeypatch, kind):
+def test_empty_row_among_others(fastcl_config, kind):
     """Every candidate tagged 0 or padding: row 0 has none (lse -inf, no gradient, no NaN)
     while the other rows have all of them; folded own positives one per anchor."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "2")
+    fastcl_config(cpp={"test_rows": 2})
     g = torch.Generator().manual_seed(11)
     B, d = 5, 6
     tags0 = torch.where(torch.rand(B + 3, generator=g) < 0.3, TAG_PADDING, 0).to(torch.int32)
@@ -160,12 +160,12 @@ def test_empty_row_among_others(monkeypatch, kind):
 
 
 @pytest.mark.parametrize("kind", ["cross_entropy", "softplus"])
-def test_log_extra_nan_reaches_the_gradients_and_minus_inf_adds_nothing(monkeypatch, kind):
+def test_log_extra_nan_reaches_the_gradients_and_minus_inf_adds_nothing(fastcl_config, kind):
     """``log_extra`` is the ring's other blocks' merged ``lse`` (fastcl/ops/ring.py): a NaN
     there (a NaN candidate on another rank) must make the row's gradient share NaN, as
     the recompute path's ``exp(lse_t - lse)`` does, never 0; ``-inf`` (no other candidate)
     leaves the row as it is. The C++ head agrees with fastcl/ops/head.py."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "2")
+    fastcl_config(cpp={"test_rows": 2})
     g = torch.Generator().manual_seed(5)
     B = 6
     prob = _problem(B, 13, 7, 5, gen=g)
@@ -189,8 +189,8 @@ def test_log_extra_nan_reaches_the_gradients_and_minus_inf_adds_nothing(monkeypa
 
 
 @pytest.mark.parametrize("cosine", [True, False])
-def test_forward_and_backward_match_torch(monkeypatch, cosine):
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "4")
+def test_forward_and_backward_match_torch(fastcl_config, cosine):
+    fastcl_config(cpp={"test_rows": 4})
     prob = _problem(23, 2 * 23 + 1, 17, 9, cosine=cosine, positives=OwnPositives(1, 2))
     tau = torch.tensor(0.1, dtype=torch.float64)
     ref = TorchLSE()

@@ -62,15 +62,15 @@ def _close(got, want, tol):
 
 @needs_tile
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", ["", "5"])
+@pytest.mark.parametrize("rows", [None, 5])
 @pytest.mark.parametrize(
     "B, N1, d, folded",
     [(1, 0, 1, False), (13, 7, 5, True), (37, 29, 33, True), (50, 0, 130, False), (64, 40, 128, True)],
 )
-def test_fused_step_by_the_tile(monkeypatch, threads, rows, B, N1, d, folded):
+def test_fused_step_by_the_tile(fastcl_config, threads, rows, B, N1, d, folded):
     """The fused step with step 1 by the tile matches the float64 torch backend on the same
     float32 inputs (and the MKL path) across block, row-tile and panel edges."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
+    fastcl_config(cpp={"test_rows": rows})
     g = torch.Generator().manual_seed(B * 31 + d)
     P = 2
     prob = _problem(B, 3 + P * B + 4, N1, d, torch.float32, gen=g, positives=OwnPositives(3, P) if folded else None)

@@ -185,13 +185,12 @@ def test_a_prefix_lost_to_a_huge_row_is_refused():
         _cpp.BACKEND.forward(prob, torch.tensor(TAU))
 
 
-@pytest.mark.parametrize("rows", ["3", "1000"])
+@pytest.mark.parametrize("rows", [3, 1000])
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("cosine", [True, False])
-def test_blocks_and_threads(monkeypatch, threads, rows, n_threads, cosine):
+def test_blocks_and_threads(fastcl_config, threads, rows, n_threads, cosine):
     """Many row blocks (forced short) or one, candidate chunks, one and two threads."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
-    monkeypatch.setenv("_FASTCL_TEST_CPP_CHUNK", "37")
+    fastcl_config(cpp={"test_rows": rows, "test_chunk": 37})
     threads(n_threads)
     prob = prefix_problem(23, 150, 61, 70, (64, 7, 70, 33), cosine=cosine, own=2, generator=_gen(11))
     _check(prob, 1e-9)

@@ -464,7 +464,7 @@ def test_column_statistics(backend, monkeypatch, fastcl_config, shape, cosine):
 
     (lr, mr), (lc, mc) = lse_of(L, keep), lse_of(L.T, keep.T)
     want, want_ml = torch.cat([lr, lc]), torch.cat([mr, mc])
-    with small_tiles(backend, monkeypatch, fastcl_config), poison_outputs():
+    with small_tiles(backend, fastcl_config), poison_outputs():
         value, ml = impl.forward(prob, tau)
     assert value.shape == (prob.num_rows,)
     _compare("lse", value, want, abs_scale=1 / case.tau)
@@ -479,7 +479,7 @@ def test_column_statistics(backend, monkeypatch, fastcl_config, shape, cosine):
         )
         total = total + (d_pos.to(L.device) * L[torch.arange(B)[:, None], cols.to(L.device)]).sum()
     ref = torch.autograd.grad(total, (a, b0, b1))
-    with small_tiles(backend, monkeypatch, fastcl_config), poison_outputs():
+    with small_tiles(backend, fastcl_config), poison_outputs():
         d_a, (d0, d1) = impl.backward(
             prob, tau, value, g.float().to(dev), None if d_pos is None else d_pos.float().to(dev)
         )

@@ -88,6 +88,7 @@ def assert_roundoff(
     *,
     terms: int = 1,
     magnitude: float | None = None,
+    out_dtype: torch.dtype | None = None,
     equal_nan: bool = False,
     msg: str | None = None,
 ) -> None:
@@ -98,19 +99,35 @@ def assert_roundoff(
     ``dtype``: the precision the sums ran in (default: the lower of the two tensors' dtypes;
     pass it when ``got`` was cast to float64 for the comparison). ``magnitude``: the size of
     the summed terms (default: ``max |want|`` over its finite entries, i.e. no cancellation;
-    ``0`` leaves the relative bound alone). Shapes and dtypes must match, as in
+    ``0`` leaves the relative bound alone). ``out_dtype``: the result was stored in this
+    (16-bit) dtype after summing in ``dtype``; its rounding, one or a few roundings of each
+    element (autograd adds 16-bit gradients), adds ``roundoff(out_dtype, 1, max|want|)`` and
+    ``roundoff(out_dtype)`` to the bounds. Shapes and dtypes must match, as in
     ``torch.testing.assert_close``."""
     if isinstance(got, (tuple, list)):
         assert isinstance(want, (tuple, list)) and len(got) == len(want), f"{msg or ''}: {len(got)} != {len(want)}"
         for i, (g, w) in enumerate(zip(got, want)):
-            assert_roundoff(g, w, dtype, terms=terms, magnitude=magnitude, equal_nan=equal_nan, msg=f"{msg or ''}[{i}]")
+            assert_roundoff(
+                g,
+                w,
+                dtype,
+                terms=terms,
+                magnitude=magnitude,
+                out_dtype=out_dtype,
+                equal_nan=equal_nan,
+                msg=f"{msg or 'item'}[{i}]",
+            )
         return
     dt = dtype or (_lower(got.dtype, want.dtype) if got.dtype.is_floating_point else torch.float64)
+    finite = want.detach()[torch.isfinite(want.detach())]
+    size = finite.abs().max().item() if finite.numel() else 0.0
     if magnitude is None:
-        finite = want.detach()[torch.isfinite(want.detach())] if want.numel() else want.detach()
-        magnitude = finite.abs().max().item() if finite.numel() else 0.0
+        magnitude = size
     rtol = roundoff(dt, terms)
     atol = roundoff(dt, terms, magnitude)
+    if out_dtype is not None:
+        rtol += roundoff(out_dtype)
+        atol += roundoff(out_dtype, 1, size)
     if os.environ.get(ROUNDOFF_LOG_ENV):
         _log_margin(got, want, atol, rtol, msg)
     torch.testing.assert_close(

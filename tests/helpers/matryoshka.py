@@ -124,6 +124,7 @@ def check_roundoff(
     are ``upstream * gradient_term`` each (``upstream``: the largest upstream gradient), which
     counts when they cancel (a lone candidate, a candidate equal to the anchor)."""
     dtype, terms, scale = roundoff_terms(problem, tau)
+    want = want.detach().cpu().double()
     finite = want[torch.isfinite(want)]
     size = finite.abs().max().item() if finite.numel() else 0.0
     if not logits:
@@ -223,3 +224,23 @@ def check_fused(impl, problem: LSEProblem, tau: float, *, kind: str, seed: int =
         magnitude=g.abs().sum().item() * scale,
         msg="g_dot_mean_logit",
     )
+
+
+def check_fused_roundoff(got, want, problem: LSEProblem, tau: float, *, upstream: float = 0.0, equal_nan=False) -> None:
+    """Every output of two fused steps on one problem (two backends, GEMM paths or dtypes)
+    within :func:`check_roundoff`; ``g . mean_logit`` sums B logit-sized terms more. NaN:
+    at the same places when ``equal_nan``."""
+    pairs = [(n, getattr(got, n), getattr(want, n), True) for n in ("lse", "mean_logit", "loss_rows")]
+    pairs += [("d_pos", got.d_pos, want.d_pos, False), ("d_anchor", got.d_anchor, want.d_anchor, False)]
+    pairs += [(f"d_block{i}", g, w, False) for i, (g, w) in enumerate(zip(got.d_blocks, want.d_blocks))]
+    dtype, terms, scale = roundoff_terms(problem, tau)
+    B = problem.anchor.shape[0]
+    for name, x, y, logits in pairs + [("g_dot_mean_logit", got.g_dot_mean_logit, want.g_dot_mean_logit, None)]:
+        x, y = x.double(), y.double()
+        if equal_nan:
+            assert torch.equal(x.isnan(), y.isnan()), f"{name}: NaN at other places"
+            x, y = x.nan_to_num(), y.nan_to_num()
+        if logits is None:
+            assert_roundoff(x, y, dtype, terms=terms + B, magnitude=B * scale, msg=name)
+        else:
+            check_roundoff(name, x, y, problem, tau, logits=logits, upstream=upstream)

@@ -113,9 +113,11 @@ class OrNone:
         return self.kind.parse(name, raw)
 
 
-def knob(default: Any, env: str, kind: PositiveInt | Choice | Text | OrNone, doc: str) -> Any:
+def knob(default: Any, env: str | None, kind: PositiveInt | Choice | Text | OrNone, doc: str) -> Any:
     """A configuration field: its default, the environment variable that overrides the
-    default, its kind (checked on every construction) and one line on what it does."""
+    default (``None``: set through :func:`override` only, a tuning detail with a measured
+    default that needs no public name), its kind (checked on every construction) and one
+    line on what it does."""
     return field(default=default, metadata={"env": env, "kind": kind, "doc": doc})
 
 
@@ -134,7 +136,7 @@ class TorchOptions:
 
     tile: int = knob(
         1 << 22,
-        "FASTCL_TORCH_TILE",
+        None,
         PositiveInt(),
         "elements of one [rows, N] float32 logit tile (a block holds about three); 2^20..2^23 "
         "are within 5 % of each other at d = 768 on the 2-core CI machine",
@@ -198,7 +200,7 @@ class TritonOptions:
     )
     ds_bytes: int = knob(
         40 << 20,
-        "FASTCL_TRITON_DS_BYTES",
+        None,
         PositiveInt(),
         "bytes of one recomputed dS chunk (at least 2048 columns): fewer chunks, fewer launches, more scratch",
     )
@@ -254,8 +256,8 @@ def sections() -> dict[str, type]:
     }
 
 
-def knobs() -> list[tuple[str, str, str, Any]]:
-    """``(field path, environment variable, doc, default)`` of every knob, for the docs' table."""
+def knobs() -> list[tuple[str, str | None, str, Any]]:
+    """``(field path, environment variable or None, doc, default)`` of every knob, for the docs' table."""
     out = []
     for f in dataclasses.fields(Config):
         section = sections().get(f.name)
@@ -271,10 +273,11 @@ def knobs() -> list[tuple[str, str, str, Any]]:
 def _from_env(cls: type, environ: Mapping[str, str]) -> Any:
     values = {}
     for f in dataclasses.fields(cls):
-        if "env" in f.metadata:
-            raw = environ.get(f.metadata["env"], "")
+        if "kind" in f.metadata:
+            env = f.metadata["env"]
+            raw = environ.get(env, "") if env else ""
             if raw.strip():  # unset or empty: the default
-                values[f.name] = f.metadata["kind"].parse(f.metadata["env"], raw)
+                values[f.name] = f.metadata["kind"].parse(env, raw)
         else:  # a section
             values[f.name] = _from_env(sections()[f.name], environ)
     return cls(**values)

@@ -18,6 +18,15 @@ def minilm_path() -> Path:
     return path
 
 
+# The sums behind one embedding coordinate of a 2-layer, 32-wide tiny BERT (tiny_bert, and
+# tests.helpers.train.make_tiny_bert) and of its gradient, per layer: 32 coordinates in the Q, K,
+# V, attention-output and FFN-in projections, 64 in FFN-out, up to 64 tokens in attention; then
+# pooling over the tokens (fastcl.testing.roundoff's ``terms``).
+TINY_BERT_TERMS = 2 * (5 * 32 + 64 + 64) + 64
+# all-MiniLM-L6-v2: 6 layers, 384 wide, FFN 1536, sentences of up to 32 tokens
+MINILM_TERMS = 6 * (5 * 384 + 1536 + 32) + 32
+
+
 def tiny_bert(pooler: bool = True, layers: int = 2, seed: int = 0):
     """A random 2-layer BERT (hidden 32) with MiniLM's vocabulary size, in eval mode."""
     import torch

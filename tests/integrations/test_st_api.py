@@ -22,6 +22,11 @@ from sentence_transformers.sentence_transformer import losses as st_losses  # no
 
 from fastcl.integrations import sentence_transformers as fst  # noqa: E402
 from tests.helpers import st as common  # noqa: E402
+from tests.helpers.roundoff import (  # noqa: E402
+    assert_grad_roundoff,
+    assert_loss_roundoff,
+    assert_tau_grad_roundoff,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +60,7 @@ def test_batch_encoding_is_accepted(tmp_path, make, cached):
     )
     ref_value, ref_grads = _step(model, st_losses.MultipleNegativesRankingLoss(model), [dict(f) for f in features])
     value, grads = _step(model, loss, features)
-    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_value_close(value, ref_value)
     common.assert_grads_close(grads, ref_grads, f"BatchEncoding from {make}")
 
 
@@ -91,7 +96,23 @@ OPTIONS = [  # (directions, partition_mode): every combination sentence-transfor
     (("query_to_doc", "doc_to_query"), "per_direction"),
 ]
 HARDNESS = [None, "in_batch_negatives", "hard_negatives", "all_negatives"]
-F64 = dict(rtol=1e-10, atol=1e-10)
+# float64 against float64 (ST, the oracle, another reduction): the sums behind one number are a
+# logit's d (<= 7) coordinates, a row's candidates (all four directions: B (2 + Q) documents and B
+# queries; B <= 6, Q <= 2) and a column's B anchors; logits of size scale (12, 1/0.07 ~ 14) plus a
+# hardness term of size strength (<= 5), or |a| |c| scale for dot products (0.4-scaled inputs): 20.
+F64_TERMS = 7 + 6 * 5 + 6
+F64_SCALE = 20.0
+F64 = dict(terms=F64_TERMS, logit_scale=F64_SCALE)
+
+
+def _same(got, want, got_grads=(), want_grads=()):
+    """A value and its gradients; a gradient may cancel to ~0 (B = 1: a softmax over one
+    candidate), so its terms' size bounds it: d logit / d embedding, 1/|a| per unit of logit
+    (inputs of norm ~sqrt(d) >= 1)."""
+    assert_loss_roundoff(got, want, torch.float64, **F64)
+    assert len(got_grads) == len(want_grads)
+    for g, w in zip(got_grads, want_grads):
+        assert_grad_roundoff(g, w, torch.float64, term_size=1.0, **F64)
 
 
 def _st_mnrl(
@@ -139,9 +160,7 @@ def test_mnrl_options_equal_sentence_transformers(directions, partition_mode, ha
     )
     want = ref.compute_loss_from_embeddings(embs, None)
     got = ours.compute_loss_from_embeddings(embs)
-    torch.testing.assert_close(got, want, **F64)
-    for g, w in zip(torch.autograd.grad(got, embs), torch.autograd.grad(want, embs)):
-        torch.testing.assert_close(g, w, **F64)
+    _same(got, want, torch.autograd.grad(got, embs), torch.autograd.grad(want, embs))
 
 
 def _oracle(q, d, negs, tau, directions, partition_mode, hardness_mode, alpha):
@@ -204,10 +223,11 @@ def test_tiny_batches_and_learnable_temperature(hardness_mode, B, Q, backend):
         )
         want = _oracle(embs[0], embs[1], embs[2:], tau, directions, partition_mode, hardness_mode, strength)
         st_value = _st_mnrl(directions, partition_mode, hardness_mode, strength, scale=1 / 0.07)
-        torch.testing.assert_close(want, st_value.compute_loss_from_embeddings(embs, None), **F64)  # the oracle is ST's
-        torch.testing.assert_close(got, want, **F64)
-        for g, w in zip(torch.autograd.grad(got, [*embs, tau]), torch.autograd.grad(want, [*embs, tau])):
-            torch.testing.assert_close(g, w, **F64)
+        _same(want, st_value.compute_loss_from_embeddings(embs, None))  # the oracle is ST's
+        *grads, d_tau = torch.autograd.grad(got, [*embs, tau])
+        *want_grads, want_d_tau = torch.autograd.grad(want, [*embs, tau])
+        _same(got, want, grads, want_grads)
+        assert_tau_grad_roundoff(d_tau, want_d_tau, torch.float64, terms=F64_TERMS, logit_scale=F64_SCALE, rows=1)
 
 
 def test_reductions_and_module():
@@ -216,15 +236,16 @@ def test_reductions_and_module():
     mean = L.mnrl_loss(embs[0], embs[1], embs[2], **kw)
     rows = L.mnrl_loss(embs[0], embs[1], embs[2], reduction="none", **kw)
     assert rows.shape == (5,)
-    torch.testing.assert_close(rows.mean(), mean, **F64)
-    torch.testing.assert_close(L.mnrl_loss(embs[0], embs[1], embs[2], reduction="sum", **kw), rows.sum(), **F64)
+    _same(rows.mean(), mean)
+    # the sum of B = 5 rows: B times a row's error
+    summed = L.mnrl_loss(embs[0], embs[1], embs[2], reduction="sum", **kw)
+    assert_loss_roundoff(summed, rows.sum(), torch.float64, terms=F64_TERMS, logit_scale=5 * F64_SCALE)
     module = L.MNRLoss(0.1, directions=GTE, hardness_mode="all_negatives", hardness_strength=1.5)
-    torch.testing.assert_close(module(embs[0], embs[1], embs[2]), mean, **F64)
+    _same(module(embs[0], embs[1], embs[2]), mean)
     # default options keep the plain fused path and its value
-    torch.testing.assert_close(
+    _same(
         L.mnrl_loss(embs[0], embs[1], directions=("query_to_doc",), partition_mode="per_direction", temperature=0.1),
         L.mnrl_loss(embs[0], embs[1], temperature=0.1),
-        **F64,
     )
 
 
@@ -286,7 +307,7 @@ def test_plain_and_cached_match_sentence_transformers_through_a_model(
     }
     for name, loss in runs.items():
         value, grads = _step(model, loss, [dict(f) for f in features])
-        torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6, msg=name)
+        common.assert_value_close(value, ref_value, name)
         common.assert_grads_close(grads, ref_grads, name)
 
 
@@ -329,9 +350,11 @@ def test_supcon_labels_st_class_equals_pml():
     labels = torch.tensor([0, 1, 0, 2, 1, 2, 3])
     got = fst.SupConLabelsLoss(torch.nn.Identity(), temperature=0.1).compute_loss_from_embeddings(views, labels)
     want = SupConLoss(temperature=0.1)(torch.cat(views), labels.repeat(2))
-    torch.testing.assert_close(got, want, **F64)
+    # 2B = 14 candidates per row and per column, d = 5, logits of size 1/0.1
+    kw = dict(terms=5 + 14 + 14, logit_scale=10.0)
+    assert_loss_roundoff(got, want, torch.float64, **kw)
     for g, w in zip(torch.autograd.grad(got, views), torch.autograd.grad(want, views)):
-        torch.testing.assert_close(g, w, **F64)
+        assert_grad_roundoff(g, w, torch.float64, **kw)
     with pytest.raises(ValueError, match="label"):
         fst.SupConLabelsLoss(torch.nn.Identity()).compute_loss_from_embeddings(views)
 
@@ -345,7 +368,7 @@ def test_supcon_labels_cached_equals_plain_through_a_model(tmp_path):
     value, grads = _step_labels(
         model, fst.SupConLabelsLoss(model, temperature=0.1, mini_batch_size=4), features, labels
     )
-    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-6)
+    common.assert_value_close(value, ref_value, scale=10.0)  # temperature 0.1
     common.assert_grads_close(grads, ref_grads, "cached SupConLabelsLoss")
 
 
@@ -396,7 +419,7 @@ def test_cached_losses_work_inside_matryoshka(tmp_path, options):
         value, grads = _seeded_step(
             model, st_losses.MatryoshkaLoss(model, inner, DIMS, matryoshka_weights=[1.0, 0.5, 0.25]), features
         )
-        torch.testing.assert_close(value, ref[0], rtol=1e-5, atol=1e-6, msg=name)
+        common.assert_value_close(value, ref[0], name)
         common.assert_grads_close(grads, ref[1], name)
     with torch.no_grad():  # evaluation: the value, no backward inside
         loss = st_losses.MatryoshkaLoss(
@@ -405,7 +428,7 @@ def test_cached_losses_work_inside_matryoshka(tmp_path, options):
             DIMS,
             matryoshka_weights=[1.0, 0.5, 0.25],
         )
-        torch.testing.assert_close(loss([dict(f) for f in features], None), ref[0], rtol=1e-5, atol=1e-6)
+        common.assert_value_close(loss([dict(f) for f in features], None), ref[0])
 
 
 def test_cached_supcon_labels_inside_matryoshka(tmp_path):
@@ -417,7 +440,7 @@ def test_cached_supcon_labels_inside_matryoshka(tmp_path):
     cached = _seeded_step(
         model, st_losses.MatryoshkaLoss(model, fst.SupConLabelsLoss(model, mini_batch_size=3), DIMS), features, labels
     )
-    torch.testing.assert_close(cached[0], plain[0], rtol=1e-5, atol=1e-6)
+    common.assert_value_close(cached[0], plain[0])
     common.assert_grads_close(cached[1], plain[1], "cached SupConLabelsLoss in MatryoshkaLoss")
 
 
@@ -434,7 +457,7 @@ def test_matryoshka_2d_and_adaptive_layer(tmp_path):
     ):
         ref = _seeded_step(model, wrap(st_losses.MultipleNegativesRankingLoss(model)), features, seed=7)
         got = _seeded_step(model, wrap(fst.MultipleNegativesRankingLoss(model)), features, seed=7)
-        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+        common.assert_value_close(got[0], ref[0])
         common.assert_grads_close(got[1], ref[1], "2d / adaptive layer")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -11,10 +11,13 @@ import fastcl.losses as L
 from fastcl.losses import mnrl_directions_loss
 from fastcl.ops.backend import MATRYOSHKA_BACKENDS, dims_reason
 from tests.helpers.backends import backends_under_test, device_under_test, require
+from tests.helpers.roundoff import assert_grad_roundoff, assert_loss_roundoff, assert_tau_grad_roundoff
 
-DIMS, WEIGHTS = (12, 5, 8), (1.0, 0.5, 2.0)
-GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 B, P, Q, D = 6, 2, 3, 12
+DIMS, WEIGHTS = (12, 5, 8), (1.0, 0.5, 2.0)
+# a logit's D coordinates, a row's B (1 + P + Q) candidates, a column's B anchors
+TERMS = D + B * (1 + P + Q) + B
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
 def _inputs(seed=0, device="cpu"):
@@ -75,10 +78,19 @@ def test_equals_the_weighted_sum_of_truncated_losses(case, backend, reduction, s
     kw = dict(temperature=x["tau"], reduction=reduction, similarity=similarity)
     got = fn(x, backend=backend, matryoshka_dims=DIMS, matryoshka_weights=WEIGHTS, **kw)
     want = sum(w * fn(_truncated(x, m), backend="reference", **kw) for m, w in zip(DIMS, WEIGHTS))
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # float64: logits of size 1/tau (cos) or |a| |c| / tau ~ D / tau (dot), weighted by sum(WEIGHTS);
+    # a sum over the B rows (the gradients always differentiate the sum) adds B of them
+    scale = sum(WEIGHTS) * (D if similarity == "dot" else 1) / float(x["tau"])
+    assert_loss_roundoff(got, want, torch.float64, terms=TERMS, logit_scale=scale * (B if reduction == "sum" else 1))
     got_g, want_g = _grads(got, x), _grads(want, x)
     for k in got_g:
-        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-9, atol=1e-11, msg=k)
+        if k == "tau":
+            rows = 1 if reduction == "mean" else B
+            assert_tau_grad_roundoff(got_g[k], want_g[k], torch.float64, terms=TERMS, logit_scale=scale, rows=rows)
+        else:  # a gradient may cancel: terms of size d logit / d x ~ 1 per unit of logit
+            assert_grad_roundoff(
+                got_g[k], want_g[k], torch.float64, terms=TERMS, logit_scale=scale, term_size=1.0, msg=k
+            )
 
 
 def test_default_weights_are_one_and_order_does_not_matter():
@@ -141,7 +153,8 @@ def test_half_precision_on_torch():
     got = L.mnrl_loss(x["a"], x["p1"], x["n"], backend="torch", matryoshka_dims=DIMS)
     want = sum(L.mnrl_loss(x["a"][:, :m].double(), x["p1"][:, :m].double(), x["n"][..., :m].double()) for m in DIMS)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    # bfloat16 inputs summed in float32, the result rounded to bfloat16; logits of size 1/0.05 per dim
+    assert_loss_roundoff(got, want, torch.bfloat16, terms=TERMS, logit_scale=len(DIMS) / 0.05)
 
 
 # --------------------------------------------------------------------------- argument papercuts

@@ -24,7 +24,7 @@ from fastcl.gclsr import GCLSRModel
 from fastcl.gclsr.optim import build_sgd, gclsr_scheduler, set_momentum
 from fastcl.pooling import pool, without_first_token
 from fastcl.trainers.config import resolve_precision
-from tests.helpers.train import make_tiny_bert
+from tests.helpers.train import assert_embeddings_close, make_tiny_bert
 
 # ---------------------------------------------------------------- 1, 2: GCLSR optimiser
 
@@ -118,15 +118,15 @@ def test_liao_preset_pools_without_cls_at_train_and_test(tiny, tmp_path):
         states = model.encoder.backbone(**batch).last_hidden_state
     lengths = batch["attention_mask"].sum(1)
     manual = torch.stack([states[i, 1 : lengths[i]].mean(0) for i in range(len(sentences))])
-    torch.testing.assert_close(train_emb, manual, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(recipe.encoder(model).encode(sentences), manual, rtol=1e-5, atol=1e-6)  # dev eval
+    assert_embeddings_close(train_emb, manual)
+    assert_embeddings_close(recipe.encoder(model).encode(sentences), manual)  # dev eval
     recipe.save_pretrained(model, tmp_path / "saved", cfg)
     info = json.loads((tmp_path / "saved" / "fastcl_model.json").read_text())
     assert info["pooling"] == info["train_pooling"] == "mean_no_cls"
     saved = encode(
         AutoModel.from_pretrained(tmp_path / "saved"), tok, sentences, pooling=info["pooling"], show_progress=False
     )
-    torch.testing.assert_close(saved, manual, rtol=1e-5, atol=1e-6)
+    assert_embeddings_close(saved, manual)
 
 
 # ---------------------------------------------------------------- 4: EdaCSE weight decay

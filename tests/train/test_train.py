@@ -15,7 +15,15 @@ import torch
 from fastcl.__main__ import main as cli
 from fastcl.cli.train import parse
 from fastcl.trainers.loop import train
-from tests.helpers.train import make_samples, make_tiny_bert
+from tests.helpers.roundoff import assert_grad_roundoff, assert_loss_roundoff
+from tests.helpers.train import (
+    assert_embeddings_close,
+    assert_trained_close,
+    initial_state,
+    logit_scale,
+    make_samples,
+    make_tiny_bert,
+)
 
 pytestmark = pytest.mark.data
 NLI_METHODS = ("simcse-sup", "supmpn", "supcon")
@@ -108,12 +116,12 @@ def test_recipe_learns_and_saves(setup, tmp_path, method, cap):
     trained.load_state_dict(state)
     expected = recipe.encoder(trained).encode(sentences)
     if info["mlp"] != "always":  # a kept head over mean pooling lives only in the ST Dense module
-        torch.testing.assert_close(emb, expected, rtol=1e-5, atol=1e-5)
+        assert_embeddings_close(emb, expected)
     if info["sentence_transformers"]:
         from sentence_transformers import SentenceTransformer
 
         st = SentenceTransformer(str(final), device="cpu")
-        torch.testing.assert_close(torch.as_tensor(st.encode(sentences)), expected, rtol=1e-4, atol=1e-5)
+        assert_embeddings_close(st.encode(sentences), expected, "sentence-transformers")
 
 
 def test_mlp_head_saved_for_automodel_and_sentence_transformers(setup, tmp_path):
@@ -137,13 +145,11 @@ def test_mlp_head_saved_for_automodel_and_sentence_transformers(setup, tmp_path)
     with torch.no_grad():  # the raw module: [CLS] -> MLP
         tok = AutoTokenizer.from_pretrained(out / "final")
         direct = trained.eval()(**tok(sentences, padding=True, return_tensors="pt"))
-    torch.testing.assert_close(expected, direct, rtol=1e-5, atol=1e-6)
+    assert_embeddings_close(expected, direct)
     model = AutoModel.from_pretrained(out / "final")
-    torch.testing.assert_close(
-        encode(model, tok, sentences, pooling="cls", show_progress=False), expected, rtol=1e-5, atol=1e-6
-    )
+    assert_embeddings_close(encode(model, tok, sentences, pooling="cls", show_progress=False), expected)
     st = SentenceTransformer(str(out / "final"), device="cpu")
-    torch.testing.assert_close(torch.as_tensor(st.encode(sentences)), expected, rtol=1e-4, atol=1e-5)
+    assert_embeddings_close(st.encode(sentences), expected, "sentence-transformers")
 
 
 def _state(folder):
@@ -215,8 +221,7 @@ def test_gradient_cache_matches_full_batch(setup, tmp_path):
         train(recipe, cfg)
         states.append(_state(out / "checkpoint-2")["model"])
     a, b = states
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert_trained_close(b, a, initial_state(recipe, cfg), steps=2, logit_scale=logit_scale(cfg), what="chunked")
 
 
 def test_bf16_autocast_dev_eval_and_best_checkpoint(setup, tmp_path):
@@ -301,12 +306,13 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
         "supmpn-ring": ("supmpn", supmpn, dict(cross_device="ring")),  # candidates passed rank to rank
         "supcon": ("supcon", dict(pooling="mean"), {}),  # Liao allpalln: pool loss over every rank's hypotheses
     }
-    argvs = []
+    argvs, inits = [], {}
     for name, (method, extra, two_extra) in cases.items():
         common = dict(max_examples=16, max_steps=2, lr=0.5, model=setup["model_no_dropout"], **extra)
         recipe, cfg = parse(_argv(method, _options(setup, method, tmp_path / name / "one", **common)))
         recipe.build_optimizer = sgd
         train(recipe, cfg)
+        inits[name] = (initial_state(recipe, cfg), logit_scale(cfg))
         argvs.append(_argv(method, _options(setup, method, tmp_path / name / "two", **common, **two_extra)))
     with contextlib.ExitStack() as stack:  # distinct free ports, released before the ranks bind them
         socks = [stack.enter_context(socket.socket()) for _ in argvs]
@@ -323,8 +329,8 @@ def test_ddp_two_processes_match_one(setup, tmp_path):
         assert json.loads((two_dir / MANIFEST).read_text())["run_id"] == run_id
         one = _state(tmp_path / method / "one" / "checkpoint-2")["model"]
         two = _state(tmp_path / method / "two" / "checkpoint-2")["model"]
-        for k in one:  # float summation order differs
-            torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-5, msg=f"{method}: {k}")
+        init, scale = inits[method]  # float summation order differs
+        assert_trained_close(two, one, init, steps=2, logit_scale=scale, what=method)
 
 
 @pytest.mark.parametrize("similarity", ["dot", "cos"])
@@ -360,11 +366,14 @@ def test_liao_3p3n_local_loss_equals_pool_loss_when_sets_cover_the_batch(similar
     fused = supcon_pool_loss(
         anchors, cands, pos_index, pos_mask=pos_mask, temperature=tau, similarity=similarity, backend="reference"
     )
-    torch.testing.assert_close(local.double(), fused)
+    # local computes in float32: a logit's 16 coordinates, a row's and a column's 7 candidates;
+    # logits of size 1/tau (cos) or |a| |c| / tau ~ 16 (dot, randn inputs: ~ d)
+    kw = dict(terms=16 + 7 + 7, logit_scale=16.0 if similarity == "dot" else 1 / tau)
+    assert_loss_roundoff(local, fused, torch.float32, **kw)
     g_local = torch.autograd.grad(local, (anchors, cands))
     g_fused = torch.autograd.grad(fused, (anchors, cands))
     for a, b in zip(g_local, g_fused):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)  # local computes in float32
+        assert_grad_roundoff(a, b, torch.float32, **kw)
     # 3p3n trains end to end (sampled caps come from ctx.rng)
     out = liao_in_batch(rows, "3p3n", random.Random(0))
     assert all(len(p) <= 3 and len(n) <= 3 for p, n in zip(out["pos_index"], out["neg_index"]))

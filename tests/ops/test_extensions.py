@@ -419,8 +419,15 @@ def test_nan_in_a_dropped_column(backend, reduce):
     _check_forward(impl, case)
     g = torch.zeros(6, device=dev)
     g[0] = 1.0
-    d_a, _ = impl.backward(prob, torch.tensor(case.tau, device=dev), value, g, None)
+    with poison_outputs():
+        d_a, (d0, d1) = impl.backward(prob, torch.tensor(case.tau, device=dev), value, g, None)
     assert torch.isfinite(d_a[0]).all(), "no NaN reaches the gradient of a row that drops the column"
+    # row 0's gradients against the oracle's (which masks the logits before any elementwise
+    # function: a dropped NaN gets an exactly zero gradient, not 0 * NaN, under autograd too)
+    want_grads = oracle_grads(case, g.cpu(), None)
+    assert all(torch.isfinite(w).all() for w in want_grads)
+    for name, got, ref in zip(("d anchor", "d block0", "d block1"), (d_a, d0, d1), want_grads):
+        _compare(name, got, ref, abs_scale=1 / case.tau)
 
 
 def test_bad_filter_shapes():

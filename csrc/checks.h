@@ -36,6 +36,9 @@ struct OpArgs {
   // Extensions (contract.Sigmoid, contract.Filter): the sigmoid's 0-d bias; the filter's
   // threshold [B] or [K, B], and a guide's embeddings [B, g], [N0, g], [N1, g] (none: self filter).
   OptTensor bias, threshold, guide_anchor, guide_block0, guide_block1;
+  // Column statistics (LSEProblem.columns; plain LSE forward and backward only): the per-row
+  // outputs and inputs are [B + N], the rows' then the columns'.
+  bool columns = false;
   // backward: lse (the sigmoid's value) and grad_lse [B] / [K, B]; d_pos [B, P] / [K, B, P] to fold
   at::Tensor lse_in, grad_lse;
   OptTensor d_pos_in;
@@ -59,6 +62,10 @@ struct OpArgs {
   std::vector<int64_t> rows() const {
     const int64_t B = anchor.size(0);
     return dims ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};
+  }
+  // the per-row outputs' (forward) and inputs' (backward) shape: rows(), or [B + N] with columns
+  std::vector<int64_t> stat_rows() const {
+    return columns ? std::vector<int64_t>{anchor.size(0) + block0.size(0) + block1.size(0)} : rows();
   }
 };
 
@@ -181,14 +188,18 @@ inline void check(OpArgs& a) {
   const int64_t B = a.anchor.size(0), d = a.anchor.size(1), N0 = a.block0.size(0);
   const auto rows = a.rows();  // [B], or [K, B] for a Matryoshka op
   const int64_t R = int64_t(rows.size());
-  const char* rows_str = a.dims ? "[K, B]" : "[B]";
+  const char* rows_str = a.columns ? "[B + N]" : a.dims ? "[K, B]" : "[B]";
+  TORCH_CHECK(!a.columns || (!a.dims && !a.sigmoid() && !a.filter() && a.mode != Mode::kFused),
+              "fastcl: column statistics are a plain LSE forward and backward (no matryoshka dims, sigmoid, "
+              "filter or fused head)");
+  const auto stat_rows = a.stat_rows();
   // the sigmoid's row statistics: [2, B] or [2, K, B]
   std::vector<int64_t> stats = rows;
   if (a.sigmoid()) stats.insert(stats.begin(), 2);
   TORCH_CHECK(a.pos_count >= 0, "fastcl: pos_count must be >= 0");
   if (a.mode != Mode::kBackward) {
-    check_out(a.lse, "lse", rows, cd);
-    check_out(a.mean_logit, "mean_logit", stats, cd);
+    check_out(a.lse, "lse", stat_rows, cd);
+    check_out(a.mean_logit, "mean_logit", a.columns ? stat_rows : stats, cd);
   }
   if (a.mode != Mode::kForward) {
     check_out(a.d_anchor, "d_anchor", {B, d}, cd);
@@ -196,7 +207,8 @@ inline void check(OpArgs& a) {
     check_out(a.d_block1, "d_block1", {a.block1.size(0), d}, cd);
   }
   if (a.mode == Mode::kBackward) {
-    TORCH_CHECK(a.lse_in.sizes() == rows && a.grad_lse.sizes() == rows, "fastcl: lse and grad_lse must be ", rows_str);
+    TORCH_CHECK(a.lse_in.sizes() == stat_rows && a.grad_lse.sizes() == stat_rows, "fastcl: lse and grad_lse must be ",
+                rows_str);
     if (a.d_pos_in) {
       TORCH_CHECK(!a.sigmoid(), "fastcl: the sigmoid reduction folds no d_pos (its pairs are inside the sum)");
       TORCH_CHECK(a.d_pos_in->dim() == R + 1 && a.d_pos_in->sizes().slice(0, R) == rows, "fastcl: d_pos must be ",

@@ -29,7 +29,9 @@ TORCH_LIBRARY(fastcl, m) {
   // sigmoid reduction (contract.Sigmoid) instead of the LSE, its statistics [2, B] ([2, K, B]) in
   // place of mean_logit; threshold [B] ([K, B]): the filter (contract.Filter), with the guide's
   // embeddings guide_anchor [B, g], guide_block0 [N0, g], guide_block1 [N1, g], or (none) the model's
-  // own similarity.
+  // own similarity. columns (lse_forward and lse_backward only: a plain LSE): column statistics
+  // (LSEProblem.columns), lse and mean_logit (forward), lse and grad_lse (backward) [B + N], the
+  // rows' then the columns'.
 
   // Forward only: lse [B] (-inf for a row without candidates) and the softmax-weighted
   // mean logit [B] (0 for such a row).
@@ -37,7 +39,7 @@ TORCH_LIBRARY(fastcl, m) {
       "lse_forward(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
       "Tensor tau, bool cosine, float eps, int pos_offset=0, "
       "int pos_count=0, Tensor? bias=None, Tensor? threshold=None, Tensor? guide_anchor=None, "
-      "Tensor? guide_block0=None, Tensor? guide_block1=None, "
+      "Tensor? guide_block0=None, Tensor? guide_block1=None, bool columns=False, "
       "*, Tensor(a!) lse, Tensor(b!) mean_logit) -> ()");
 
   // Recompute backward from lse and grad_lse = dLoss/dlse [B]; d_pos [B, P], the gradient of
@@ -46,7 +48,7 @@ TORCH_LIBRARY(fastcl, m) {
       "lse_backward(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
       "Tensor tau, bool cosine, float eps, Tensor lse, Tensor grad_lse, Tensor? d_pos, int pos_offset, "
       "int pos_count=0, Tensor? bias=None, Tensor? threshold=None, Tensor? guide_anchor=None, "
-      "Tensor? guide_block0=None, Tensor? guide_block1=None, "
+      "Tensor? guide_block0=None, Tensor? guide_block1=None, bool columns=False, "
       "*, Tensor(a!) d_anchor, Tensor(b!) d_block0, Tensor(c!) d_block1) -> ()");
 
   // Gradient in forward: the loss head ("cross_entropy" | "softplus"; "sigmoid" with bias) applied

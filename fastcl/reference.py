@@ -102,6 +102,9 @@ class ReferenceLSE(Backend):
         assert problem.sigmoid is not None
         rows = torch.arange(problem.num_anchors, device=problem.device)
         z = torch.where(own_positive_columns(problem.positives, rows, logits.shape[1]), 1.0, -1.0).to(logits.dtype)
+        # masked first: a dropped NaN logit never enters the elementwise functions (masking only
+        # after them leaves 0 * NaN in their derivatives under autograd: the double backward)
+        logits = torch.where(keep, logits, 0.0)
         terms, sigma = sigmoid_terms(logits, z, problem.sigmoid.bias.to(logits.dtype))
         return torch.where(keep, terms, 0.0), torch.where(keep, sigma, 0.0)
 

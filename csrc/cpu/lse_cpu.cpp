@@ -157,24 +157,36 @@ std::vector<std::vector<Chunk>> candidate_shares(const Params<T>& p, int64_t thr
   return shares;
 }
 
+// One row task's running partials of the column statistics (forward, LSEProblem.columns), [N]
+// each: the columns' max so far (or the bound), and sum exp(l - max), sum exp(l - max) l over the
+// task's rows. The sweep merges the tasks' partials in task order (finish_columns).
+template <typename T>
+struct ColumnPartial {
+  T *max, *sum, *suml;
+};
+
 // Buffer rows [i0, i1) of a block starting at anchor r0, prefix k (0 for a plain problem): raw
 // dot products in, weights X (or, forward only, probabilities) out; all passes of a row back to
 // back, while it is in L2. With col_rad (Matryoshka cosine backward) the radial sums too. guide:
-// the block's guide dot products ([h, N], guide filter), else null.
+// the block's guide dot products ([h, N], guide filter), else null. With cols (column statistics,
+// forward) the rows' terms of the columns' partials too, from the raw rows before their passes.
 //
 // With a filter or the sigmoid reduction a row first gets its column adds (`add`: -inf where the
 // column leaves the row by padding, tag or filter, the NaN poison of non-finite rows, else 0),
 // which its passes read in place of the shared col_add, and every weight of a column left out is
 // 0 by selection (contract.Filter: a dropped NaN reaches nothing). Without them the passes are
-// those of the plain LSE (the tag's columns marked -inf in the raw row).
+// those of the plain LSE (the tag's columns marked -inf in the raw row). Column statistics take
+// the row's own adds too: the tag's -inf must not reach a column through a NaN anchor's row (-inf
+// times a NaN factor).
 template <typename T>
-void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0, int64_t i1, int64_t k, T* col_rad) {
+void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0, int64_t i1, int64_t k, T* col_rad,
+                const ColumnPartial<T>* cols = nullptr) {
   const int64_t N = p.N, kb = k * p.B;
   const T* inv_a = p.inv_a.template data_ptr<T>() + kb;
   const T* inv_c = p.inv_c.template data_ptr<T>() + k * N;
   const T* col_add = p.add(k);
   const bool fused = p.mode == Mode::kFused;
-  const bool masked = p.filter || p.sigmoid;  // rows with their own column adds
+  const bool masked = p.filter || p.sigmoid || p.columns;  // rows with their own column adds
   std::vector<T> add_buf(masked ? N : 0);
   const T* row_poison = p.filter ? p.row_poison.template data_ptr<T>() + kb : nullptr;
   const T* thr = p.filter ? p.threshold.template data_ptr<T>() + (p.threshold.size(0) > 1 ? kb : 0) : nullptr;
@@ -217,6 +229,10 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
   };
   // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
   auto weights = [&](int64_t gi, T* row, const T* add, T row_scale) -> T {
+    if (p.mode == Mode::kBackward && p.columns) {  // the row's softmax and the columns' (one pass)
+      rows::column_softmax_weights(row, inv_c, add, row_scale, p.lse_in[gi], p.grad_lse[gi], p.col_lse, p.col_g, N);
+      return T(0);
+    }
     if (p.mode == Mode::kBackward) {
       return softmax_weights(row, add, row_scale, p.lse_in[kb + gi], p.grad_lse[kb + gi]);
     }
@@ -302,6 +318,16 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
     return sums.rad;
   };
 
+  if (cols && bound > T(0)) {  // cosine: 1/tau bounds every logit and is every column's shift
+    std::fill(cols->max, cols->max + N, bound);
+  } else if (cols) {  // the block's rows raise the columns' max first: the sums so far rescaled once
+    std::vector<T> old(cols->max, cols->max + N);
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* row = s + i * N;
+      rows::column_max(cols->max, row, inv_c, row_adds(i, r0 + i, row), inv_a[r0 + i] * p.inv_tau, N);
+    }
+    rows::column_rescale(cols->sum, cols->suml, old.data(), cols->max, N);
+  }
   const int64_t P = p.fold.count;
   std::vector<T> pos_raw(col_rad ? P : 0);  // the own positives' raw dot products (radial sums)
   for (int64_t i = i0; i < i1; ++i) {
@@ -310,6 +336,7 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
     const T row_scale = inv_a[gi] * p.inv_tau;
     const int64_t c0 = p.fold.offset + gi * P;
     const T* add = row_adds(i, gi, row);
+    if (cols) rows::column_sums(cols->sum, cols->suml, cols->max, row, inv_c, add, row_scale, N);
     if (p.fold.dpos && col_rad) std::copy(row + c0, row + c0 + P, pos_raw.begin());
     if (p.own_logits) {
       // the own positives' logits from their raw dot products, formed like every other logit
@@ -349,11 +376,12 @@ template <typename T>
 bool padded_rows_may_be_nonzero(const Params<T>& p) {
   const bool fused = p.mode == Mode::kFused;
   const int64_t n = int64_t(p.ends.size()) * p.B, P = p.fold.count;
+  const int64_t stats = n + (p.columns ? p.N : 0);  // the columns' lse and g follow the rows'
   const T *lse = fused ? p.lse : p.lse_in, *g = fused ? p.g_rows : p.grad_lse, *dp = p.fold.dpos;
   const T* add = p.col_add.template data_ptr<T>();
   auto bad_lse = [](T x) { return std::isnan(x) || x == std::numeric_limits<T>::infinity(); };  // -inf: no weights
-  if (p.ra.nonfinite || std::any_of(g, g + n, [](T x) { return !std::isfinite(x); }) ||
-      std::any_of(lse, lse + n, bad_lse)) {
+  if (p.ra.nonfinite || std::any_of(g, g + stats, [](T x) { return !std::isfinite(x); }) ||
+      std::any_of(lse, lse + stats, bad_lse)) {
     return true;
   }
   for (int64_t j = 0; dp && j < n * P; ++j) {  // entry (k, i, s) of d_pos: column offset + i P + s
@@ -373,6 +401,29 @@ void zero_padded_rows(const Params<T>& p) {
     T* row = c < p.N0 ? p.d_c0.template data_ptr<T>() + c * p.d : p.d_c1.template data_ptr<T>() + (c - p.N0) * p.d;
     std::fill(row, row + p.d, T(0));
   }
+}
+
+// Column statistics (forward): the tasks' partials [tasks, 3, N] (ColumnPartial: max, sum, suml)
+// merged in task order into the columns' lse and mean logit, written after the rows' (an empty
+// column, or none of its partials: -inf and 0).
+template <typename T>
+void finish_columns(const Params<T>& p, const at::Tensor& partials) {
+  const int64_t tasks = partials.defined() ? partials.size(0) : 0, N = p.N;
+  const T* part = tasks ? partials.template data_ptr<T>() : nullptr;
+  parallel(0, N, 1024, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      T m = rows::neg_inf<T>(), sum = 0, suml = 0;
+      for (int64_t t = 0; t < tasks; ++t) m = rows::nan_max(m, part[3 * t * N + c]);
+      for (int64_t t = 0; t < tasks; ++t) {
+        const T mt = part[3 * t * N + c];
+        if (mt == rows::neg_inf<T>()) continue;  // no row of the task holds the column
+        const T f = std::exp(mt - m);
+        sum += part[(3 * t + 1) * N + c] * f, suml += part[(3 * t + 2) * N + c] * f;
+      }
+      p.lse[p.B + c] = sum == T(0) ? rows::neg_inf<T>() : m + std::log(sum);
+      p.mean_logit[p.B + c] = sum == T(0) ? T(0) : suml / sum;
+    }
+  });
 }
 
 // ------------------------------------------------------------------ step 1 by fastcl's GEMM tile
@@ -470,8 +521,10 @@ void sweep(const Params<T>& p) {
   if (grad && top < d) {  // coordinates beyond every prefix get no gradient
     for (const at::Tensor* t : {&p.d_a, &p.d_c0, &p.d_c1}) t->narrow(1, top, d - top).zero_();
   }
+  const bool columns = p.columns && !grad;  // the forward's column partials
   if (p.B == 0) {  // otherwise the first block's X^T A writes E_c (no zeroing pass over [N, d])
     if (grad) p.d_c0.zero_(), p.d_c1.zero_();
+    if (columns) finish_columns(p, at::Tensor());  // no row: every column is empty
     return;
   }
   const int64_t T_ = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
@@ -486,6 +539,9 @@ void sweep(const Params<T>& p) {
   const Tiles tiles_1 = make_tiles(p, T_, H);  // step 1 by fastcl's GEMM tile (or MKL: none)
   // radial sums of the candidates, one [K, N] partial per row task (summed in task order)
   at::Tensor col_rad = p.row_rad ? at::zeros({T_, K, p.N}, p.a.options()) : at::Tensor();
+  // column statistics: one [3, N] partial (max, sums) per row task, O(threads N), merged at the end
+  at::Tensor col_part = columns ? at::zeros({T_, 3, p.N}, p.a.options()) : at::Tensor();
+  if (columns) col_part.select(1, 0).fill_(rows::neg_inf<T>());
   auto slice = [&](int64_t k) { return std::make_pair(k ? p.ends[k - 1] : 0, p.ends[k] - (k ? p.ends[k - 1] : 0)); };
 
   for (int64_t r0 = 0; r0 < p.B; r0 += H) {
@@ -528,10 +584,13 @@ void sweep(const Params<T>& p) {
     for (int64_t k = 0; k < K; ++k) {
       if (k + 1 < K) raw_dots(k + 1);
       T* s = tile(k).template data_ptr<T>();
-      if (col_rad.defined()) {  // fixed row tasks: each owns one partial of the candidates' radial sums
+      if (col_rad.defined() || columns) {  // fixed row tasks: each owns one partial of the column sums
         parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
           for (int64_t t = t0; t < t1; ++t) {
-            block_rows(p, s, guide_dots, r0, h * t / T_, h * (t + 1) / T_, k, col_rad[t][k].template data_ptr<T>());
+            T* rad = col_rad.defined() ? col_rad[t][k].template data_ptr<T>() : nullptr;
+            T* part = columns ? col_part[t].template data_ptr<T>() : nullptr;
+            const ColumnPartial<T> cols{part, part + p.N, part + 2 * p.N};
+            block_rows(p, s, guide_dots, r0, h * t / T_, h * (t + 1) / T_, k, rad, columns ? &cols : nullptr);
           }
         });
       } else {
@@ -580,6 +639,7 @@ void sweep(const Params<T>& p) {
     unnormalize_rows(p.d_c0, p.c0, p.rc0, 0, p.N0, 64);
     unnormalize_rows(p.d_c1, p.c1, p.rc1, 0, p.N1, 64);
   }
+  if (columns) finish_columns(p, col_part);
   if (grad && padded_rows_may_be_nonzero(p)) zero_padded_rows(p);
 }
 
@@ -616,6 +676,13 @@ void run(OpArgs& o) {
       p.lse_in = lse_c.data_ptr<T>();
       p.grad_lse = g_c.data_ptr<T>();
     }
+    std::vector<T> col_lse(o.columns && o.mode == Mode::kBackward ? p.N : 0), col_g(col_lse.size());
+    for (int64_t c = 0; c < int64_t(col_lse.size()); ++c) {  // an empty column (-inf) gets no weights
+      const T l = p.lse_in[B + c];
+      col_lse[c] = l == rows::neg_inf<T>() ? T(0) : l;
+      col_g[c] = l == rows::neg_inf<T>() ? T(0) : p.grad_lse[B + c];
+    }
+    p.col_lse = col_lse.data(), p.col_g = col_g.data();
     std::optional<HeadTensors> ht;
     std::vector<Head<T>> heads;
     const at::Tensor g_rows = o.mode == Mode::kFused ? at::empty({K, B}, opt) : at::Tensor();
@@ -658,8 +725,9 @@ OpArgs inputs(Mode mode, const at::Tensor& anchor, const at::Tensor& block0, con
 
 // The extensions' arguments, the same trailing group on every op.
 void extensions(OpArgs& o, int64_t pos_count, const OptTensor& bias, const OptTensor& threshold,
-                const OptTensor& guide_anchor, const OptTensor& guide_block0, const OptTensor& guide_block1) {
-  o.pos_count = pos_count, o.bias = bias, o.threshold = threshold;
+                const OptTensor& guide_anchor, const OptTensor& guide_block0, const OptTensor& guide_block1,
+                bool columns = false) {
+  o.pos_count = pos_count, o.bias = bias, o.threshold = threshold, o.columns = columns;
   o.guide_anchor = guide_anchor, o.guide_block0 = guide_block0, o.guide_block1 = guide_block1;
 }
 
@@ -667,11 +735,11 @@ void extensions(OpArgs& o, int64_t pos_count, const OptTensor& bias, const OptTe
 void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
              const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
              int64_t pos_offset, int64_t pos_count, const OptTensor& bias, const OptTensor& threshold,
-             const OptTensor& guide_anchor, const OptTensor& guide_block0, const OptTensor& guide_block1,
+             const OptTensor& guide_anchor, const OptTensor& guide_block0, const OptTensor& guide_block1, bool columns,
              const at::Tensor& lse, const at::Tensor& mean_logit) {
   OpArgs o = inputs(Mode::kForward, anchor, block0, block1, tags0, tags1, tau, cosine, eps, dims);
   o.pos_offset = pos_offset;
-  extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1);
+  extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1, columns);
   o.lse = lse, o.mean_logit = mean_logit;
   run(o);
 }
@@ -679,10 +747,10 @@ void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tenso
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
                  const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, int64_t pos_offset,
                  int64_t pos_count, const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
-                 const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& lse,
+                 const OptTensor& guide_block0, const OptTensor& guide_block1, bool columns, const at::Tensor& lse,
                  const at::Tensor& mean_logit) {
   forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, pos_offset, pos_count, bias, threshold,
-          guide_anchor, guide_block0, guide_block1, lse, mean_logit);
+          guide_anchor, guide_block0, guide_block1, columns, lse, mean_logit);
 }
 
 void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -691,7 +759,7 @@ void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, cons
                         const OptTensor& threshold, const OptTensor& guide_anchor, const OptTensor& guide_block0,
                         const OptTensor& guide_block1, const at::Tensor& lse, const at::Tensor& mean_logit) {
   forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, pos_offset, pos_count, bias, threshold,
-          guide_anchor, guide_block0, guide_block1, lse, mean_logit);
+          guide_anchor, guide_block0, guide_block1, false, lse, mean_logit);
 }
 
 // lse_backward, and lse_prefix_backward with dims (lse, grad_lse [K, B], d_pos [K, B, P]).
@@ -699,11 +767,11 @@ void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tens
               const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
               const at::Tensor& lse, const at::Tensor& grad_lse, const OptTensor& d_pos, int64_t pos_offset,
               int64_t pos_count, const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
-              const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& d_anchor,
+              const OptTensor& guide_block0, const OptTensor& guide_block1, bool columns, const at::Tensor& d_anchor,
               const at::Tensor& d_block0, const at::Tensor& d_block1) {
   OpArgs o = inputs(Mode::kBackward, anchor, block0, block1, tags0, tags1, tau, cosine, eps, dims);
   o.lse_in = lse, o.grad_lse = grad_lse, o.d_pos_in = d_pos, o.pos_offset = pos_offset;
-  extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1);
+  extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1, columns);
   o.d_anchor = d_anchor, o.d_block0 = d_block0, o.d_block1 = d_block1;
   run(o);
 }
@@ -712,10 +780,10 @@ void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::
                   const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::Tensor& lse,
                   const at::Tensor& grad_lse, const OptTensor& d_pos, int64_t pos_offset, int64_t pos_count,
                   const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
-                  const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& d_anchor,
-                  const at::Tensor& d_block0, const at::Tensor& d_block1) {
+                  const OptTensor& guide_block0, const OptTensor& guide_block1, bool columns,
+                  const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1) {
   backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, grad_lse, d_pos, pos_offset, pos_count,
-           bias, threshold, guide_anchor, guide_block0, guide_block1, d_anchor, d_block0, d_block1);
+           bias, threshold, guide_anchor, guide_block0, guide_block1, columns, d_anchor, d_block0, d_block1);
 }
 
 void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -726,7 +794,7 @@ void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, con
                          const OptTensor& guide_block1, const at::Tensor& d_anchor, const at::Tensor& d_block0,
                          const at::Tensor& d_block1) {
   backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, grad_lse, d_pos, pos_offset, pos_count,
-           bias, threshold, guide_anchor, guide_block0, guide_block1, d_anchor, d_block0, d_block1);
+           bias, threshold, guide_anchor, guide_block0, guide_block1, false, d_anchor, d_block0, d_block1);
 }
 
 // lse_fused, and lse_prefix_fused with dims (weights, lse, mean_logit, loss_rows [K, B],

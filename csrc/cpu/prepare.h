@@ -179,6 +179,11 @@ struct Params {
   RowInfo<T> rga, rgc0, rgc1;  // their norms: sim = cosine (a non-finite guide row: NaN, drops nothing)
   at::Tensor inv_gc;           // [N] guide candidates' factors, c0 then c1
   bool guided() const { return ga.defined(); }
+  // column statistics (LSEProblem.columns; plain LSE only): forward writes the columns' lse and mean
+  // logit after the rows' (lse, mean_logit [B + N]); backward reads the columns' lse and gradient
+  bool columns = false;
+  const T* col_lse = nullptr;  // [N] (backward) the column's lse; 0 for an empty column (-inf)
+  const T* col_g = nullptr;    // [N] (backward) its gradient; 0 for an empty column
   // the column adds of prefix k: col_add's row k with a filter (per-prefix poison), else row 0
   const T* add(int64_t k) const { return col_add.template data_ptr<T>() + (filter ? k : 0) * N; }
 
@@ -212,7 +217,7 @@ Params<T> prepare(const OpArgs& o) {
   p.inv_tau = T(1) / T(t);
   p.ends = o.ends;
   p.pos_offset = o.pos_count ? o.pos_offset : 0, p.pos_count = o.pos_count;
-  p.sigmoid = o.sigmoid(), p.filter = o.filter();
+  p.sigmoid = o.sigmoid(), p.filter = o.filter(), p.columns = o.columns;
   if (p.sigmoid) p.bias = T(o.bias->item<double>());
   // tags0 then tags1 (at::cat took ~50 us at N = 1024: 1 % of a small step)
   std::vector<int32_t> tags(N0 + N1);

@@ -164,6 +164,99 @@ T softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T l
   return rad;
 }
 
+// Column statistics (LSEProblem.columns), forward: one task's running column partials over its
+// rows, merged like split partials (docs/csrc.md, "Column statistics"). Every column pass
+// selects on col_add = -inf (the column left the row): a NaN anchor row's logits are NaN even
+// there (-inf + NaN), and must not reach a column it does not hold. column_max: cmax[c] <-
+// max(cmax[c], l_c) (NaN propagates), l_c formed from the raw row as in logits_and_max.
+template <typename T>
+void column_max(T* cmax, const T* row, const T* col_scale, const T* col_add, T row_scale, int64_t n) {
+  using V = Vectorized<T>;
+  const V rs(row_scale), ninf(neg_inf<T>());
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    const V ad = V::loadu(col_add + c);
+    const V l = V::blendv(V::loadu(row + c) * rs * V::loadu(col_scale + c) + ad, ninf, ad == ninf);
+    at::vec::maximum(V::loadu(cmax + c), l).store(cmax + c);
+  }
+  for (; c < n; ++c) {
+    if (col_add[c] != neg_inf<T>()) cmax[c] = nan_max(cmax[c], row[c] * row_scale * col_scale[c] + col_add[c]);
+  }
+}
+
+// The partials' sums of a raised max: sum[c], suml[c] *= exp(old[c] - cmax[c]) (0 while the column
+// has seen no row: old = -inf, the sums are 0; NaN once its max is NaN).
+template <typename T>
+void column_rescale(T* sum, T* suml, const T* old, const T* cmax, int64_t n) {
+  using V = Vectorized<T>;
+  const V zero(T(0)), ninf(neg_inf<T>());
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    const V o = V::loadu(old + c);
+    const V f = V::blendv((o - V::loadu(cmax + c)).exp(), zero, o == ninf);
+    (V::loadu(sum + c) * f).store(sum + c);
+    (V::loadu(suml + c) * f).store(suml + c);
+  }
+  for (; c < n; ++c) {
+    const T f = old[c] == neg_inf<T>() ? T(0) : std::exp(old[c] - cmax[c]);
+    sum[c] *= f, suml[c] *= f;
+  }
+}
+
+// One row's terms of the column sums: sum[c] += exp(l_c - shift[c]), suml[c] += that * l_c, a
+// column the row leaves out (l = -inf) adding nothing (shift: the column max so far, or a bound).
+template <typename T>
+void column_sums(T* sum, T* suml, const T* shift, const T* row, const T* col_scale, const T* col_add, T row_scale,
+                 int64_t n) {
+  using V = Vectorized<T>;
+  const V rs(row_scale), zero(T(0)), ninf(neg_inf<T>());
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    const V ad = V::loadu(col_add + c), out = ad == ninf;
+    const V l = V::loadu(row + c) * rs * V::loadu(col_scale + c) + ad;
+    const V e = V::blendv((l - V::loadu(shift + c)).exp(), zero, out);
+    (V::loadu(sum + c) + e).store(sum + c);
+    (V::loadu(suml + c) + V::blendv(e * l, zero, out)).store(suml + c);
+  }
+  for (; c < n; ++c) {
+    if (col_add[c] == neg_inf<T>()) continue;
+    const T l = row[c] * row_scale * col_scale[c] + col_add[c];
+    const T e = std::exp(l - shift[c]);
+    sum[c] += e, suml[c] += e * l;
+  }
+}
+
+// Column statistics, recompute backward in one pass: row[c] <- w_c = (g exp(l_c - lse) + col_g[c]
+// exp(l_c - col_lse[c])) * row_scale * col_scale[c], the row's softmax times its gradient plus
+// column c's softmax times c's. A term whose gradient is 0 adds nothing (nor does the row's when
+// its lse is -inf: no candidate), whatever l holds: the caller gives col_g = 0 for an empty
+// column (col_lse then any finite number); a column the row leaves (col_add = -inf) gets w = 0.
+template <typename T>
+void column_softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T lse, T g, const T* col_lse,
+                            const T* col_g, int64_t n) {
+  using V = Vectorized<T>;
+  const bool row_on = lse != neg_inf<T>() && g != T(0);
+  const V rs(row_scale), vlse(row_on ? lse : T(0)), vg(row_on ? g : T(0)), zero(T(0));
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    const V cs = V::loadu(col_scale + c), cg = V::loadu(col_g + c), ad = V::loadu(col_add + c);
+    const V l = V::loadu(row + c) * rs * cs + ad;
+    V w = V::blendv(cg * (l - V::loadu(col_lse + c)).exp(), zero, cg == zero);
+    if (row_on) w = w + vg * (l - vlse).exp();
+    V::blendv(w * rs * cs, zero, ad == V(neg_inf<T>())).store(row + c);
+  }
+  for (; c < n; ++c) {
+    if (col_add[c] == neg_inf<T>()) {
+      row[c] = T(0);
+      continue;
+    }
+    const T l = row[c] * row_scale * col_scale[c] + col_add[c];
+    T w = col_g[c] == T(0) ? T(0) : col_g[c] * std::exp(l - col_lse[c]);
+    if (row_on) w += g * std::exp(l - lse);
+    row[c] = w * row_scale * col_scale[c];
+  }
+}
+
 // row[c] <- row[c] * factor, or 0 where col_add[c] = -inf (the column left the row) whatever the
 // product (a filter's non-finite row: X must be 0 there, not 0 * NaN)
 template <typename T>

@@ -64,11 +64,14 @@ def _args(problem: LSEProblem, tau: Tensor) -> tuple:
 def _extensions(problem: LSEProblem, order: list[int] | None) -> dict:
     """The ops' trailing group of extension arguments (registration.cpp): the own positives'
     count (their layout for the sigmoid's pairs and the filter's exemption), the sigmoid's bias,
-    the filter's threshold (a ``[K, B]`` one in the op's prefix ``order``) and guide embeddings."""
+    the filter's threshold (a ``[K, B]`` one in the op's prefix ``order``) and guide embeddings,
+    and the column statistics' flag."""
     cd = compute_dtype(problem.dtype)
     ext: dict = {"pos_count": 0 if problem.positives is None else problem.positives.count}
     if problem.sigmoid is not None:
         ext["bias"] = problem.sigmoid.bias.to(cd)
+    if problem.columns:  # lse_forward and lse_backward only (no Matryoshka or fused column statistics)
+        ext["columns"] = True
     f = problem.filter
     if f is not None:
         thr = f.threshold.to(cd)
@@ -96,6 +99,7 @@ class CppLSE(Backend):
     fused_takes_dims = True
     takes_filter = True
     takes_sigmoid = True
+    takes_columns = True  # without Matryoshka dims (extension_reasons), in forward and backward
 
     def unavailable(self) -> str | None:
         """Why the C++ library cannot run here (builds it on the first call), or None. A
@@ -110,9 +114,9 @@ class CppLSE(Backend):
         return input_reasons(problem, backend=self.name, device_type=self.device_type, takes_dims=True)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        """``(lse [B], mean_logit [B])``; ``[K, B]`` with ``problem.dims``. The sigmoid reduction:
-        ``(value, stats [2, ...])``."""
-        rows = (problem.num_anchors,) if problem.dims is None else (problem.num_prefixes, problem.num_anchors)
+        """``(lse [B], mean_logit [B])``; ``[K, B]`` with ``problem.dims``; ``[B + N]`` with
+        ``problem.columns``. The sigmoid reduction: ``(value, stats [2, ...])``."""
+        rows = (problem.num_rows,) if problem.dims is None else (problem.num_prefixes, problem.num_anchors)
         sigmoid = problem.sigmoid is not None
         lse, mean_logit = _out(problem, rows), _out(problem, ((2,) if sigmoid else ()) + rows)
         out = dict(lse=lse, mean_logit=mean_logit)
@@ -164,6 +168,8 @@ class CppLSE(Backend):
         sigmoid = problem.sigmoid is not None
         if sigmoid != (head.kind == SIGMOID_HEAD):
             raise ValueError(f"fused: head {head.kind!r} does not go with this problem's reduction")
+        if problem.columns:
+            raise ValueError("fused: column statistics take forward and backward (fastcl/ops/symmetric.py)")
         lse, loss_rows = _out(problem, rows), _out(problem, rows)
         mean_logit = _out(problem, ((2,) if sigmoid else ()) + rows)
         d_anchor, g_dot_mean_logit = _out(problem, problem.anchor.shape), _out(problem, ())

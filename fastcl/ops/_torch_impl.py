@@ -175,8 +175,7 @@ def _sweep(
         # raw logits are not needed again and the mask goes in place
         masked = logits.masked_fill_(drop, float("-inf")) if want_grad else logits.masked_fill(drop, float("-inf"))
         # log-sum-exp by hand so exp runs once: its result becomes the softmax in place
-        row_max = masked.amax(dim=1)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty row
+        row_max = _torch_prefix.finite_max(masked, 1)  # 0 for an empty row (and for N = 0)
         probs = masked.sub_(row_max[:, None]).exp_()
         total = probs.sum(dim=1)
         blk_lse = total.log().add_(row_max)  # -inf for an empty row
@@ -255,9 +254,10 @@ def _columns_sweep(
         logits = a_blk @ prep.c_hat.T
         masked = logits.masked_fill_(_drop(problem, prep, r0, r1, logits, tau), float("-inf"))
         if g is None:  # the rows' statistics, and the columns' partials merged into the running ones
-            e = _shifted_exp(masked, masked.amax(1), 1)
+            row_max = _torch_prefix.finite_max(masked, 1)
+            e = _shifted_exp(masked, row_max, 1)
             total = e.sum(1)
-            out.lse[r0:r1] = total.log() + torch.where(torch.isfinite(masked.amax(1)), masked.amax(1), 0.0)
+            out.lse[r0:r1] = total.log() + row_max
             kept = masked.nan_to_num(neginf=0.0)
             out.mean_logit[r0:r1] = torch.where(total > 0, torch.linalg.vecdot(e, kept) / total, 0.0)
             new_max = torch.maximum(col_max, masked.amax(0))

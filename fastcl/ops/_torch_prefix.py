@@ -49,6 +49,15 @@ from .contract import (
 from .normalize import normalize_rows
 
 
+def finite_max(x: Tensor, dim: int) -> Tensor:
+    """The shift of a masked log-sum-exp along ``dim``: ``x.amax(dim)`` where finite, else 0 (an
+    empty line: all ``-inf``, or no entry at all, N = 0 candidates, where ``amax`` refuses)."""
+    if x.shape[dim] == 0:
+        return x.new_zeros(x.shape[:dim] + x.shape[dim + 1 :])
+    m = x.amax(dim=dim)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 @dataclass
 class _Scaled:
     u: Tensor  # [rows, m_K] compute dtype: x / s
@@ -164,8 +173,7 @@ def _softmax(logits: Tensor, drop: Tensor, lse: Tensor | None = None) -> tuple[T
     """``(lse [R], p [R, N])`` of the masked row; an empty row has lse -inf and p = 0."""
     masked = logits.masked_fill(drop, float("-inf"))
     if lse is None:
-        row_max = masked.amax(dim=1)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        row_max = finite_max(masked, 1)
         p = masked.sub_(row_max[:, None]).exp_()
         total = p.sum(dim=1)
         p.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))[:, None])

@@ -95,7 +95,9 @@ def extension_reasons(impl: Backend, problem: LSEProblem) -> list[str]:
             f"the {impl.name} backend does not compute the sigmoid reduction (backends that do: reference, torch, cpp)"
         )
     if problem.columns and not impl.takes_columns:
-        why.append(f"the {impl.name} backend does not compute column statistics (backends that do: reference, torch)")
+        why.append(
+            f"the {impl.name} backend does not compute column statistics (backends that do: reference, torch, cpp)"
+        )
     if problem.columns and problem.dims is not None and impl.name != "reference":
         why.append(f"the {impl.name} backend does not compute column statistics with matryoshka dims")
     if problem.filter is not None and problem.filter.guide_anchor is not None:

@@ -26,6 +26,17 @@ def siglip_step(backend: str, B: int, d: int):
     return lambda: fn().backward()
 
 
+def clip_step(backend: str, B: int, d: int):
+    """CLIP's symmetric step (``LSEProblem.columns``: the rows' and the columns' LSEs in one
+    pass) on a fastcl backend that computes column statistics (``symmetric.takes``)."""
+    img, txt = _leaves((B, d), (B, d))
+    import fastcl.losses as L
+    from fastcl.ops import symmetric
+
+    assert symmetric.takes(backend, img, txt, True, 1e-8) == backend, f"{backend} does not take the symmetric step"
+    return lambda: L.clip_loss(img, txt, 10.0, backend=backend).backward()
+
+
 def gist_step(backend: str, B: int, d: int, g: int):
     """GIST with one hard negative; ``backend``: a fastcl backend or ``"reference"`` (the
     blocks written out as sentence-transformers does: ``[B, 4B]`` scores)."""

@@ -7,7 +7,8 @@ import torch
 
 import fastcl.losses as L
 from fastcl.ops import dispatch
-from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs
+from fastcl.ops.contract import TAG_ALL, TAG_PADDING, Filter, LSEProblem, OwnPositives, Sigmoid, poison_outputs
+from fastcl.ops.head import SIGMOID_HEAD, HeadInputs
 from fastcl.ops.positive_logits import positive_logits
 from fastcl.reference import ReferenceLSE
 from tests.helpers.backends import backends_under_test, device_under_test, require
@@ -126,6 +127,45 @@ def test_zero_vectors_are_finite(backend):
         loss = fn(*leaves, backend=backend)
         grads = torch.autograd.grad(loss, leaves)
         assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("kind", ["lse", "sigmoid", "filter", "columns"])
+@pytest.mark.parametrize("dims", [None, (2, 5)], ids=["plain", "dims"])
+def test_no_candidates(backend, kind, dims):
+    """N = 0 candidates (both blocks empty): every row is empty (lse -inf, mean logit 0; the
+    sigmoid's value and stats 0), the columns add nothing, the gradients are zero, in every mode
+    the backend has."""
+    dev = device_under_test()
+    a = torch.randn(3, 5, device=dev)
+    empty, no_tags = torch.empty(0, 5, device=dev), torch.empty(0, dtype=torch.int32, device=dev)
+    ext: dict = {
+        "sigmoid": {"sigmoid": Sigmoid(torch.tensor(-1.0, device=dev))},
+        "filter": {"filter": Filter(torch.zeros(3, device=dev))},
+        "columns": {"columns": True},
+    }.get(kind, {})
+    prob = LSEProblem(a, (empty, empty), (no_tags, no_tags), True, dims=dims, **ext)
+    impl = dispatch.get(backend)
+    if dispatch.reasons(backend, prob):
+        pytest.skip(f"{backend} refuses: {dispatch.reasons(backend, prob)}")
+    tau = torch.tensor(0.5, device=dev)
+    K = () if dims is None else (len(dims),)
+    with poison_outputs():
+        value, stats = impl.forward(prob, tau)
+        grads = impl.backward(prob, tau, value, torch.ones_like(value), None)
+    empty_value = 0.0 if kind == "sigmoid" else float("-inf")
+    assert value.shape == (*K, 3) and (value == empty_value).all()
+    assert (stats == 0).all()
+    d_a, (d0, d1) = grads
+    assert (d_a == 0).all() and d0.shape == d1.shape == (0, 5)
+    if impl.fused is not None and kind != "columns" and (dims is None or impl.fused_takes_dims):
+        w = torch.ones(*K, 3, device=dev)
+        if kind == "sigmoid":
+            head = HeadInputs(SIGMOID_HEAD, None, None, None, w)
+        else:  # given own-positive logits: there are none among the candidates
+            head = HeadInputs("cross_entropy", torch.zeros(*K, 3, 1, device=dev), None, None, w)
+        with poison_outputs():
+            out = impl.fused(prob, tau, head)
+        assert (out.lse == empty_value).all() and (out.d_anchor == 0).all()
 
 
 def test_positive_logits_gradcheck():

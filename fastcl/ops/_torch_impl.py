@@ -258,8 +258,9 @@ def _columns_sweep(
             e = _shifted_exp(masked, row_max, 1)
             total = e.sum(1)
             out.lse[r0:r1] = total.log() + row_max
-            kept = masked.nan_to_num(neginf=0.0)
-            out.mean_logit[r0:r1] = torch.where(total > 0, torch.linalg.vecdot(e, kept) / total, 0.0)
+            # -inf (dropped) reads 0; NaN stays NaN, and "== 0" (an empty line) lets it through
+            kept = masked.nan_to_num(nan=float("nan"), neginf=0.0)
+            out.mean_logit[r0:r1] = torch.where(total == 0, 0.0, torch.linalg.vecdot(e, kept) / total)
             new_max = torch.maximum(col_max, masked.amax(0))
             shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
             rescale = torch.exp(col_max - shift)  # 0 while a column has seen no row
@@ -274,8 +275,9 @@ def _columns_sweep(
         d_c_hat.addmm_(x.T, a_blk)
     if g is None:
         shift = torch.where(torch.isfinite(col_max), col_max, torch.zeros_like(col_max))
-        out.lse[B:] = torch.where(col_sum > 0, col_sum.log() + shift, float("-inf"))
-        out.mean_logit[B:] = torch.where(col_sum > 0, col_suml / col_sum.clamp_min(1e-300), 0.0)
+        empty = col_sum == 0  # a held column sums at least exp(0) = 1; NaN is not empty
+        out.lse[B:] = torch.where(empty, float("-inf"), col_sum.log() + shift)
+        out.mean_logit[B:] = torch.where(empty, 0.0, col_suml / torch.where(empty, 1.0, col_sum))
         return out
     if d_pos is not None and problem.positives is not None:
         _fold_positives(prep, problem, d_pos, inv_tau, d_a_hat, d_c_hat)

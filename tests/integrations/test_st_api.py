@@ -27,6 +27,7 @@ from tests.helpers.roundoff import (  # noqa: E402
     assert_loss_roundoff,
     assert_tau_grad_roundoff,
 )
+from tests.helpers.seeds import case_seed  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,7 +144,7 @@ def _embs(B, d, n, seed, scale=1.0):
 def test_mnrl_options_equal_sentence_transformers(directions, partition_mode, hardness_mode, Q, backend):
     if backend != "reference":
         require(backend)
-    seed = hash((directions, partition_mode, hardness_mode, Q)) % 2**31
+    seed = case_seed(directions, partition_mode, hardness_mode, Q) % 2**31
     sim = "dot" if seed % 2 else "cos"
     embs = _embs(6, 7, 2 + Q, seed, scale=0.4 if sim == "dot" else 1.0)
     strength = 4.0 if hardness_mode else 0.0

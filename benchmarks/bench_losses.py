@@ -1,30 +1,30 @@
 """Forward + backward of each loss: fastcl's backends against the reference, its peers and the GEMM floor.
 
 Every case (loss, B, P, Q, d, dtype, device) runs, in the same process and on the same
-inputs, each implementation of ``fastcl.bench.peers.IMPLS`` that computes the loss:
+inputs, each implementation of ``benchmarks.harness.peers.IMPLS`` that computes the loss:
 ``eager`` (the oracle), ``compile`` (``torch.compile`` of the loss written for compile to
-fuse, ``fastcl.bench.fusable``), fastcl's backends (``torch``, ``cpp``, ``triton``,
+fuse, ``benchmarks.harness.fusable``), fastcl's backends (``torch``, ``cpp``, ``triton``,
 ``cuda``: whichever dispatch can run here; the others are skipped with dispatch's reason)
 and the peers (sentence-transformers MNRL and CachedMNRL, pytorch-metric-learning NTXent
 and SupCon, PyTorch's chunked ``linear_cross_entropy``, Inf-CL on CUDA). Before timing,
 each implementation's loss value is asserted equal to the float64 reference.
 
-Timing (``fastcl.bench.timing``): all implementations of a case, its GEMM **floor**
-(the three GEMMs of a gradient-in-forward step at that shape, ``fastcl.bench.floor``) and
+Timing (``benchmarks.harness.timing``): all implementations of a case, its GEMM **floor**
+(the three GEMMs of a gradient-in-forward step at that shape, ``benchmarks.harness.floor``) and
 one ``[B, d] @ [d, N]`` GEMM (the rate "share of GEMM" divides by) are timed together,
 round by round in a rotating order, after a warm-up round, until their fastest rounds
 agree or the case's time budget ends. The two references are repeated within their turn
-until a sample lasts ``fastcl.bench.shares.MIN_REFERENCE_SAMPLE_S``; a share of either is
-recorded only where it was measured soundly (``fastcl.bench.shares``), else ``None`` with
+until a sample lasts ``benchmarks.harness.shares.MIN_REFERENCE_SAMPLE_S``; a share of either is
+recorded only where it was measured soundly (``benchmarks.harness.shares``), else ``None`` with
 ``floor_share_problem`` / ``gemm_share_problem`` saying why. The first test item of a case
 runs that loop for every selected implementation of the case; each item then hands its
 own rounds to pytest-benchmark (``timing.replay``), so the JSON, the table and
-``python -m fastcl.bench report`` keep one record per (case, implementation).
+``python -m benchmarks.harness report`` keep one record per (case, implementation).
 
 Per record (``extra_info``): ``min_s`` (the time), ``spread`` and the case's ``noisy``
 flag, ``floor_s`` and ``floor_share`` (floor / time), peak memory (CPU: extra peak RSS
 of a fresh process running one step, forked per case from a probe server that imported
-the libraries once, ``fastcl.bench.memory``; CUDA: max allocated beyond the inputs),
+the libraries once, ``benchmarks.harness.memory``; CUDA: max allocated beyond the inputs),
 achieved TFLOP/s on ``8 * B * N * d`` and its share of the GEMM rate of the same rounds,
 ``threads``, ``compile_s`` (implementations that compile: seconds of their first calls beyond a step),
 ``cold_s`` (first value check + first step), the load average before and after the case.
@@ -36,7 +36,7 @@ achieved TFLOP/s on ``8 * B * N * d`` and its share of the GEMM rate of the same
     ... --bench-impls eager,torch,st-mnrl                    # a subset of implementations
     ... --bench-targets                                      # add the csrc CPU-target cases
     ... --bench-budget-s 5 --bench-min-rounds 3 --bench-max-rounds 30
-    python -m fastcl.bench report .benchmarks/fastcl-latest.json   # RESULTS.md + plots
+    python -m benchmarks.harness report .benchmarks/fastcl-latest.json   # RESULTS.md + plots
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ import pytest
 import torch
 
 from benchmarks import options
-from fastcl.bench import peers, timing
-from fastcl.bench.cases import make_inputs
-from fastcl.bench.floor import FLOOR_LIMITS, fastest_floor, floor_step, named_floor_plans, share_of_floor
-from fastcl.bench.memory import cpu_extra_peak_mib_parallel, cuda_extra_peak_bytes
-from fastcl.bench.metrics import gemm_step, loss_flops, num_candidates, synchronize, tflops
-from fastcl.bench.shares import MIN_REFERENCE_SAMPLE_S, floor_share_problem, gemm_share_problem
+from benchmarks.harness import peers, timing
+from benchmarks.harness.cases import make_inputs
+from benchmarks.harness.floor import FLOOR_LIMITS, fastest_floor, floor_step, named_floor_plans, share_of_floor
+from benchmarks.harness.memory import cpu_extra_peak_mib_parallel, cuda_extra_peak_bytes
+from benchmarks.harness.metrics import gemm_step, loss_flops, num_candidates, synchronize, tflops
+from benchmarks.harness.shares import MIN_REFERENCE_SAMPLE_S, floor_share_problem, gemm_share_problem
 from fastcl.ops.dispatch import BackendUnavailableError
 
 # (loss, P, Q, d, dtype, batch sizes). SupMPN's setting P = Q = 5; SimCSE-sup (MNRL with
@@ -92,14 +92,14 @@ SELECTED = list(SETTINGS.impls)
 IMPLS = [name for name in peers.IMPLS if not SELECTED or name in SELECTED]
 MEMORY = SETTINGS.memory
 MEMORY_WORKERS = SETTINGS.memory_workers
-# the interleaved loop of fastcl.bench.timing, per case
+# the interleaved loop of benchmarks.harness.timing, per case
 TIMING = options.timing_settings()
-FLOOR = "floor"  # the tall blocking's name in the interleaved loop (fastcl.bench.floor.named_floor_plans)
-GEMM = "gemm"  # one [B, d] @ [d, N] product: the GEMM rate, timed in the same rounds (fastcl.bench.metrics)
+FLOOR = "floor"  # the tall blocking's name in the interleaved loop (benchmarks.harness.floor.named_floor_plans)
+GEMM = "gemm"  # one [B, d] @ [d, N] product: the GEMM rate, timed in the same rounds (benchmarks.harness.metrics)
 # imported once by the memory probe server, before it forks a child per case (dynamo and
 # inductor: about a second of imports in every "compile" child otherwise)
 PRELOAD = (
-    "fastcl.bench.peers",
+    "benchmarks.harness.peers",
     "sentence_transformers",
     "pytorch_metric_learning",
     "torch._dynamo",
@@ -168,7 +168,11 @@ def cpu_memory(request) -> dict:
         return {}
     wanted = [c for c in _selected_cases(request.session) if c["device"] == "cpu" and not not_runnable(c)]
     peaks = cpu_extra_peak_mib_parallel(
-        "fastcl.bench.cases:loss_step", wanted, preload=PRELOAD, threads=torch.get_num_threads(), workers=MEMORY_WORKERS
+        "benchmarks.harness.cases:loss_step",
+        wanted,
+        preload=PRELOAD,
+        threads=torch.get_num_threads(),
+        workers=MEMORY_WORKERS,
     )
     return {workload_name(c) + "|" + c["backend"]: p for c, p in zip(wanted, peaks)}
 
@@ -277,7 +281,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
     def sample_s(name):  # how long one timed sample of a reference lasted
         return min(result.samples[name]) * result.repeats[name] if result.samples.get(name) else None
 
-    # the floor: the fastest of its blockings (fastcl.bench.floor.floor_plans)
+    # the floor: the fastest of its blockings (benchmarks.harness.floor.floor_plans)
     best, floor_s = fastest_floor(floors, result.samples) or (FLOOR, None)
     floor_samples, plan = result.samples.get(best), floors[best]
     floor_spread = timing.spread(floor_samples) if floor_samples else None
@@ -320,7 +324,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             spread=fields["spread"],
             cold_s=info["check_s"] + result.first_s[impl],
             tflops=achieved,
-            # a share is recorded only where its reference was measured soundly (fastcl.bench.shares);
+            # a share is recorded only where its reference was measured soundly (benchmarks.harness.shares);
             # the measured ratio and the reason stay in the record
             floor_share=None if floor_problem else floor_share,
             floor_share_measured=floor_share,

@@ -4,8 +4,8 @@ Every case records ``extra_info["workload"]`` and ``extra_info["impl"]`` (``benc
 the terminal summary prints each implementation's time (the minimum of interleaved rounds
 where the record has one, ``min_s``, with its spread), its share of the GEMM floor and
 peak memory, as ratios of the eager reference measured in the same run, and marks a case
-**NOISY** when a spread exceeds ``fastcl.bench.timing.NOISY_SPREAD``. A share whose
-reference was not measured soundly prints as "–" with the reason (``fastcl.bench.shares``). Implementations that
+**NOISY** when a spread exceeds ``benchmarks.harness.timing.NOISY_SPREAD``. A share whose
+reference was not measured soundly prints as "–" with the reason (``benchmarks.harness.shares``). Implementations that
 cannot run are skipped through ``bench_skip`` so the reason reaches the JSON
 (``fastcl_skipped``) and the report.
 
@@ -16,7 +16,7 @@ in the machine info and in every record.
 
 Without ``--benchmark-json`` the results are written to ``.benchmarks/fastcl-latest.json``
 (``--bench-json PATH`` changes the path, ``--bench-json off`` turns it off) for
-``python -m fastcl.bench report``.
+``python -m benchmarks.harness report``.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _seconds(r: dict) -> float:
 
 
 def _case_header(workload: str, info: dict) -> str:
-    from fastcl.bench.timing import NOISY_SPREAD
+    from benchmarks.harness.timing import NOISY_SPREAD
 
     if "rounds" not in info:
         return workload
@@ -191,7 +191,7 @@ def pytest_terminal_summary(terminalreporter):
             if r.get("compile_s") is not None:
                 line += f"  compile {r['compile_s']:.1f} s"
             tr.write_line(line)
-        # shares printed as "–": their reference was not measured soundly (fastcl.bench.shares)
+        # shares printed as "–": their reference was not measured soundly (benchmarks.harness.shares)
         for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "gemm")):
             if why:
                 tr.write_line(f"  – share not shown: {why}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from fastcl.bench import timing
+from benchmarks.harness import timing
 
 # the environment variables scripts/gpu_lease.sh sets (their option wins when given)
 IMPLS_ENV = "FASTCL_BENCH_IMPLS"
@@ -163,5 +163,5 @@ def from_pytest(config) -> BenchOptions:
 
 
 def timing_settings() -> dict:
-    """The interleaved loop's knobs of this run (``fastcl.bench.timing.interleave``)."""
+    """The interleaved loop's knobs of this run (``benchmarks.harness.timing.interleave``)."""
     return timing.settings(CURRENT.min_rounds, CURRENT.max_rounds, CURRENT.budget_s)

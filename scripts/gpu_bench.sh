@@ -7,7 +7,7 @@
 # Writes under OUT_DIR: info.txt (versions, device, backends), correctness.json/.txt
 # (every implementation's loss and gradients vs float64 at scale), bench.json
 # (pytest-benchmark, GPU grid of benchmarks/bench_losses.py), pytest.txt (its log with the
-# ratio table), RESULTS.md and plots/*.png (python -m fastcl.bench report).
+# ratio table), RESULTS.md and plots/*.png (python -m benchmarks.harness report).
 # PYTHON=... picks the interpreter (default: .venv/bin/python if present, else python).
 # The whole GPU grid takes about 10 minutes; where one command is limited to less, run it
 # in parts into the same folder (the report reads every bench*.json there):
@@ -37,7 +37,7 @@ fi
 
 if [[ "${SKIP_CORRECTNESS:-0}" != 1 ]]; then
   echo "== correctness at scale"
-  "$PYTHON" -m fastcl.bench correctness "${CORRECTNESS[@]}" --out "$OUT/correctness.json" 2>&1 | tee "$OUT/correctness.txt"
+  "$PYTHON" -m benchmarks.harness correctness "${CORRECTNESS[@]}" --out "$OUT/correctness.json" 2>&1 | tee "$OUT/correctness.txt"
   (( PIPESTATUS[0] == 0 )) || status=1
 fi
 
@@ -51,6 +51,6 @@ fi
 (( PIPESTATUS[0] == 0 )) || status=1
 
 echo "== report"
-"$PYTHON" -m fastcl.bench report "$OUT"/bench*.json --out "$OUT/RESULTS.md" --plots "$OUT/plots" || status=1
+"$PYTHON" -m benchmarks.harness report "$OUT"/bench*.json --out "$OUT/RESULTS.md" --plots "$OUT/plots" || status=1
 echo "results in $OUT (exit status $status)"
 exit $status

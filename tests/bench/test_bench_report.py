@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from fastcl.bench import correctness, peers, report
-from fastcl.bench.cases import make_inputs
+from benchmarks.harness import correctness, peers, report
+from benchmarks.harness.cases import make_inputs
 from fastcl.ops.dispatch import BackendUnavailableError
 
 SHAPES = {"supmpn": (3, 2), "supcon": (3, 2), "mnrl": (1, 2), "infonce": (1, 0)}
@@ -38,7 +38,7 @@ def test_peer_matches_reference_value_and_gradient(name, loss):
         pytest.skip(str(exc))
     fn().backward()
     ref = {k: v.detach().double().requires_grad_() for k, v in inputs.items() if v is not None}
-    from fastcl.bench.cases import LOSSES
+    from benchmarks.harness.cases import LOSSES
 
     LOSSES[loss][1](**ref, temperature=peers.TEMPERATURE).backward()
     for k, v in ref.items():
@@ -234,11 +234,11 @@ def _fake_run(tmp_path, threads=2, name="run.json", interleaved=True, speed=1.0)
 
 
 def test_report_tables_plots_and_cli(tmp_path):
-    from fastcl.__main__ import main as cli
+    from benchmarks.harness.__main__ import main as cli
 
     path = _fake_run(tmp_path)
     out = tmp_path / "RESULTS.md"
-    assert cli(["bench-report", str(path), "--out", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    assert cli(["report", str(path), "--out", str(out), "--plots", str(tmp_path / "plots")]) == 0
     text = out.read_text()
     # time = min of interleaved rounds (not the median), spread, share of the floor, compile seconds
     assert "| 128 | *floor: 3 GEMMs* | 50.0 | 2% | – | 100% |" in text

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from benchmarks.harness import floor, fusable, peers, timing
+from benchmarks.harness.cases import make_inputs
 from fastcl import reference as R
-from fastcl.bench import floor, fusable, peers, timing
-from fastcl.bench.cases import make_inputs
 
 # --- spread and the noisy rule ---------------------------------------------------------
 
@@ -167,7 +167,7 @@ def test_impl_and_case_fields_are_what_every_benchmark_records():
 
 
 def test_share_problem_rules():
-    from fastcl.bench import shares
+    from benchmarks.harness import shares
 
     ok = dict(spread=0.01, sample_s=0.01)
     assert shares.floor_share_problem(0.9, **ok) is None
@@ -184,7 +184,7 @@ def test_share_problem_rules():
 
 
 def test_gemm_step_times_one_product_into_a_kept_output():
-    from fastcl.bench import metrics
+    from benchmarks.harness import metrics
 
     step = metrics.gemm_step(6, 10, 4, "float64")
     first = step()
@@ -345,7 +345,7 @@ def test_run_case_checks_times_and_reports_each_implementation(monkeypatch):
     assert case["gemm_in_rounds"] and case["gemm_tflops"] > 0 and case["gemm_repeats"] >= 1
     assert info["gemm_share_measured"] == pytest.approx(info["tflops"] / case["gemm_tflops"])
     # the references are repeated within their turn until a sample lasts MIN_REFERENCE_SAMPLE_S
-    from fastcl.bench.shares import MIN_REFERENCE_SAMPLE_S
+    from benchmarks.harness.shares import MIN_REFERENCE_SAMPLE_S
 
     # (how many: calibrated on a warm-up call, see test_interleave_repeats_short_reference_steps)
     assert 1 <= case["floor_repeats"] <= timing.MAX_REPEATS and case["floor_sample_s"] > 0

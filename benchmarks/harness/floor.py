@@ -9,7 +9,7 @@ of anchor rows, three matrix products and some row passes:
 
 The floor is the time of those three GEMMs alone at the case's shape (``B`` anchors,
 ``N`` candidates, width ``d``, its dtype and device), measured in the same run and the
-same interleaved rounds as the implementations (``fastcl.bench.timing``). An
+same interleaved rounds as the implementations (``benchmarks.harness.timing``). An
 implementation's **share of the floor** is ``floor / its time``: 100 % would mean the
 row passes and everything else cost nothing.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastcl.bench.cases import DTYPES
+from benchmarks.harness.cases import DTYPES
 
 # the S / X block buffer: at most 2^26 elements (256 MiB in float32), like a fused step's
 # row block it is independent of B

@@ -1,6 +1,6 @@
 """Timing that a busy machine cannot fool: warm-up, interleaved rounds, a settle rule.
 
-Every implementation of one benchmark case (and the GEMM floor, ``fastcl.bench.floor``)
+Every implementation of one benchmark case (and the GEMM floor, ``benchmarks.harness.floor``)
 is timed in the same loop, **round by round**: round ``r`` runs each of them once, in an
 order rotated by one place per round (:func:`round_order`), so drift in the machine's
 load hits all of them alike and none always follows the same neighbour. Rounds go on

@@ -53,10 +53,10 @@ def loss_step(
 ):
     """Build inputs, return a zero-argument callable running forward + backward once.
 
-    ``backend`` is any implementation of ``fastcl.bench.peers.IMPLS``: ``"eager"``, a fastcl
+    ``backend`` is any implementation of ``benchmarks.harness.peers.IMPLS``: ``"eager"``, a fastcl
     backend, ``"compile"`` or a peer (``"st-mnrl"``, ``"pml-ntxent"``, ...).
     """
-    from fastcl.bench.peers import build
+    from benchmarks.harness.peers import build
 
     inputs = make_inputs(loss, B, P, Q, d, dtype, device)
     forward = build(backend, loss, inputs)

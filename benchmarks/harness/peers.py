@@ -1,6 +1,6 @@
 """Every implementation the benchmarks compare, on the same inputs: fastcl, the reference, peers.
 
-An implementation turns the inputs of one loss (``fastcl.bench.cases.make_inputs``: raw
+An implementation turns the inputs of one loss (``benchmarks.harness.cases.make_inputs``: raw
 embeddings, temperature :data:`TEMPERATURE`) into a zero-argument callable returning the
 loss, so the benchmark can time ``fn().backward()`` and check ``fn()`` against the
 float64 reference first (:func:`check_value`).
@@ -9,7 +9,7 @@ Families:
 
 * ``reference``: ``eager`` (the oracle of ``fastcl.reference``, materialises ``[B, N]``)
   and ``compile`` (``torch.compile`` of the same loss written for compile to fuse,
-  ``fastcl.bench.fusable``; dynamic shapes, one compile per loss and process).
+  ``benchmarks.harness.fusable``; dynamic shapes, one compile per loss and process).
 * ``fastcl``: the backends of ``fastcl.ops.dispatch`` (``torch``, ``cpp``, ``triton``); one that cannot run here is skipped with dispatch's reason. ``triton-graphs``
   is the ``triton`` backend under ``torch.compile(mode="reduce-overhead")``, whose CUDA
   graphs replay the step without Python or launch latency (CUDA only; static shapes, one
@@ -104,7 +104,7 @@ def _labels(B: int, P: int, N: int, device) -> tuple[Tensor, Tensor]:
 
 
 def _build_eager(loss: str, t: dict):
-    from fastcl.bench.cases import LOSSES
+    from benchmarks.harness.cases import LOSSES
 
     oracle = LOSSES[loss][1]
     return lambda: oracle(**t, temperature=TEMPERATURE)
@@ -114,11 +114,11 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def _build_compile(loss: str, t: dict):
-    from fastcl.bench import fusable
-    from fastcl.bench.cases import LOSSES
+    from benchmarks.harness import fusable
+    from benchmarks.harness.cases import LOSSES
 
     if loss not in _COMPILED:  # one dynamic-shape graph per loss and process
-        # the formulation a user would write for compile to fuse (fastcl.bench.fusable);
+        # the formulation a user would write for compile to fuse (benchmarks.harness.fusable);
         # a loss without one compiles its oracle
         _COMPILED[loss] = torch.compile(fusable.LOSSES.get(loss, LOSSES[loss][1]), dynamic=True)
     fn = _COMPILED[loss]
@@ -131,7 +131,7 @@ def _graphs_builder(backend: str):
     launches in a ~7 ms step). Static shapes: one compile per loss and shape."""
 
     def build(loss: str, t: dict):
-        from fastcl.bench.cases import LOSSES
+        from benchmarks.harness.cases import LOSSES
 
         fused = LOSSES[loss][0]
         step = torch.compile(
@@ -159,7 +159,7 @@ class _Replayed:
 def _build_cudagraph(loss: str, t: dict):
     """The ``triton`` backend's whole step captured with ``fastcl.graphs.capture_step``
     (``torch.cuda.CUDAGraph``; docs/triton.md, "CUDA graphs")."""
-    from fastcl.bench.cases import LOSSES
+    from benchmarks.harness.cases import LOSSES
     from fastcl.graphs import capture_step
 
     fused = LOSSES[loss][0]
@@ -170,7 +170,7 @@ def _build_cudagraph(loss: str, t: dict):
 
 def _fastcl_builder(backend: str):
     def build(loss: str, t: dict):
-        from fastcl.bench.cases import LOSSES
+        from benchmarks.harness.cases import LOSSES
 
         fused = LOSSES[loss][0]
         return lambda: fused(**t, temperature=TEMPERATURE, backend=backend)
@@ -385,7 +385,7 @@ class PeerMismatchError(AssertionError):
 
 def reference_value(loss: str, inputs: dict) -> float:
     """The loss in float64 on the same inputs (oracle, or the chunked torch backend when big)."""
-    from fastcl.bench.cases import LOSSES
+    from benchmarks.harness.cases import LOSSES
 
     fused, oracle, _ = LOSSES[loss]
     t64 = {k: (None if v is None else v.detach().double()) for k, v in inputs.items()}

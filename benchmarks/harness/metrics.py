@@ -4,7 +4,7 @@ A fused loss does four ``B x N x d`` matrix products per forward + backward (for
 recompute, d anchor, d candidates; docs/design.md): ``8 * B * N * d`` FLOPs. The GEMM rate is
 measured in the same interleaved rounds as the implementations, on the same device and
 dtype (one ``[B, d] @ [d, N]`` product into a preallocated output, :func:`gemm_step`), so
-"share of GEMM" = achieved / measured, not a datasheet peak; see ``fastcl.bench.shares``
+"share of GEMM" = achieved / measured, not a datasheet peak; see ``benchmarks.harness.shares``
 for when that share is sound enough to print.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fastcl.bench.cases import DTYPES
+from benchmarks.harness.cases import DTYPES
 
 
 def num_candidates(loss: str, B: int, P: int, Q: int) -> int:

@@ -37,7 +37,7 @@ prints as "–" and the reason goes to the notes.
 
 from __future__ import annotations
 
-from fastcl.bench.timing import NOISY_SPREAD
+from benchmarks.harness.timing import NOISY_SPREAD
 
 FLOOR_SHARE_CEILING = 1.25
 GEMM_SHARE_CEILING = FLOOR_SHARE_CEILING * 8 / 6

@@ -50,12 +50,18 @@ import pytest
 import torch
 
 from benchmarks import options
-from benchmarks.harness import peers, timing
-from benchmarks.harness.cases import make_inputs
+from benchmarks.harness import gist, image_text, peers, timing
+from benchmarks.harness.cases import SENTENCE_LOSSES, make_inputs
 from benchmarks.harness.floor import FLOOR_LIMITS, fastest_floor, floor_step, named_floor_plans, share_of_floor
 from benchmarks.harness.memory import cpu_extra_peak_mib_parallel, cuda_extra_peak_bytes
 from benchmarks.harness.metrics import gemm_step, loss_flops, num_candidates, synchronize, tflops
-from benchmarks.harness.shares import MIN_REFERENCE_SAMPLE_S, floor_share_problem, gemm_share_problem
+from benchmarks.harness.shares import (
+    FLOOR_SHARE_CEILING,
+    MIN_REFERENCE_SAMPLE_S,
+    floor_share_problem,
+    gemm_share_problem,
+    share_problem,
+)
 from fastcl.ops.dispatch import BackendUnavailableError
 
 # (loss, P, Q, d, dtype, batch sizes). SupMPN's setting P = Q = 5; SimCSE-sup (MNRL with
@@ -65,6 +71,16 @@ CPU_GRID = [
     ("supcon", 5, 5, 768, "float32", (64, 256)),
     ("mnrl", 1, 1, 768, "float32", (256, 1024)),
     ("infonce", 1, 0, 128, "float32", (1024, 2048, 4096)),
+    # image–text (open_clip's ClipLoss / SigLipLoss against fastcl's): the B = 16384 cases are
+    # heavy (open_clip's 1 GiB logits, several copies; seconds per step): HEAVY_FLOPS
+    ("clip", 1, 0, 512, "float32", (4096, 16384)),
+    ("clip", 1, 0, 768, "float32", (4096, 16384)),
+    ("siglip", 1, 0, 512, "float32", (4096, 16384)),
+    ("siglip", 1, 0, 768, "float32", (4096, 16384)),
+    # GIST (sentence-transformers' GISTEmbedLoss computation), one hard negative, guide d = 384:
+    # ST's own computation (eager) fits at B = 128 only (its [B, B, d] broadcast: too_big);
+    # B = 4096 is heavy too
+    ("gist", 1, 1, 768, "float32", (128, 4096)),
 ]
 # The csrc issue's CPU targets, side by side in one run (opt-in, ~5 min more on 2 cores:
 # --bench-targets): time at B = 1024, P = Q = 5, d = 768 and memory at B = 8192,
@@ -85,6 +101,8 @@ GPU_GRID = [
     ("infonce", 1, 0, 1024, "bfloat16", (4096, 16384, 65536)),
     ("supmpn", 5, 5, 1024, "bfloat16", (4096, 16384)),
     ("infonce", 1, 0, 768, "float32", (4096, 16384, 65536)),
+    ("clip", 1, 0, 768, "bfloat16", (16384, 65536)),
+    ("siglip", 1, 0, 768, "bfloat16", (16384, 65536)),
 ]
 # this run's settings (pytest options, benchmarks/options.py), fixed before this import
 SETTINGS = options.CURRENT
@@ -95,6 +113,17 @@ MEMORY_WORKERS = SETTINGS.memory_workers
 # the interleaved loop of benchmarks.harness.timing, per case
 TIMING = options.timing_settings()
 FLOOR = "floor"  # the tall blocking's name in the interleaved loop (benchmarks.harness.floor.named_floor_plans)
+SYM_FLOOR = "sym-floor"  # CLIP's symmetric floor: four GEMMs (benchmarks.harness.floor, "symmetric floor")
+SYMMETRIC_LOSSES = ("clip",)  # fastcl's one-process step runs both directions from one pass of LSEs
+# CPU cases of at least this many FLOPs per step (8·B·N·d: the image–text B = 16384 and GIST
+# B = 4096 ones; ~3 s at 100 GFLOP/s) are heavy: seconds per step for every implementation, so
+# a warm-up round then --bench-heavy-rounds timed rounds, no budget
+HEAVY_FLOPS = 2**38
+# what the floor line of a case is (records: floor_kind)
+FLOOR_KINDS = {
+    None: "3 GEMMs",
+    "gist": f"3 GEMMs + the guide's (d={gist.GUIDE_D})",
+}
 GEMM = "gemm"  # one [B, d] @ [d, N] product: the GEMM rate, timed in the same rounds (benchmarks.harness.metrics)
 # imported once by the memory probe server, before it forks a child per case (dynamo and
 # inductor: about a second of imports in every "compile" child otherwise)
@@ -135,6 +164,16 @@ MAX_WORK = {"pml-ntxent": 2**25}
 
 
 def too_big(case: dict) -> str | None:
+    if case["loss"] == "gist" and case["backend"] == "eager":
+        # ST's sim_matrix: nn.CosineSimilarity of [B, 1, d] and [1, N, d] views broadcasts to
+        # [B, N, d] before reducing (and its backward likewise), per block of the row
+        n = gist.broadcast_elements(case["B"], case["Q"], case["d"])
+        if n > gist.MAX_BROADCAST_ELEMENTS:
+            return (
+                f"sentence-transformers' sim_matrix broadcasts [B, B, d] per block: {n:.2g} elements "
+                f"({4 * n / 2**30:.0f} GiB in float32) > {gist.MAX_BROADCAST_ELEMENTS:.2g} at B={case['B']}; "
+                "st-gist-gemm is the same computation with a GEMM sim_matrix"
+            )
     limit = MAX_WORK.get(case["backend"])
     B, P = case["B"], case["P"]
     work = B * num_candidates(case["loss"], B, P, case["Q"]) * B * P
@@ -200,6 +239,23 @@ def _why_skipped(exc: BaseException, B: int) -> str | None:
     return None
 
 
+def heavy(case: dict) -> bool:
+    """An image–text or GIST CPU case whose every step lasts seconds (``HEAVY_FLOPS``; the
+    sentence-embedding grids keep their rounds, ``--bench-targets`` included)."""
+    if case["device"] != "cpu" or case["loss"] in SENTENCE_LOSSES:
+        return False
+    return loss_flops(case["loss"], case["B"], case["P"], case["Q"], case["d"]) >= HEAVY_FLOPS
+
+
+def timing_for(case: dict) -> dict:
+    """The interleaved loop's knobs for ``case``: the run's, or for a heavy case a warm-up round
+    and ``--bench-heavy-rounds`` timed rounds (at most ``--bench-max-rounds``), no budget."""
+    if not heavy(case):
+        return TIMING
+    rounds = max(1, min(SETTINGS.heavy_rounds, TIMING["max_rounds"]))
+    return dict(TIMING, min_rounds=rounds, max_rounds=rounds, budget_s=0.0)
+
+
 def _make_step(forward, leaves, device):
     def step():
         for t in leaves:
@@ -255,14 +311,20 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             abs_err=check["abs_err"],
             check_s=check_s,
         )
+        if loss == "clip" and peers.IMPLS[impl].family == "fastcl":  # symmetric step or two directions
+            run.info[impl]["clip_path"] = image_text.clip_path(inputs, peers.IMPLS[impl].backend)
     N = num_candidates(loss, B, P, Q)
-    floors = named_floor_plans(B, N, d, **FLOOR_LIMITS[torch.device(device).type])
+    limits = FLOOR_LIMITS[torch.device(device).type]
+    guide_d = gist.GUIDE_D if loss == "gist" else None  # GIST's floor adds its guide's product
+    floors = named_floor_plans(B, N, d, **limits)
+    sym_floors = named_floor_plans(B, N, d, prefix=SYM_FLOOR, **limits) if loss in SYMMETRIC_LOSSES else {}
     gemm = gemm_step(B, N, d, dtype, device)
-    references = [*floors, GEMM]
+    references = [*floors, *sym_floors, GEMM]
     if steps:
-        steps.update({name: floor_step(plan, dtype, device) for name, plan in floors.items()})
+        steps.update({name: floor_step(plan, dtype, device, guide_d=guide_d) for name, plan in floors.items()})
+        steps.update({name: floor_step(plan, dtype, device, recompute=True) for name, plan in sym_floors.items()})
         steps[GEMM] = gemm
-    settings = dict(warmup=0, min_rounds=1, max_rounds=1) if disabled else TIMING
+    settings = dict(warmup=0, min_rounds=1, max_rounds=1) if disabled else timing_for(c0)
     # the references (floor, GEMM) are short at small shapes: repeated within their turn
     min_sample = {name: MIN_REFERENCE_SAMPLE_S for name in references}
     load_before = list(os.getloadavg())
@@ -285,6 +347,19 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
     best, floor_s = fastest_floor(floors, result.samples) or (FLOOR, None)
     floor_samples, plan = result.samples.get(best), floors[best]
     floor_spread = timing.spread(floor_samples) if floor_samples else None
+    sym = {}  # CLIP: the symmetric floor, judged like the floor
+    if sym_floors:
+        sym_best, sym_s = fastest_floor(sym_floors, result.samples) or (SYM_FLOOR, None)
+        sym_samples = result.samples.get(sym_best)
+        sym = dict(
+            sym_floor_s=sym_s,
+            sym_floor_spread=timing.spread(sym_samples) if sym_samples else None,
+            sym_floor_rows=sym_floors[sym_best].rows,
+            sym_floor_scale=sym_floors[sym_best].scale,
+            sym_floor_repeats=result.repeats.get(sym_best),
+            sym_floor_sample_s=sample_s(sym_best),
+            sym_floor_error="; ".join(repr(result.errors[n]) for n in sym_floors if n in result.errors) or None,
+        )
     gemm_samples = result.samples.get(GEMM)
     gemm_rate = tflops(gemm.flops, min(gemm_samples)) if gemm_samples else None
     gemm_spread = timing.spread(gemm_samples) if gemm_samples else None
@@ -292,6 +367,10 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
         **timing.case_fields(
             result, impls, threads=torch.get_num_threads(), loadavg_before=load_before, loadavg_after=load_after
         ),
+        eager_is=peers.EAGER_IS.get(loss),
+        heavy=heavy(c0),
+        floor_kind=FLOOR_KINDS.get(loss, FLOOR_KINDS[None]),
+        **sym,
         floor_s=floor_s,
         floor_spread=floor_spread,
         floor_rows=plan.rows,
@@ -333,6 +412,21 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             gemm_share_measured=gemm_share,
             gemm_share_problem=gemm_problem,
         )
+        if sym:
+            sym_share = share_of_floor(sym["sym_floor_s"], best_s)
+            sym_problem = share_problem(
+                sym_share,
+                reference="symmetric floor",
+                in_rounds=True,
+                spread=sym["sym_floor_spread"],
+                sample_s=sym["sym_floor_sample_s"],
+                ceiling=FLOOR_SHARE_CEILING,
+            )
+            info.update(
+                sym_floor_share=None if sym_problem else sym_share,
+                sym_floor_share_measured=sym_share,
+                sym_floor_share_problem=sym_problem,
+            )
         if peers.IMPLS[impl].compiles:  # its first calls compile (the check's forward, then fwd + bwd)
             info["compile_s"] = max(0.0, info["cold_s"] - best_s)
     if device == "cuda":

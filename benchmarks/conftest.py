@@ -129,11 +129,15 @@ def _seconds(r: dict) -> float:
 def _case_header(workload: str, info: dict) -> str:
     from benchmarks.harness.timing import NOISY_SPREAD
 
+    if info.get("eager_is"):  # the loss grid's records: what "eager" is for this loss
+        workload = f"{workload}  (eager = {info['eager_is']})"
     if "rounds" not in info:
         return workload
     threads = info.get("threads")
+    heavy = ", heavy: minimal rounds" if info.get("heavy") else ""
     line = (
-        f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, {info.get('stopped')}]"
+        f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, "
+        f"{info.get('stopped')}{heavy}]"
     )
     if info.get("noisy"):
         line += f"  NOISY: a spread above {100 * NOISY_SPREAD:.0f}%, ratios not to be trusted"
@@ -164,7 +168,15 @@ def pytest_terminal_summary(terminalreporter):
             tr.write_line(
                 f"  {'floor':<11} {floor_s * 1e3:9.1f} ms"
                 + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
-                + "  (A·Cᵀ, X·C, Xᵀ·A at this shape)"
+                + f"  ({items[0].get('floor_kind') or '3 GEMMs'}: A·Cᵀ, X·C, Xᵀ·A at this shape)"
+            )
+        sym_s = items[0].get("sym_floor_s")
+        if sym_s:
+            spread = items[0].get("sym_floor_spread")
+            tr.write_line(
+                f"  {'sym-floor':<11} {sym_s * 1e3:9.1f} ms"
+                + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
+                + "  (4 GEMMs: A·Cᵀ, A·Cᵀ again, X·C, Xᵀ·A: a logit-free symmetric step's least)"
             )
         for r in items:
             t = _seconds(r)
@@ -177,6 +189,12 @@ def pytest_terminal_summary(terminalreporter):
                 line += f"  {100 * r['floor_share']:4.0f}% of floor"
             elif r.get("floor_share_problem"):
                 line += "     – of floor"
+            if r.get("sym_floor_share") is not None:
+                line += f" {100 * r['sym_floor_share']:4.0f}% of sym-floor"
+            elif r.get("sym_floor_share_problem"):
+                line += "    – of sym-floor"
+            if r.get("clip_path"):
+                line += f" [{r['clip_path']}]"
             mem = r.get("peak_mib")
             if mem is not None:
                 line += f"  peak {mem:8.1f} MiB"
@@ -192,7 +210,7 @@ def pytest_terminal_summary(terminalreporter):
                 line += f"  compile {r['compile_s']:.1f} s"
             tr.write_line(line)
         # shares printed as "–": their reference was not measured soundly (benchmarks.harness.shares)
-        for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "gemm")):
+        for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "sym_floor", "gemm")):
             if why:
                 tr.write_line(f"  – share not shown: {why}")
         for s in skipped.get(workload, []):

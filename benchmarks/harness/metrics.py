@@ -16,13 +16,29 @@ from benchmarks.harness.cases import DTYPES
 
 
 def num_candidates(loss: str, B: int, P: int, Q: int) -> int:
-    """N, the columns of the logits: ``B`` for InfoNCE, ``B * (P + Q)`` otherwise."""
-    return B if loss == "infonce" else B * (P + Q)
+    """N, the columns of the logits: ``B`` for InfoNCE, CLIP and SigLIP; ``B * (3 + Q)`` for
+    GIST (anchor–positive, anchor–anchor, positive–positive, anchor–negative blocks);
+    ``B * (P + Q)`` otherwise."""
+    if loss in ("infonce", "clip", "siglip"):
+        return B
+    if loss == "gist":
+        return B * (3 + Q)
+    return B * (P + Q)
+
+
+def guide_flops(loss: str, B: int, P: int, Q: int) -> int:
+    """GIST's guide: one forward ``[B, g] x [g, N]`` product (no gradient); 0 otherwise."""
+    if loss != "gist":
+        return 0
+    from benchmarks.harness.gist import GUIDE_D
+
+    return 2 * B * num_candidates(loss, B, P, Q) * GUIDE_D
 
 
 def loss_flops(loss: str, B: int, P: int, Q: int, d: int) -> int:
-    """``8 * B * N * d``: the four GEMM passes of a forward + backward with recompute."""
-    return 8 * B * num_candidates(loss, B, P, Q) * d
+    """``8 * B * N * d``: the four GEMM passes of a forward + backward with recompute (GIST:
+    and its guide's forward product)."""
+    return 8 * B * num_candidates(loss, B, P, Q) * d + guide_flops(loss, B, P, Q)
 
 
 def synchronize(device: str | torch.device) -> None:

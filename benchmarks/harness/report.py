@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness.shares import floor_share_problem, gemm_share_problem
+from benchmarks.harness.shares import FLOOR_SHARE_CEILING, floor_share_problem, gemm_share_problem, share_problem
 from benchmarks.harness.timing import NOISY_SPREAD
 
 FAMILY_ORDER = {"reference": 0, "fastcl": 1, "peer": 2}
@@ -50,6 +50,9 @@ class Row:
     gemm_problem: str | None = None  # why the measured GEMM share is not printed
     scratch_mib: float | None = None  # CUDA: warm peak beyond the inputs and their gradients
     first_peak_mib: float | None = None  # CUDA: the first step's peak (compiles included)
+    sym_floor_share: float | None = None  # CLIP: share of the symmetric (4-GEMM) floor, where sound
+    sym_floor_problem: str | None = None
+    clip_path: str | None = None  # CLIP, fastcl: "symmetric" or "two directions"
 
     @classmethod
     def from_record(cls, b: dict) -> Row:
@@ -70,6 +73,18 @@ class Row:
                 in_rounds=bool(e.get("gemm_in_rounds")),
             ),
         )
+        sym_share, sym_problem = _sound_share(
+            e,
+            "sym_floor",
+            lambda share: share_problem(
+                share,
+                reference="symmetric floor",
+                in_rounds=True,
+                spread=e.get("sym_floor_spread"),
+                sample_s=e.get("sym_floor_sample_s"),
+                ceiling=FLOOR_SHARE_CEILING,
+            ),
+        )
         return cls(
             e["impl"],
             e.get("family", "?"),
@@ -88,6 +103,9 @@ class Row:
             gemm_problem,
             e.get("scratch_mib"),
             e.get("first_peak_mib"),
+            sym_share,
+            sym_problem,
+            e.get("clip_path"),
         )
 
 
@@ -114,6 +132,9 @@ class Group:
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # impl -> reason (first seen)
     floors: dict[int, tuple[float, float | None]] = field(default_factory=dict)  # B -> (floor s, spread)
+    sym_floors: dict[int, tuple[float, float | None]] = field(default_factory=dict)  # CLIP: the 4-GEMM floor
+    floor_kind: str = "3 GEMMs"  # what the floor line is (GIST: and its guide's product)
+    eager_is: str | None = None  # what "eager" is for this loss (records from 2026-12 on)
     thread_suffix: bool = False  # several thread counts of this family were loaded: name them
 
     @property
@@ -166,6 +187,10 @@ def load(paths: list) -> tuple[list[Group], list[dict]]:
             g.rows.append(row)
             if e.get("floor_s"):
                 g.floors.setdefault(e["B"], (e["floor_s"], e.get("floor_spread")))
+            if e.get("sym_floor_s"):
+                g.sym_floors.setdefault(e["B"], (e["sym_floor_s"], e.get("sym_floor_spread")))
+            g.floor_kind = e.get("floor_kind") or g.floor_kind
+            g.eager_is = e.get("eager_is") or g.eager_is
         for s in doc.get("fastcl_skipped", []):
             w = parse_workload(s["workload"])
             g = group(w["device"], w["loss"], w["P"], w["Q"], w["d"], w["dtype"], run_threads)
@@ -195,14 +220,14 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
-SHARE_NAMES = {"floor": "share of floor", "gemm": "share of GEMM"}
+SHARE_NAMES = {"floor": "share of floor", "sym_floor": "share of the symmetric floor", "gemm": "share of GEMM"}
 
 
 def share_notes(g: Group) -> list[str]:
     """One line per reason a share was not printed, naming the rows it applies to."""
     by_reason: dict[tuple[str, str], list[str]] = {}
     for r in g.rows:
-        for kind, problem in (("floor", r.floor_problem), ("gemm", r.gemm_problem)):
+        for kind, problem in (("floor", r.floor_problem), ("sym_floor", r.sym_floor_problem), ("gemm", r.gemm_problem)):
             if problem:
                 by_reason.setdefault((kind, problem), []).append(f"B={r.B} `{r.impl}`")
     return [f"- {SHARE_NAMES[kind]} not shown ({', '.join(rows)}): {why}." for (kind, why), rows in by_reason.items()]
@@ -224,12 +249,15 @@ def table(g: Group) -> str:
         b = f"{r.B} (noisy)" if g.noisy(r.B) else str(r.B)
         if r.B in g.floors and r.B not in floor_done:
             floor_done.add(r.B)
-            f_s, f_spread = g.floors[r.B]
-            lines.append(
-                f"| {b} | *floor: 3 GEMMs* | {f_s * 1e3:.1f} | {_pct(f_spread)} | – | 100% | – |"
-                + (" – | – |" if gpu else "")
-                + " – | – | – | – | – |"
-            )
+            floor_lines = [(f"floor: {g.floor_kind}", g.floors[r.B])]
+            if r.B in g.sym_floors:
+                floor_lines.append(("symmetric floor: 4 GEMMs", g.sym_floors[r.B]))
+            for label, (f_s, f_spread) in floor_lines:
+                lines.append(
+                    f"| {b} | *{label}* | {f_s * 1e3:.1f} | {_pct(f_spread)} | – | 100% | – |"
+                    + (" – | – |" if gpu else "")
+                    + " – | – | – | – | – |"
+                )
         e = _eager(g, r.B)
         speed = f"{e.seconds / r.seconds:.2f}x" if e else "–"
         # below 1 MiB the RSS meter sees page-level noise, not the workload: no ratio
@@ -240,9 +268,14 @@ def table(g: Group) -> str:
         )
         rate_value = None if r.tflops is None else (r.tflops if gpu else r.tflops * 1e3)
         name = f"**{r.impl}**" if r.family == "fastcl" else r.impl
+        if r.clip_path == "two directions":  # the backend computes no column statistics: 6 GEMM passes
+            name += " (two directions)"
+        share = _pct(r.floor_share)
+        if r.B in g.sym_floors:  # CLIP: the three-GEMM floor's share, then the symmetric floor's
+            share += f" / {_pct(r.sym_floor_share)}"
         lines.append(
             f"| {b} | {name} | {r.seconds * 1e3:.1f} | {_pct(r.spread) if r.spread is not None else '–'} | {speed} | "
-            f"{_pct(r.floor_share)} | {_fmt(r.peak_mib, '.1f')} |"
+            f"{share} | {_fmt(r.peak_mib, '.1f')} |"
             + (f" {_fmt(r.scratch_mib, '.1f')} | {_fmt(r.first_peak_mib, '.1f')} |" if gpu else "")
             + f" {mem} | {_fmt(rate_value, '.1f')} | "
             f"{_pct(r.gemm_share)} | {_fmt(r.compile_s, '.1f')} | {_fmt(r.abs_err, '.1e')} |"
@@ -433,6 +466,15 @@ def render(
         ]
     for g in groups:
         lines += ["", f"## {g.title}", ""]
+        if g.eager_is and g.eager_is != "fastcl.reference oracle":
+            lines += [f"eager = {g.eager_is}.", ""]
+        if g.sym_floors:
+            lines += [
+                "Share of floor: of the three-GEMM floor / of the symmetric floor (four GEMMs: A·Cᵀ, A·Cᵀ "
+                "again, X·C, Xᵀ·A; the fewest a symmetric step that never holds the [B, B] logits can do: "
+                "both directions' LSEs precede any gradient).",
+                "",
+            ]
         if g.rows:
             png = plots_dir / f"{g.slug}.png"
             plot(g, png)

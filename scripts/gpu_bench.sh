@@ -27,7 +27,8 @@ status=0
 "$PYTHON" -m fastcl.info | tee "$OUT/info.txt"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   CORRECTNESS=(--device cpu --scale 0.0078125)
-  BENCH=(benchmarks/bench_losses.py --benchmark-only -k "cpu-infonce-B1024 and (eager or torch or st-mnrl or triton)")
+  BENCH=(benchmarks/bench_losses.py --benchmark-only
+    -k "(cpu-infonce-B1024 or cpu-clip-B4096-P1-Q0-d512) and (eager or torch or st-mnrl or triton or inf-cl)")
 else
   "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use DRY_RUN=1')" || exit 2
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/info.txt"

@@ -1,13 +1,11 @@
-// Host code of the CPU ops (cpu/lse_cpu.cpp): argument
-// checks (every op validates shapes, dtypes and devices before any compute), the compute
-// dtype, the head's inputs and the strict reading of the environment's size options.
+// Host code of the CPU ops (cpu/lse_cpu.cpp): the one record every op fills from its arguments
+// (OpArgs), its argument check (every op validates shapes, dtypes and devices before any
+// compute), the compute dtype and the head's inputs.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -17,50 +15,60 @@
 
 namespace fastcl {
 
-// An integer >= least from the environment (test hooks such as _FASTCL_TEST_CPP_ROWS, and
-// FASTCL_CUDA_TILE), or fallback when unset or empty. Anything else ("abc", "-3", "1e6", "0"
-// where least is 1, a value beyond int64) is refused loudly: never read as 1 or clamped.
-inline int64_t env_int(const char* name, int64_t fallback, int64_t least = 1) {
-  const char* s = std::getenv(name);
-  if (!s || !*s) return fallback;
-  const std::string text(s);
-  const bool digits = std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
-  errno = 0;
-  char* end = nullptr;
-  const long long value = digits ? std::strtoll(text.c_str(), &end, 10) : 0;
-  TORCH_CHECK(digits && errno == 0 && end && *end == '\0' && value >= least, "fastcl: ", name, "='", text,
-              "': expected an integer >= ", least);
-  return value;
-}
+using OptTensor = std::optional<at::Tensor>;
 
-inline const char* device_name(c10::DeviceType dev) { return dev == c10::DeviceType::CPU ? "CPU" : "CUDA"; }
+enum class Mode { kForward, kBackward, kFused };
 
-inline void check_inputs(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, c10::DeviceType dev) {
-  TORCH_CHECK(anchor.dim() == 2 && block0.dim() == 2 && block1.dim() == 2,
-              "fastcl: anchor, block0 and block1 must be 2-D [rows, d]");
-  const auto dt = anchor.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
-              "fastcl: unsupported dtype ", dt, " (float32, float64, bfloat16 or float16)");
-  TORCH_CHECK(block0.scalar_type() == dt && block1.scalar_type() == dt,
-              "fastcl: anchor and candidate blocks must share a dtype");
-  TORCH_CHECK(block0.size(1) == anchor.size(1) && block1.size(1) == anchor.size(1),
-              "fastcl: anchor and candidate blocks must share d");
-  TORCH_CHECK(tags0.scalar_type() == at::kInt && tags1.scalar_type() == at::kInt, "fastcl: tags must be int32");
-  TORCH_CHECK(
-      tags0.dim() == 1 && tags0.size(0) == block0.size(0) && tags1.dim() == 1 && tags1.size(0) == block1.size(0),
-      "fastcl: tags0/tags1 must have one entry per row of block0/block1");
-  TORCH_CHECK(tau.numel() == 1, "fastcl: tau must be a 0-d tensor");
-  for (const at::Tensor* t : {&anchor, &block0, &block1, &tags0, &tags1, &tau}) {
-    TORCH_CHECK(t->device().type() == dev && t->device() == anchor.device(), "fastcl: the ", device_name(dev),
-                " kernels take ", device_name(dev), " tensors on one device");
+// What an op was given, one record for the six ops (schemas: ../registration.cpp): the
+// problem, its extensions, the mode's inputs and the outputs it overwrites. The op entry points
+// only fill it; check() validates it and completes the derived fields, run() (lse_cpu.cpp)
+// computes it.
+struct OpArgs {
+  Mode mode = Mode::kForward;
+  at::Tensor anchor, block0, block1, tags0, tags1, tau;  // [B, d], [N0, d], [N1, d], int32 [N0], [N1], 0-d
+  bool cosine = true;
+  double eps = 0;
+  std::optional<std::vector<int64_t>> dims;  // Matryoshka prefix lengths (increasing), or none: a plain op
+  // Own positives, anchor i's k-th at row pos_offset + i * count + k of block 0: count pos_count,
+  // or (0) the folded d_pos's / pos_logits' P, or none. What the sigmoid's z = +1 and the
+  // filter's exemption read.
+  int64_t pos_offset = 0, pos_count = 0;
+  // Extensions (contract.Sigmoid, contract.Filter): the sigmoid's 0-d bias; the filter's
+  // threshold [B] or [K, B], and a guide's embeddings [B, g], [N0, g], [N1, g] (none: self filter).
+  OptTensor bias, threshold, guide_anchor, guide_block0, guide_block1;
+  // backward: lse (the sigmoid's value) and grad_lse [B] / [K, B]; d_pos [B, P] / [K, B, P] to fold
+  at::Tensor lse_in, grad_lse;
+  OptTensor d_pos_in;
+  // fused: the head ("cross_entropy", "softplus" or "sigmoid"), its inputs and flags
+  std::string_view head;
+  at::Tensor pos_logits, weights;
+  OptTensor pos_mask, log_extra;
+  bool fold_positives = false, own_logits = false;
+  // outputs (forward: lse, mean_logit; backward: the gradients; fused: all)
+  at::Tensor lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1, g_dot_mean_logit;
+
+  // derived by check()
+  int64_t K = 1;           // prefixes (1: a plain op)
+  int64_t fold_count = 0;  // P of the own positives folded (d_pos), 0: none
+  std::vector<int64_t> ends;
+
+  bool sigmoid() const { return bias.has_value(); }
+  bool filter() const { return threshold.has_value(); }
+  bool guided() const { return guide_anchor.has_value(); }
+  // [B] for a plain op, [K, B] for a Matryoshka one
+  std::vector<int64_t> rows() const {
+    const int64_t B = anchor.size(0);
+    return dims ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};
   }
-}
+};
 
-// Own positives pos_offset + i * P + k, i < B, k < P, must be rows of block 0.
-inline void check_positives(int64_t offset, int64_t P, int64_t B, int64_t N0) {
-  TORCH_CHECK(offset >= 0 && offset + B * P <= N0, "fastcl: own positives at rows ", offset, " + i * ", P, " (B = ", B,
-              ") do not fit in block0 of ", N0, " rows");
+// "[a, b]" for error messages. Messages format shapes with this instead of streaming an
+// IntArrayRef: on torch 2.11 (the H200 image, 2026-11-26) every check that streamed one
+// crashed the process (segfault) instead of raising; checks with scalars raised fine.
+inline std::string shape_str(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
 }
 
 // float64 for float64 inputs, float32 otherwise (contract.py).
@@ -75,25 +83,169 @@ void dispatch_compute(at::ScalarType cd, const F& f) {
   else f(float{});
 }
 
-// "[a, b]" for error messages. Messages format shapes with this instead of streaming an
-// IntArrayRef: on torch 2.11 (the H200 image, 2026-11-26) every check that streamed one
-// crashed the process (segfault) instead of raising; checks with scalars raised fine.
-inline std::string shape_str(at::IntArrayRef shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
+inline bool is_float(at::ScalarType dt) {
+  return dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf;
 }
 
-inline void check_out(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype,
-                      c10::DeviceType dev) {
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "fastcl: the CPU kernels take CPU tensors, got ", name, " on ", t.device());
+}
+
+inline void check_out(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype) {
   TORCH_CHECK(t.sizes() == shape, "fastcl: output ", name, " must have shape ", shape_str(shape), ", got ",
               shape_str(t.sizes()));
   TORCH_CHECK(t.scalar_type() == dtype, "fastcl: output ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous() && t.device().type() == dev, "fastcl: output ", name, " must be a contiguous ",
-              device_name(dev), " tensor");
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "fastcl: output ", name, " must be a contiguous CPU tensor");
 }
 
-using OptTensor = std::optional<at::Tensor>;
+// Own positives offset + i * P + k, i < B, k < P, must be rows of block 0.
+inline void check_positives(int64_t offset, int64_t P, int64_t B, int64_t N0) {
+  TORCH_CHECK(offset >= 0 && offset + B * P <= N0, "fastcl: own positives at rows ", offset, " + i * ", P, " (B = ", B,
+              ") do not fit in block0 of ", N0, " rows");
+}
+
+inline void check_inputs(const OpArgs& a) {
+  TORCH_CHECK(a.anchor.dim() == 2 && a.block0.dim() == 2 && a.block1.dim() == 2,
+              "fastcl: anchor, block0 and block1 must be 2-D [rows, d]");
+  const auto dt = a.anchor.scalar_type();
+  TORCH_CHECK(is_float(dt), "fastcl: unsupported dtype ", dt, " (float32, float64, bfloat16 or float16)");
+  TORCH_CHECK(a.block0.scalar_type() == dt && a.block1.scalar_type() == dt,
+              "fastcl: anchor and candidate blocks must share a dtype");
+  TORCH_CHECK(a.block0.size(1) == a.anchor.size(1) && a.block1.size(1) == a.anchor.size(1),
+              "fastcl: anchor and candidate blocks must share d");
+  TORCH_CHECK(a.tags0.scalar_type() == at::kInt && a.tags1.scalar_type() == at::kInt, "fastcl: tags must be int32");
+  TORCH_CHECK(a.tags0.dim() == 1 && a.tags0.size(0) == a.block0.size(0) && a.tags1.dim() == 1 &&
+                  a.tags1.size(0) == a.block1.size(0),
+              "fastcl: tags0/tags1 must have one entry per row of block0/block1");
+  TORCH_CHECK(a.tau.numel() == 1, "fastcl: tau must be a 0-d tensor");
+  for (const at::Tensor* t : {&a.anchor, &a.block0, &a.block1, &a.tags0, &a.tags1, &a.tau}) {
+    TORCH_CHECK(t->device().is_cpu(), "fastcl: the CPU kernels take CPU tensors");
+  }
+}
+
+// The prefix lengths: dims (Matryoshka), increasing in 1..d (the glue sorts them), or {d}.
+inline void check_dims(OpArgs& a) {
+  const int64_t d = a.anchor.size(1);
+  if (!a.dims) {
+    a.ends = {d}, a.K = 1;
+    return;
+  }
+  const std::vector<int64_t>& dims = *a.dims;
+  TORCH_CHECK(!dims.empty(), "fastcl: matryoshka dims must not be empty");
+  for (size_t k = 0; k < dims.size(); ++k) {
+    TORCH_CHECK(dims[k] >= 1 && dims[k] <= d && (k == 0 || dims[k] > dims[k - 1]),
+                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", shape_str(dims));
+  }
+  a.ends = dims, a.K = int64_t(dims.size());
+}
+
+inline void check_extensions(const OpArgs& a) {
+  const int64_t B = a.anchor.size(0);
+  if (a.bias) {
+    TORCH_CHECK(a.bias->numel() == 1 && is_float(a.bias->scalar_type()), "fastcl: bias must be a 0-d float tensor");
+    check_cpu(*a.bias, "bias");
+  }
+  if (a.filter()) {
+    const at::Tensor& t = *a.threshold;
+    const auto rows = a.rows();
+    TORCH_CHECK(is_float(t.scalar_type()) && (t.sizes() == at::IntArrayRef{B} || (a.dims && t.sizes() == rows)),
+                "fastcl: threshold must be a float [B]", a.dims ? " or [K, B]" : "", " tensor, got ",
+                shape_str(t.sizes()));
+    check_cpu(t, "threshold");
+  }
+  const int given = int(a.guide_anchor.has_value()) + a.guide_block0.has_value() + a.guide_block1.has_value();
+  TORCH_CHECK(given == 0 || given == 3, "fastcl: a guide filter takes guide_anchor, guide_block0 and guide_block1");
+  if (given == 3) {
+    TORCH_CHECK(a.filter(), "fastcl: guide embeddings need a threshold (the filter)");
+    const at::Tensor *ga = &*a.guide_anchor, *g0 = &*a.guide_block0, *g1 = &*a.guide_block1;
+    const int64_t g = ga->dim() == 2 ? ga->size(1) : -1;
+    const int64_t want[3] = {B, a.block0.size(0), a.block1.size(0)};
+    const at::Tensor* got[3] = {ga, g0, g1};
+    for (int j = 0; j < 3; ++j) {
+      TORCH_CHECK(got[j]->dim() == 2 && got[j]->size(0) == want[j] && got[j]->size(1) == g,
+                  "fastcl: guide embeddings must be [B, g], [N0, g], [N1, g]; got ", shape_str(ga->sizes()), ", ",
+                  shape_str(g0->sizes()), ", ", shape_str(g1->sizes()));
+      TORCH_CHECK(is_float(got[j]->scalar_type()), "fastcl: guide embeddings must be float tensors");
+      check_cpu(*got[j], "a guide embedding");
+    }
+  }
+}
+
+// The whole argument check of an op (inputs, then the outputs it overwrites); completes K,
+// ends, fold_count and pos_count.
+inline void check(OpArgs& a) {
+  check_inputs(a);
+  check_dims(a);
+  check_extensions(a);
+  const auto cd = compute_dtype(a.anchor);
+  const int64_t B = a.anchor.size(0), d = a.anchor.size(1), N0 = a.block0.size(0);
+  const auto rows = a.rows();  // [B], or [K, B] for a Matryoshka op
+  const int64_t R = int64_t(rows.size());
+  const char* rows_str = a.dims ? "[K, B]" : "[B]";
+  // the sigmoid's row statistics: [2, B] or [2, K, B]
+  std::vector<int64_t> stats = rows;
+  if (a.sigmoid()) stats.insert(stats.begin(), 2);
+  TORCH_CHECK(a.pos_count >= 0, "fastcl: pos_count must be >= 0");
+  if (a.mode != Mode::kBackward) {
+    check_out(a.lse, "lse", rows, cd);
+    check_out(a.mean_logit, "mean_logit", stats, cd);
+  }
+  if (a.mode != Mode::kForward) {
+    check_out(a.d_anchor, "d_anchor", {B, d}, cd);
+    check_out(a.d_block0, "d_block0", {N0, d}, cd);
+    check_out(a.d_block1, "d_block1", {a.block1.size(0), d}, cd);
+  }
+  if (a.mode == Mode::kBackward) {
+    TORCH_CHECK(a.lse_in.sizes() == rows && a.grad_lse.sizes() == rows, "fastcl: lse and grad_lse must be ", rows_str);
+    if (a.d_pos_in) {
+      TORCH_CHECK(!a.sigmoid(), "fastcl: the sigmoid reduction folds no d_pos (its pairs are inside the sum)");
+      TORCH_CHECK(a.d_pos_in->dim() == R + 1 && a.d_pos_in->sizes().slice(0, R) == rows, "fastcl: d_pos must be ",
+                  a.dims ? "[K, B, P]" : "[B, P]");
+      a.fold_count = a.d_pos_in->size(-1);
+    }
+  }
+  if (a.mode == Mode::kFused) {
+    const bool sig = a.head == "sigmoid";
+    TORCH_CHECK(a.head == "cross_entropy" || a.head == "softplus" || sig, "fastcl: unknown head '", a.head,
+                "' (cross_entropy, softplus or sigmoid)");
+    TORCH_CHECK(sig == a.sigmoid(), "fastcl: the head 'sigmoid' goes with a bias (the sigmoid reduction), and only it");
+    TORCH_CHECK(a.pos_logits.dim() == R + 1 && a.pos_logits.sizes().slice(0, R) == rows, "fastcl: pos_logits must be ",
+                a.dims ? "[K, B, P]" : "[B, P]");
+    const int64_t P = a.pos_logits.size(-1);
+    if (a.pos_mask) {
+      TORCH_CHECK(a.pos_mask->scalar_type() == at::kBool && a.pos_mask->sizes() == a.pos_logits.sizes().slice(R - 1),
+                  "fastcl: pos_mask must be a bool [B, P] tensor");
+    }
+    if (a.log_extra) {
+      TORCH_CHECK((a.log_extra->dim() == 1 && a.log_extra->size(0) == B) || (a.dims && a.log_extra->sizes() == rows),
+                  "fastcl: log_extra must be [B]", a.dims ? " or [K, B]" : "");
+    }
+    TORCH_CHECK(a.weights.sizes() == rows, "fastcl: weights must be ", rows_str);
+    check_out(a.loss_rows, "loss_rows", rows, cd);
+    check_out(a.d_pos, "d_pos", a.pos_logits.sizes().vec(), cd);
+    check_out(a.g_dot_mean_logit, "g_dot_mean_logit", {}, cd);
+    TORCH_CHECK(!(sig && (a.fold_positives || a.own_logits)),
+                "fastcl: the sigmoid head folds no own positives (pos_count gives their layout)");
+    if (a.fold_positives) a.fold_count = P;
+    if (a.own_logits) {
+      TORCH_CHECK(a.fold_positives, "fastcl: own_logits forms the logits of folded own positives (fold_positives)");
+      check_out(a.pos_logits, "pos_logits", a.pos_logits.sizes().vec(), cd);
+      check_positives(a.pos_offset, P, B, N0);
+      // the kernel forms a positive's logit from its row as stored, and a padded row is stored
+      // as zeros: a valid positive must not be padding (the losses tag exactly the masked ones)
+      const at::Tensor padded = a.tags0.narrow(0, a.pos_offset, B * P).view({B, P}) == -2;
+      TORCH_CHECK(!(a.pos_mask ? padded & *a.pos_mask : padded).any().item<bool>(),
+                  "fastcl: own_logits needs every valid own positive (pos_mask True) to be a candidate, not "
+                  "padding (tag -2)");
+    }
+  }
+  if (a.fold_count) {
+    TORCH_CHECK(a.pos_count == 0 || a.pos_count == a.fold_count, "fastcl: pos_count ", a.pos_count,
+                " differs from the ", a.fold_count, " own positives folded");
+    a.pos_count = a.fold_count;
+  }
+  if (a.pos_count) check_positives(a.pos_offset, a.pos_count, B, N0);
+}
 
 // The loss head's inputs in the compute dtype cd, alive while the kernels read them.
 struct HeadTensors {
@@ -130,91 +282,5 @@ struct HeadTensors {
     return out;
   }
 };
-
-// The whole argument check of each op (inputs, then the outputs it overwrites), one
-// definition for the CPU kernels (cpu/lse_cpu.cpp).
-inline void check_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                          const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
-                          const at::Tensor& lse, const at::Tensor& mean_logit, c10::DeviceType dev, int64_t K = 0) {
-  check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
-  const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0);
-  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};  // [K, B]: matryoshka
-  check_out(lse, "lse", rows, cd, dev);
-  check_out(mean_logit, "mean_logit", rows, cd, dev);
-}
-
-// Returns P, the number of own positives per anchor folded from d_pos (0 without d_pos). K > 0:
-// matryoshka, lse and grad_lse [K, B], d_pos [K, B, P].
-inline int64_t check_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                              const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
-                              const at::Tensor& lse, const at::Tensor& grad_lse, const OptTensor& d_pos,
-                              int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-                              const at::Tensor& d_block1, c10::DeviceType dev, int64_t K = 0) {
-  check_inputs(anchor, block0, block1, tags0, tags1, tau, dev);
-  const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0), d = anchor.size(1);
-  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};
-  TORCH_CHECK(lse.sizes() == rows && grad_lse.sizes() == rows, "fastcl: lse and grad_lse must be ",
-              K ? "[K, B]" : "[B]");
-  check_out(d_anchor, "d_anchor", {B, d}, cd, dev);
-  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, dev);
-  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
-  if (!d_pos) return 0;
-  TORCH_CHECK(d_pos->dim() == int64_t(rows.size()) + 1 && d_pos->sizes().slice(0, rows.size()) == rows,
-              "fastcl: d_pos must be ", K ? "[K, B, P]" : "[B, P]");
-  const int64_t P = d_pos->size(-1);
-  check_positives(pos_offset, P, B, block0.size(0));
-  return P;
-}
-
-// Returns P, the number of positive logits per anchor.
-inline int64_t check_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
-                           const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau,
-                           std::string_view head, const at::Tensor& pos_logits, const OptTensor& pos_mask,
-                           const OptTensor& log_extra, const at::Tensor& weights, int64_t pos_offset,
-                           bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
-                           const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
-                           const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit,
-                           c10::DeviceType dev, int64_t K = 0) {
-  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, dev, K);
-  TORCH_CHECK(head == "cross_entropy" || head == "softplus", "fastcl: unknown head '", head,
-              "' (cross_entropy or softplus)");
-  const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0), d = anchor.size(1);
-  // K > 0 (matryoshka): pos_logits, d_pos [K, B, P], weights and loss_rows [K, B]
-  const auto rows = K ? std::vector<int64_t>{K, B} : std::vector<int64_t>{B};
-  const int64_t R = int64_t(rows.size());
-  TORCH_CHECK(pos_logits.dim() == R + 1 && pos_logits.sizes().slice(0, R) == rows, "fastcl: pos_logits must be ",
-              K ? "[K, B, P]" : "[B, P]");
-  const int64_t P = pos_logits.size(-1);
-  if (pos_mask) {
-    TORCH_CHECK(pos_mask->scalar_type() == at::kBool && pos_mask->sizes() == pos_logits.sizes().slice(R - 1),
-                "fastcl: pos_mask must be a bool [B, P] tensor");
-  }
-  if (log_extra) {
-    TORCH_CHECK((log_extra->dim() == 1 && log_extra->size(0) == B) || (K && log_extra->sizes() == rows),
-                "fastcl: log_extra must be [B]", K ? " or [K, B]" : "");
-  }
-  TORCH_CHECK(weights.sizes() == rows, "fastcl: weights must be ", K ? "[K, B]" : "[B]");
-  check_out(loss_rows, "loss_rows", rows, cd, dev);
-  check_out(d_pos, "d_pos", pos_logits.sizes().vec(), cd, dev);
-  check_out(d_anchor, "d_anchor", {B, d}, cd, dev);
-  check_out(d_block0, "d_block0", {block0.size(0), d}, cd, dev);
-  check_out(d_block1, "d_block1", {block1.size(0), d}, cd, dev);
-  check_out(g_dot_mean_logit, "g_dot_mean_logit", {}, cd, dev);
-  if (fold_positives) check_positives(pos_offset, P, B, block0.size(0));
-  if (own_logits) {
-    TORCH_CHECK(fold_positives, "fastcl: own_logits forms the logits of folded own positives (fold_positives)");
-    check_out(pos_logits, "pos_logits", pos_logits.sizes().vec(), cd, dev);
-    // the kernel forms a positive's logit from its row as stored, and a padded row is stored
-    // as zeros: a valid positive must not be padding (the losses tag exactly the masked ones)
-    const at::Tensor padded = tags0.narrow(0, pos_offset, B * P).view({B, P}) == -2;
-    TORCH_CHECK(!(pos_mask ? padded & *pos_mask : padded).any().item<bool>(),
-                "fastcl: own_logits needs every valid own positive (pos_mask True) to be a candidate, not "
-                "padding (tag -2)");
-  }
-  return P;
-}
 
 }  // namespace fastcl

@@ -96,7 +96,9 @@ def main() -> None:
     elapsed = time.perf_counter() - start
 
     after = evaluate(model, loss_fn, *held_out)
-    print(f"{args.loss}: after {args.steps} steps ({elapsed:.1f} s)  held-out loss {after[0]:.4f}  image->text top-1 {after[1]:.3f}")
+    print(
+        f"{args.loss}: after {args.steps} steps ({elapsed:.1f} s)  held-out loss {after[0]:.4f}  image->text top-1 {after[1]:.3f}"
+    )
     print("the loss fell" if after[0] < before[0] else "the loss did NOT fall")
 
 

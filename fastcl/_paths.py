@@ -1,7 +1,8 @@
 """Where fastcl finds the staged datasets.
 
-``FASTCL_DATA_DIR`` if set, else ``../shared/data`` beside the repository checkout (the
-layout of this project's machines). Data is never copied into the repository.
+``FASTCL_DATA_DIR`` if set, else ``shared/data`` in the folder that holds the repository
+checkout (a sibling, so that data stays out of the repository; the expected sub-folders:
+:func:`require_data_dir`'s message and docs/data.md). Data is never copied into the repository.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ variable or field, at that time, never later and never silently clamped.
     ...     fastcl.config.get().cpp.gemm
     'mkl'
 
-What is not here: the choice of backend (``FASTCL_BACKEND``: the ``backend=`` argument's
-default), the build (``FASTCL_NO_BUILD``, ``FASTCL_CACHE_DIR``), the data folder
+What is not here: the build (``FASTCL_NO_BUILD``, ``FASTCL_CACHE_DIR``), the data folder
 (``FASTCL_DATA_DIR``) and ``FASTCL_CHECK_FINITE``, read where they act; the algorithm of a
 call (``strategy=``) is an argument of every loss, whose ``"auto"`` takes :attr:`Config.strategy`.
 
@@ -35,6 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STRATEGIES = ("auto", "fused", "recompute")
+BACKENDS = ("auto", "reference", "torch", "cpp", "triton")  # fastcl.ops.dispatch.NAMES and "auto"
+# decimal digits of the largest value an integer knob takes: it reaches C++ as an int64
+_MAX_DIGITS = 18
+
+
+class ConfigError(ValueError):
+    """A knob's value is refused (by its kind, or by the library that would use it: the C++
+    backend refuses ``cpp.gemm="own"`` without its AVX-512 build). Never turned into a
+    backend being "unavailable": a setting the user asked for is honoured or refused."""
+
+
 CPP_GEMMS = ("auto", "own", "mkl")
 TRITON_DS = ("auto", "fp32", "input")
 
@@ -43,22 +53,24 @@ TRITON_DS = ("auto", "fp32", "input")
 
 
 class PositiveInt:
-    """An integer >= ``least`` (Python's, not a bool); from the environment, decimal digits only."""
+    """An integer >= ``least`` (Python's, not a bool) and below 2^63 (the C++ library's int64);
+    from the environment, decimal digits only."""
 
     def __init__(self, least: int = 1):
         self.least = least
 
     def check(self, name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < self.least:
-            raise ValueError(f"{name}={value!r}: expected an integer >= {self.least}")
+        if isinstance(value, bool) or not isinstance(value, int) or not self.least <= value < 10**_MAX_DIGITS:
+            raise ConfigError(f"{name}={value!r}: expected an integer >= {self.least} (below 1e{_MAX_DIGITS})")
         return value
 
     def parse(self, name: str, raw: str) -> int:
-        text = raw.strip()
-        # "abc", "-3", "1e6", "4.5", "0x10": refused, never read as something else
-        if not (text.isascii() and text.isdigit()) or int(text) < self.least:
-            raise ValueError(f"{name}={raw!r}: expected an integer >= {self.least}")
-        return int(text)
+        # "abc", "-3", "1e6", "4.5", "0x10", " 5", 20 digits: refused, never read as something else
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= _MAX_DIGITS) or int(raw) < self.least:
+            raise ConfigError(
+                f"{name}={raw!r}: expected an integer >= {self.least} (decimal digits, below 1e{_MAX_DIGITS})"
+            )
+        return int(raw)
 
 
 class Choice:
@@ -69,7 +81,7 @@ class Choice:
 
     def check(self, name: str, value: Any) -> str:
         if value not in self.choices:
-            raise ValueError(f"{name}={value!r}: expected one of {self.choices}")
+            raise ConfigError(f"{name}={value!r}: expected one of {self.choices}")
         return value
 
     def parse(self, name: str, raw: str) -> str:
@@ -81,7 +93,7 @@ class Text:
 
     def check(self, name: str, value: Any) -> str:
         if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{name}={value!r}: expected a non-empty string")
+            raise ConfigError(f"{name}={value!r}: expected a non-empty string")
         return value
 
     def parse(self, name: str, raw: str) -> str:
@@ -101,9 +113,11 @@ class OrNone:
         return self.kind.parse(name, raw)
 
 
-def knob(default: Any, env: str, kind: PositiveInt | Choice | Text | OrNone, doc: str) -> Any:
+def knob(default: Any, env: str | None, kind: PositiveInt | Choice | Text | OrNone, doc: str) -> Any:
     """A configuration field: its default, the environment variable that overrides the
-    default, its kind (checked on every construction) and one line on what it does."""
+    default (``None``: set through :func:`override` only, a tuning detail with a measured
+    default that needs no public name), its kind (checked on every construction) and one
+    line on what it does."""
     return field(default=default, metadata={"env": env, "kind": kind, "doc": doc})
 
 
@@ -122,7 +136,7 @@ class TorchOptions:
 
     tile: int = knob(
         1 << 22,
-        "FASTCL_TORCH_TILE",
+        None,
         PositiveInt(),
         "elements of one [rows, N] float32 logit tile (a block holds about three); 2^20..2^23 "
         "are within 5 % of each other at d = 768 on the 2-core CI machine",
@@ -149,6 +163,25 @@ class CppOptions:
         "step 1's GEMM: 'own' (fastcl's AVX-512 tile), 'mkl', or 'auto' (the tile from 512 anchors "
         "on AVX-512 CPUs other than Intel's)",
     )
+    # Test hooks, not a public interface: tests and measurements cross the kernels' edges with them
+    test_rows: int | None = knob(
+        None,
+        "_FASTCL_TEST_CPP_ROWS",
+        OrNone(PositiveInt()),
+        "test hook: force the row-block height H (None: automatic)",
+    )
+    test_chunk: int | None = knob(
+        None,
+        "_FASTCL_TEST_CPP_CHUNK",
+        OrNone(PositiveInt()),
+        "test hook: cap every GEMM call's candidates (None: no cap)",
+    )
+    test_keep_bytes: int | None = knob(
+        None,
+        "_FASTCL_TEST_CPP_KEEP_BYTES",
+        OrNone(PositiveInt(0)),
+        "test hook: largest block buffer kept between calls (None: 16 MiB; 0: none)",
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -167,7 +200,7 @@ class TritonOptions:
     )
     ds_bytes: int = knob(
         40 << 20,
-        "FASTCL_TRITON_DS_BYTES",
+        None,
         PositiveInt(),
         "bytes of one recomputed dS chunk (at least 2048 columns): fewer chunks, fewer launches, more scratch",
     )
@@ -186,6 +219,12 @@ class TritonOptions:
 class Config:
     """Every knob of fastcl (see the module docstring)."""
 
+    backend: str = knob(
+        "auto",
+        "FASTCL_BACKEND",
+        Choice(BACKENDS),
+        "what a loss's backend='auto' means: 'auto' (the fastest available for the device) or one backend",
+    )
     strategy: str = knob(
         "auto",
         "FASTCL_STRATEGY",
@@ -217,8 +256,8 @@ def sections() -> dict[str, type]:
     }
 
 
-def knobs() -> list[tuple[str, str, str, Any]]:
-    """``(field path, environment variable, doc, default)`` of every knob, for the docs' table."""
+def knobs() -> list[tuple[str, str | None, str, Any]]:
+    """``(field path, environment variable or None, doc, default)`` of every knob, for the docs' table."""
     out = []
     for f in dataclasses.fields(Config):
         section = sections().get(f.name)
@@ -234,10 +273,11 @@ def knobs() -> list[tuple[str, str, str, Any]]:
 def _from_env(cls: type, environ: Mapping[str, str]) -> Any:
     values = {}
     for f in dataclasses.fields(cls):
-        if "env" in f.metadata:
-            raw = environ.get(f.metadata["env"], "")
+        if "kind" in f.metadata:
+            env = f.metadata["env"]
+            raw = environ.get(env, "") if env else ""
             if raw.strip():  # unset or empty: the default
-                values[f.name] = f.metadata["kind"].parse(f.metadata["env"], raw)
+                values[f.name] = f.metadata["kind"].parse(env, raw)
         else:  # a section
             values[f.name] = _from_env(sections()[f.name], environ)
     return cls(**values)
@@ -334,6 +374,7 @@ def on_change(listener: Callable[[Config], None]) -> None:
 
 
 __all__ = [
+    "ConfigError",
     "Config",
     "CppOptions",
     "TorchOptions",

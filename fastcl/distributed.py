@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,7 @@ from .ops.contract import FLOAT_DTYPES, TAG_ALL
 _FLOAT_CODES = FLOAT_DTYPES  # a dtype travels in the handshake as its index here
 _MAX_SIZES = 6
 _OK, _FAILED = 0, 1
+_SETTINGS_BYTES = 480  # one rank's settings text, exchanged only when the ranks disagree
 
 # Newer torch renames the tensor collectives; use whichever this build has.
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -58,13 +61,13 @@ def check_group(group) -> None:
     """``TypeError``/``RuntimeError`` unless ``group`` is a usable process group of this rank."""
     if not dist.is_available():
         raise RuntimeError("process_group given but torch.distributed is not available in this build of torch")
-    if not dist.is_initialized():
-        raise RuntimeError("process_group given but torch.distributed is not initialised (call init_process_group)")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"process_group must be a torch.distributed.ProcessGroup this rank belongs to "
             f"(e.g. dist.group.WORLD), got {type(group).__name__}"
         )
+    if not dist.is_initialized():
+        raise RuntimeError("process_group given but torch.distributed is not initialised (call init_process_group)")
 
 
 # --------------------------------------------------------------------------- handshake
@@ -91,11 +94,13 @@ def handshake_device(group) -> torch.device:
 def _handshake(
     group, status: int, layout: int = 0, dtype_code: int = -1, sizes: tuple[int, ...] = ()
 ) -> list[list[int]]:
-    """All-gather ``[status, layout, dtype, sizes...]`` of every rank; read on the host."""
+    """All-gather ``[status, settings, layout, dtype, sizes...]`` of every rank; read on the
+    host. ``settings`` is the hash of the outermost public loss call's settings (0 outside one)."""
     call = _CALL.get()
     if call is not None:
         call["handshakes"] += 1
-    values = [status, layout, dtype_code, *sizes] + [0] * (_MAX_SIZES - len(sizes))
+    settings = 0 if call is None else call["settings_hash"]
+    values = [status, settings, layout, dtype_code, *sizes] + [0] * (_MAX_SIZES - len(sizes))
     device = handshake_device(group)
     local = torch.tensor(values, dtype=torch.int64)
     if device.type != "cpu":
@@ -105,22 +110,29 @@ def _handshake(
     return table.view(-1, len(values)).tolist()
 
 
-def _check_handshake(table: list[list[int]], names: tuple[str, ...]) -> None:
+def _check_handshake(table: list[list[int]], names: tuple[str, ...], group) -> None:
     failed = [r for r, row in enumerate(table) if row[0] != _OK]
     if failed:
         raise RuntimeError(
             f"fastcl: rank(s) {failed} rejected their inputs to a distributed loss (their own error "
             f"says why); every rank stops here instead of waiting in a collective"
         )
-    signatures = {tuple(row[1 : 3 + len(names)]) for row in table}
+    if len({row[1] for row in table}) > 1:  # every rank sees this: all exchange their settings
+        texts = _exchange_settings(group)
+        got = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+        raise ValueError(
+            "fastcl: the ranks called a distributed loss with different settings (the loss, its "
+            f"options, fastcl.config's ring_pieces and strategy must agree on every rank); got {got}"
+        )
+    signatures = {tuple(row[2 : 4 + len(names)]) for row in table}
     if len(signatures) == 1:
         return
 
     def describe(row):
-        if row[1] != table[0][1]:
+        if row[2] != table[0][2]:
             return "a different loss"
-        sizes = ", ".join(f"{n}={v}" for n, v in zip(names, row[3:]))
-        return f"{sizes}, {_FLOAT_CODES[row[2]]}"
+        sizes = ", ".join(f"{n}={v}" for n, v in zip(names, row[4:]))
+        return f"{sizes}, {_FLOAT_CODES[row[3]]}"
 
     got = "; ".join(f"rank {r}: {describe(row)}" for r, row in enumerate(table))
     raise ValueError(
@@ -129,12 +141,52 @@ def _check_handshake(table: list[list[int]], names: tuple[str, ...]) -> None:
     )
 
 
+def _settings_text(fn, args, kwargs) -> str:
+    """What every rank must agree on in a call of the public loss ``fn``: its name, every
+    argument that is not a tensor (options, defaults included; the process group left out)
+    and the configuration that shapes the exchange (``ring_pieces``, ``strategy``)."""
+    from . import config
+
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    parts = []
+    for name, value in bound.arguments.items():
+        # data (tensors, masks, a guide: may differ, e.g. a rank with masks) is not a setting
+        data = "Tensor" in str(sig.parameters[name].annotation) or name in ("guide", "labels")
+        if name == "process_group" or data or isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+            continue
+        parts.append(f"{name}={value!r}")
+    cfg = config.get()
+    parts += [f"ring_pieces={cfg.ring_pieces}", f"config.strategy={cfg.strategy!r}"]
+    return f"{fn.__name__}({', '.join(parts)})"
+
+
+def _exchange_settings(group) -> list[str]:
+    """Every rank's settings text (see :func:`agree_on_errors`), for the error message."""
+    call = _CALL.get()
+    text = ("" if call is None else call["settings"]).encode()[: _SETTINGS_BYTES - 1]
+    row = torch.zeros(_SETTINGS_BYTES, dtype=torch.uint8)
+    row[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else row[:0]
+    device = handshake_device(group)
+    table = row.to(device).new_empty(dist.get_world_size(group) * _SETTINGS_BYTES)
+    _all_gather_single(table, row.to(device), group=group)
+    rows = table.view(-1, _SETTINGS_BYTES).cpu()
+    return [bytes(r[r != 0].tolist()).decode(errors="replace") for r in rows]
+
+
 def agree_on_errors(fn):
     """Decorator for the public losses: a rank that fails validation tells the others.
 
     Without it, one rank raising before its first collective leaves the others waiting in
     the handshake forever. With it, the failing rank joins that handshake with a failure
-    flag before re-raising, and the other ranks raise a ``RuntimeError`` naming it. Errors
+    flag before re-raising, and the other ranks raise a ``RuntimeError`` naming it. The
+    handshake also carries a hash of the call's settings (:func:`_settings_text`): ranks
+    that disagree (gather on one, ring on another; different ``ring_pieces``, dims, loss,
+    reduction, ...) raise ``ValueError`` on every rank, naming each rank's settings, before
+    any collective that could hang or abort. Errors
     after a rank's first handshake are raised identically on every rank by construction
     (size mismatch, no valid positive) or come from the backend (then, as with any
     collective, the other ranks wait until the process group's timeout).
@@ -145,7 +197,8 @@ def agree_on_errors(fn):
         group = kwargs.get("process_group")
         if group is None or _CALL.get() is not None:  # single process, or an outer call guards
             return fn(*args, **kwargs)
-        call = {"handshakes": 0}
+        settings = _settings_text(fn, args, kwargs)
+        call = {"handshakes": 0, "settings": settings, "settings_hash": zlib.crc32(settings.encode())}
         token = _CALL.set(call)
         try:
             return fn(*args, **kwargs)
@@ -172,7 +225,7 @@ def check_same_sizes(group, sizes: dict[str, int], dtype: torch.dtype) -> None:
     names = tuple(sizes)
     layout = functools.reduce(lambda h, c: (h * 131 + ord(c)) % (1 << 31), ",".join(names), 7)
     table = _handshake(group, _OK, layout, _FLOAT_CODES.index(dtype), tuple(sizes.values()))
-    _check_handshake(table, names)
+    _check_handshake(table, names, group)
 
 
 # --------------------------------------------------------------------------- gather

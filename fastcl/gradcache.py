@@ -201,6 +201,42 @@ def _changed(versions: list[tuple[str, Tensor, int]]) -> list[str]:
     return [name for name, p, v in versions if p._version != v]
 
 
+@dataclass
+class _EncoderState:
+    """What the encoder was when a call encoded its chunks, beyond the version counters: the
+    parameter objects by name, their dtypes and devices, and every module's training flag.
+    Re-encoding under another state (a replaced parameter, ``model.double()``, ``model.eval()``)
+    would give the gradient of another function; :meth:`changes` says what differs."""
+
+    params: list[tuple[str, nn.Parameter, torch.dtype, torch.device]]
+    modes: list[tuple[str, nn.Module, bool]]
+    source: Callable[[], list[tuple[str, nn.Parameter]]]  # the parameters as they are now
+
+    @classmethod
+    def of(cls, named: list[tuple[str, nn.Parameter]], modules: list[tuple[str, nn.Module]], source) -> _EncoderState:
+        return cls([(n, p, p.dtype, p.device) for n, p in named], [(n, m, m.training) for n, m in modules], source)
+
+    def changes(self) -> list[str]:
+        # position by position: the names of a plain callable's modules may repeat (two
+        # top-level modules built alike), the order of the parameters does not change
+        now = [p for _, p in self.source()]
+        out = []
+        if len(now) != len(self.params):
+            out.append(f"encode_fn has {len(now)} parameters now, {len(self.params)} when it encoded")
+        for (name, p, dtype, device), current in zip(self.params, now):
+            if current is not p:
+                out.append(f"parameter {name} was replaced by another object")
+            elif p.dtype != dtype or p.device != device:
+                out.append(
+                    f"parameter {name} moved from {dtype}/{device} to {p.dtype}/{p.device} (e.g. .double(), .to())"
+                )
+        for name, module, training in self.modes:
+            if module.training != training:
+                mode = "train()" if module.training else "eval()"
+                out.append(f"module {name or type(module).__name__} switched to {mode} (dropout would not replay)")
+        return out
+
+
 # --------------------------------------------------------------------------- one call
 
 
@@ -218,6 +254,8 @@ class _Call:
     autocast: dict = field(default_factory=dict)  # autocast state of the first pass
     # (name, parameter, its ._version) after the first pass: the weights the embeddings came from
     versions: list = field(default_factory=list)
+    state: _EncoderState | None = None  # parameter objects, dtypes and module modes of the first pass
+    flushed: bool = False  # its gradient was re-encoded once: a second backward would add it again
     # Filled by the backward of this call's output:
     tensors: tuple[Tensor, ...] = ()
     grad: Tensor | None = None
@@ -280,12 +318,18 @@ class _Reencoder:
                 out = self.encode_fn(**call.chunk_inputs(tensors, i))
                 outs.append(_check_chunk_output(out, call.bounds[i][1] - call.bounds[i][0], f"chunk {i}").detach())
                 bar.update()
-        named = (
-            list(self.encode_fn.named_parameters())
-            if self.stat_roots is not None
-            else _parameters_of(list(ran.values()))
-        )
+        if self.stat_roots is not None:
+            module = self.encode_fn
+            assert isinstance(module, nn.Module)
+            named, modules = list(module.named_parameters()), list(module.named_modules())
+            source = module.named_parameters
+        else:
+            ran_modules = list(ran.values())
+            named = _parameters_of(ran_modules)
+            modules = [(type(m).__name__, m) for m in ran_modules]
+            source = lambda: _parameters_of(ran_modules)  # noqa: E731
         call.versions = [(name, p, p._version) for name, p in named]
+        call.state = _EncoderState.of(named, modules, lambda: list(source()))
         d = {o.shape[1] for o in outs}
         dtypes = {o.dtype for o in outs}
         if len(d) > 1 or len(dtypes) > 1:
@@ -297,18 +341,36 @@ class _Reencoder:
     def flush(self) -> None:
         """Second pass over every call that delivered a gradient in this backward."""
         calls, self.pending = sorted(self.pending, key=lambda c: c.index), []
+
+        def refuse(message: str):
+            for c in calls:  # free the cached inputs and gradients: this backward is over
+                c.tensors, c.grad, c.grad_stream = (), None, None
+            raise RuntimeError(message)
+
         for call in calls:  # before re-encoding anything: no partial gradient is accumulated
+            if call.flushed:
+                refuse(
+                    "GradCache: a second backward through the same gc(...) output (retain_graph=True) would "
+                    "re-encode it and add the encoder's gradient to .grad again; call gc(...) again for "
+                    "another backward, or backward once through a loss that sums both terms"
+                )
             changed = _changed(call.versions)
             if changed:
-                for c in calls:  # free the cached inputs and gradients: this backward is over
-                    c.tensors, c.grad, c.grad_stream = (), None, None
                 shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-                raise RuntimeError(
+                refuse(
                     f"GradCache: {len(changed)} parameter(s) of encode_fn changed in place between gc(...) "
                     f"and backward() ({shown}), e.g. by optimizer.step() or load_state_dict: the cached "
                     "embeddings come from the old weights, and re-encoding with the new ones would give "
                     "the gradient of neither. Call backward() before changing the parameters."
                 )
+            other = call.state.changes() if call.state is not None else []
+            if other:
+                refuse(
+                    f"GradCache: encode_fn changed between gc(...) and backward() ({'; '.join(other[:3])}): "
+                    "re-encoding would not give the embeddings the loss saw. Call backward() first."
+                )
+        for call in calls:
+            call.flushed = True
         total = sum(len(c.bounds) for c in calls)
         done = 0
         with self._bar(total, "gradcache re-encode") as bar:

@@ -1,11 +1,11 @@
 """Share of the GEMM floor of the cpp fused kernel on a prefix of anchors at a given N.
 
-Calls ``torch.ops.fastcl.lse_fused`` directly (supcon head, one positive logit per row,
+Calls ``torch.ops.fastcl.lse_fused`` directly (cross-entropy head, one positive logit per row,
 every candidate shared, no fold) on ``B`` anchors against ``N`` candidates of width ``d``,
 interleaved round by round with the floor (``benchmarks.harness.floor``) of the same shape and
-with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_TILE``, ``FASTCL_CPP_GEMM``:
-``fastcl.config``, re-read around each variant's step, a few microseconds; the test hooks
-``_FASTCL_TEST_CPP_*``, read per call), so a loaded machine hits all of them alike. Prints min
+with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_TILE``, ``FASTCL_CPP_GEMM`` and
+the test hooks ``_FASTCL_TEST_CPP_*``: ``fastcl.config``, re-read around each variant's step, a
+few microseconds), so a loaded machine hits all of them alike. Prints min
 time and share of the floor.
 
     python scripts/bench_cpp_floor.py --B 512 --N 40960 --d 768 --env base= --env R128=_FASTCL_TEST_CPP_ROWS=128
@@ -53,7 +53,9 @@ def fused_step(B: int, N: int, d: int, n1: int = 0, seed: int = 0):
     )
 
     def step():
-        torch.ops.fastcl.lse_fused(a, c0, c1, t0, t1, tau, True, 1e-8, "supcon", pos, None, None, w, 0, False, **out)
+        torch.ops.fastcl.lse_fused(
+            a, c0, c1, t0, t1, tau, True, 1e-8, "cross_entropy", pos, None, None, w, 0, False, **out
+        )
         return out
 
     return step
@@ -182,6 +184,8 @@ def main() -> None:
     print(
         f"B={args.B} N={args.N} d={args.d} threads={args.threads} clock={'cpu' if args.cpu_clock else 'wall'} rounds={res.rounds} load {load0:.1f}->{load1:.1f}"
     )
+    for n, exc in res.errors.items():
+        print(f"  {n:12s} failed: {exc!r}")
     for n, m in seconds.items():
         rows = f" ({plans[n].rows} rows)" if n in plans else ""
         print(f"  {n:12s} {m * 1e3:9.1f} ms  spread {res.spread(n) * 100:5.1f}%  share {fl / m * 100:5.1f}%{rows}")

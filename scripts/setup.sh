@@ -2,11 +2,10 @@
 # Create ./.venv and install fastcl with everything the tests and benchmarks use.
 # Idempotent: re-running after the first time only re-installs when pyproject.toml changed.
 #
-#   FASTCL_TORCH        torch requirement (default torch==2.13.0; on this project's CPU
-#                       machines pip takes the CPU wheel from the local wheelhouse, on a GPU
-#                       machine it takes PyPI's CUDA build)
-#   FASTCL_TORCH_INDEX  optional --index-url for torch, e.g. https://download.pytorch.org/whl/cpu
-#                       to get a CPU build on a machine without a local CPU wheel
+#   FASTCL_TORCH   pip's arguments for torch (default torch==2.13.0; on this project's CPU
+#                  machines pip takes the CPU wheel from the local wheelhouse, on a GPU machine
+#                  it takes PyPI's CUDA build); e.g. "torch==2.13.0 --index-url
+#                  https://download.pytorch.org/whl/cpu" for a CPU build elsewhere
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,11 +21,8 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 echo "fastcl setup: installing $TORCH_SPEC and fastcl[dev] into .venv (first run takes a few minutes)" >&2
-if [ -n "${FASTCL_TORCH_INDEX:-}" ]; then
-  pip install -q --index-url "$FASTCL_TORCH_INDEX" "$TORCH_SPEC"
-else
-  pip install -q "$TORCH_SPEC"
-fi
+# shellcheck disable=SC2086  # word-split on purpose: a requirement and pip options
+pip install -q $TORCH_SPEC
 # torch is already satisfied, so fastcl's own `torch>=2.4` pulls nothing more.
 pip install -q -e ".[dev]"
 # open_clip's loss code, the peer of the image-text losses (tests and benchmarks load its

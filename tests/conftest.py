@@ -15,10 +15,21 @@ Triton interpreter leg.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# torch.compile's kernel cache is private to this run (and the processes it spawns): the
+# default /tmp/torchinductor_<user> is shared by every run on the machine, and two runs
+# compiling the same graph at once have aborted inside a half-written cached kernel.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastcl-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from fastcl._paths import data_dir as _data_dir
 

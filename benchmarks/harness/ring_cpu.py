@@ -41,7 +41,7 @@ from benchmarks.harness.timing import round_order, spread
 from fastcl import distributed
 
 MODES = ("gather", "ring")
-_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "FASTCL_CPP_KEEP_BYTES": "0"}
+_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "_FASTCL_TEST_CPP_KEEP_BYTES": "0"}
 
 
 def _inputs(rank: int, B: int, P: int, Q: int, d: int, dtype: torch.dtype) -> dict:
@@ -161,7 +161,7 @@ def run(
     case = dict(B=B, P=P, Q=Q, d=d, dtype=dtype, backend=backend, modes=list(modes))
     case.update(rounds=rounds, warmup=warmup, threads=threads)
     saved = {k: os.environ.get(k) for k in _MMAP_ENV}
-    os.environ.update(_MMAP_ENV)  # read by the ranks' glibc at start
+    os.environ.update(_MMAP_ENV)  # read at start by the ranks' glibc and fastcl.config
     try:
         with tempfile.TemporaryDirectory(prefix="fastcl_ring_bench_") as tmp:
             ctx = mp.get_context("spawn")

@@ -23,20 +23,18 @@
 namespace fastcl::cpu {
 namespace {
 
-constexpr c10::DeviceType kDev = c10::DeviceType::CPU;
-enum class Mode { kForward, kBackward, kFused };
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The sweep's [tiles, H, N] block buffer. One of at most kKeepBytes (test hook
-// _FASTCL_TEST_CPP_KEEP_BYTES; 0: never) is kept for the calling thread's next call: a fresh one costs ~1 page fault
+// cpp.test_keep_bytes; 0: never) is kept for the calling thread's next call: a fresh one costs ~1 page fault
 // per 4 KiB page on first touch (up to ~600 per small step, 13 % of the median InfoNCE step at B = 1024, d = 128;
 // benchmarks/results/cpu-2026-11-27-amd/notes.md). Larger buffers are allocated per call, as nothing may hold O(B N).
 constexpr int64_t kKeepBytes = int64_t(16) << 20;
 at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options) {
   thread_local at::Tensor kept;
   const int64_t n = c10::multiply_integers(shape);
-  if (n * int64_t(options.dtype().itemsize()) > env_int("_FASTCL_TEST_CPP_KEEP_BYTES", kKeepBytes, 0)) {
+  const int64_t set = cpu::options().test_keep_bytes.load(std::memory_order_relaxed);  // (options: the argument)
+  if (n * int64_t(options.dtype().itemsize()) > (set < 0 ? kKeepBytes : set)) {
     return at::empty(shape, options);
   }
   if (!kept.defined() || kept.numel() < n || kept.dtype() != options.dtype()) {
@@ -49,11 +47,11 @@ at::Tensor block_buffer(at::IntArrayRef shape, const at::TensorOptions& options)
 // Anchor rows H per block (all threads share a block): a [H, N] buffer of about (B + N) d
 // elements, at least 2^21 per thread, H in [8, 1024], evened out over the blocks. Each
 // block streams all of C, so short blocks lose (docs/csrc.md). fastcl.config's cpp.tile
-// (options().tile) sets the element budget; the test hook _FASTCL_TEST_CPP_ROWS forces H (to
+// (options().tile) sets the element budget; the test hook cpp.test_rows forces H (to
 // cross block edges). A sweep that keeps several [H, N] tiles (Matryoshka prefixes) shares the
 // budget among them.
 int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t tiles) {
-  int64_t rows = env_int("_FASTCL_TEST_CPP_ROWS", 0);
+  int64_t rows = options().test_rows.load(std::memory_order_relaxed);
   if (rows == 0) {
     const int64_t set = options().tile.load(std::memory_order_relaxed);
     const int64_t budget = set > 0 ? set : std::max<int64_t>(threads << 21, (B + N) * d);
@@ -63,27 +61,9 @@ int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t t
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
 }
 
-// Where a sweep reads its row gradients from and writes its results to (unused: null).
-template <typename T>
-struct Sweep {
-  Mode mode;
-  at::Tensor d_a, d_c0, d_c1;  // [B, d], [N0, d], [N1, d] out (backward, fused)
-  Fold<T> fold;                // own positives to fold (backward with d_pos, fused)
-  // per row of prefix k (entry k * B + i); a plain problem has K = 1
-  T* lse = nullptr;                // [K, B] out (forward, fused)
-  T* mean_logit = nullptr;         // [K, B] out (forward, fused)
-  const T* lse_in = nullptr;       // [K, B] (backward)
-  const T* grad_lse = nullptr;     // [K, B] (backward)
-  const Head<T>* heads = nullptr;  // [K] (fused): prefix k's head
-  T* g_rows = nullptr;             // [K, B] out (fused): w_i dloss_i/dlse_i
-  T* own_logits = nullptr;         // [K, B, P] out (fused, own_logits): the heads' pos, per row
-  T* row_rad = nullptr;            // [K, B] (Matryoshka cosine): the rows' radial sums
-  T* row_factor = nullptr;         // [B] (fused, K = 1): X = diag(r) Q with Q in the block buffer
-};
-
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
 template <typename T>
-void mm_blocks(at::Tensor out, const at::Tensor& x, const Prepared<T>& p, const at::Tensor& m0, const at::Tensor& m1) {
+void mm_blocks(at::Tensor out, const at::Tensor& x, const Params<T>& p, const at::Tensor& m0, const at::Tensor& m1) {
   if (p.N0) at::mm_out(out, x.narrow(1, 0, p.N0), m0);
   if (p.N1) {
     if (p.N0) out.addmm_(x.narrow(1, p.N0, p.N1), m1);
@@ -159,11 +139,12 @@ struct Chunk {
 
 // The candidates each thread takes in steps 1 and 4 of sweep(): an equal share
 // [t N / T, (t + 1) N / T) of the N columns, cut at the edge between the two blocks (one or
-// two GEMM calls; smaller chunks lose, docs/csrc.md). The test hook _FASTCL_TEST_CPP_CHUNK caps
-// every call.
+// two GEMM calls; smaller chunks lose, docs/csrc.md). The test hook cpp.test_chunk caps every
+// call.
 template <typename T>
-std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t threads) {
-  const int64_t most = env_int("_FASTCL_TEST_CPP_CHUNK", std::numeric_limits<int64_t>::max());
+std::vector<std::vector<Chunk>> candidate_shares(const Params<T>& p, int64_t threads) {
+  const int64_t chunk = options().test_chunk.load(std::memory_order_relaxed);
+  const int64_t most = chunk > 0 ? chunk : std::numeric_limits<int64_t>::max();
   std::vector<std::vector<Chunk>> shares(threads);
   auto add = [&](int64_t t, int blk, int64_t c, int64_t n) {
     for (int64_t k = 0; k < n; k += most) shares[t].push_back({blk, c + k, std::min(most, n - k)});
@@ -178,39 +159,75 @@ std::vector<std::vector<Chunk>> candidate_shares(const Prepared<T>& p, int64_t t
 
 // Buffer rows [i0, i1) of a block starting at anchor r0, prefix k (0 for a plain problem): raw
 // dot products in, weights X (or, forward only, probabilities) out; all passes of a row back to
-// back, while it is in L2. With col_rad (Matryoshka cosine backward) the radial sums too.
+// back, while it is in L2. With col_rad (Matryoshka cosine backward) the radial sums too. guide:
+// the block's guide dot products ([h, N], guide filter), else null.
+//
+// With a filter or the sigmoid reduction a row first gets its column adds (`add`: -inf where the
+// column leaves the row by padding, tag or filter, the NaN poison of non-finite rows, else 0),
+// which its passes read in place of the shared col_add, and every weight of a column left out is
+// 0 by selection (contract.Filter: a dropped NaN reaches nothing). Without them the passes are
+// those of the plain LSE (the tag's columns marked -inf in the raw row).
 template <typename T>
-void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int64_t i0, int64_t i1, int64_t k,
-                T* col_rad) {
+void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0, int64_t i1, int64_t k, T* col_rad) {
   const int64_t N = p.N, kb = k * p.B;
   const T* inv_a = p.inv_a.template data_ptr<T>() + kb;
   const T* inv_c = p.inv_c.template data_ptr<T>() + k * N;
-  const T* add = p.col_add.template data_ptr<T>();
+  const T* col_add = p.add(k);
+  const bool fused = p.mode == Mode::kFused;
+  const bool masked = p.filter || p.sigmoid;  // rows with their own column adds
+  std::vector<T> add_buf(masked ? N : 0);
+  const T* row_poison = p.filter ? p.row_poison.template data_ptr<T>() + kb : nullptr;
+  const T* thr = p.filter ? p.threshold.template data_ptr<T>() + (p.threshold.size(0) > 1 ? kb : 0) : nullptr;
   // Cosine logits lie in [-1/tau, 1/tau]: while exp(-2/tau) is far from underflow (and the row
   // factor r = g / (|a| tau sum_p) from overflow), 1/tau stands in for the row max and the
   // logits pass is skipped (forward and fused modes; bound 0: take the max).
   constexpr double kMaxInvTau = std::is_same_v<T, float> ? 25 : 300;
   const T bound = p.cosine && p.inv_tau <= kMaxInvTau ? p.inv_tau : T(0);
+
+  // Row i's column adds (masked rows; else the shared col_add): the filter's decisions against the
+  // guide's cosine or the model's own similarity (the raw row, before any pass changes it), the
+  // own positives restored (never dropped), the row's tag exclusions.
+  auto row_adds = [&](int64_t i, int64_t gi, const T* row) -> const T* {
+    if (!masked) return col_add;
+    T* out = add_buf.data();
+    const T rp = row_poison ? row_poison[gi] : T(0);
+    if (p.filter && guide) {
+      const T* inv_ga = p.rga.inv.template data_ptr<T>();
+      rows::filter_adds<false>(out, guide + i * N, inv_ga[gi], p.inv_gc.template data_ptr<T>(), col_add, rp, thr[gi],
+                               N);
+    } else if (p.filter) {
+      rows::filter_adds<true>(out, row, inv_a[gi], inv_c, col_add, rp, thr[gi], N);
+    } else {
+      std::copy(col_add, col_add + N, out);
+    }
+    for (int64_t c = p.pos_offset + gi * p.pos_count, j = 0; p.filter && j < p.pos_count; ++j, ++c) {
+      out[c] = col_add[c] == rows::neg_inf<T>() ? col_add[c] : col_add[c] + rp;
+    }
+    for (int64_t c : p.own_cols[gi]) out[c] = rows::neg_inf<T>();
+    return out;
+  };
   // X from lse and g = dLoss/dlse in one pass over the raw row; returns its radial sum
-  auto softmax_weights = [&](T* row, T row_scale, T lse, T g) -> T {
+  auto softmax_weights = [&](T* row, const T* add, T row_scale, T lse, T g) -> T {
     if (lse == rows::neg_inf<T>() || g == T(0)) {
       std::fill(row, row + N, T(0));
       return T(0);
     }
-    return rows::softmax_weights(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
+    return p.filter ? rows::softmax_weights<T, true>(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad)
+                    : rows::softmax_weights<T, false>(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
   };
   // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
-  auto weights = [&](int64_t gi, T* row, T row_scale) -> T {
-    if (sw.mode == Mode::kBackward) return softmax_weights(row, row_scale, sw.lse_in[kb + gi], sw.grad_lse[kb + gi]);
-    T* lse = sw.lse + kb;
-    T* mean_logit = sw.mean_logit + kb;
-    const bool fused = sw.mode == Mode::kFused;
+  auto weights = [&](int64_t gi, T* row, const T* add, T row_scale) -> T {
+    if (p.mode == Mode::kBackward) {
+      return softmax_weights(row, add, row_scale, p.lse_in[kb + gi], p.grad_lse[kb + gi]);
+    }
+    T* lse = p.lse + kb;
+    T* mean_logit = p.mean_logit + kb;
     // the row's LSE and mean logit from the exp sums (no candidate: -inf and 0)
     auto store_stats = [&](T m, T sum_p, T sum_pl) {
       lse[gi] = sum_p == T(0) ? rows::neg_inf<T>() : m + std::log(sum_p);
       mean_logit[gi] = sum_p == T(0) ? T(0) : sum_pl / sum_p;
     };
-    if (fused && !sw.row_factor) {
+    if (fused && !p.row_factor) {
       // Matryoshka: the GEMMs sum the prefixes' weights, so prefix k's cannot leave a row
       // factor to them: the backward's pass forms them, after two passes (max unless bounded,
       // exp sums) that keep the raw dot products it reads. The arithmetic of
@@ -221,9 +238,9 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
         std::tie(sum_p, sum_pl) = rows::exp_and_sums<true, false, T, false>(row, m, inv_c, add, row_scale, N);
       }
       store_stats(m, sum_p, sum_pl);
-      const T g = sw.heads[k].row(gi, lse[gi]);
-      sw.g_rows[kb + gi] = g;
-      return softmax_weights(row, row_scale, lse[gi], g);
+      const T g = p.heads[k].row(gi, lse[gi]);
+      p.g_rows[kb + gi] = g;
+      return softmax_weights(row, add, row_scale, lse[gi], g);
     }
     // the shift: the bound, or the row's max (that pass also turns the row into logits)
     const T m = bound > T(0) ? bound : rows::logits_and_max(row, inv_c, add, row_scale, N);
@@ -237,51 +254,90 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
     store_stats(m, sum_p, sum_pl);
     if (fused && sum_p == T(0)) std::fill(row, row + N, T(0));  // no candidate: no gradient
     if (fused) {
-      const T g = sw.heads[0].row(gi, lse[gi]);
-      sw.g_rows[gi] = g;
+      const T g = p.heads[0].row(gi, lse[gi]);
+      p.g_rows[gi] = g;
       // X = r * row; r goes into the GEMMs (sweep) instead of a pass over the row, unless it is
       // not a finite nonzero number (g = 0, overflow, NaN): then X is formed here and r = 1
       T r = sum_p == T(0) ? T(1) : g * inv_a[gi] * p.inv_tau / sum_p;
       if (!(std::isfinite(r) && r != T(0))) {
         rows::scale(row, T(1) / sum_p, N);
-        rows::scale(row, g * inv_a[gi] * p.inv_tau, N);
+        if (p.filter) rows::scale_kept(row, add, g * inv_a[gi] * p.inv_tau, N);
+        else rows::scale(row, g * inv_a[gi] * p.inv_tau, N);
         r = T(1);
       }
-      sw.row_factor[gi] = r;
+      p.row_factor[gi] = r;
     }
     return T(0);
   };
+  // The sigmoid reduction's row (contract.Sigmoid): value and stats (forward, fused) and the
+  // weights X = g sigma / (tau |a| |c|) (backward, fused: g the row's weight; with a row factor
+  // the row keeps Q = sigma inv_c and r = g inv_a / tau goes into the GEMMs, as for the LSE); the
+  // own positives' columns (z = +1) are a segment of their own. Returns its radial sum.
+  auto sigmoid_row = [&](int64_t gi, T* row, const T* add, T row_scale) -> T {
+    const int64_t P = p.pos_count, c0 = P ? p.pos_offset + gi * P : N, c1 = P ? c0 + P : N;
+    T g = 0;
+    if (p.mode == Mode::kBackward) g = p.grad_lse[kb + gi];
+    if (fused) g = p.weights[kb + gi], p.g_rows[kb + gi] = g;
+    const bool store = p.mode != Mode::kForward && g != T(0);  // no gradient: X = 0 (below)
+    T factor = g * row_scale;
+    if (p.row_factor) {
+      const bool to_gemms = store && std::isfinite(factor) && factor != T(0);
+      p.row_factor[gi] = to_gemms ? factor : T(1);
+      if (to_gemms) factor = T(1);
+    }
+    auto pass = [&](int64_t lo, int64_t hi, T z) {
+      T* rad = col_rad ? col_rad + lo : nullptr;
+      return store
+                 ? rows::sigmoid_pass<true>(row + lo, inv_c + lo, add + lo, row_scale, p.bias, z, factor, hi - lo, rad)
+                 : rows::sigmoid_pass<false>(row + lo, inv_c + lo, add + lo, row_scale, p.bias, z, factor, hi - lo,
+                                             rad);
+    };
+    rows::SigmoidSums<T> sums = pass(0, c0, T(-1));
+    if (P) sums += pass(c0, c1, T(1)), sums += pass(c1, N, T(-1));
+    if (p.mode != Mode::kForward && !store) std::fill(row, row + N, T(0));
+    if (p.mode != Mode::kBackward) {
+      p.lse[kb + gi] = sums.value, p.mean_logit[kb + gi] = sums.sigma_l, p.stats1[kb + gi] = sums.sigma;
+    }
+    if (fused) p.loss_rows[kb + gi] = sums.value;
+    return sums.rad;
+  };
 
-  const int64_t P = sw.fold.count;
+  const int64_t P = p.fold.count;
   std::vector<T> pos_raw(col_rad ? P : 0);  // the own positives' raw dot products (radial sums)
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t gi = r0 + i;
     T* row = s + i * N;
     const T row_scale = inv_a[gi] * p.inv_tau;
-    const int64_t c0 = sw.fold.offset + gi * P;
-    if (sw.fold.dpos && col_rad) std::copy(row + c0, row + c0 + P, pos_raw.begin());
-    if (sw.own_logits) {
+    const int64_t c0 = p.fold.offset + gi * P;
+    const T* add = row_adds(i, gi, row);
+    if (p.fold.dpos && col_rad) std::copy(row + c0, row + c0 + P, pos_raw.begin());
+    if (p.own_logits) {
       // the own positives' logits from their raw dot products, formed like every other logit
       // (no [B, P, d] normalisation pass in Python); row gi's head reads only row gi's. A
-      // masked positive reads as zero (the contract), whatever its row holds.
-      const bool* m = sw.heads[k].mask ? sw.heads[k].mask + gi * P : nullptr;
+      // masked positive reads as zero (the contract), whatever its row holds. With a filter the
+      // poison is added (a valid positive is never padding: checked).
+      const bool* m = p.heads[k].mask ? p.heads[k].mask + gi * P : nullptr;
+      const T rp = row_poison ? row_poison[gi] : T(0);
       for (int64_t j = 0; j < P; ++j) {
-        sw.own_logits[(kb + gi) * P + j] = m && !m[j] ? T(0) : row[c0 + j] * row_scale * inv_c[c0 + j];
+        const T poison = p.filter ? col_add[c0 + j] + rp : T(0);
+        p.own_logits[(kb + gi) * P + j] = m && !m[j] ? T(0) : row[c0 + j] * row_scale * inv_c[c0 + j] + poison;
       }
     }
-    for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
-    T rad = weights(gi, row, row_scale);
-    if (sw.fold.dpos) {
+    if (!masked) {
+      for (int64_t c : p.own_cols[gi]) row[c] = rows::neg_inf<T>();
+    }
+    T rad = p.sigmoid ? sigmoid_row(gi, row, add, row_scale) : weights(gi, row, add, row_scale);
+    if (p.fold.dpos) {
       // d_pos * dl/d<a_i, c> is one more entry of X, summed by the GEMMs in the compute
       // dtype before any rounding (contract.py, OwnPositives); fused: the head just wrote it
-      const T* dp = sw.fold.dpos + (kb + gi) * P;
+      const T* dp = p.fold.dpos + (kb + gi) * P;
       for (int64_t j = 0; j < P; ++j) {
         const T w = dp[j] * row_scale * inv_c[c0 + j];
-        row[c0 + j] += sw.row_factor ? w / sw.row_factor[gi] : w;
+        row[c0 + j] += p.row_factor ? w / p.row_factor[gi] : w;
         if (col_rad) rad += w * pos_raw[j], col_rad[c0 + j] += w * pos_raw[j];
       }
     }
-    if (sw.row_rad) sw.row_rad[kb + gi] = rad;
+    if (p.row_rad) p.row_rad[kb + gi] = rad;
   }
 }
 
@@ -290,10 +346,10 @@ void block_rows(const Prepared<T>& p, const Sweep<T>& sw, T* s, int64_t r0, int6
 // not finite, and a folded d_pos lands on its column whatever the tag. O(K B P) reads after the
 // sweep: the finite case (a head gives padded positives d_pos = 0) touches no [N, d] data.
 template <typename T>
-bool padded_rows_may_be_nonzero(const Prepared<T>& p, const Sweep<T>& sw) {
-  const bool fused = sw.mode == Mode::kFused;
-  const int64_t n = int64_t(p.ends.size()) * p.B, P = sw.fold.count;
-  const T *lse = fused ? sw.lse : sw.lse_in, *g = fused ? sw.g_rows : sw.grad_lse, *dp = sw.fold.dpos;
+bool padded_rows_may_be_nonzero(const Params<T>& p) {
+  const bool fused = p.mode == Mode::kFused;
+  const int64_t n = int64_t(p.ends.size()) * p.B, P = p.fold.count;
+  const T *lse = fused ? p.lse : p.lse_in, *g = fused ? p.g_rows : p.grad_lse, *dp = p.fold.dpos;
   const T* add = p.col_add.template data_ptr<T>();
   auto bad_lse = [](T x) { return std::isnan(x) || x == std::numeric_limits<T>::infinity(); };  // -inf: no weights
   if (p.ra.nonfinite || std::any_of(g, g + n, [](T x) { return !std::isfinite(x); }) ||
@@ -301,7 +357,7 @@ bool padded_rows_may_be_nonzero(const Prepared<T>& p, const Sweep<T>& sw) {
     return true;
   }
   for (int64_t j = 0; dp && j < n * P; ++j) {  // entry (k, i, s) of d_pos: column offset + i P + s
-    if (!std::isfinite(dp[j]) || (dp[j] != T(0) && add[sw.fold.offset + j % (p.B * P)] == rows::neg_inf<T>())) {
+    if (!std::isfinite(dp[j]) || (dp[j] != T(0) && add[p.fold.offset + j % (p.B * P)] == rows::neg_inf<T>())) {
       return true;
     }
   }
@@ -310,11 +366,11 @@ bool padded_rows_may_be_nonzero(const Prepared<T>& p, const Sweep<T>& sw) {
 
 // Padded candidates get exactly zero gradient (the contract), rows of d_c0 / d_c1 (contiguous).
 template <typename T>
-void zero_padded_rows(const Prepared<T>& p, const Sweep<T>& sw) {
+void zero_padded_rows(const Params<T>& p) {
   const T* add = p.col_add.template data_ptr<T>();
   for (int64_t c = 0; c < p.N; ++c) {
     if (add[c] != rows::neg_inf<T>()) continue;
-    T* row = c < p.N0 ? sw.d_c0.template data_ptr<T>() + c * p.d : sw.d_c1.template data_ptr<T>() + (c - p.N0) * p.d;
+    T* row = c < p.N0 ? p.d_c0.template data_ptr<T>() + c * p.d : p.d_c1.template data_ptr<T>() + (c - p.N0) * p.d;
     std::fill(row, row + p.d, T(0));
   }
 }
@@ -344,7 +400,7 @@ struct Tiles {
 // Tiles for a float sweep of a plain problem, or none: Matryoshka prefixes keep MKL, a single
 // prefix shorter than d included (the tile multiplies whole rows).
 template <typename T>
-Tiles make_tiles(const Prepared<T>& p, int64_t threads, int64_t H) {
+Tiles make_tiles(const Params<T>& p, int64_t threads, int64_t H) {
   Tiles tl;
   const bool plain = p.ends.size() == 1 && p.ends[0] == p.d;
   if (!own_gemm_wanted(p.B) || !std::is_same_v<T, float> || !plain || p.N == 0 || p.d == 0) return tl;
@@ -362,7 +418,7 @@ Tiles make_tiles(const Prepared<T>& p, int64_t threads, int64_t H) {
 // every row tile over it, so that S is written row by row in spans of the group's width (a
 // column strip of S would touch a page per row) while the group stays in L2.
 template <typename T>
-void tiled_raw_dots(const Prepared<T>& p, const Tiles& tl, T* s, int64_t r0, int64_t h) {
+void tiled_raw_dots(const Params<T>& p, const Tiles& tl, T* s, int64_t r0, int64_t h) {
   const int64_t d = p.d, N = p.N, R = gemm::kRows, C = gemm::kCols, panels = gemm::num_panels(N);
   const T* a_blk = p.a.template data_ptr<T>() + r0 * d;
   const T *c0 = p.c0.template data_ptr<T>(), *c1 = p.c1.template data_ptr<T>();
@@ -408,27 +464,28 @@ void tiled_raw_dots(const Prepared<T>& p, const Tiles& tl, T* s, int64_t r0, int
 // S_k then through step 2 with prefix k's norms; the backward keeps all K weight tiles X_k and
 // runs steps 3 and 4 per slice on Y_k = X_k + ... + X_{K-1} (every prefix covering the slice).
 template <typename T>
-void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
-  const bool grad = sw.mode != Mode::kForward;
+void sweep(const Params<T>& p) {
+  const bool grad = p.mode != Mode::kForward;
   const int64_t K = int64_t(p.ends.size()), d = p.d, top = p.ends.back();
   if (grad && top < d) {  // coordinates beyond every prefix get no gradient
-    for (const at::Tensor* t : {&sw.d_a, &sw.d_c0, &sw.d_c1}) t->narrow(1, top, d - top).zero_();
+    for (const at::Tensor* t : {&p.d_a, &p.d_c0, &p.d_c1}) t->narrow(1, top, d - top).zero_();
   }
   if (p.B == 0) {  // otherwise the first block's X^T A writes E_c (no zeroing pass over [N, d])
-    if (grad) sw.d_c0.zero_(), sw.d_c1.zero_();
+    if (grad) p.d_c0.zero_(), p.d_c1.zero_();
     return;
   }
   const int64_t T_ = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
   // the backward and fused steps keep every prefix's weights until they are summed per
   // slice; the forward needs S_{k-1} until S_k is formed
-  const int64_t tiles = sw.mode == Mode::kForward ? std::min<int64_t>(K, 2) : K;
-  const int64_t H = block_height(p.B, p.N, d, T_, tiles);
-  at::Tensor buf = block_buffer({tiles, H, p.N}, p.a.options());
-  const at::Tensor a_scaled = sw.row_factor ? at::empty({H, d}, p.a.options()) : at::Tensor();
+  const int64_t tiles = p.mode == Mode::kForward ? std::min<int64_t>(K, 2) : K;
+  // a guide filter's dot products S_g = A_g C_g^T take one more [H, N] tile (the last)
+  const int64_t H = block_height(p.B, p.N, d, T_, tiles + p.guided());
+  at::Tensor buf = block_buffer({tiles + p.guided(), H, p.N}, p.a.options());
+  const at::Tensor a_scaled = p.row_factor ? at::empty({H, d}, p.a.options()) : at::Tensor();
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
   const Tiles tiles_1 = make_tiles(p, T_, H);  // step 1 by fastcl's GEMM tile (or MKL: none)
   // radial sums of the candidates, one [K, N] partial per row task (summed in task order)
-  at::Tensor col_rad = sw.row_rad ? at::zeros({T_, K, p.N}, p.a.options()) : at::Tensor();
+  at::Tensor col_rad = p.row_rad ? at::zeros({T_, K, p.N}, p.a.options()) : at::Tensor();
   auto slice = [&](int64_t k) { return std::make_pair(k ? p.ends[k - 1] : 0, p.ends[k] - (k ? p.ends[k - 1] : 0)); };
 
   for (int64_t r0 = 0; r0 < p.B; r0 += H) {
@@ -437,7 +494,7 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
     const at::Tensor a_blk = p.a.narrow(0, r0, h);
     // fused: X = diag(r) Q, so r scales the anchors of X^T A (a copy, formed in the row pass)
     // and the rows of X C (with the normalisation backward)
-    const at::Tensor a_x = sw.row_factor ? a_scaled.narrow(0, 0, h) : a_blk;
+    const at::Tensor a_x = p.row_factor ? a_scaled.narrow(0, 0, h) : a_blk;
     auto raw_dots = [&](int64_t k) {  // S_k = S_{k-1} + A_blk,k C_k^T (step 1, slice k)
       const auto [lo, w] = slice(k);
       at::Tensor S = tile(k), prev = k ? tile(k - 1) : at::Tensor();
@@ -452,6 +509,20 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
           }
       });
     };
+    // the guide's dot products of the block (filter): by the same candidate shares, shared by every prefix
+    const at::Tensor guide = p.guided() ? buf[tiles].narrow(0, 0, h) : at::Tensor();
+    if (p.guided()) {
+      const at::Tensor ga_blk = p.ga.narrow(0, r0, h);
+      parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          for (const Chunk& ch : shares[t]) {
+            const at::Tensor g_c = (ch.blk ? p.gc1 : p.gc0).narrow(0, ch.c, ch.n).t();
+            at::Tensor g_cols = guide.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n);
+            at::mm_out(g_cols, ga_blk, g_c);
+          }
+      });
+    }
+    const T* guide_dots = p.guided() ? guide.template data_ptr<T>() : nullptr;
     if (tiles_1.rows.defined()) tiled_raw_dots(p, tiles_1, tile(0).template data_ptr<T>(), r0, h);
     else raw_dots(0);
     for (int64_t k = 0; k < K; ++k) {
@@ -460,13 +531,13 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       if (col_rad.defined()) {  // fixed row tasks: each owns one partial of the candidates' radial sums
         parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
           for (int64_t t = t0; t < t1; ++t) {
-            block_rows(p, sw, s, r0, h * t / T_, h * (t + 1) / T_, k, col_rad[t][k].template data_ptr<T>());
+            block_rows(p, s, guide_dots, r0, h * t / T_, h * (t + 1) / T_, k, col_rad[t][k].template data_ptr<T>());
           }
         });
       } else {
         parallel(0, h, 1, [&](int64_t i0, int64_t i1) {
-          block_rows(p, sw, s, r0, i0, i1, k, (T*)nullptr);
-          if (sw.row_factor) scale_rows(a_x, a_blk, sw.row_factor + r0, i0, i1);  // K = 1: the rows' r is known
+          block_rows(p, s, guide_dots, r0, i0, i1, k, (T*)nullptr);
+          if (p.row_factor) scale_rows(a_x, a_blk, p.row_factor + r0, i0, i1);  // K = 1: the rows' r is known
         });
       }
     }
@@ -477,199 +548,242 @@ void sweep(const Prepared<T>& p, const Sweep<T>& sw) {
       const auto [lo, w] = slice(k);
       // E_a = X C in one call that MKL threads itself: split by hand along d, every thread
       // packed all of X (10-13 % slower at d = 128-256, docs/csrc.md)
-      at::Tensor e_a = sw.d_a.narrow(0, r0, h);
+      at::Tensor e_a = p.d_a.narrow(0, r0, h);
       mm_blocks(e_a.narrow(1, lo, w), X, p, p.c0.narrow(1, lo, w), p.c1.narrow(1, lo, w));
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t)
           for (const Chunk& ch : shares[t]) {
-            at::Tensor e_c = (ch.blk ? sw.d_c1 : sw.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
+            at::Tensor e_c = (ch.blk ? p.d_c1 : p.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
             const at::Tensor x_cols = X.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
             if (r0 == 0) at::mm_out(e_c, x_cols, a_x.narrow(1, lo, w));  // the first block writes E_c
             else e_c.addmm_(x_cols, a_x.narrow(1, lo, w));
           }
       });
     }
-    if (p.cosine && sw.row_rad) {
-      unnormalize_prefix_rows(sw.d_a, p.a, p.ra, sw.row_rad, p.B, p.ends, r0, r0 + h, 16);
+    if (p.cosine && p.row_rad) {
+      unnormalize_prefix_rows(p.d_a, p.a, p.ra, p.row_rad, p.B, p.ends, r0, r0 + h, 16);
     } else if (p.cosine) {
-      unnormalize_rows(sw.d_a, p.a, p.ra, r0, r0 + h, 16, sw.row_factor);
-    } else if (sw.row_factor) {
-      at::Tensor e_a = sw.d_a.narrow(0, r0, h);
-      parallel(0, h, 16, [&](int64_t i0, int64_t i1) { scale_rows(e_a, e_a, sw.row_factor + r0, i0, i1); });
+      unnormalize_rows(p.d_a, p.a, p.ra, r0, r0 + h, 16, p.row_factor);
+    } else if (p.row_factor) {
+      at::Tensor e_a = p.d_a.narrow(0, r0, h);
+      parallel(0, h, 16, [&](int64_t i0, int64_t i1) { scale_rows(e_a, e_a, p.row_factor + r0, i0, i1); });
     }
   }
 
-  if (grad && p.cosine && sw.row_rad) {
+  if (grad && p.cosine && p.row_rad) {
     at::Tensor rad = col_rad[0];
     for (int64_t t = 1; t < T_; ++t) rad.add_(col_rad[t]);  // in task order: deterministic
     const T* r = rad.template data_ptr<T>();
-    unnormalize_prefix_rows(sw.d_c0, p.c0, p.rc0, r, p.N, p.ends, 0, p.N0, 64);
-    unnormalize_prefix_rows(sw.d_c1, p.c1, p.rc1, r + p.N0, p.N, p.ends, 0, p.N1, 64);
+    unnormalize_prefix_rows(p.d_c0, p.c0, p.rc0, r, p.N, p.ends, 0, p.N0, 64);
+    unnormalize_prefix_rows(p.d_c1, p.c1, p.rc1, r + p.N0, p.N, p.ends, 0, p.N1, 64);
   } else if (grad && p.cosine) {
-    unnormalize_rows(sw.d_c0, p.c0, p.rc0, 0, p.N0, 64);
-    unnormalize_rows(sw.d_c1, p.c1, p.rc1, 0, p.N1, 64);
+    unnormalize_rows(p.d_c0, p.c0, p.rc0, 0, p.N0, 64);
+    unnormalize_rows(p.d_c1, p.c1, p.rc1, 0, p.N1, 64);
   }
-  if (grad && padded_rows_may_be_nonzero(p, sw)) zero_padded_rows(p, sw);
+  if (grad && padded_rows_may_be_nonzero(p)) zero_padded_rows(p);
 }
 
 // ------------------------------------------------------------------ ops
 
-// The prefix lengths: dims (Matryoshka), checked increasing in 1..d (the glue sorts them), or
-// {d} for a plain op (no dims; a malformed anchor is refused by the op's check that follows).
-std::vector<int64_t> prefix_ends(const at::Tensor& anchor, const at::IntArrayRef* dims) {
-  if (!dims) return {anchor.dim() == 2 ? anchor.size(1) : 0};
-  TORCH_CHECK(!dims->empty() && anchor.dim() == 2, "fastcl: matryoshka dims must not be empty (anchor: [B, d])");
-  for (size_t k = 0; k < dims->size(); ++k) {
-    TORCH_CHECK((*dims)[k] >= 1 && (*dims)[k] <= anchor.size(1) && (k == 0 || (*dims)[k] > (*dims)[k - 1]),
-                "fastcl: matryoshka dims must be increasing integers in 1..d, got ", shape_str(*dims));
-  }
-  return dims->vec();
-}
-
-// lse_forward, and lse_prefix_forward with dims (lse, mean_logit [K, B]).
-void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
-             const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
-             const at::Tensor& lse, const at::Tensor& mean_logit) {
+// The one driver of every op: checks the record, prepares the problem in the compute dtype and
+// points the sweep at the mode's inputs and outputs.
+void run(OpArgs& o) {
   // the kernel's own ATen calls (GEMMs on views of the inputs) are not autograd's business
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
-  check_forward(anchor, block0, block1, tags0, tags1, tau, lse, mean_logit, kDev, dims ? dims->size() : 0);
-  dispatch_compute(compute_dtype(anchor), [&](auto zero) {
+  check(o);
+  const auto cd = compute_dtype(o.anchor);
+  const int64_t K = o.K, B = o.anchor.size(0);
+  dispatch_compute(cd, [&](auto zero) {
     using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
-    Sweep<T> sw{Mode::kForward};
-    sw.lse = lse.data_ptr<T>();
-    sw.mean_logit = mean_logit.data_ptr<T>();
-    sweep(p, sw);
+    Params<T> p = prepare<T>(o);
+    const auto opt = p.a.options();
+    // Matryoshka cosine: the per-prefix normalisation backward needs the rows' radial sums
+    const at::Tensor row_rad = o.dims && o.cosine && o.mode != Mode::kForward ? at::empty({K, B}, opt) : at::Tensor();
+    if (row_rad.defined()) p.row_rad = row_rad.template data_ptr<T>();
+    if (o.mode != Mode::kBackward) {
+      p.lse = o.lse.data_ptr<T>();
+      p.mean_logit = o.mean_logit.data_ptr<T>();
+      if (p.sigmoid) p.stats1 = p.mean_logit + K * B;  // stats [2, K, B]
+    }
+    if (o.mode != Mode::kForward) p.d_a = o.d_anchor, p.d_c0 = o.d_block0, p.d_c1 = o.d_block1;
+    at::Tensor lse_c, g_c, dpos_c;
+    if (o.mode == Mode::kBackward) {
+      lse_c = o.lse_in.to(cd).contiguous(), g_c = o.grad_lse.to(cd).contiguous();
+      if (o.d_pos_in) {
+        dpos_c = o.d_pos_in->to(cd).contiguous();
+        p.fold = {dpos_c.data_ptr<T>(), o.pos_offset, o.fold_count};
+      }
+      p.lse_in = lse_c.data_ptr<T>();
+      p.grad_lse = g_c.data_ptr<T>();
+    }
+    std::optional<HeadTensors> ht;
+    std::vector<Head<T>> heads;
+    const at::Tensor g_rows = o.mode == Mode::kFused ? at::empty({K, B}, opt) : at::Tensor();
+    std::vector<T> row_factor(o.mode == Mode::kFused && !o.dims ? B : 0);  // one prefix: X's row factor
+    if (o.mode == Mode::kFused) {
+      ht.emplace(o.pos_logits, o.pos_mask, o.log_extra, o.weights, cd);
+      p.g_rows = g_rows.data_ptr<T>();
+      if (!o.dims) p.row_factor = row_factor.data();  // goes into the GEMMs
+      if (p.sigmoid) {  // the head is the identity: the weights are dLoss/dvalue, the loss rows the values
+        p.weights = ht->weights.data_ptr<T>();
+        p.loss_rows = o.loss_rows.data_ptr<T>();
+        o.d_pos.zero_();  // no pairs to fold (usually [B, 0])
+      } else {
+        heads = ht->heads<T>(o.head, o.loss_rows, o.d_pos);
+        p.heads = heads.data();
+        if (o.fold_positives) p.fold = {o.d_pos.data_ptr<T>(), o.pos_offset, o.fold_count};
+        if (o.own_logits) p.own_logits = ht->pos.data_ptr<T>();  // pos_logits itself (checked: contiguous, cd)
+      }
+    }
+    sweep(p);
+    if (o.mode == Mode::kFused) {
+      T acc = 0;  // the temperature gradient, summed in row order (deterministic)
+      for (int64_t i = 0; i < K * B; ++i) acc += p.g_rows[i] * p.mean_logit[i];
+      o.g_dot_mean_logit.fill_(acc);
+    }
   });
 }
 
+// The op entry points (schemas: ../registration.cpp) only fill the record.
+OpArgs inputs(Mode mode, const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
+              const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
+              const at::IntArrayRef* dims) {
+  OpArgs o;
+  o.mode = mode;
+  o.anchor = anchor, o.block0 = block0, o.block1 = block1, o.tags0 = tags0, o.tags1 = tags1, o.tau = tau;
+  o.cosine = cosine, o.eps = eps;
+  if (dims) o.dims = dims->vec();
+  return o;
+}
+
+// The extensions' arguments, the same trailing group on every op.
+void extensions(OpArgs& o, int64_t pos_count, const OptTensor& bias, const OptTensor& threshold,
+                const OptTensor& guide_anchor, const OptTensor& guide_block0, const OptTensor& guide_block1) {
+  o.pos_count = pos_count, o.bias = bias, o.threshold = threshold;
+  o.guide_anchor = guide_anchor, o.guide_block0 = guide_block0, o.guide_block1 = guide_block1;
+}
+
+// lse_forward, and lse_prefix_forward with dims (lse, mean_logit [K, B]; sigmoid: stats [2, K, B]).
+void forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
+             const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
+             int64_t pos_offset, int64_t pos_count, const OptTensor& bias, const OptTensor& threshold,
+             const OptTensor& guide_anchor, const OptTensor& guide_block0, const OptTensor& guide_block1,
+             const at::Tensor& lse, const at::Tensor& mean_logit) {
+  OpArgs o = inputs(Mode::kForward, anchor, block0, block1, tags0, tags1, tau, cosine, eps, dims);
+  o.pos_offset = pos_offset;
+  extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1);
+  o.lse = lse, o.mean_logit = mean_logit;
+  run(o);
+}
+
 void lse_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
-                 const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::Tensor& lse,
+                 const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, int64_t pos_offset,
+                 int64_t pos_count, const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
+                 const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& lse,
                  const at::Tensor& mean_logit) {
-  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, mean_logit);
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, pos_offset, pos_count, bias, threshold,
+          guide_anchor, guide_block0, guide_block1, lse, mean_logit);
 }
 
 void lse_prefix_forward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                         const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
-                        double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& mean_logit) {
-  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, mean_logit);
+                        double eps, at::IntArrayRef dims, int64_t pos_offset, int64_t pos_count, const OptTensor& bias,
+                        const OptTensor& threshold, const OptTensor& guide_anchor, const OptTensor& guide_block0,
+                        const OptTensor& guide_block1, const at::Tensor& lse, const at::Tensor& mean_logit) {
+  forward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, pos_offset, pos_count, bias, threshold,
+          guide_anchor, guide_block0, guide_block1, lse, mean_logit);
 }
 
 // lse_backward, and lse_prefix_backward with dims (lse, grad_lse [K, B], d_pos [K, B, P]).
 void backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
               const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
-              const at::Tensor& lse, const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos,
-              int64_t pos_offset, const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
-  const int64_t P = check_backward(anchor, block0, block1, tags0, tags1, tau, lse, grad_lse, d_pos, pos_offset,
-                                   d_anchor, d_block0, d_block1, kDev, dims ? dims->size() : 0);
-  const auto cd = compute_dtype(anchor);
-  dispatch_compute(cd, [&](auto zero) {
-    using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
-    const at::Tensor lse_c = lse.to(cd).contiguous(), g_c = grad_lse.to(cd).contiguous();
-    const at::Tensor dpos_c = d_pos ? d_pos->to(cd).contiguous() : at::Tensor();
-    // Matryoshka cosine: the per-prefix normalisation backward needs the rows' radial sums
-    const at::Tensor row_rad = dims && cosine ? at::empty({int64_t(ends.size()), p.B}, p.a.options()) : at::Tensor();
-    Sweep<T> sw{Mode::kBackward, d_anchor, d_block0, d_block1};
-    if (d_pos) sw.fold = {dpos_c.data_ptr<T>(), pos_offset, P};
-    sw.lse_in = lse_c.data_ptr<T>();
-    sw.grad_lse = g_c.data_ptr<T>();
-    if (row_rad.defined()) sw.row_rad = row_rad.template data_ptr<T>();
-    sweep(p, sw);
-  });
+              const at::Tensor& lse, const at::Tensor& grad_lse, const OptTensor& d_pos, int64_t pos_offset,
+              int64_t pos_count, const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
+              const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& d_anchor,
+              const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  OpArgs o = inputs(Mode::kBackward, anchor, block0, block1, tags0, tags1, tau, cosine, eps, dims);
+  o.lse_in = lse, o.grad_lse = grad_lse, o.d_pos_in = d_pos, o.pos_offset = pos_offset;
+  extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1);
+  o.d_anchor = d_anchor, o.d_block0 = d_block0, o.d_block1 = d_block1;
+  run(o);
 }
 
 void lse_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
                   const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::Tensor& lse,
-                  const at::Tensor& grad_lse, const std::optional<at::Tensor>& d_pos, int64_t pos_offset,
-                  const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1) {
-  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, grad_lse, d_pos, pos_offset, d_anchor,
-           d_block0, d_block1);
+                  const at::Tensor& grad_lse, const OptTensor& d_pos, int64_t pos_offset, int64_t pos_count,
+                  const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
+                  const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& d_anchor,
+                  const at::Tensor& d_block0, const at::Tensor& d_block1) {
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, lse, grad_lse, d_pos, pos_offset, pos_count,
+           bias, threshold, guide_anchor, guide_block0, guide_block1, d_anchor, d_block0, d_block1);
 }
 
 void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                          const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine,
                          double eps, at::IntArrayRef dims, const at::Tensor& lse, const at::Tensor& grad_lse,
-                         const std::optional<at::Tensor>& d_pos, int64_t pos_offset, const at::Tensor& d_anchor,
-                         const at::Tensor& d_block0, const at::Tensor& d_block1) {
-  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, grad_lse, d_pos, pos_offset, d_anchor,
-           d_block0, d_block1);
+                         const OptTensor& d_pos, int64_t pos_offset, int64_t pos_count, const OptTensor& bias,
+                         const OptTensor& threshold, const OptTensor& guide_anchor, const OptTensor& guide_block0,
+                         const OptTensor& guide_block1, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+                         const at::Tensor& d_block1) {
+  backward(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, lse, grad_lse, d_pos, pos_offset, pos_count,
+           bias, threshold, guide_anchor, guide_block0, guide_block1, d_anchor, d_block0, d_block1);
 }
 
 // lse_fused, and lse_prefix_fused with dims (weights, lse, mean_logit, loss_rows [K, B],
 // pos_logits, d_pos [K, B, P]; prefix k's head takes row k of weights).
 void fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
            const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
-           std::string_view head, const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
-           const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
-           bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
-           const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-           const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const std::vector<int64_t> ends = prefix_ends(anchor, dims);
-  const int64_t K = int64_t(ends.size());
-  const int64_t P = check_fused(anchor, block0, block1, tags0, tags1, tau, head, pos_logits, pos_mask, log_extra,
-                                weights, pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos,
-                                d_anchor, d_block0, d_block1, g_dot_mean_logit, kDev, dims ? K : 0);
-  const auto cd = compute_dtype(anchor);
-  const int64_t B = anchor.size(0);
-  dispatch_compute(cd, [&](auto zero) {
-    using T = decltype(zero);
-    const auto p = prepare<T>(anchor, block0, block1, tags0, tags1, tau, cosine, eps, ends);
-    const HeadTensors ht(pos_logits, pos_mask, log_extra, weights, cd);
-    const std::vector<Head<T>> heads = ht.heads<T>(head, loss_rows, d_pos);
-    at::Tensor g_rows = at::empty({K, B}, p.a.options());
-    // Matryoshka cosine: the per-prefix normalisation backward needs the rows' radial sums
-    const at::Tensor row_rad = dims && cosine ? at::empty({K, B}, p.a.options()) : at::Tensor();
-    Sweep<T> sw{Mode::kFused, d_anchor, d_block0, d_block1};
-    if (fold_positives) sw.fold = {d_pos.data_ptr<T>(), pos_offset, P};
-    if (own_logits) sw.own_logits = ht.pos.data_ptr<T>();  // pos_logits itself (checked: contiguous, cd)
-    sw.lse = lse.data_ptr<T>();
-    sw.mean_logit = mean_logit.data_ptr<T>();
-    sw.heads = heads.data();
-    sw.g_rows = g_rows.data_ptr<T>();
-    if (row_rad.defined()) sw.row_rad = row_rad.template data_ptr<T>();
-    std::vector<T> row_factor(dims ? 0 : B);  // one prefix: X's row factor goes into the GEMMs
-    if (!dims) sw.row_factor = row_factor.data();
-    sweep(p, sw);
-    T acc = 0;  // the temperature gradient, summed in row order (deterministic)
-    for (int64_t i = 0; i < K * B; ++i) acc += sw.g_rows[i] * sw.mean_logit[i];
-    g_dot_mean_logit.fill_(acc);
-  });
+           std::string_view head, const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra,
+           const at::Tensor& weights, int64_t pos_offset, bool fold_positives, bool own_logits, int64_t pos_count,
+           const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
+           const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& lse,
+           const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
+           const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
+           const at::Tensor& g_dot_mean_logit) {
+  OpArgs o = inputs(Mode::kFused, anchor, block0, block1, tags0, tags1, tau, cosine, eps, dims);
+  o.head = head, o.pos_logits = pos_logits, o.pos_mask = pos_mask, o.log_extra = log_extra, o.weights = weights;
+  o.pos_offset = pos_offset, o.fold_positives = fold_positives, o.own_logits = own_logits;
+  extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1);
+  o.lse = lse, o.mean_logit = mean_logit, o.loss_rows = loss_rows, o.d_pos = d_pos;
+  o.d_anchor = d_anchor, o.d_block0 = d_block0, o.d_block1 = d_block1, o.g_dot_mean_logit = g_dot_mean_logit;
+  run(o);
 }
 
 void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
                const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, std::string_view head,
-               const at::Tensor& pos_logits, const std::optional<at::Tensor>& pos_mask,
-               const std::optional<at::Tensor>& log_extra, const at::Tensor& weights, int64_t pos_offset,
-               bool fold_positives, bool own_logits, const at::Tensor& lse, const at::Tensor& mean_logit,
-               const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
-               const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+               const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra,
+               const at::Tensor& weights, int64_t pos_offset, bool fold_positives, bool own_logits, int64_t pos_count,
+               const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
+               const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& lse,
+               const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
+               const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
+               const at::Tensor& g_dot_mean_logit) {
   fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, head, pos_logits, pos_mask, log_extra, weights,
-        pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1,
-        g_dot_mean_logit);
+        pos_offset, fold_positives, own_logits, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1,
+        lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1, g_dot_mean_logit);
 }
 
 void lse_prefix_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
                       const at::Tensor& tags0, const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps,
                       at::IntArrayRef dims, std::string_view head, const at::Tensor& pos_logits,
-                      const std::optional<at::Tensor>& pos_mask, const std::optional<at::Tensor>& log_extra,
-                      const at::Tensor& weights, int64_t pos_offset, bool fold_positives, bool own_logits,
-                      const at::Tensor& lse, const at::Tensor& mean_logit, const at::Tensor& loss_rows,
-                      const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
-                      const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit) {
+                      const OptTensor& pos_mask, const OptTensor& log_extra, const at::Tensor& weights,
+                      int64_t pos_offset, bool fold_positives, bool own_logits, int64_t pos_count,
+                      const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
+                      const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& lse,
+                      const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
+                      const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
+                      const at::Tensor& g_dot_mean_logit) {
   fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, head, pos_logits, pos_mask, log_extra, weights,
-        pos_offset, fold_positives, own_logits, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1,
-        g_dot_mean_logit);
+        pos_offset, fold_positives, own_logits, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1,
+        lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1, g_dot_mean_logit);
 }
 
 }  // namespace
 
-void set_options(int64_t tile, std::string_view gemm) {
+void set_options(int64_t tile, std::string_view gemm, int64_t test_rows, int64_t test_chunk, int64_t test_keep_bytes) {
   TORCH_CHECK(tile >= 0, "fastcl: cpp.tile must be >= 0 (0: automatic), got ", tile);
+  TORCH_CHECK(test_rows >= 0 && test_chunk >= 0 && test_keep_bytes >= -1,
+              "fastcl: cpp.test_rows and cpp.test_chunk must be >= 0, cpp.test_keep_bytes >= -1");
   TORCH_CHECK(gemm == "auto" || gemm == "own" || gemm == "mkl", "fastcl: cpp.gemm='", gemm,
               "'; expected auto, own or mkl");
   TORCH_CHECK(gemm != "own" || gemm::kAvailable,
@@ -677,6 +791,9 @@ void set_options(int64_t tile, std::string_view gemm) {
               "AVX-512 build of the cpp backend (this one targets ",
               FASTCL_CPU_TARGET, ")");
   options().tile.store(tile, std::memory_order_relaxed);
+  options().test_rows.store(test_rows, std::memory_order_relaxed);
+  options().test_chunk.store(test_chunk, std::memory_order_relaxed);
+  options().test_keep_bytes.store(test_keep_bytes, std::memory_order_relaxed);
   options().gemm.store(static_cast<int>(gemm == "own"   ? Gemm::kOwn
                                         : gemm == "mkl" ? Gemm::kMkl
                                                         : Gemm::kAuto),

@@ -131,10 +131,11 @@ void scale(T* row, T factor, int64_t n) {
 }
 
 // Recompute backward in one pass: row[c] <- w_c = exp(l_c - lse) * row_factor * col_scale[c] with
-// l_c formed from the raw dot product s_c as in logits_and_max. lse must be finite. With col_rad
+// l_c formed from the raw dot product s_c as in logits_and_max. lse must not be -inf. With col_rad
 // (Matryoshka prefixes: the radial sums of the normalisation backward, docs/csrc.md), also
 // col_rad[c] += w_c s_c, and returns sum_c w_c s_c (a zero weight adds nothing: s_c may be -inf).
-template <typename T>
+// kSelect (a filter): w_c = 0 where col_add[c] = -inf (the column left the row) even when lse is NaN.
+template <typename T, bool kSelect = false>
 T softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T lse, T row_factor, int64_t n,
                   T* col_rad = nullptr) {
   using V = Vectorized<T>;
@@ -142,9 +143,10 @@ T softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T l
   V acc(T(0));
   int64_t c = 0;
   for (; c + V::size() <= n; c += V::size()) {
-    V s = V::loadu(row + c), cs = V::loadu(col_scale + c);
-    V l = s * rs * cs + V::loadu(col_add + c);
+    V s = V::loadu(row + c), cs = V::loadu(col_scale + c), ad = V::loadu(col_add + c);
+    V l = s * rs * cs + ad;
     V w = (l - vlse).exp() * rf * cs;
+    if constexpr (kSelect) w = V::blendv(w, zero, ad == V(neg_inf<T>()));
     w.store(row + c);
     if (col_rad) {
       V ws = V::blendv(w * s, zero, w == zero);
@@ -156,10 +158,111 @@ T softmax_weights(T* row, const T* col_scale, const T* col_add, T row_scale, T l
   for (; c < n; ++c) {
     const T s = row[c];
     T l = s * row_scale * col_scale[c] + col_add[c];
-    row[c] = std::exp(l - lse) * row_factor * col_scale[c];
+    row[c] = kSelect && col_add[c] == neg_inf<T>() ? T(0) : std::exp(l - lse) * row_factor * col_scale[c];
     if (col_rad && row[c] != T(0)) col_rad[c] += row[c] * s, rad += row[c] * s;
   }
   return rad;
+}
+
+// row[c] <- row[c] * factor, or 0 where col_add[c] = -inf (the column left the row) whatever the
+// product (a filter's non-finite row: X must be 0 there, not 0 * NaN)
+template <typename T>
+void scale_kept(T* row, const T* col_add, T factor, int64_t n) {
+  using V = Vectorized<T>;
+  const V f(factor), zero(T(0)), ninf(neg_inf<T>());
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    V::blendv(V::loadu(row + c) * f, zero, V::loadu(col_add + c) == ninf).store(row + c);
+  }
+  for (; c < n; ++c) row[c] = col_add[c] == neg_inf<T>() ? T(0) : row[c] * factor;
+}
+
+// A filter's column adds for one row (contract.Filter): out[c] <- -inf where c leaves the row
+// (base[c] = -inf: padding; or sim_c > thr, strictly: ties stay, a NaN drops nothing), else
+// base[c] + row_add (base: the columns' 0 or NaN poison, row_add the anchor's). sim_c = x[c] *
+// x_scale * x_col[c]: the guide's cosine from its raw dot products, or (kSelf) the model's own
+// similarity, which also carries the poison (base[c] + row_add). The caller restores the own
+// positives (never dropped) and adds the row's tag exclusions.
+template <bool kSelf, typename T>
+void filter_adds(T* out, const T* x, T x_scale, const T* x_col, const T* base, T row_add, T thr, int64_t n) {
+  using V = Vectorized<T>;
+  const V xs(x_scale), ra(row_add), th(thr), ninf(neg_inf<T>());
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    const V b = V::loadu(base + c);
+    V sim = V::loadu(x + c) * xs * V::loadu(x_col + c);
+    if constexpr (kSelf) sim = sim + b + ra;
+    V::blendv(b + ra, ninf, (sim > th) | (b == ninf)).store(out + c);
+  }
+  for (; c < n; ++c) {
+    T sim = x[c] * x_scale * x_col[c];
+    if constexpr (kSelf) sim = sim + base[c] + row_add;
+    out[c] = (sim > thr || base[c] == neg_inf<T>()) ? neg_inf<T>() : base[c] + row_add;
+  }
+}
+
+// The sigmoid reduction's sums over one row segment (contract.Sigmoid).
+template <typename T>
+struct SigmoidSums {
+  T value = 0, sigma_l = 0, sigma = 0, rad = 0;  // sum softplus(u), sum sigma l, sum sigma, sum w s
+  void operator+=(const SigmoidSums& o) { value += o.value, sigma_l += o.sigma_l, sigma += o.sigma, rad += o.rad; }
+};
+
+// The sigmoid pass over n columns of one sign z (+1: own positives, -1: the rest): with the logit
+// l_c formed from the raw dot product as in logits_and_max, u = -z (l_c + bias), the term
+// softplus(u) = max(u, 0) + log1p(exp(-|u|)) (exact for every u) and sigma = -z sigmoid(u) =
+// dterm/dl; a column with col_add[c] = -inf (left out of the row) gives 0 to every sum whatever l
+// holds. kStore: row[c] <- w_c = sigma * factor * col_scale[c] (0 where left out), and with
+// col_rad (Matryoshka cosine) col_rad[c] += w_c s_c and the sums' rad.
+template <bool kStore, typename T>
+SigmoidSums<T> sigmoid_pass(T* row, const T* col_scale, const T* col_add, T row_scale, T bias, T z, T factor, int64_t n,
+                            T* col_rad) {
+  using V = Vectorized<T>;
+  const V rs(row_scale), vb(bias), mz(-z), vf(factor), zero(T(0)), one(T(1)), ninf(neg_inf<T>());
+  V sum_t(T(0)), sum_sl(T(0)), sum_s(T(0)), sum_r(T(0));
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    const V s = V::loadu(row + c), cs = V::loadu(col_scale + c), ad = V::loadu(col_add + c);
+    const V l = s * rs * cs + ad, keep = ad != ninf;
+    const V u = (l + vb) * mz;
+    const V e = (zero - u.abs()).exp();  // exp(-|u|)
+    const V term = at::vec::maximum(u, zero) + e.log1p();
+    const V sigma = V::blendv(zero, V::blendv(e, one, u >= zero) / (one + e) * mz, keep);
+    sum_t = sum_t + V::blendv(zero, term, keep);
+    sum_s = sum_s + sigma;
+    sum_sl = sum_sl + V::blendv(zero, sigma * l, keep);
+    if constexpr (kStore) {
+      const V w = V::blendv(zero, sigma * vf * cs, keep);  // 0 where left out, even for a NaN factor
+      w.store(row + c);
+      if (col_rad) {
+        const V ws = V::blendv(w * s, zero, w == zero);
+        (V::loadu(col_rad + c) + ws).store(col_rad + c);
+        sum_r = sum_r + ws;
+      }
+    }
+  }
+  auto add = [](T x, T y) { return x + y; };
+  SigmoidSums<T> out{reduce_lanes<T>(sum_t, T(0), add), reduce_lanes<T>(sum_sl, T(0), add),
+                     reduce_lanes<T>(sum_s, T(0), add), reduce_lanes<T>(sum_r, T(0), add)};
+  for (; c < n; ++c) {
+    const T s = row[c];
+    if (col_add[c] == neg_inf<T>()) {
+      if constexpr (kStore) row[c] = T(0);
+      continue;
+    }
+    const T l = s * row_scale * col_scale[c] + col_add[c];
+    const T u = -z * (l + bias);
+    const T e = std::exp(-std::abs(u));
+    const T sigma = (u >= T(0) ? T(1) : e) / (T(1) + e) * -z;
+    out.value += (u > T(0) ? u : T(0)) + std::log1p(e);
+    out.sigma += sigma;
+    out.sigma_l += sigma * l;
+    if constexpr (kStore) {
+      row[c] = sigma * factor * col_scale[c];
+      if (col_rad && row[c] != T(0)) col_rad[c] += row[c] * s, out.rad += row[c] * s;
+    }
+  }
+  return out;
 }
 
 // Normalisation backward of one row x (|x| > eps) from e = dL/dx_hat / |x|, written exactly

@@ -28,7 +28,14 @@ class                                  columns
 ``SupMPNLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
 ``SupConLoss``                         anchor, ``num_positives`` positives, Q >= 0 negatives
 ``SupConLabelsLoss``                   1..V views of a sample and a ``label`` column
+``GISTEmbedLoss``                      anchor, positive, negative_1 .. negative_Q (Q >= 0), and a guide model
+``CachedGISTEmbedLoss``                same, with gradient caching (``mini_batch_size=32``)
 =====================================  ==============================================
+
+The GIST pair (``GISTEmbedLoss(model, guide, temperature=0.01, margin_strategy, margin,
+contrast_anchors, contrast_positives, gather_across_devices)``) takes sentence-transformers
+6.2's arguments in its order, not ``scale``/``similarity_fct`` (cosine only), and
+``compute_loss_from_embeddings(embeddings, guide_embeddings)``; they live in ``_st_gist``.
 
 Temperature. sentence-transformers multiplies similarities by ``scale``; fastcl divides them
 by ``temperature``: ``scale = 1 / temperature``. Give one of ``scale=`` (sentence-
@@ -122,6 +129,8 @@ __all__ = [
     "SupMPNLoss",
     "SupConLoss",
     "SupConLabelsLoss",
+    "GISTEmbedLoss",
+    "CachedGISTEmbedLoss",
     "DEFAULT_SCALE",
 ]
 
@@ -182,17 +191,22 @@ class _SentenceEmbedding:
         self.model = model
 
     def __call__(self, **features) -> Tensor:
-        mask = features.get("attention_mask")
-        if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
-            width = mask.shape[1]
-            used = mask.bool().any(0).nonzero()
-            end = int(used.max()) + 1 if used.numel() else width
-            if end < width:
-                features = {
-                    k: v[:, :end] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == width else v
-                    for k, v in features.items()
-                }
-        return self.model(features)["sentence_embedding"]
+        return self.model(_trim_padding(features))["sentence_embedding"]
+
+
+def _trim_padding(features: dict) -> dict:
+    """``features`` without the trailing padding columns that no row uses (``attention_mask``)."""
+    mask = features.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+        width = mask.shape[1]
+        used = mask.bool().any(0).nonzero()
+        end = int(used.max()) + 1 if used.numel() else width
+        if end < width:
+            features = {
+                k: v[:, :end] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == width else v
+                for k, v in features.items()
+            }
+    return features
 
 
 class _FastCLSTLoss(nn.Module):
@@ -335,6 +349,14 @@ class _FastCLSTLoss(nn.Module):
 
         Returns the 0-d mean loss over the batch's anchors (float32 for float32 embeddings).
         """
+        features = self._feature_mappings(sentence_features)
+        embeddings = self._embed(features)
+        if self.mini_batch_size is not None and "calculate_loss" in vars(self):
+            return self._decorated_cached_loss(embeddings, labels)
+        return self.compute_loss_from_embeddings(embeddings, labels)
+
+    def _feature_mappings(self, sentence_features: Iterable[Mapping[str, Tensor]]) -> list[MutableMapping]:
+        """The columns' feature mappings, checked: as many as the layout takes, each a mapping."""
         features = list(sentence_features)
         self._check_columns(len(features))
         for i, f in enumerate(features):
@@ -349,11 +371,7 @@ class _FastCLSTLoss(nn.Module):
         # AdaptiveLayerLoss relies on that (it hands every layer's embeddings between loss
         # calls through these very objects): keep mutable ones (dict, BatchEncoding) as they
         # are, as sentence-transformers' own losses do; copy only read-only mappings.
-        features = [f if isinstance(f, MutableMapping) else dict(f) for f in features]
-        embeddings = self._embed(features)
-        if self.mini_batch_size is not None and "calculate_loss" in vars(self):
-            return self._decorated_cached_loss(embeddings, labels)
-        return self.compute_loss_from_embeddings(embeddings, labels)
+        return [f if isinstance(f, MutableMapping) else dict(f) for f in features]
 
     # -- sentence-transformers' gradient-cache protocol (MatryoshkaLoss, AdaptiveLayerLoss) --
 
@@ -703,3 +721,7 @@ class SupConLabelsLoss(_FastCLSTLoss):
             raise ValueError("SupConLabelsLoss needs labels: give the dataset a 'label' column of class ids")
         features = torch.stack(embeddings, dim=1)  # [B, V, d]
         return fl.supcon_labels_loss(features, labels.to(features.device), **self._options())
+
+
+# The GIST drop-ins subclass _FastCLSTLoss: imported last, once everything above exists.
+from ._st_gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402

@@ -2,11 +2,12 @@
 
 ==============  ===========================================================================
 ``supmpn``      :func:`supmpn_loss`, :class:`SupMPNLoss` (Dehghan & Amasyali 2022)
-``supcon``      :func:`supcon_loss` (structured or labels), :func:`supcon_labels_loss`,
+``supcon``      :func:`supcon_loss` (structured or labels; the labels form: ``supcon_labels``), :func:`supcon_labels_loss`,
                 :func:`supcon_pool_loss`, :class:`SupConLoss` (Khosla et al. 2020; Liao 2021)
-``mnrl``        :func:`mnrl_loss`, :func:`mnrl_directions_loss`, :func:`infonce_loss`,
-                :func:`edacse_loss`, :class:`MNRLoss`, :class:`InfoNCELoss`, :class:`EdaCSELoss`
-                (Gao et al. 2021; sentence-transformers 6; Liu et al. 2023)
+``mnrl``        :func:`mnrl_loss`, :func:`mnrl_directions_loss`, :class:`MNRLoss` (Gao et al.
+                2021; Henderson et al. 2017; sentence-transformers 6)
+``infonce``     :func:`infonce_loss`, :func:`edacse_loss`, :class:`InfoNCELoss`, :class:`EdaCSELoss`
+                (Gao et al. 2021; Liu et al. 2023)
 ``clip``        :func:`clip_loss`, :func:`siglip_loss`, :class:`ClipLoss`, :class:`SigLipLoss`
                 (Radford et al. 2021; Zhai et al. 2023; open_clip's conventions)
 ``gist``        :func:`gist_loss`, :class:`GISTLoss` (Solatorio 2024; sentence-transformers 6.2's
@@ -29,7 +30,8 @@ Formulas: docs/losses.md. Each function's docstring lists its arguments, shapes 
 from .clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .gclsr import GCLSRLoss, GroupedCosineLoss, gclsr_loss, grouped_cosine_loss
 from .gist import GISTLoss, gist_loss
-from .mnrl import EdaCSELoss, InfoNCELoss, MNRLoss, edacse_loss, infonce_loss, mnrl_directions_loss, mnrl_loss
+from .infonce import EdaCSELoss, InfoNCELoss, edacse_loss, infonce_loss
+from .mnrl import MNRLoss, mnrl_directions_loss, mnrl_loss
 from .supcon import LABELS_TEMPERATURE, SupConLoss, supcon_labels_loss, supcon_loss, supcon_pool_loss
 from .supmpn import OWN_POSITIVES, SupMPNLoss, supmpn_loss
 

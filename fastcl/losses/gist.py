@@ -26,8 +26,10 @@ from torch import Tensor
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
-from ..ops.contract import EPS, TAG_ALL, Filter, OwnPositives, compute_dtype, empty_block
-from ..ops.contrastive import contrastive_loss
+from ..ops import dispatch, joint
+from ..ops.contract import EPS, TAG_ALL, Filter, LSEProblem, OwnPositives, compute_dtype, empty_block
+from ..ops.contrastive import ContrastiveLSE, LossSpec, contrastive_loss
+from ..ops.joint import JointLSE, JointSpec
 from ..ops.positive_logits import own_positive_similarities, positive_logits
 from ..ops.ring import ring_contrastive_loss
 from ._shared import (
@@ -150,6 +152,18 @@ def _rows(anchor, blocks, tags, tau, *, positives, pos_logits, filt, cosine, bac
     return contrastive_loss(anchor, blocks, tags, tau, weights=weights, **args).to(cd)
 
 
+def _spec(anchor, blocks, tau, positives, filt, weights, reduction, matryoshka, *, cosine, backend, strategy, dims):
+    """The ``LossSpec`` of one GIST problem (all candidates valid: no padding tags)."""
+    t0, t1 = (torch.full((b.shape[0],), TAG_ALL, dtype=torch.int32, device=anchor.device) for b in blocks)
+    tags = (t0, t1)
+    probe = LSEProblem(anchor, blocks, tags, cosine, EPS, positives, dims, padded=False, filter=filt)
+    impl = dispatch.choose(probe, backend=backend)
+    return LossSpec(
+        impl, tags, cosine, EPS, positives, "cross_entropy", None, None, weights, reduction, dims,
+        _matryoshka.weight_tensor(matryoshka, anchor), False, strategy, filt,
+    )  # fmt: skip
+
+
 @distributed.agree_on_errors
 @document("guide", "margin_strategy", "margin", "contrast_anchors", "contrast_positives", *LSE_OPTIONS, extra=GIST_DOCS)
 def gist_loss(
@@ -228,6 +242,7 @@ def gist_loss(
         world = dist.get_world_size(group)
 
     with no_autocast(anchor):
+        anchor, positive = anchor.contiguous(), positive.contiguous()
         thr = gist_threshold(ga, gp, margin_strategy, margin)
         negs = anchor.new_empty((0, d)) if Q == 0 else negatives.reshape(B * Q, d)  # type: ignore[union-attr]
         gnegs = ga.new_empty((0, ga.shape[1])) if gn is None else gn
@@ -258,6 +273,23 @@ def gist_loss(
         b1, gb1 = (cand_n, cand_gn)
         if contrast_anchors and not ring:
             b1, gb1 = torch.cat([anchor, cand_n]), torch.cat([ga, cand_gn])
+        every = torch.ones(B, dtype=torch.bool, device=anchor.device)
+        if not ring and reduction != "none":  # gradient in forward: one sweep per problem
+            valid = torch.tensor(world * B, dtype=compute_dtype(anchor.dtype), device=anchor.device)
+            weights = row_weights(every, reduction, valid.dtype, world=world, valid_anchors=valid)
+            q = _spec(
+                anchor, (cand_p, b1), tau, OwnPositives(offset, 1), Filter(thr, ga, (cand_gp, gb1)), weights,
+                reduction, matryoshka, **common,
+            )  # fmt: skip
+            if not contrast_positives:
+                return ContrastiveLSE.apply(anchor, cand_p, b1, None, tau, q)
+            empty, empty_g = empty_block(positive)[0], gp.new_empty((0, gp.shape[1]))
+            e = _spec(
+                positive, (cand_p, empty), tau, None, Filter(thr, gp, (cand_gp, empty_g)), weights, reduction,
+                matryoshka, **common,
+            )  # fmt: skip
+            if joint.takes(q) and e.impl.name == q.impl.name:
+                return JointLSE.apply(anchor, cand_p, b1, positive, cand_p, empty, tau, JointSpec(q, e))
         rows = _rows(
             anchor, (cand_p, b1), (tags(cand_p.shape[0]), tags(b1.shape[0])), tau,
             positives=OwnPositives(offset, 1), pos_logits=None, filt=Filter(thr, ga, (cand_gp, gb1)),
@@ -300,7 +332,6 @@ def gist_loss(
             rows = (w[:, None] * rows).sum(0)
         if reduction == "none":
             return rows.to(anchor.dtype)
-        every = torch.ones(B, dtype=torch.bool, device=anchor.device)
         valid = torch.tensor(world * B, dtype=rows.dtype, device=anchor.device)
         weights = row_weights(every, reduction, rows.dtype, world=world, valid_anchors=valid)
         return (rows * weights).sum().to(anchor.dtype)

@@ -68,7 +68,7 @@ class Extension:
     cflags: list[str] = field(default_factory=list)
     ldflags: list[str] = field(default_factory=list)
     describe: str = "C++"
-    key_extra: str = ""  # what else the binary depends on (the CUDA architectures)
+    key_extra: str = ""  # what else the binary depends on (e.g. target architectures)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _tried: bool = False
     _error: str | None = None

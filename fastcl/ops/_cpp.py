@@ -14,7 +14,7 @@ from .. import config
 from ._build import Extension, cpu_capability_flags
 from .backend import Backend, input_reasons
 from .contract import FusedResult, LSEProblem, compute_dtype, new_output, prefix_order
-from .head import HeadInputs
+from .head import SIGMOID_HEAD, HeadInputs
 
 _capability, _vec_flags = cpu_capability_flags()
 EXTENSION = Extension(
@@ -43,7 +43,12 @@ def _register_fakes() -> None:
 
 
 def _push_config(cfg: config.Config) -> None:
-    torch.ops.fastcl.set_cpu_options(cfg.cpp.tile or 0, cfg.cpp.gemm)
+    cpp = cfg.cpp
+    keep = -1 if cpp.test_keep_bytes is None else cpp.test_keep_bytes
+    try:
+        torch.ops.fastcl.set_cpu_options(cpp.tile or 0, cpp.gemm, cpp.test_rows or 0, cpp.test_chunk or 0, keep)
+    except RuntimeError as exc:  # the library refuses a knob ("own" GEMM without AVX-512)
+        raise config.ConfigError(str(exc).splitlines()[0]) from exc
 
 
 @functools.cache
@@ -54,6 +59,27 @@ def _follow_config() -> None:
 
 def _args(problem: LSEProblem, tau: Tensor) -> tuple:
     return (problem.anchor, *problem.blocks, *problem.tags, tau, problem.cosine, float(problem.eps))
+
+
+def _extensions(problem: LSEProblem, order: list[int] | None) -> dict:
+    """The ops' trailing group of extension arguments (registration.cpp): the own positives'
+    count (their layout for the sigmoid's pairs and the filter's exemption), the sigmoid's bias,
+    the filter's threshold (a ``[K, B]`` one in the op's prefix ``order``) and guide embeddings."""
+    cd = compute_dtype(problem.dtype)
+    ext: dict = {"pos_count": 0 if problem.positives is None else problem.positives.count}
+    if problem.sigmoid is not None:
+        ext["bias"] = problem.sigmoid.bias.to(cd)
+    f = problem.filter
+    if f is not None:
+        thr = f.threshold.to(cd)
+        ext["threshold"] = thr[order] if thr.dim() == 2 and order is not None else thr
+        if f.guide_anchor is not None and f.guide_blocks is not None:
+            ext.update(guide_anchor=f.guide_anchor, guide_block0=f.guide_blocks[0], guide_block1=f.guide_blocks[1])
+    return ext
+
+
+def _offset(problem: LSEProblem) -> int:
+    return 0 if problem.positives is None else problem.positives.offset
 
 
 def _out(problem: LSEProblem, shape) -> Tensor:
@@ -68,6 +94,8 @@ class CppLSE(Backend):
     device_type = "cpu"
     forms_own_logits = True
     fused_takes_dims = True
+    takes_filter = True
+    takes_sigmoid = True
 
     def unavailable(self) -> str | None:
         """Why the C++ library cannot run here (builds it on the first call), or None. A
@@ -82,45 +110,69 @@ class CppLSE(Backend):
         return input_reasons(problem, backend=self.name, device_type=self.device_type, takes_dims=True)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        """``(lse [B], mean_logit [B])``; ``[K, B]`` with ``problem.dims``."""
-        shape = problem.num_anchors if problem.dims is None else (problem.num_prefixes, problem.num_anchors)
-        lse, mean_logit = _out(problem, shape), _out(problem, shape)
+        """``(lse [B], mean_logit [B])``; ``[K, B]`` with ``problem.dims``. The sigmoid reduction:
+        ``(value, stats [2, ...])``."""
+        rows = (problem.num_anchors,) if problem.dims is None else (problem.num_prefixes, problem.num_anchors)
+        sigmoid = problem.sigmoid is not None
+        lse, mean_logit = _out(problem, rows), _out(problem, ((2,) if sigmoid else ()) + rows)
+        out = dict(lse=lse, mean_logit=mean_logit)
         if problem.dims is None:
-            torch.ops.fastcl.lse_forward(*_args(problem, tau), lse=lse, mean_logit=mean_logit)
+            ext = _extensions(problem, None)
+            torch.ops.fastcl.lse_forward(*_args(problem, tau), _offset(problem), **ext, **out)
             return lse, mean_logit
         order, back = prefix_order(problem.dims)  # the prefix ops take them shortest first
         dims = [problem.dims[k] for k in order]
-        torch.ops.fastcl.lse_prefix_forward(*_args(problem, tau), dims, lse=lse, mean_logit=mean_logit)
-        return (lse, mean_logit) if back == list(range(len(order))) else (lse[back], mean_logit[back])
+        ext = _extensions(problem, order)
+        torch.ops.fastcl.lse_prefix_forward(*_args(problem, tau), dims, _offset(problem), **ext, **out)
+        if back == list(range(len(order))):
+            return lse, mean_logit
+        return lse[back], (mean_logit[:, back] if sigmoid else mean_logit[back])
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
-        """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set."""
+        """Recomputes the logits; folds ``d_pos`` when ``problem.positives`` is set (the LSE)."""
         cd = compute_dtype(problem.dtype)
         d_anchor, d0, d1 = (_out(problem, t.shape) for t in (problem.anchor, *problem.blocks))
-        if problem.positives is None:
-            d_pos = None  # nothing to fold
-        offset = 0 if problem.positives is None else problem.positives.offset
-        op, dims = torch.ops.fastcl.lse_backward, []
+        if problem.positives is None or problem.sigmoid is not None:
+            d_pos = None  # nothing to fold (the sigmoid's pairs are inside its sum)
+        op, dims, order = torch.ops.fastcl.lse_backward, [], None
         if problem.dims is not None:  # the prefixes shortest first, as lse_prefix_backward takes them
             order, _ = prefix_order(problem.dims)
             lse, g, d_pos = lse[order], g[order], None if d_pos is None else d_pos[order]
             op, dims = torch.ops.fastcl.lse_prefix_backward, [[problem.dims[k] for k in order]]
         out = dict(d_anchor=d_anchor, d_block0=d0, d_block1=d1)
-        op(*_args(problem, tau), *dims, lse.to(cd), g.to(cd), None if d_pos is None else d_pos.to(cd), offset, **out)
+        op(
+            *_args(problem, tau),
+            *dims,
+            lse.to(cd),
+            g.to(cd),
+            None if d_pos is None else d_pos.to(cd),
+            _offset(problem),
+            **_extensions(problem, order),
+            **out,
+        )
         return d_anchor, (d0, d1)
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
         """One sweep: forward, head and gradients; with ``problem.dims`` every prefix's (rows
-        ``[K, B]``, ``d_pos [K, B, P]``; ``head.weights [K, B]``) in the caller's order."""
+        ``[K, B]``, ``d_pos [K, B, P]``; ``head.weights [K, B]``) in the caller's order. The sigmoid
+        reduction (``head.kind == "sigmoid"``): ``lse = loss_rows`` = the values, ``mean_logit`` the
+        stats ``[2, ...]``, ``d_pos`` empty."""
         cd, B = compute_dtype(problem.dtype), problem.num_anchors
         rows = (B,) if problem.dims is None else (problem.num_prefixes, B)
         order, back = prefix_order(problem.dims) if problem.dims is not None else (None, None)
         sort = (lambda t: t) if order is None else (lambda t: t[order])  # noqa: E731  (the op's order)
-        lse, mean_logit, loss_rows = _out(problem, rows), _out(problem, rows), _out(problem, rows)
+        sigmoid = problem.sigmoid is not None
+        if sigmoid != (head.kind == SIGMOID_HEAD):
+            raise ValueError(f"fused: head {head.kind!r} does not go with this problem's reduction")
+        lse, loss_rows = _out(problem, rows), _out(problem, rows)
+        mean_logit = _out(problem, ((2,) if sigmoid else ()) + rows)
         d_anchor, g_dot_mean_logit = _out(problem, problem.anchor.shape), _out(problem, ())
         d_blocks = (_out(problem, problem.blocks[0].shape), _out(problem, problem.blocks[1].shape))
-        own = head.pos_logits is None  # the kernel writes the own positives' logits (forms_own_logits)
-        if head.pos_logits is not None:
+        own = head.pos_logits is None and not sigmoid  # the kernel writes the own positives' logits
+        fold = problem.positives is not None and not sigmoid
+        if sigmoid:
+            pos_logits = torch.empty((*rows, 0), dtype=cd, device=problem.device)  # no head logits
+        elif head.pos_logits is not None:
             pos_logits = sort(head.pos_logits.to(cd))
         elif problem.positives is not None:
             pos_logits = _out(problem, (*rows, problem.positives.count))
@@ -140,9 +192,10 @@ class CppLSE(Backend):
             if head.log_extra is None
             else (head.log_extra if head.log_extra.dim() == 1 else sort(head.log_extra)).to(cd),
             sort(head.weights.to(cd)),
-            0 if problem.positives is None else problem.positives.offset,
-            problem.positives is not None,
+            _offset(problem),
+            fold,
             own,
+            **_extensions(problem, order),
             lse=lse,
             mean_logit=mean_logit,
             loss_rows=loss_rows,
@@ -155,9 +208,10 @@ class CppLSE(Backend):
         out = FusedResult(lse, mean_logit, d_anchor, d_blocks, g_dot_mean_logit, loss_rows, d_pos)
         out.pos_logits = pos_logits if own else None
         if back is not None and back != list(range(len(back))):  # back to the caller's order of dims
-            for name in ("lse", "mean_logit", "loss_rows", "d_pos", "pos_logits"):
+            for name in ("lse", "loss_rows", "d_pos", "pos_logits"):
                 t = getattr(out, name)
                 setattr(out, name, None if t is None else t[back])
+            out.mean_logit = mean_logit[:, back] if sigmoid else mean_logit[back]
         return out
 
 

@@ -66,7 +66,7 @@ class Backend(Protocol):
 
 
 def input_reasons(problem: LSEProblem, *, backend: str, device_type: str, takes_dims: bool = False) -> list[str]:
-    """Device, dtype and tag checks shared by the ``cpp``, ``cuda`` and ``triton`` backends."""
+    """Device, dtype and tag checks shared by the ``cpp`` and ``triton`` backends."""
     why = [] if takes_dims or problem.dims is None else [dims_reason(backend)]
     tensors = (problem.anchor, *problem.blocks, *problem.tags)
     if any(t.device != problem.device for t in tensors):
@@ -88,11 +88,11 @@ def extension_reasons(impl: Backend, problem: LSEProblem) -> list[str]:
     why = []
     if problem.filter is not None and not impl.takes_filter:
         why.append(
-            f"the {impl.name} backend does not take a false-negative filter (backends that do: reference, torch)"
+            f"the {impl.name} backend does not take a false-negative filter (backends that do: reference, torch, cpp)"
         )
     if problem.sigmoid is not None and not impl.takes_sigmoid:
         why.append(
-            f"the {impl.name} backend does not compute the sigmoid reduction (backends that do: reference, torch)"
+            f"the {impl.name} backend does not compute the sigmoid reduction (backends that do: reference, torch, cpp)"
         )
     if problem.columns and not impl.takes_columns:
         why.append(f"the {impl.name} backend does not compute column statistics (backends that do: reference, torch)")

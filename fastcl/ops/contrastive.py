@@ -306,7 +306,7 @@ def contrastive_loss(
     cosine: bool,
     eps: float,
     log_extra: Tensor | None = None,
-    backend: str | None = "auto",
+    backend: str = "auto",
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
     padded: bool = True,

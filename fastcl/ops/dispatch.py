@@ -1,11 +1,11 @@
-"""Which backend runs a problem: the ``backend=`` argument > ``FASTCL_BACKEND`` > automatic
-(the first of :data:`AUTO_ORDER` with no reason, else ``torch``); docs/design.md, "Dispatch".
+"""Which backend runs a problem: the ``backend=`` argument > ``fastcl.config``'s ``backend``
+(``FASTCL_BACKEND``) > automatic (the first of :data:`AUTO_ORDER` with no reason, else
+``torch``); docs/design.md, "Dispatch".
 """
 
 from __future__ import annotations
 
-import os
-
+from .. import config
 from .backend import Backend, extension_reasons
 from .contract import LSEProblem
 
@@ -14,7 +14,7 @@ NAMES = ("reference", "torch", "cpp", "triton")
 # Preference per device type when the caller says "auto".
 AUTO_ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}
 
-ENV_VAR = "FASTCL_BACKEND"
+REMOVED = {"cuda": "the 'cuda' backend was removed; on NVIDIA GPUs use backend='triton' (or 'auto')"}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -57,9 +57,11 @@ def unavailable(name: str) -> str | None:
     """Why backend ``name`` cannot run in this process (None: it can); a check that raises is a
     reason. It may build a C++ library; under torch.compile it runs once, eagerly."""
     if name not in NAMES:
-        return f"unknown backend {name!r}; choose from {sorted(NAMES)} or 'auto'"
+        return REMOVED.get(name, f"unknown backend {name!r}; choose from {sorted(NAMES)} or 'auto'")
     try:
         return get(name).unavailable()
+    except config.ConfigError:  # a setting the user asked for: refused, never a silent fallback
+        raise
     except Exception as exc:
         return f"backend {name!r} failed its availability check: {type(exc).__name__}: {exc}"
 
@@ -75,9 +77,11 @@ def reasons(name: str, problem: LSEProblem | None = None) -> list[str]:
     return list(impl.unsupported(problem)) + extension_reasons(impl, problem)
 
 
-def choose(problem: LSEProblem, backend: str | None = "auto") -> Backend:
+def choose(problem: LSEProblem, backend: str = "auto") -> Backend:
     """The backend that runs ``problem`` (see the module docstring)."""
-    name = backend if backend not in (None, "auto") else os.environ.get(ENV_VAR, "auto") or "auto"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string ('auto' or one of {list(NAMES)}), got {backend!r}")
+    name = backend if backend != "auto" else config.get().backend
     if name != "auto":
         why = reasons(name, problem)
         if why:

@@ -254,7 +254,7 @@ def ring_contrastive_loss(
     sizes: dict[str, int] | None = None,
     handshake: bool = True,
     log_extra: Tensor | None = None,
-    backend: str | None = "auto",
+    backend: str = "auto",
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
     strategy: str = "auto",

@@ -121,6 +121,7 @@ def supcon_labels_ring(
     dims: tuple[int, ...] | None,
     dim_weights: Tensor | None,
     group,
+    strategy: str = "auto",
 ) -> Tensor:
     """``supcon_labels_loss`` (self set, no reference set) of this rank's ``features [N, d]`` and
     ``labels [N]`` against every rank's, by the ring; scaled as the gather mode."""
@@ -151,4 +152,5 @@ def supcon_labels_ring(
         backend=backend,
         dims=dims,
         dim_weights=dim_weights,
+        strategy=strategy,
     )

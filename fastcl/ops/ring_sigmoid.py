@@ -157,7 +157,7 @@ def ring_sigmoid_loss(
     cosine: bool,
     eps: float,
     sizes: dict[str, int],
-    backend: str | None = "auto",
+    backend: str = "auto",
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
     filter: Filter | None = None,

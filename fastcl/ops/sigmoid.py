@@ -151,7 +151,7 @@ def sigmoid_loss(
     reduction: str,
     cosine: bool,
     eps: float,
-    backend: str | None = "auto",
+    backend: str = "auto",
     dims: tuple[int, ...] | None = None,
     dim_weights: Tensor | None = None,
     padded: bool = True,

@@ -80,7 +80,7 @@ class SymmetricLSE(torch.autograd.Function):
         return d_image.to(ctx.dtype), d_text.to(ctx.dtype), d_tau, None
 
 
-def takes(backend: str | None, image: Tensor, text: Tensor, cosine: bool, eps: float) -> str | None:
+def takes(backend: str, image: Tensor, text: Tensor, cosine: bool, eps: float) -> str | None:
     """The backend that runs the symmetric step here, or None: the one the directional path
     would use (``backend``, or the automatic choice for the plain problem), if it computes
     column statistics; the step never moves a call to a slower backend."""

@@ -174,6 +174,11 @@ def prepare(recipe: Recipe, cfg) -> Prepared:
     cfg.precision = resolve_precision(cfg.precision, device)  # "auto" -> bf16/fp16 on CUDA, fp32 on CPU
     if cfg.batch_size % world:
         raise SetupError(f"--batch-size {cfg.batch_size} is not divisible by the {world} processes")
+    if getattr(cfg, "cross_device", "gather") == "ring" and world == 1:
+        raise SetupError(
+            "--cross-device ring passes the candidates between processes, and this run has one: start it "
+            "with torchrun --nproc_per_node N (N >= 2), or leave --cross-device out"
+        )
     if cfg.precision == "fp16" and device.type != "cuda":
         raise SetupError("--precision fp16 needs a CUDA device (loss scaling); on the CPU use bf16 or auto")
     available = recipe.num_examples(cfg)

@@ -4,7 +4,8 @@ Each rank computes, on its own embeddings, sentence-transformers' loss with
 ``gather_across_devices=True`` and fastcl's with the same flag (and with an explicit
 ``process_group``), and saves values and gradients for the parent to compare. Then a tiny
 dropout-free BERT wrapped in DDP takes one step with sentence-transformers' cached MNRL and
-one with fastcl's (both gathered): the all-reduced parameter gradients are saved too.
+one with fastcl's (both gathered): the all-reduced parameter gradients are saved too. GIST
+(plain, cached, ring) runs on lookup stand-in models (``_gist_cases``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,65 @@ def _embedding_cases(seed: int, rank: int) -> dict:
     }
 
 
+def _gist_cases(seed: int, rank: int) -> tuple[int, dict]:
+    """sentence-transformers' GISTEmbedLoss / CachedGISTEmbedLoss with gather_across_devices=True
+    against fastcl's, on lookup stand-in models (float64): each rank's value and its table's
+    (its embeddings') gradient. The guide's meanings are shared by the ranks, so it drops
+    candidates of the other rank too."""
+    from sentence_transformers.sentence_transformer import losses as st_losses
+
+    from fastcl.integrations import sentence_transformers as fst
+    from tests.helpers import st as common
+
+    # the guide's texts are fixed (its cross-rank drops are checked once for all), the model's random
+    shared = torch.Generator().manual_seed(1234)
+    meanings = torch.randn(3, 4, generator=shared, dtype=torch.float64)
+    fixed = torch.Generator().manual_seed(1235 + rank)
+    n = 3 * B
+    of = torch.randint(0, 3, (n,), generator=fixed)
+    of[B : 2 * B] = of[:B]
+    guide_table = meanings[of] + 0.6 * torch.randn(n, 4, generator=fixed, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed * 100 + rank + 7)
+    model = common.lookup_model(torch.randn(n, D, generator=g, dtype=torch.float64))
+    guide = common.lookup_model(guide_table, tokenizer=model.tokenizer, trainable=False)
+    features = [common.row_features(range(c * B, (c + 1) * B)) for c in range(3)]
+
+    def run(loss, columns: int):
+        model.zero_grad()
+        value = loss([dict(f) for f in features[:columns]], None)
+        value.backward()
+        return value.detach(), [model.table.grad.clone()]
+
+    # how many of the other rank's positives the guide drops from this rank's anchor rows
+    gathered = [torch.empty(B, 4, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, guide_table[B : 2 * B].contiguous())
+    others = torch.cat([t for r, t in enumerate(gathered) if r != rank])
+    cos = torch.nn.functional.cosine_similarity
+    threshold = cos(guide_table[:B], guide_table[B : 2 * B])[:, None] - 0.1
+    cross_rank_drops = int((cos(guide_table[:B, None], others[None], dim=-1) > threshold).sum())
+    opts = dict(margin=0.1, temperature=0.05)
+    other = dict(margin_strategy="relative", margin=0.3, contrast_anchors=False)
+    on = dict(gather_across_devices=True)
+    return cross_rank_drops, {
+        "gist": (
+            run(st_losses.GISTEmbedLoss(model, guide, **opts, **on), 3),
+            run(fst.GISTEmbedLoss(model, guide, **opts, **on), 3),
+        ),
+        "gist_pairs_relative": (
+            run(st_losses.GISTEmbedLoss(model, guide, **other, **on), 2),
+            run(fst.GISTEmbedLoss(model, guide, process_group=dist.group.WORLD, **other), 2),
+        ),
+        "gist_ring": (
+            run(st_losses.GISTEmbedLoss(model, guide, **opts, **on), 3),
+            run(fst.GISTEmbedLoss(model, guide, cross_device="ring", **opts, **on), 3),
+        ),
+        "gist_cached": (
+            run(st_losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=2, **opts, **on), 3),
+            run(fst.CachedGISTEmbedLoss(model, guide, mini_batch_size=2, **opts, **on), 3),
+        ),
+    }
+
+
 def _ddp_cached(model, seed: int, rank: int) -> dict:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss as STCached
     from torch.nn.parallel import DistributedDataParallel
@@ -144,6 +204,11 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> N
         models["m"] = common.tiny_model(os.path.join(out_dir, f"model{rank}"), dropout=0.0, seed=seed)
 
     def body() -> dict:
-        return {"embeddings": _embedding_cases(seed, rank), "ddp_cached": _ddp_cached(models["m"], seed, rank)}
+        drops, gist = _gist_cases(seed, rank)
+        return {
+            "embeddings": _embedding_cases(seed, rank) | gist,
+            "gist_cross_rank_drops": drops,
+            "ddp_cached": _ddp_cached(models["m"], seed, rank),
+        }
 
     run_rank(rank, world, store_path, out_dir, body, timeout_s=TIMEOUT_S, before_group=build_model)

@@ -22,7 +22,7 @@ from tests.helpers.spawn import spawn_ranks
 
 RUNS = ((2, None), (3, None), (4, None), (3, 7))  # (world, pieces; None: the default)
 SPAWN_TIMEOUT_S = 240
-TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+from tests.distributed.test_distributed import TOL  # noqa: E402  (the dtype's round-off)
 
 pytestmark = pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 

@@ -4,7 +4,9 @@ On every rank, fastcl's losses with ``gather_across_devices=True`` (or an explic
 ``process_group``) give the value and the embedding gradients of sentence-transformers'
 ``MultipleNegativesRankingLoss(gather_across_devices=True)`` (symmetric InfoNCE: its
 ``doc_to_query`` / ``per_direction`` form; sentence-transformers 6's directions and
-hardness options, gathered; also with fastcl's ``cross_device="ring"``); and a DDP-wrapped tiny BERT trained with
+hardness options, gathered; also with fastcl's ``cross_device="ring"``), its ``GISTEmbedLoss``
+and ``CachedGISTEmbedLoss`` with ``gather_across_devices=True`` likewise (lookup stand-in
+models: the value and each rank's embedding gradients); and a DDP-wrapped tiny BERT trained with
 fastcl's cached MNRL gets the parameter gradients of sentence-transformers' cached MNRL.
 """
 
@@ -41,6 +43,10 @@ def ranks(tmp_path_factory) -> list[dict]:
         "mnrl_per_direction_hardness",
         "mnrl_ring",
         "mnrl_gte_hardness_ring",
+        "gist",
+        "gist_pairs_relative",
+        "gist_ring",
+        "gist_cached",
     ],
 )
 def test_gathered_loss_equals_sentence_transformers(ranks, case):
@@ -50,6 +56,11 @@ def test_gathered_loss_equals_sentence_transformers(ranks, case):
         for i, (g, rg) in enumerate(zip(grads, ref_grads)):
             assert rg.abs().max() > 0, f"rank {rank} column {i}: zero reference gradient"
             torch.testing.assert_close(g, rg, rtol=1e-10, atol=1e-10, msg=f"rank {rank} column {i}")
+
+
+def test_gist_guide_drops_candidates_of_the_other_rank(ranks):
+    """The gathered GIST cases exercise the filter across ranks, not only within one."""
+    assert sum(r["gist_cross_rank_drops"] for r in ranks) > 0
 
 
 def test_ddp_cached_parameter_gradients_equal_sentence_transformers(ranks):

@@ -60,6 +60,17 @@ def run_sentence_transformers(tmp_path, data_dir=None):
     assert (tmp_path / "st" / "final").is_dir()
 
 
+def run_gist_false_negatives(tmp_path, data_dir=None):
+    out = _run([*_py("gist_false_negatives.py"), "--data", "builtin"], tmp_path)
+    assert "from built-in paraphrase groups" in out and "the guide filter drops" in out
+    assert "MNRL + guide filter" in out and "MNRL + self-margin filter" in out
+    from fastcl._paths import data_dir as staged
+
+    if (staged() / "stsb" / "original" / "sts-train.csv.gz").is_file():  # the staged groups too, when present
+        out = _run([*_py("gist_false_negatives.py"), "--data", "stsb", "--rows", "8"], tmp_path)
+        assert "from STS-B train paraphrase groups" in out and "GIST with its default aa and pp blocks" in out
+
+
 def run_train_supmpn(tmp_path, data_dir):
     args = ["--max-steps", "1", "--batch-size", "2", "--max-examples", "8", "--no-eval", "--output-dir", "run"]
     _run([*_py("train_supmpn_minilm.py"), *args], tmp_path, env={"FASTCL_DATA_DIR": str(data_dir)})
@@ -83,6 +94,8 @@ def run_gclsr_repro(tmp_path, data_dir):
 
 
 slow = pytest.mark.slow
+
+
 def run_clip_tiny(tmp_path, data_dir=None):
     out = _run([*_py("clip_tiny.py"), "--steps", "40", "--batch", "256"], tmp_path)
     assert "siglip: after 40 steps" in out and "the loss fell" in out, out
@@ -94,6 +107,7 @@ RUNS = {  # example -> (run function, needs the staged data, marks)
     "clip_tiny.py": (run_clip_tiny, False, ()),
     "ddp.py": (run_ddp, False, (slow,)),
     "sentence_transformers_train.py": (run_sentence_transformers, False, (slow,)),
+    "gist_false_negatives.py": (run_gist_false_negatives, False, (slow,)),
     "train_supmpn_minilm.py": (run_train_supmpn, True, (slow,)),
     "gclsr/repro.sh": (run_gclsr_repro, True, (slow,)),
 }

@@ -4,6 +4,10 @@ Prefix ``k`` of a problem with ``dims`` is the plain primitive on the first ``di
 coordinates (``LSEProblem.prefix``). The oracle below builds each prefix's logits
 directly and differentiates ``sum_k g_k . lse_k + d_pos_k . own_logits_k`` with autograd,
 sharing nothing with the backends but the tag rule (``contract.excluded``).
+
+The checks bound each quantity by the round-off of its sums (``fastcl.testing.roundoff``):
+16-bit problems run in float32 on the rounded values the oracle reads, so their sums are
+float32's; see :func:`roundoff_terms`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import Tensor
 
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded
 from fastcl.ops.head import HeadInputs, head_rows
+from fastcl.testing import assert_roundoff
 
 
 def prefix_problem(
@@ -73,8 +78,67 @@ def oracle(problem: LSEProblem, tau: float, g: Tensor, d_pos: Tensor | None = No
     return torch.stack(lses), torch.stack(means), d_a, (d_b0, d_b1)
 
 
-def check_backend(impl, problem: LSEProblem, tau: float, *, rtol: float, atol: float, seed: int = 0) -> None:
-    """``impl``'s Matryoshka forward and backward against :func:`oracle` (empty rows: ``-inf``)."""
+def roundoff_terms(problem: LSEProblem, tau: float) -> tuple[torch.dtype, int, float]:
+    """``(dtype, terms, logit_scale)`` of a problem's round-off: the dtype its sums run in
+    (float32 for 16-bit inputs), the length of the chain of sums behind one gradient element
+    (a logit's ``d`` coordinates, a row's candidates, a candidate's anchors) and the size of
+    the logits (``1/tau`` for cosine, ``max|a| max|c| / tau`` for dot products). A logit's
+    absolute error ``eps * logit_scale`` is an absolute error of ``lse`` and the mean logit and
+    a relative error of the softmax weights, hence of every gradient."""
+    dtype = torch.float64 if problem.dtype == torch.float64 else torch.float32
+    B, d = problem.anchor.shape
+    terms = d + sum(b.shape[0] for b in problem.blocks) + B
+    if problem.cosine:
+        return dtype, terms, 1.0 / tau
+
+    def largest_norm(x: Tensor) -> float:  # of the finite rows (a NaN row's logits are NaN anyway)
+        norms = x.detach().double().norm(dim=-1)
+        norms = norms[torch.isfinite(norms)]
+        return norms.max().item() if norms.numel() else 0.0
+
+    return dtype, terms, largest_norm(problem.anchor) * max(map(largest_norm, problem.blocks)) / tau
+
+
+def _largest(x: Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
+
+
+def gradient_term(problem: LSEProblem, tau: float) -> float:
+    """Size of one term of a gradient per unit of upstream gradient: a candidate (or anchor)
+    over ``tau``, through the normalisation (``1 / (tau |row|)``) for cosine."""
+    rows = torch.cat([problem.anchor.detach().double(), *(b.detach().double() for b in problem.blocks)])
+    norms = rows.norm(dim=-1)
+    norms = norms[torch.isfinite(norms)]
+    if not norms.numel():
+        return 0.0
+    if problem.cosine:
+        return 1.0 / (tau * norms.min().clamp_min(problem.eps).item())
+    return norms.max().item() / tau
+
+
+def check_roundoff(
+    name: str, got: Tensor, want: Tensor, problem: LSEProblem, tau: float, *, logits: bool, upstream: float = 0.0
+) -> None:
+    """``logits``: ``want`` is logit-sized (absolute error ``eps * logit_scale``); otherwise
+    it is weighted by softmax weights (relative error ``eps * logit_scale``) and its terms
+    are ``upstream * gradient_term`` each (``upstream``: the largest upstream gradient), which
+    counts when they cancel (a lone candidate, a candidate equal to the anchor)."""
+    dtype, terms, scale = roundoff_terms(problem, tau)
+    want = want.detach().cpu().double()
+    finite = want[torch.isfinite(want)]
+    size = finite.abs().max().item() if finite.numel() else 0.0
+    if not logits:
+        size = max(size, upstream * gradient_term(problem, tau))
+    if got.dtype.is_floating_point and got.dtype.itemsize < 4:  # stored rounded: that dominates
+        assert_roundoff(got.cpu().double(), want, got.dtype, magnitude=size, msg=name)
+        return
+    magnitude = scale if logits else size * scale
+    assert_roundoff(got.cpu().double(), want, dtype, terms=terms, magnitude=magnitude, msg=name)
+
+
+def check_backend(impl, problem: LSEProblem, tau: float, *, seed: int = 0) -> None:
+    """``impl``'s Matryoshka forward and backward against :func:`oracle` (empty rows: ``-inf``),
+    within the round-off of :func:`roundoff_terms`."""
     gen = torch.Generator().manual_seed(seed)
     K, B = problem.num_prefixes, problem.num_anchors
     g = torch.rand(K, B, generator=gen, dtype=torch.float64)
@@ -84,14 +148,15 @@ def check_backend(impl, problem: LSEProblem, tau: float, *, rtol: float, atol: f
     t = torch.tensor(tau, dtype=torch.float64, device=problem.device)
     lse, mean = impl.forward(problem, t)
     assert lse.shape == (K, B) and mean.shape == (K, B)
-    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=rtol, atol=atol)
-    torch.testing.assert_close(mean.cpu().double(), want_mean, rtol=rtol, atol=atol)
+    check_roundoff("lse", lse, want_lse, problem, tau, logits=True)
+    check_roundoff("mean_logit", mean, want_mean, problem, tau, logits=True)
     cd = lse.dtype
     dev = problem.device
     d_a, d_b = impl.backward(problem, t, lse, g.to(cd).to(dev), None if d_pos is None else d_pos.to(cd).to(dev))
-    torch.testing.assert_close(d_a.cpu().double(), want_da, rtol=rtol, atol=atol)
-    for got, want in zip(d_b, want_db):
-        torch.testing.assert_close(got.cpu().double(), want, rtol=rtol, atol=atol)
+    up = _largest(g) + (_largest(d_pos.abs().sum(-1)) if d_pos is not None else 0.0)
+    check_roundoff("d_anchor", d_a, want_da, problem, tau, logits=False, upstream=up)
+    for i, (got, want) in enumerate(zip(d_b, want_db)):
+        check_roundoff(f"d_block{i}", got, want, problem, tau, logits=False, upstream=up)
 
 
 def own_logits(problem: LSEProblem, tau: float, pos_mask: Tensor | None) -> Tensor:
@@ -108,11 +173,12 @@ def own_logits(problem: LSEProblem, tau: float, pos_mask: Tensor | None) -> Tens
     return torch.stack(out)
 
 
-def check_fused(impl, problem: LSEProblem, tau: float, *, kind: str, rtol: float, atol: float, seed: int = 0):
+def check_fused(impl, problem: LSEProblem, tau: float, *, kind: str, seed: int = 0):
     """``impl.fused`` on a Matryoshka problem (``Backend.fused_takes_dims``) against the oracle
     and the PyTorch head (``head_rows``) per prefix: lse, mean logit, the head's rows and
     ``d_pos``, ``g . mean_logit`` and every gradient. Own positives (``problem.positives``)
-    are formed by the backend; without them random shared positive logits are given."""
+    are formed by the backend; without them random shared positive logits are given. Bounds:
+    :func:`roundoff_terms`; ``g . mean_logit`` sums ``K B`` logit-sized terms weighted by ``g``."""
     gen = torch.Generator().manual_seed(seed)
     K, B = problem.num_prefixes, problem.num_anchors
     P = problem.positives.count if problem.positives is not None else 3
@@ -134,17 +200,47 @@ def check_fused(impl, problem: LSEProblem, tau: float, *, kind: str, rtol: float
     head = HeadInputs(kind, None if given is None else given.to(cd).to(dev), mask.to(dev), log_extra.to(cd).to(dev),
                       weights.to(cd).to(dev))  # fmt: skip
     out = impl.fused(problem, torch.tensor(tau, dtype=cd, device=dev), head)
-    checks = dict(
-        lse=(out.lse, want_lse),
-        mean_logit=(out.mean_logit, want_mean),
-        loss_rows=(out.loss_rows, rows.view(K, B)),
-        d_pos=(out.d_pos, d_pos),
-        g_dot_mean_logit=(out.g_dot_mean_logit, (g * torch.where(torch.isfinite(want_lse), want_mean, 0.0)).sum()),
-        d_anchor=(out.d_anchor, want_da),
-        d_block0=(out.d_blocks[0], want_db[0]),
-        d_block1=(out.d_blocks[1], want_db[1]),
+    checks = dict(  # name: (got, want, logit-sized)
+        lse=(out.lse, want_lse, True),
+        mean_logit=(out.mean_logit, want_mean, True),
+        loss_rows=(out.loss_rows, rows.view(K, B), True),
+        d_pos=(out.d_pos, d_pos, False),
+        d_anchor=(out.d_anchor, want_da, False),
+        d_block0=(out.d_blocks[0], want_db[0], False),
+        d_block1=(out.d_blocks[1], want_db[1], False),
     )
     if given is None:
-        checks["pos_logits"] = (out.pos_logits, pos)
-    for name, (got, want) in checks.items():
-        torch.testing.assert_close(got.cpu().double(), want, rtol=rtol, atol=atol, msg=name)
+        checks["pos_logits"] = (out.pos_logits, pos, True)
+    up = _largest(g) + _largest(d_pos.abs().sum(-1))
+    for name, (got, want, logits) in checks.items():
+        check_roundoff(name, got, want, problem, tau, logits=logits, upstream=up)
+    dtype, terms, scale = roundoff_terms(problem, tau)
+    want_gm = (g * torch.where(torch.isfinite(want_lse), want_mean, 0.0)).sum()
+    assert_roundoff(
+        out.g_dot_mean_logit.cpu().double(),
+        want_gm,
+        dtype,
+        terms=terms + K * B,
+        magnitude=g.abs().sum().item() * scale,
+        msg="g_dot_mean_logit",
+    )
+
+
+def check_fused_roundoff(got, want, problem: LSEProblem, tau: float, *, upstream: float = 0.0, equal_nan=False) -> None:
+    """Every output of two fused steps on one problem (two backends, GEMM paths or dtypes)
+    within :func:`check_roundoff`; ``g . mean_logit`` sums B logit-sized terms more. NaN:
+    at the same places when ``equal_nan``."""
+    pairs = [(n, getattr(got, n), getattr(want, n), True) for n in ("lse", "mean_logit", "loss_rows")]
+    pairs += [("d_pos", got.d_pos, want.d_pos, False), ("d_anchor", got.d_anchor, want.d_anchor, False)]
+    pairs += [(f"d_block{i}", g, w, False) for i, (g, w) in enumerate(zip(got.d_blocks, want.d_blocks))]
+    dtype, terms, scale = roundoff_terms(problem, tau)
+    B = problem.anchor.shape[0]
+    for name, x, y, logits in pairs + [("g_dot_mean_logit", got.g_dot_mean_logit, want.g_dot_mean_logit, None)]:
+        x, y = x.double(), y.double()
+        if equal_nan:
+            assert torch.equal(x.isnan(), y.isnan()), f"{name}: NaN at other places"
+            x, y = x.nan_to_num(), y.nan_to_num()
+        if logits is None:
+            assert_roundoff(x, y, dtype, terms=terms + B, magnitude=B * scale, msg=name)
+        else:
+            check_roundoff(name, x, y, problem, tau, logits=logits, upstream=upstream)

@@ -71,3 +71,83 @@ def assert_grads_close(grads: dict, ref: dict, what: str) -> None:
         assert err <= F32_GRAD_TOL or rms <= ATOL_RMS[torch.float32], (
             f"{what}: {k}: relative error {err:.3g}, rms {rms:.3g}"
         )
+
+
+# --------------------------------------------------------------------------- GIST stand-ins
+
+
+def toy_tokenizer():
+    """A word-level ``BertTokenizerFast`` over :data:`WORDS` (a ``PreTrainedTokenizerBase``)."""
+    from transformers import BertTokenizerFast
+
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(SPECIAL + WORDS)})
+
+
+def lookup_model(table, *, tokenizer=None, trainable: bool = True, max_seq_length: int = 16):
+    """A stand-in ``SentenceTransformer`` whose "text" ``r`` (``input_ids [[r]]``) has the
+    embedding ``table[r]``: sentence-transformers' losses run on it unchanged (its
+    ``tokenizer`` is a real one), so values and the table's gradient can be compared in
+    float64 on chosen embeddings. :func:`row_features` builds a column's features."""
+    import torch
+    from torch import nn
+
+    class LookupModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if trainable:
+                self.table = nn.Parameter(table.clone())
+            else:
+                self.register_buffer("table", table.clone())
+            self.tokenizer = tokenizer if tokenizer is not None else toy_tokenizer()
+            self.max_seq_length = max_seq_length
+
+        @property
+        def device(self):
+            return self.table.device
+
+        def __getitem__(self, i):  # sentence-transformers looks at model[0] (StaticEmbedding?)
+            return self
+
+        def forward(self, features):
+            features["sentence_embedding"] = self.table[features["input_ids"][:, 0]]
+            return features
+
+    with torch.no_grad():
+        return LookupModel()
+
+
+def row_features(rows) -> dict:
+    """The features of a column whose texts are the table rows ``rows``."""
+    import torch
+
+    ids = torch.as_tensor(list(rows), dtype=torch.long)[:, None]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+MODEL_OUTPUTS = ("token_embeddings", "sentence_embedding", "all_layer_embeddings")
+
+
+def memoized(guide):
+    """``guide`` (an eval-mode ``SentenceTransformer``) with its forward memoized on the exact
+    input tensors: a test that runs many losses over the same texts encodes each guide batch
+    once. The result is the guide's own (deterministic) embedding; other inputs are encoded."""
+    import torch
+
+    original = type(guide).forward
+    memo: dict = {}
+
+    def forward(features, **kw):
+        # the inputs only: a cached loss hands the guide a mapping the model wrote into
+        inputs = {k: v for k, v in features.items() if k not in MODEL_OUTPUTS}
+        key = tuple(
+            (k, tuple(v.shape), v.cpu().numpy().tobytes())
+            for k, v in sorted(inputs.items())
+            if isinstance(v, torch.Tensor)
+        )
+        if key not in memo:
+            memo[key] = original(guide, inputs, **kw)["sentence_embedding"]
+        features["sentence_embedding"] = memo[key]
+        return features
+
+    guide.forward = forward
+    return guide

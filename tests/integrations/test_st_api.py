@@ -239,7 +239,7 @@ def test_reductions_and_module():
         (dict(hardness_mode="hardest"), ValueError, "hardness_mode"),
         (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError, "hardness_strength"),
         (dict(directions=GTE, neg_mask=torch.ones(3, 1, dtype=torch.bool)), ValueError, "neg_mask"),
-        (dict(directions=GTE, process_group=object()), RuntimeError, "process_group"),
+        (dict(directions=GTE, process_group=object()), TypeError, "process_group"),
     ],
 )
 def test_option_errors(kw, err, match):

@@ -48,6 +48,12 @@ CASES = {
         ["anchor", "positive_1", "positive_2", "negative"],
     ),
     "supcon": (lambda m: fst.SupConLoss(m, temperature=0.1, num_positives=2), ["anchor", "positive_1", "positive_2"]),
+    # the guide: another tiny BERT (same vocabulary), built by the test in its tmp_path
+    "gist": (lambda m, g: fst.GISTEmbedLoss(m, g, margin=0.1), ["anchor", "positive", "negative"]),
+    "gist_cached": (
+        lambda m, g: fst.CachedGISTEmbedLoss(m, g, mini_batch_size=4, temperature=0.05),
+        ["anchor", "positive"],
+    ),
 }
 
 
@@ -74,7 +80,11 @@ def test_trainer_trains_saves_and_reloads(tmp_path, name):
         seed=0,
         bf16=name.endswith("bf16_autocast"),
     )
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=make_loss(model))
+    if name.startswith("gist"):
+        loss = make_loss(model, common.tiny_model(tmp_path / "guide", dropout=0.0, seed=1).eval())
+    else:
+        loss = make_loss(model)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
     trainer.train()
 
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastcl import config
 from fastcl.ops import _cpp
 from fastcl.ops.contract import OwnPositives
 from tests.helpers.backends import require
@@ -25,13 +26,10 @@ def _needs_cpp():
 
 
 @pytest.mark.parametrize("num_threads", [2, 3])
-@pytest.mark.parametrize("rows", ["7", None])  # forced short blocks, or the default plan
+@pytest.mark.parametrize("rows", [7, None])  # forced short blocks, or the default plan
 @pytest.mark.parametrize("d", [130, 200])
-def test_split_matches_torch(monkeypatch, threads, num_threads, rows, d):
-    if rows is None:
-        monkeypatch.delenv("_FASTCL_TEST_CPP_ROWS", raising=False)
-    else:
-        monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", rows)
+def test_split_matches_torch(fastcl_config, threads, num_threads, rows, d):
+    fastcl_config(cpp={"test_rows": rows})
     threads(num_threads)
     g = torch.Generator().manual_seed(num_threads * 1000 + d)
     B = 26
@@ -40,8 +38,8 @@ def test_split_matches_torch(monkeypatch, threads, num_threads, rows, d):
     _compare_fused(prob, head, torch.tensor(0.1, dtype=torch.float64), 1e-10)
 
 
-def test_split_is_bitwise_reproducible(monkeypatch, threads):
-    monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "9")
+def test_split_is_bitwise_reproducible(fastcl_config, threads):
+    fastcl_config(cpp={"test_rows": 9})
     threads(2)
     g = torch.Generator().manual_seed(3)
     prob = _problem(40, 700, 90, 140, dtype=torch.float32, gen=g, positives=OwnPositives(0, 1))
@@ -64,10 +62,10 @@ def _all_outputs(prob, tau, head):
     return [fused.lse, fused.loss_rows, fused.d_anchor, *fused.d_blocks, lse, mean_logit, d_anchor, *d_blocks]
 
 
-def test_kept_block_buffer_changes_nothing(monkeypatch, threads):
+def test_kept_block_buffer_changes_nothing(fastcl_config, threads):
     """The block buffer kept between calls (lse_cpu.cpp, block_buffer) is reused by calls of
     other shapes and dtypes, after calls that filled it with NaN: every output is bitwise the
-    same as with a fresh buffer per call (_FASTCL_TEST_CPP_KEEP_BYTES=0)."""
+    same as with a fresh buffer per call (cpp.test_keep_bytes=0)."""
     threads(2)
     g = torch.Generator().manual_seed(11)
     tau = torch.tensor(0.05)
@@ -81,14 +79,11 @@ def test_kept_block_buffer_changes_nothing(monkeypatch, threads):
         (_problem(30, 400, 20, 24, dtype=torch.float32, gen=g), _head(30, 1, "cross_entropy", g, torch.float32)),
     ]
     results = {}
-    for keep in ("0", None):
-        if keep is None:
-            monkeypatch.delenv("_FASTCL_TEST_CPP_KEEP_BYTES", raising=False)
-        else:
-            monkeypatch.setenv("_FASTCL_TEST_CPP_KEEP_BYTES", keep)
+    for keep in (0, None):
+        fastcl_config(cpp={"test_keep_bytes": keep})
         results[keep] = [_all_outputs(prob, tau.to(prob.dtype), head) for prob, head in calls]
-    assert results["0"][0][0].isnan().any(), "the first call should have filled the buffer with NaN"
-    for i, (fresh, kept) in enumerate(zip(results["0"], results[None])):
+    assert results[0][0][0].isnan().any(), "the first call should have filled the buffer with NaN"
+    for i, (fresh, kept) in enumerate(zip(results[0], results[None])):
         for j, (u, v) in enumerate(zip(fresh, kept)):
             assert torch.equal(u.nan_to_num(7.0), v.nan_to_num(7.0)) and torch.equal(u.isnan(), v.isnan()), (i, j)
 
@@ -100,18 +95,21 @@ def test_kept_block_buffer_changes_nothing(monkeypatch, threads):
      ("_FASTCL_TEST_CPP_CHUNK", "4.5"), ("_FASTCL_TEST_CPP_KEEP_BYTES", "-1")],
 )  # fmt: skip
 def test_invalid_environment_values_are_refused(monkeypatch, name, raw):
-    """The C++ side reads its test hooks (and the CUDA op its tile) with a strict ``env_int``:
-    a value that is not a decimal integer in range raises, naming the variable, instead of
-    becoming 1 (``atoll`` then ``max(1, .)``, as before) or wrapping around."""
+    """The test hooks are knobs of fastcl.config (cpp.test_*), read from the environment once
+    with the strict rule of every knob: a value that is not a decimal integer in range raises,
+    naming the variable, instead of becoming 1 or wrapping around; the configuration in force
+    stays."""
+    before = config.get()
     monkeypatch.setenv(name, raw)
-    prob = _problem(5, 9, 3, 4, dtype=torch.float32, gen=torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match=f"{name}='{raw}': expected an integer >= "):
-        _cpp.CppLSE().forward(prob, torch.tensor(0.1))
+    with pytest.raises(ValueError, match=f"{name}='{raw}': expected an integer >= "):
+        config.reload()
+    assert config.get() == before
 
 
-def test_keep_bytes_zero_is_a_valid_value(monkeypatch):
+def test_keep_bytes_zero_is_a_valid_value(fastcl_config):
     """0 (never keep the block buffer, what the memory probes set) is in range for this hook."""
-    monkeypatch.setenv("_FASTCL_TEST_CPP_KEEP_BYTES", "0")
+    assert config.from_environment({"_FASTCL_TEST_CPP_KEEP_BYTES": "0"}).cpp.test_keep_bytes == 0
+    fastcl_config(cpp={"test_keep_bytes": 0})
     prob = _problem(5, 9, 3, 4, dtype=torch.float32, gen=torch.Generator().manual_seed(0))
     lse, _ = _cpp.CppLSE().forward(prob, torch.tensor(0.1))
     assert torch.isfinite(lse).all()

@@ -13,7 +13,7 @@ import torch
 
 import fastcl.losses as L
 from fastcl import config
-from fastcl.losses import clip, gclsr, gist, mnrl, supcon, supmpn
+from fastcl.losses import clip, gclsr, gist, infonce, mnrl, supcon, supcon_labels, supmpn
 from fastcl.ops import dispatch
 from fastcl.ops.backend import MATRYOSHKA_BACKENDS, dims_reason
 from fastcl.ops.contract import LSEProblem
@@ -23,7 +23,9 @@ _BLOCK = re.compile(r"```python\n(?P<code>.*?)```", re.S)
 PUBLIC = [getattr(L, name) for name in L.__all__ if callable(getattr(L, name))]
 
 
-@pytest.mark.parametrize("module", [supmpn, supcon, mnrl, gclsr, clip, gist], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [supmpn, supcon, supcon_labels, mnrl, infonce, gclsr, clip, gist], ids=lambda m: m.__name__
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.attempted > 0, f"{module.__name__} has no docstring example"
@@ -186,7 +188,24 @@ def test_choices_are_checked_without_grad(monkeypatch):
     assert config.get().strategy == "auto"  # the refused reading left the configuration as it was
 
 
-# Checked elsewhere: padded slots and non-finite inputs (tests/ops/test_robust.py,
+def test_filters_backends_and_self_margin_rules():
+    _says('Backends that take filters: `reference`, `torch` (`"auto"` passes over the others')
+    _says("with other `directions` or hardness it raises `ValueError`")
+    takes = {name for name in dispatch.NAMES if getattr(dispatch.get(name), "takes_filter", False)}
+    assert takes == {"reference", "torch"}
+    a, p, n = _small(6)
+    guide = (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
+    L.gist_loss(a, p[:, 0], guide=guide)  # auto: a backend that takes the filter
+    for name in set(dispatch.NAMES) - takes:
+        if not dispatch.reasons(name):
+            with pytest.raises(dispatch.BackendUnavailableError, match="false-negative filter"):
+                L.gist_loss(a, p[:, 0], guide=guide, backend=name)
+    with pytest.raises(ValueError, match="query_to_doc"):
+        L.mnrl_loss(a, p[:, 0], false_negative_margin=0.1, directions=("query_to_doc", "doc_to_query"))
+
+
+# Checked elsewhere: GIST and the self-margin filter against their oracles (tests/losses/test_gist.py);
+# padded slots and non-finite inputs (tests/ops/test_robust.py,
 # tests/ops/test_property.py); scale-free cosine (tests/ops/test_robust.py::test_cosine_is_scale_free,
 # tests/losses/test_supcon_labels.py::test_cosine_is_scale_free); labels SupCon against PML and
 # SupContrast, view-major rows, positional labels (tests/losses/test_supcon_labels.py); MNRL

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fastcl.losses as L
+from fastcl import config
 from fastcl.ops import dispatch
 from fastcl.ops.contract import LSEProblem
 
@@ -34,7 +35,9 @@ def test_env_var_selects_backend(monkeypatch):
         return impl
 
     monkeypatch.setattr(dispatch, "choose", spy)
+    monkeypatch.setattr(config, "_current", config.get())  # the configuration before, restored after
     monkeypatch.setenv("FASTCL_BACKEND", "reference")
+    config.reload()  # the environment is read once, by fastcl.config
     L.infonce_loss(torch.randn(2, 3), torch.randn(2, 3))
     assert calls == ["reference"]
     calls.clear()
@@ -44,7 +47,37 @@ def test_env_var_selects_backend(monkeypatch):
 
 def test_env_var_with_unknown_backend_errors(monkeypatch):
     monkeypatch.setenv("FASTCL_BACKEND", "nope")
-    with pytest.raises(dispatch.BackendUnavailableError, match="unknown backend"):
+    with pytest.raises(config.ConfigError, match="FASTCL_BACKEND='nope'"):
+        config.from_environment()
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (None, TypeError, "backend must be a string"),
+        ("cuda", dispatch.BackendUnavailableError, "'cuda' backend was removed.*triton"),
+        ("nope", dispatch.BackendUnavailableError, "unknown backend 'nope'"),
+    ],
+)
+def test_bad_backend_arguments(bad, error, match):
+    with pytest.raises(error, match=match):
+        L.infonce_loss(torch.randn(2, 3), torch.randn(2, 3), backend=bad)
+
+
+def test_a_refused_cpp_setting_is_not_a_silent_fallback(monkeypatch):
+    """A knob the C++ library refuses when it loads (``cpp.gemm="own"`` without its AVX-512
+    build; the refusal is simulated here, the real one: tests/kernels/test_cpp_gemm_tile.py)
+    raises under ``backend="auto"`` too, instead of moving the call to another backend."""
+    from fastcl.ops import _cpp
+
+    if dispatch.unavailable("cpp") is not None:
+        pytest.skip(f"cpp unavailable: {dispatch.unavailable('cpp')}")
+
+    def refuse():
+        raise config.ConfigError("fastcl: cpp.gemm='own' needs the AVX-512 build (simulated)")
+
+    monkeypatch.setattr(_cpp, "_follow_config", refuse)
+    with pytest.raises(config.ConfigError, match="AVX-512"):
         L.infonce_loss(torch.randn(2, 3), torch.randn(2, 3))
 
 

@@ -196,13 +196,12 @@ def make_case(
 
 
 @contextlib.contextmanager
-def small_tiles(backend: str, monkeypatch, fastcl_config):
+def small_tiles(backend: str, fastcl_config):
     """Make every backend cross its row and column tiles at test sizes."""
     if backend == "torch":
         fastcl_config(torch={"tile": 96})
     elif backend == "cpp":
-        monkeypatch.setenv("_FASTCL_TEST_CPP_ROWS", "3")
-        monkeypatch.setenv("_FASTCL_TEST_CPP_CHUNK", "5")
+        fastcl_config(cpp={"test_rows": 3, "test_chunk": 5})
     yield
 
 
@@ -338,13 +337,13 @@ def _check_fused(impl, case: Case, seed: int, dtype=torch.float32):
 @pytest.mark.parametrize("reduce", ["lse", "sigmoid"])
 @pytest.mark.parametrize("filt", [None, "guide", "self"])
 @pytest.mark.parametrize("cosine", [True, False], ids=["cos", "dot"])
-def test_against_oracle(backend, monkeypatch, fastcl_config, shape, reduce, filt, cosine):
+def test_against_oracle(backend, fastcl_config, shape, reduce, filt, cosine):
     if filt is None and reduce == "lse":
         pytest.skip("the plain LSE: tests/ops/test_backend_matrix.py")
     impl = dispatch.get(backend)
     seed = hash((shape, reduce, filt, cosine)) % 1000
     case = make_case(*shape, seed=seed, reduce=reduce, filt=filt, cosine=cosine)
-    with small_tiles(backend, monkeypatch, fastcl_config):
+    with small_tiles(backend, fastcl_config):
         _check_forward(impl, case)
         _check_backward(impl, case, seed)
         _check_fused(impl, case, seed)
@@ -352,7 +351,7 @@ def test_against_oracle(backend, monkeypatch, fastcl_config, shape, reduce, filt
 
 @pytest.mark.parametrize("reduce", ["lse", "sigmoid"])
 @pytest.mark.parametrize("filt", [None, "guide", "self"])
-def test_matryoshka(backend, monkeypatch, fastcl_config, reduce, filt):
+def test_matryoshka(backend, fastcl_config, reduce, filt):
     """Every prefix's rows as the plain problem on that prefix; the guide's decisions shared,
     a self filter's per prefix (``[K, B]`` thresholds in odd seeds)."""
     if filt is None and reduce == "lse":
@@ -360,7 +359,7 @@ def test_matryoshka(backend, monkeypatch, fastcl_config, reduce, filt):
     impl = dispatch.get(backend)
     for seed in (3, 4):
         case = make_case(7, 20, 6, 24, seed=seed, reduce=reduce, filt=filt, dims=(24, 8, 16))
-        with small_tiles(backend, monkeypatch, fastcl_config):
+        with small_tiles(backend, fastcl_config):
             _check_forward(impl, case)
             _check_backward(impl, case, seed)
             _check_fused(impl, case, seed)
@@ -465,7 +464,7 @@ def test_column_statistics(backend, monkeypatch, fastcl_config, shape, cosine):
 
     (lr, mr), (lc, mc) = lse_of(L, keep), lse_of(L.T, keep.T)
     want, want_ml = torch.cat([lr, lc]), torch.cat([mr, mc])
-    with small_tiles(backend, monkeypatch, fastcl_config), poison_outputs():
+    with small_tiles(backend, fastcl_config), poison_outputs():
         value, ml = impl.forward(prob, tau)
     assert value.shape == (prob.num_rows,)
     _compare("lse", value, want, abs_scale=1 / case.tau)
@@ -480,7 +479,7 @@ def test_column_statistics(backend, monkeypatch, fastcl_config, shape, cosine):
         )
         total = total + (d_pos.to(L.device) * L[torch.arange(B)[:, None], cols.to(L.device)]).sum()
     ref = torch.autograd.grad(total, (a, b0, b1))
-    with small_tiles(backend, monkeypatch, fastcl_config), poison_outputs():
+    with small_tiles(backend, fastcl_config), poison_outputs():
         d_a, (d0, d1) = impl.backward(
             prob, tau, value, g.float().to(dev), None if d_pos is None else d_pos.float().to(dev)
         )

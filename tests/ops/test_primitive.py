@@ -12,6 +12,7 @@ from fastcl.ops.positive_logits import positive_logits
 from fastcl.reference import ReferenceLSE
 from tests.helpers.backends import backends_under_test, device_under_test, require
 from tests.helpers.gradcheck import gradcheck_contrastive
+from tests.helpers.roundoff import assert_grad_roundoff, assert_loss_and_grads_roundoff, assert_loss_roundoff
 
 
 def _problem(B, N0, N1, d, dtype=torch.float64, device="cpu", cosine=True, exclude=True):
@@ -62,7 +63,7 @@ def test_lse_contract(backend):
     assert torch.isfinite(mean_logit).all()
     assert got.dtype == torch.float32 and got.shape == (6,)
     assert got[5].item() == float("-inf")
-    torch.testing.assert_close(got[:5].double(), want[:5], rtol=1e-5, atol=1e-5)
+    assert_loss_roundoff(got[:5], want[:5], torch.float32, terms=9 + 18 + 6, logit_scale=1 / 0.1, msg="lse")
 
 
 def test_fused_and_recompute_agree(fastcl_config, monkeypatch):
@@ -75,8 +76,10 @@ def test_fused_and_recompute_agree(fastcl_config, monkeypatch):
         loss = L.supmpn_loss(*leaves, backend="torch")
         loss.backward()
         outs[strategy] = (loss.detach(), *[x.grad for x in leaves])
-    for x, y in zip(outs["fused"], outs["recompute"]):
-        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    (loss, *grads), (want, *want_grads) = outs["fused"], outs["recompute"]
+    assert_loss_and_grads_roundoff(
+        loss, want, grads, want_grads, torch.float32, terms=d + B * (P + Q) + B, logit_scale=1 / 0.05
+    )
 
 
 def test_fused_strategy_rejects_none_reduction(fastcl_config, monkeypatch):
@@ -93,8 +96,8 @@ def test_upstream_gradient_scales(monkeypatch):
     g1 = a.grad.clone()
     a.grad = None
     L.infonce_loss(a, p, backend="reference").backward()
-    want = 3.5 * a.grad  # float32 entries are differences of terms up to ~|want|.max()
-    torch.testing.assert_close(g1, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    want = 3.5 * a.grad
+    assert_grad_roundoff(g1, want, torch.float32, terms=8 + 5 + 5, logit_scale=1 / 0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -153,10 +156,15 @@ def test_grouped_cosine_matches_reference(dtype, shape, group):
     h64 = h.detach().double().requires_grad_()
     want = L.grouped_cosine_loss(h64, z.detach().double(), group_size=group, backend="reference")
     want.backward()
-    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
-    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    scale = max(h64.grad.abs().max().item(), 1e-3)  # group_size 1: the true gradient is 0
-    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=tol, atol=tol * scale)
+    # a cosine sums `group` products, the mean B * groups cosines (<= 1, no temperature); a
+    # gradient term is (z^ - cos h^) / (|h_group| B groups), which cancels to exactly 0 for
+    # group_size 1 (h^ and z^ are +-1): its size is the bound's then
+    B, groups = shape[0], shape[1] // group
+    terms = group + B * groups
+    assert_loss_roundoff(got, want, dtype, terms=terms, logit_scale=1.0)
+    norms = h64.detach().view(B, groups, group).norm(dim=-1).clamp_min(1e-8)
+    term = 1 / (norms.min().item() * B * groups)
+    assert_grad_roundoff(h.grad, h64.grad, dtype, terms=terms, logit_scale=1.0, term_size=term)
 
 
 def test_own_positives_must_fit_in_block0():

@@ -265,6 +265,7 @@ def test_presets_and_precedence(setup):
         (["supmpn", "--train-file", "/nonexistent/snli.csv"], "not found"),
         (["supcon", "--lam", "1.5"], "--lam must be in"),
         (["edacse", "--max-insertions", "0"], "--max-insertions"),
+        (["supmpn", "--cross-device", "ring"], "--cross-device ring passes the candidates between processes"),
     ],
 )
 def test_cli_errors_before_compute(setup, capsys, args, message):

@@ -3,17 +3,23 @@
 Every case (loss, B, P, Q, d, dtype, device) runs, in the same process and on the same
 inputs, each implementation of ``benchmarks.harness.peers.IMPLS`` that computes the loss:
 ``eager`` (the oracle), ``compile`` (``torch.compile`` of the loss written for compile to
-fuse, ``benchmarks.harness.fusable``), fastcl's backends (``torch``, ``cpp``, ``triton``,
-``cuda``: whichever dispatch can run here; the others are skipped with dispatch's reason)
+fuse, ``benchmarks.harness.fusable``), fastcl's backends (``torch``, ``cpp``, ``triton``:
+whichever dispatch can run here; the others are skipped with dispatch's reason)
 and the peers (sentence-transformers MNRL and CachedMNRL, pytorch-metric-learning NTXent
-and SupCon, PyTorch's chunked ``linear_cross_entropy``, Inf-CL on CUDA). Before timing,
+and SupCon, PyTorch's chunked ``linear_cross_entropy``; on CUDA Inf-CL, cut-cross-entropy,
+Liger's fused linear cross-entropy, siglip-kernel; ``st-gist-gemm``: sentence-transformers'
+GIST computation with a GEMM similarity). For CLIP and SigLIP ``eager`` is open_clip's
+``ClipLoss`` / ``SigLipLoss``, for GIST sentence-transformers' ``GISTEmbedLoss``
+computation (``peers.EAGER_IS``). Before timing,
 each implementation's loss value is asserted equal to the float64 reference.
 
 Timing (``benchmarks.harness.timing``): all implementations of a case, its GEMM **floor**
 (the three GEMMs of a gradient-in-forward step at that shape, ``benchmarks.harness.floor``) and
 one ``[B, d] @ [d, N]`` GEMM (the rate "share of GEMM" divides by) are timed together,
 round by round in a rotating order, after a warm-up round, until their fastest rounds
-agree or the case's time budget ends. The two references are repeated within their turn
+agree or the case's time budget ends; a reference (the floor's fastest blocking, the GEMM)
+still too wide to divide by then gets up to a second budget of rounds (``stopped`` is
+``reference_budget`` where even that did not settle it). The references are repeated within their turn
 until a sample lasts ``benchmarks.harness.shares.MIN_REFERENCE_SAMPLE_S``; a share of either is
 recorded only where it was measured soundly (``benchmarks.harness.shares``), else ``None`` with
 ``floor_share_problem`` / ``gemm_share_problem`` saying why. The first test item of a case
@@ -26,7 +32,8 @@ flag, ``floor_s`` and ``floor_share`` (floor / time), peak memory (CPU: extra pe
 of a fresh process running one step, forked per case from a probe server that imported
 the libraries once, ``benchmarks.harness.memory``; CUDA: max allocated beyond the inputs),
 achieved TFLOP/s on ``8 * B * N * d`` and its share of the GEMM rate of the same rounds,
-``threads``, ``compile_s`` (implementations that compile: seconds of their first calls beyond a step),
+``threads``, ``compile_s`` (implementations that compile: seconds of their first calls beyond a step;
+``None`` where the case compiled nothing, its graph being an earlier case's),
 ``cold_s`` (first value check + first step), the load average before and after the case.
 
     pytest benchmarks --benchmark-only                       # CPU grid (a few minutes)
@@ -82,7 +89,7 @@ CPU_GRID = [
     # B = 4096 is heavy too
     ("gist", 1, 1, 768, "float32", (128, 4096)),
 ]
-# The csrc issue's CPU targets, side by side in one run (opt-in, ~5 min more on 2 cores:
+# The csrc CPU targets, side by side in one run (opt-in, ~5 min more on 2 cores:
 # --bench-targets): time at B = 1024, P = Q = 5, d = 768 and memory at B = 8192,
 # P = Q = 5, d = 128 (eager holds several 2.5 GiB [B, N] float32 buffers there).
 CPU_TARGET_GRID = [
@@ -256,6 +263,28 @@ def timing_for(case: dict) -> dict:
     return dict(TIMING, min_rounds=rounds, max_rounds=rounds, budget_s=0.0)
 
 
+def _dynamo_graphs() -> int | None:
+    """Graphs torch.compile has compiled in this process so far (None: the counter is gone)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a private counter: without it, every compiling impl counts as compiled
+        return None
+
+
+def compiled_here(impl: peers.Impl, graphs_before: int | None, graphs_after: int | None) -> bool:
+    """Whether ``impl``'s first calls in this case compiled anything: a ``torch.compile``
+    implementation compiles one dynamic-shape graph per loss and process, so a later case of
+    the loss reuses it (``compile_s`` is then ``None``, printed "n/a", not "0.0 s"); a CUDA
+    graph is captured per case."""
+    if not impl.compiles:
+        return False
+    if not impl.dynamo or graphs_before is None or graphs_after is None:
+        return True
+    return graphs_after > graphs_before
+
+
 def _make_step(forward, leaves, device):
     def step():
         for t in leaves:
@@ -279,10 +308,12 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
     for case in cases:
         impl = case["backend"]
         try:
+            graphs = _dynamo_graphs()
             forward = peers.build(impl, loss, inputs)
             t0 = time.perf_counter()
             check = peers.check_value(impl, loss, forward, inputs, expected=reference)
             check_s = time.perf_counter() - t0
+            compiled = compiled_here(peers.IMPLS[impl], graphs, _dynamo_graphs())
             step = _make_step(forward, leaves, device)
             # CUDA: the first step's peak (its kernels compile), then a warm step's; the
             # scratch is the warm peak beyond the inputs *and their gradients* (the step sets
@@ -310,6 +341,7 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
             reference_value=check["reference"],
             abs_err=check["abs_err"],
             check_s=check_s,
+            compiled=compiled,
         )
         if loss == "clip" and peers.IMPLS[impl].family == "fastcl":  # symmetric step or two directions
             run.info[impl]["clip_path"] = image_text.clip_path(inputs, peers.IMPLS[impl].backend)
@@ -328,7 +360,9 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
     # the references (floor, GEMM) are short at small shapes: repeated within their turn
     min_sample = {name: MIN_REFERENCE_SAMPLE_S for name in references}
     load_before = list(os.getloadavg())
-    result = timing.interleave(steps, **settings, min_sample_s=min_sample) if steps else None
+    # a share's reference still too wide to divide by when the budget ends gets more rounds
+    groups = [tuple(floors), *([tuple(sym_floors)] if sym_floors else []), (GEMM,)]
+    result = timing.interleave(steps, **settings, min_sample_s=min_sample, references=groups) if steps else None
     load_after = list(os.getloadavg())
     steps = inputs = leaves = forward = step = None  # free the case's tensors before the next one
     if result is None:
@@ -427,8 +461,10 @@ def run_case(cases: list[dict], cpu_memory: dict, disabled: bool = False) -> Cas
                 sym_floor_share_measured=sym_share,
                 sym_floor_share_problem=sym_problem,
             )
-        if peers.IMPLS[impl].compiles:  # its first calls compile (the check's forward, then fwd + bwd)
+        if info.pop("compiled"):  # its first calls compiled (the check's forward, then fwd + bwd)
             info["compile_s"] = max(0.0, info["cold_s"] - best_s)
+        elif peers.IMPLS[impl].compiles:  # its graph was compiled by an earlier case: no compile time here
+            info["compile_s"] = None
     if device == "cuda":
         torch.cuda.empty_cache()
     return run

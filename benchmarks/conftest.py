@@ -148,6 +148,8 @@ def pytest_terminal_summary(terminalreporter):
     rows = [r for r in _RESULTS if getattr(r["benchmark"], "stats", None)]
     if not rows:
         return
+    from benchmarks.harness.report import compile_text, memory_ratio, peak_text
+
     tr = terminalreporter
     tr.section(
         "fastcl: time (min of interleaved rounds, spread), share of the GEMM floor, peak memory; "
@@ -195,19 +197,19 @@ def pytest_terminal_summary(terminalreporter):
                 line += "    – of sym-floor"
             if r.get("clip_path"):
                 line += f" [{r['clip_path']}]"
-            mem = r.get("peak_mib")
-            if mem is not None:
-                line += f"  peak {mem:8.1f} MiB"
-                if base is not None and (base.get("peak_mib") or 0) >= 1:
-                    line += f" ({mem / base['peak_mib']:.3f}x eager)"
+            if "peak_mib" in r:  # None: not measured ("n/a"); below 1 MiB: "< 1", no ratio
+                line += f"  peak {peak_text(r['peak_mib']):>8}" + (" MiB" if r["peak_mib"] is not None else "")
+                ratio = memory_ratio(r["peak_mib"], base.get("peak_mib") if base is not None else None)
+                if ratio:
+                    line += f" ({ratio} eager)"
             if r.get("tflops") is not None:
                 line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"
                 if r.get("gemm_share") is not None:
                     line += f" ({100 * r['gemm_share']:.0f}% of GEMM)"
                 elif r.get("gemm_share_problem"):
                     line += " (– of GEMM)"
-            if r.get("compile_s") is not None:
-                line += f"  compile {r['compile_s']:.1f} s"
+            if "compile_s" in r:  # implementations that compile; None: nothing compiled in this case
+                line += f"  compile {compile_text(r['compile_s'])}" + (" s" if r["compile_s"] is not None else "")
             tr.write_line(line)
         # shares printed as "–": their reference was not measured soundly (benchmarks.harness.shares)
         for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "sym_floor", "gemm")):

@@ -216,6 +216,34 @@ def _fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+# below 1 MiB the CPU RSS meter sees page-level noise, not the workload (and a buffer kept
+# from the probe's warm-up step reads as 0): such a peak is not a measurement of the step
+MIN_PEAK_MIB = 1.0
+
+
+def peak_text(peak_mib: float | None) -> str:
+    """A peak memory cell: ``n/a`` where it was not measured, ``< 1`` below the meter's
+    resolution (never ``0.0``), else MiB."""
+    if peak_mib is None:
+        return "n/a"
+    if peak_mib < MIN_PEAK_MIB:
+        return f"< {MIN_PEAK_MIB:.0f}"
+    return f"{peak_mib:.1f}"
+
+
+def memory_ratio(peak_mib: float | None, eager_peak_mib: float | None) -> str | None:
+    """``peak / eager's peak`` as ``0.123x``, or None unless both were measured (>= 1 MiB)."""
+    if peak_mib is None or eager_peak_mib is None or min(peak_mib, eager_peak_mib) < MIN_PEAK_MIB:
+        return None
+    return f"{peak_mib / eager_peak_mib:.3f}x"
+
+
+def compile_text(compile_s: float | None) -> str:
+    """A compile-time cell: ``n/a`` where nothing was compiled (an implementation that does not
+    compile, or whose graph an earlier case of the run compiled), else seconds."""
+    return "n/a" if compile_s is None else f"{compile_s:.1f}"
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
@@ -260,12 +288,7 @@ def table(g: Group) -> str:
                 )
         e = _eager(g, r.B)
         speed = f"{e.seconds / r.seconds:.2f}x" if e else "–"
-        # below 1 MiB the RSS meter sees page-level noise, not the workload: no ratio
-        mem = (
-            f"{r.peak_mib / e.peak_mib:.3f}x"
-            if e and e.peak_mib and e.peak_mib >= 1 and r.peak_mib is not None
-            else "–"
-        )
+        mem = memory_ratio(r.peak_mib, e.peak_mib if e else None) or "–"
         rate_value = None if r.tflops is None else (r.tflops if gpu else r.tflops * 1e3)
         name = f"**{r.impl}**" if r.family == "fastcl" else r.impl
         if r.clip_path == "two directions":  # the backend computes no column statistics: 6 GEMM passes
@@ -275,10 +298,10 @@ def table(g: Group) -> str:
             share += f" / {_pct(r.sym_floor_share)}"
         lines.append(
             f"| {b} | {name} | {r.seconds * 1e3:.1f} | {_pct(r.spread) if r.spread is not None else '–'} | {speed} | "
-            f"{share} | {_fmt(r.peak_mib, '.1f')} |"
+            f"{share} | {peak_text(r.peak_mib)} |"
             + (f" {_fmt(r.scratch_mib, '.1f')} | {_fmt(r.first_peak_mib, '.1f')} |" if gpu else "")
             + f" {mem} | {_fmt(rate_value, '.1f')} | "
-            f"{_pct(r.gemm_share)} | {_fmt(r.compile_s, '.1f')} | {_fmt(r.abs_err, '.1e')} |"
+            f"{_pct(r.gemm_share)} | {compile_text(r.compile_s)} | {_fmt(r.abs_err, '.1e')} |"
         )
     return "\n".join(lines)
 
@@ -362,8 +385,8 @@ def summary(g: Group) -> str | None:
             parts.append(f"{e.seconds / best.seconds:.2f}x faster than eager")
         else:
             parts.append(f"{best.seconds / e.seconds:.2f}x slower than eager")
-        if e.peak_mib and e.peak_mib >= 1 and best.peak_mib is not None:
-            parts.append(f"{best.peak_mib / e.peak_mib:.2f}x eager's peak memory")
+        if memory_ratio(best.peak_mib, e.peak_mib):
+            parts.append(f"{best.peak_mib / e.peak_mib:.2f}x eager's peak memory")  # type: ignore[operator]
     compiled = next((r for r in at if r.impl == "compile"), None)
     if compiled is not None:
         verb = "ahead of" if best.seconds < compiled.seconds else "behind"
@@ -378,7 +401,8 @@ def summary(g: Group) -> str | None:
         leanest = min((r for r in others if r.peak_mib is not None), key=lambda r: r.peak_mib, default=None)
         if leanest is not None and best.peak_mib is not None:
             parts.append(
-                f"memory {best.peak_mib:.0f} MiB vs the leanest other, `{leanest.impl}`, {leanest.peak_mib:.0f} MiB"
+                f"memory {peak_text(best.peak_mib)} MiB vs the leanest other, `{leanest.impl}`, "
+                f"{peak_text(leanest.peak_mib)} MiB"
             )
     if e is None and g.skipped.get("eager"):
         parts.append(f"eager skipped ({g.skipped['eager']})")

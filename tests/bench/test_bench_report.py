@@ -281,8 +281,8 @@ def test_report_tables_plots_and_cli(tmp_path):
 
 
 def test_report_prints_a_share_only_where_its_reference_was_sound(tmp_path):
-    """Issue 32: shares of 128-1020 % of the GEMM rate and 233-244 % of the floor were printed
-    at small shapes on a busy machine. Such shares show as – with the reason under the table."""
+    """A run on a busy machine printed shares of 128-1020 % of the GEMM rate and 233-244 % of
+    the floor at small shapes. Such shares show as – with the reason under the table."""
     path = _fake_run(tmp_path)
     doc = json.loads(path.read_text())
     rows = {(b["extra_info"].get("impl"), b["extra_info"].get("B")): b["extra_info"] for b in doc["benchmarks"]}
@@ -313,6 +313,52 @@ def test_report_prints_a_share_only_where_its_reference_was_sound(tmp_path):
     out = tmp_path / "RESULTS.md"
     report.main(report.argparse.Namespace(json=[str(path)], out=str(out), plots=None, notes=None))
     assert "Shares shown as –, measured but not sound" in out.read_text()
+
+
+def test_report_prints_no_zero_peak_or_compile_time_it_did_not_measure(tmp_path):
+    """A peak that was not measured (None) or below the RSS meter's resolution (a kept buffer
+    read as 0.0) prints as n/a / < 1 with no ratio; a row of an implementation that compiled
+    nothing in its case prints compile n/a, never 0.0."""
+    path = _fake_run(tmp_path)
+    doc = json.loads(path.read_text())
+    rows = {(b["extra_info"].get("impl"), b["extra_info"].get("B")): b["extra_info"] for b in doc["benchmarks"]}
+    rows["torch", 128].update(peak_mib=None)
+    rows["pml-ntxent", 128].update(peak_mib=0.0)
+    rows["compile", 128].update(compile_s=None)  # its graph compiled by an earlier case
+    path.write_text(json.dumps(doc))
+    groups, _ = report.load([path])
+    (g,) = groups
+    text = report.table(g)
+    assert "| 128 | **torch** | 100.0 | 1% | 2.00x | 50% | n/a | – |" in text
+    assert "| 128 | pml-ntxent | 400.0 | 1% | 0.50x | 12% | < 1 | – |" in text
+    assert "| 128 | compile | 125.0 | 1% | 1.60x | 40% | 50.0 | 0.500x | 1.0 | 50% | n/a |" in text
+    assert "| 0.0 |" not in text and "0.000x" not in text
+    g.rows = [r for r in g.rows if r.B == 128]
+    assert "eager's peak memory" not in report.summary(g)  # fastcl's best (torch) was not measured
+    # the helpers the terminal summary (benchmarks/conftest.py) prints with
+    assert report.peak_text(None) == "n/a" and report.peak_text(0.0) == "< 1" and report.peak_text(12.0) == "12.0"
+    assert report.memory_ratio(0.0, 100.0) is None and report.memory_ratio(None, 100.0) is None
+    assert report.memory_ratio(10.0, 0.4) is None and report.memory_ratio(10.0, 100.0) == "0.100x"
+    assert report.compile_text(None) == "n/a" and report.compile_text(0.04) == "0.0"
+
+
+def test_compile_time_is_recorded_only_where_the_case_compiled():
+    from benchmarks import bench_losses as BL
+
+    compile_impl, cudagraph, eager = (peers.IMPLS[n] for n in ("compile", "triton-cudagraph", "eager"))
+    assert BL.compiled_here(compile_impl, 3, 4)  # a new graph: this case compiled it
+    assert not BL.compiled_here(compile_impl, 4, 4)  # the loss's dynamic graph from an earlier case
+    assert BL.compiled_here(compile_impl, None, None)  # no counter: cannot tell, counted as compiled
+    assert BL.compiled_here(cudagraph, 4, 4)  # a CUDA graph is captured per case
+    assert not BL.compiled_here(eager, 3, 4)
+    before = BL._dynamo_graphs()
+    assert before is not None  # the counter the rule reads exists in this torch
+    fn = torch.compile(lambda x: (x * 3).sum(), dynamic=True)
+    fn(torch.ones(4))
+    assert BL._dynamo_graphs() > before
+    mid = BL._dynamo_graphs()
+    fn(torch.ones(6))  # the same dynamic graph
+    assert BL._dynamo_graphs() == mid
 
 
 def test_report_summary_compares_with_compile(tmp_path):

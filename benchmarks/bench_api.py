@@ -13,14 +13,14 @@
   ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` (``mini_batch_size=32``) on the
   same embeddings: K chunked losses and K backward passes into the embeddings.
 
-The loss stage only: forward + backward to the embeddings (``fastcl.bench.api_cases``).
+The loss stage only: forward + backward to the embeddings (``benchmarks.harness.api_cases``).
 Before timing, each implementation's value is checked against the peer's (float32, same
 inputs). The peer is recorded as ``eager`` (the baseline of the run's ratio summary),
 fastcl as ``fastcl-<backend>``. Peak memory: extra peak RSS of one step in a fresh process
-(``fastcl.bench.memory``), every selected case probed before the first is timed, by
+(``benchmarks.harness.memory``), every selected case probed before the first is timed, by
 ``--bench-memory-workers`` probe servers (at most cores // threads) that import the
 libraries once and fork a child per case. Time: the loss grid's interleaved rounds
-(``fastcl.bench.harness``): the first item of a workload times every selected
+(``benchmarks.harness.case_runs``): the first item of a workload times every selected
 implementation of it together, round by round in a rotating order after a warm-up, until
 their fastest rounds agree or the case's budget ends; the record has the minimum over
 rounds (``min_s``), its spread and the case's ``noisy`` flag. On ``--bench-threads``
@@ -40,8 +40,8 @@ import pytest
 import torch
 
 from benchmarks import options
-from fastcl.bench import api_cases, harness
-from fastcl.bench.memory import cpu_extra_peak_mib_parallel
+from benchmarks.harness import api_cases, case_runs
+from benchmarks.harness.memory import cpu_extra_peak_mib_parallel
 from fastcl.ops import dispatch
 
 THREADS = torch.get_num_threads()  # --bench-threads, set by benchmarks/conftest.py
@@ -51,7 +51,7 @@ MEMORY = options.CURRENT.memory
 # bench_losses' probes, mostly compiling and importing, gain from two
 MEMORY_WORKERS = max(1, min(options.CURRENT.memory_workers, len(os.sched_getaffinity(0)) // THREADS))
 # imported once by each memory probe server, before it forks a child per case
-PRELOAD = ("fastcl.bench.api_cases", "fastcl.losses", "sentence_transformers", "pytorch_metric_learning")
+PRELOAD = ("benchmarks.harness.api_cases", "fastcl.losses", "sentence_transformers", "pytorch_metric_learning")
 
 # (N features, d, labels): two views per sample
 SUPCON_GRID = [(2048, 128, 64), (8192, 128, 256)]
@@ -131,7 +131,7 @@ def cpu_memory(request) -> dict:
         if not _unavailable(params["impl"]):
             wanted.append({"step": step, **case_of(**params)})
     peaks = cpu_extra_peak_mib_parallel(
-        "fastcl.bench.api_cases:api_step", wanted, preload=PRELOAD, threads=THREADS, workers=MEMORY_WORKERS
+        "benchmarks.harness.api_cases:api_step", wanted, preload=PRELOAD, threads=THREADS, workers=MEMORY_WORKERS
     )
     return {json.dumps(c, sort_keys=True): p for c, p in zip(wanted, peaks)}
 
@@ -143,8 +143,8 @@ def _peak_mib(cpu_memory: dict, step: str, case: dict) -> float | None:
     peak = cpu_memory.get(_probe_key(step, case))
     if peak is None:
         pytest.fail(
-            "memory probe failed; to see why: python -m fastcl.bench.memory "
-            f"fastcl.bench.api_cases:{step} '{json.dumps(case)}'"
+            "memory probe failed; to see why: python -m benchmarks.harness.memory "
+            f"benchmarks.harness.api_cases:{step} '{json.dumps(case)}'"
         )
     return peak
 
@@ -165,7 +165,7 @@ class _Unavailable(Exception):
     pass
 
 
-def run_case(test: str, params: dict, impls: list[str], settings: dict | None = None) -> harness.CaseRun:
+def run_case(test: str, params: dict, impls: list[str], settings: dict | None = None) -> case_runs.CaseRun:
     """Every implementation of one workload of ``test`` (its parameters but ``impl``):
     each value-checked against the peer, then all timed in one interleaved loop."""
     step, case_of = STEP_OF_TEST[test]
@@ -181,7 +181,7 @@ def run_case(test: str, params: dict, impls: list[str], settings: dict | None = 
 
         return build
 
-    return harness.run_case(
+    return case_runs.run_case(
         {impl: builder(impl) for impl in impls},
         settings=TIMING if settings is None else settings,
         threads=THREADS,
@@ -189,7 +189,7 @@ def run_case(test: str, params: dict, impls: list[str], settings: dict | None = 
     )
 
 
-_RUNS = harness.CaseRuns()
+_RUNS = case_runs.CaseRuns()
 
 
 def _run(benchmark, bench_record, cpu_memory, request, test: str, params: dict, impl: str, workload: str) -> None:
@@ -199,14 +199,14 @@ def _run(benchmark, bench_record, cpu_memory, request, test: str, params: dict, 
     peak = _peak_mib(cpu_memory, step, case_of(**params, impl=impl))
 
     def members() -> list[str]:  # the selected implementations of this workload
-        chosen = harness.selected_params(request.session, Path(__file__).name, test)
+        chosen = case_runs.selected_params(request.session, Path(__file__).name, test)
         same = [p for p in chosen if {k: v for k, v in p.items() if k != "impl"} == params]
         return [p["impl"] for p in same if not _unavailable(p["impl"])]
 
     disabled = dict(warmup=0, min_rounds=1, max_rounds=1) if benchmark.disabled else None
     key = (test, tuple(sorted(params.items(), key=lambda kv: kv[0])))
     run = _RUNS.get(key, lambda: run_case(test, params, members(), disabled))
-    fields = harness.record_fields(benchmark, run, impl)
+    fields = case_runs.record_fields(benchmark, run, impl)
     bench_record(benchmark, workload=workload, impl=_name(impl), peak_mib=peak, **fields)
 
 

@@ -4,7 +4,7 @@ One step is SimCSE-unsupervised: ``B`` sentences encoded twice (two dropout view
 ``infonce_loss`` (fastcl, torch backend), backward. *Uncached* encodes each view in one
 forward with grad; *cached* uses ``GradCache`` with ``CHUNK`` rows per chunk.
 
-- Time: the loss grid's interleaved rounds (``fastcl.bench.harness``): per batch size, the
+- Time: the loss grid's interleaved rounds (``benchmarks.harness.case_runs``): per batch size, the
   first item times the uncached and the cached step together, round by round in a rotating
   order after a warm-up step, until their fastest rounds agree or the budget ends
   (``--bench-budget-s`` ...); the record has ``min_s``, its ``spread`` and the case's
@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from benchmarks import options
-from fastcl.bench import harness
+from benchmarks.harness import case_runs
 
 BATCHES = list(options.CURRENT.gc_batches)
 CHUNK = options.CURRENT.gc_chunk
@@ -144,15 +144,15 @@ def threads():
     torch.set_num_threads(old)
 
 
-def run_case(batch: int, modes: list[str], settings: dict | None = None) -> harness.CaseRun:
+def run_case(batch: int, modes: list[str], settings: dict | None = None) -> case_runs.CaseRun:
     """The steps of ``modes`` at one batch size (each on its own, identically initialised
     encoder), timed together in interleaved rounds."""
     inputs = make_batch(batch)
     builders = {mode: (lambda mode=mode: make_step(mode, small_bert(), inputs)) for mode in modes}
-    return harness.run_case(builders, settings=TIMING if settings is None else settings, threads=THREADS)
+    return case_runs.run_case(builders, settings=TIMING if settings is None else settings, threads=THREADS)
 
 
-_RUNS = harness.CaseRuns()
+_RUNS = case_runs.CaseRuns()
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -161,11 +161,11 @@ def test_gradcache_step(benchmark, memory_records, request, mode, batch):
     benchmark.group = f"gradcache B={batch}"
     benchmark.extra_info.update(memory_records[mode, batch])
     benchmark.extra_info.update({"chunk": CHUNK, "seq_len": SEQ_LEN, "torch": torch.__version__})
-    chosen = harness.selected_params(request.session, "bench_gradcache.py", "test_gradcache_step")
+    chosen = case_runs.selected_params(request.session, "bench_gradcache.py", "test_gradcache_step")
     modes = [p["mode"] for p in chosen if p["batch"] == batch]
     disabled = dict(warmup=0, min_rounds=1, max_rounds=1) if benchmark.disabled else None
     run = _RUNS.get(batch, lambda: run_case(batch, modes, disabled))
-    benchmark.extra_info.update(harness.record_fields(benchmark, run, mode))
+    benchmark.extra_info.update(case_runs.record_fields(benchmark, run, mode))
 
 
 def test_gradcache_overhead_paired(benchmark, threads):

@@ -2,7 +2,7 @@
 
 SupMPN (``P`` positives and ``Q`` negatives per anchor, ``B`` anchors per rank, width ``d``)
 on ``W`` = 2 and 4 processes, ``cross_device="gather"`` and ``"ring"`` in the same processes
-(``fastcl.bench.ring_cpu``: values checked equal first): time per step (the slowest rank's,
+(``benchmarks.harness.ring_cpu``: values checked equal first): time per step (the slowest rank's,
 minimum of interleaved rounds), bytes sent per rank in one step, extra peak RSS per rank
 (the largest rank's). The targets: the ring's extra memory per rank constant in ``W``
 (within 10 % from W = 2 to 4) and its CPU step within 1.2x of the gather's at W = 4 for
@@ -32,8 +32,8 @@ import json
 import pytest
 
 from benchmarks import options
-from fastcl.bench import ring_cpu
-from fastcl.bench.timing import replay
+from benchmarks.harness import ring_cpu
+from benchmarks.harness.timing import replay
 
 _RUNS: dict[int, dict] = {}
 

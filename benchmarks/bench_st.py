@@ -12,13 +12,13 @@ loss contributes to a training step (the encoder is the same for every implement
 * ``fastcl-<backend>``: ``fastcl.integrations.sentence_transformers.MultipleNegativesRankingLoss``
   (the same class serves the cached variant: gradient caching changes only the encoder side).
 
-Time: the loss grid's interleaved rounds (``fastcl.bench.harness``, ``fastcl.bench.timing``):
+Time: the loss grid's interleaved rounds (``benchmarks.harness.case_runs``, ``benchmarks.harness.timing``):
 the first item of a (B, Q, d) case times every selected implementation of it together,
 round by round in a rotating order after a warm-up round, until their fastest rounds agree
 or the case's budget ends; each item then hands its rounds to pytest-benchmark. The record
 has the minimum over rounds (``min_s``), its spread and the case's ``noisy`` flag. On
 ``--bench-threads`` intra-op threads (default all cores). Before timing, each
-implementation's loss value is checked against ``eager``'s. Peak memory: ``fastcl.bench.memory``'s
+implementation's loss value is checked against ``eager``'s. Peak memory: ``benchmarks.harness.memory``'s
 meter (extra peak RSS of one step in a fresh process, after a warm-up step), with two
 changes. The fresh processes fork from a ``forkserver`` that imported sentence-transformers
 once (a cold import costs 5-30 s on the shared CPU, per probe). And they run with
@@ -42,8 +42,8 @@ import torch
 pytest.importorskip("sentence_transformers")
 
 from benchmarks import options  # noqa: E402
-from fastcl.bench import harness  # noqa: E402
-from fastcl.bench.memory import measure_extra_rss  # noqa: E402
+from benchmarks.harness import case_runs  # noqa: E402
+from benchmarks.harness.memory import measure_extra_rss  # noqa: E402
 from fastcl.ops import dispatch  # noqa: E402
 
 # (B, Q, d): triplets (one hard negative) at MiniLM's width, and a wide batch of pairs
@@ -157,12 +157,12 @@ class _Unavailable(Exception):
     pass
 
 
-def run_case(B: int, Q: int, d: int, impls: list[str], settings: dict | None = None) -> harness.CaseRun:
+def run_case(B: int, Q: int, d: int, impls: list[str], settings: dict | None = None) -> case_runs.CaseRun:
     """Every implementation of one (B, Q, d) case, value-checked, then timed interleaved."""
     with torch.no_grad():
         expected = float(st_step("eager", B, Q, d, value=True)())
     builders = {impl: _builder(dict(impl=impl, B=B, Q=Q, d=d), None if impl == "eager" else expected) for impl in impls}
-    return harness.run_case(
+    return case_runs.run_case(
         builders,
         settings=TIMING if settings is None else settings,
         threads=THREADS,
@@ -170,7 +170,7 @@ def run_case(B: int, Q: int, d: int, impls: list[str], settings: dict | None = N
     )
 
 
-_RUNS = harness.CaseRuns()
+_RUNS = case_runs.CaseRuns()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -185,12 +185,12 @@ def test_st_mnrl_fwd_bwd(benchmark, bench_record, request, B, Q, d, impl):
         peak = peak_bytes(case) / 2**20
 
     def members() -> list[str]:  # the selected implementations of this (B, Q, d)
-        chosen = harness.selected_params(request.session, "bench_st.py", "test_st_mnrl_fwd_bwd")
+        chosen = case_runs.selected_params(request.session, "bench_st.py", "test_st_mnrl_fwd_bwd")
         return [p["impl"] for p in chosen if (p["B"], p["Q"], p["d"]) == (B, Q, d) and not _unavailable(p["impl"])]
 
     disabled = dict(warmup=0, min_rounds=1, max_rounds=1) if benchmark.disabled else None
     run = _RUNS.get((B, Q, d), lambda: run_case(B, Q, d, members(), disabled))
-    fields = harness.record_fields(benchmark, run, impl)
+    fields = case_runs.record_fields(benchmark, run, impl)
     bench_record(
         benchmark,
         workload=f"ST MNRL B={B} Q={Q} d={d} fp32 (eager = sentence-transformers MNRL)",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastcl.bench.cases import loss_fn, make_inputs
+from benchmarks.harness.cases import loss_fn, make_inputs
 from fastcl.ops import dispatch
 
 if not torch.cuda.is_available():

@@ -4,8 +4,8 @@ Every case records ``extra_info["workload"]`` and ``extra_info["impl"]`` (``benc
 the terminal summary prints each implementation's time (the minimum of interleaved rounds
 where the record has one, ``min_s``, with its spread), its share of the GEMM floor and
 peak memory, as ratios of the eager reference measured in the same run, and marks a case
-**NOISY** when a spread exceeds ``fastcl.bench.timing.NOISY_SPREAD``. A share whose
-reference was not measured soundly prints as "–" with the reason (``fastcl.bench.shares``). Implementations that
+**NOISY** when a spread exceeds ``benchmarks.harness.timing.NOISY_SPREAD``. A share whose
+reference was not measured soundly prints as "–" with the reason (``benchmarks.harness.shares``). Implementations that
 cannot run are skipped through ``bench_skip`` so the reason reaches the JSON
 (``fastcl_skipped``) and the report.
 
@@ -16,7 +16,7 @@ in the machine info and in every record.
 
 Without ``--benchmark-json`` the results are written to ``.benchmarks/fastcl-latest.json``
 (``--bench-json PATH`` changes the path, ``--bench-json off`` turns it off) for
-``python -m fastcl.bench report``.
+``python -m benchmarks.harness report``.
 """
 
 from __future__ import annotations
@@ -127,13 +127,17 @@ def _seconds(r: dict) -> float:
 
 
 def _case_header(workload: str, info: dict) -> str:
-    from fastcl.bench.timing import NOISY_SPREAD
+    from benchmarks.harness.timing import NOISY_SPREAD
 
+    if info.get("eager_is"):  # the loss grid's records: what "eager" is for this loss
+        workload = f"{workload}  (eager = {info['eager_is']})"
     if "rounds" not in info:
         return workload
     threads = info.get("threads")
+    heavy = ", heavy: minimal rounds" if info.get("heavy") else ""
     line = (
-        f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, {info.get('stopped')}]"
+        f"{workload}  [{threads} thread{'' if threads == 1 else 's'}, {info['rounds']} rounds, "
+        f"{info.get('stopped')}{heavy}]"
     )
     if info.get("noisy"):
         line += f"  NOISY: a spread above {100 * NOISY_SPREAD:.0f}%, ratios not to be trusted"
@@ -144,6 +148,8 @@ def pytest_terminal_summary(terminalreporter):
     rows = [r for r in _RESULTS if getattr(r["benchmark"], "stats", None)]
     if not rows:
         return
+    from benchmarks.harness.report import compile_text, memory_ratio, peak_text
+
     tr = terminalreporter
     tr.section(
         "fastcl: time (min of interleaved rounds, spread), share of the GEMM floor, peak memory; "
@@ -164,7 +170,15 @@ def pytest_terminal_summary(terminalreporter):
             tr.write_line(
                 f"  {'floor':<11} {floor_s * 1e3:9.1f} ms"
                 + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
-                + "  (A·Cᵀ, X·C, Xᵀ·A at this shape)"
+                + f"  ({items[0].get('floor_kind') or '3 GEMMs'}: A·Cᵀ, X·C, Xᵀ·A at this shape)"
+            )
+        sym_s = items[0].get("sym_floor_s")
+        if sym_s:
+            spread = items[0].get("sym_floor_spread")
+            tr.write_line(
+                f"  {'sym-floor':<11} {sym_s * 1e3:9.1f} ms"
+                + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
+                + "  (4 GEMMs: A·Cᵀ, A·Cᵀ again, X·C, Xᵀ·A: a logit-free symmetric step's least)"
             )
         for r in items:
             t = _seconds(r)
@@ -177,22 +191,28 @@ def pytest_terminal_summary(terminalreporter):
                 line += f"  {100 * r['floor_share']:4.0f}% of floor"
             elif r.get("floor_share_problem"):
                 line += "     – of floor"
-            mem = r.get("peak_mib")
-            if mem is not None:
-                line += f"  peak {mem:8.1f} MiB"
-                if base is not None and (base.get("peak_mib") or 0) >= 1:
-                    line += f" ({mem / base['peak_mib']:.3f}x eager)"
+            if r.get("sym_floor_share") is not None:
+                line += f" {100 * r['sym_floor_share']:4.0f}% of sym-floor"
+            elif r.get("sym_floor_share_problem"):
+                line += "    – of sym-floor"
+            if r.get("clip_path"):
+                line += f" [{r['clip_path']}]"
+            if "peak_mib" in r:  # None: not measured ("n/a"); below 1 MiB: "< 1", no ratio
+                line += f"  peak {peak_text(r['peak_mib']):>8}" + (" MiB" if r["peak_mib"] is not None else "")
+                ratio = memory_ratio(r["peak_mib"], base.get("peak_mib") if base is not None else None)
+                if ratio:
+                    line += f" ({ratio} eager)"
             if r.get("tflops") is not None:
                 line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"
                 if r.get("gemm_share") is not None:
                     line += f" ({100 * r['gemm_share']:.0f}% of GEMM)"
                 elif r.get("gemm_share_problem"):
                     line += " (– of GEMM)"
-            if r.get("compile_s") is not None:
-                line += f"  compile {r['compile_s']:.1f} s"
+            if "compile_s" in r:  # implementations that compile; None: nothing compiled in this case
+                line += f"  compile {compile_text(r['compile_s'])}" + (" s" if r["compile_s"] is not None else "")
             tr.write_line(line)
-        # shares printed as "–": their reference was not measured soundly (fastcl.bench.shares)
-        for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "gemm")):
+        # shares printed as "–": their reference was not measured soundly (benchmarks.harness.shares)
+        for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "sym_floor", "gemm")):
             if why:
                 tr.write_line(f"  – share not shown: {why}")
         for s in skipped.get(workload, []):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from fastcl.bench import timing
+from benchmarks.harness import timing
 
 # the environment variables scripts/gpu_lease.sh sets (their option wins when given)
 IMPLS_ENV = "FASTCL_BENCH_IMPLS"
@@ -70,6 +70,7 @@ class BenchOptions:
     budget_s: float = timing.BUDGET_S
     min_rounds: int = timing.MIN_ROUNDS
     max_rounds: int = timing.MAX_ROUNDS
+    heavy_rounds: int = 2  # bench_losses.py's heavy CPU cases (seconds per step): timed rounds
     gc_batches: tuple[int, ...] = (64, 256, 1024)
     gc_chunk: int = 64
     gc_paired_batch: int = 256
@@ -101,6 +102,13 @@ def add_options(parser) -> None:
     )
     g.addoption("--bench-min-rounds", type=int, default=timing.MIN_ROUNDS, help="timed rounds at least")
     g.addoption("--bench-max-rounds", type=int, default=timing.MAX_ROUNDS, help="timed rounds at most")
+    g.addoption(
+        "--bench-heavy-rounds",
+        type=int,
+        default=2,
+        help="timed rounds of bench_losses.py's heavy CPU cases (8*B*N*d >= 2^38 FLOPs: image-text B = 16384, "
+        "GIST B = 4096; after one warm-up round, no budget; default 2, at most --bench-max-rounds)",
+    )
     g.addoption("--bench-gc-batches", default="64,256,1024", help="bench_gradcache.py batch sizes")
     g.addoption("--bench-gc-chunk", type=int, default=64, help="bench_gradcache.py rows per cached chunk")
     g.addoption("--bench-gc-paired-batch", type=int, default=256, help="bench_gradcache.py paired-overhead batch")
@@ -139,6 +147,7 @@ def from_pytest(config) -> BenchOptions:
         budget_s=timing.BUDGET_S if budget is None else budget,
         min_rounds=get("--bench-min-rounds"),
         max_rounds=get("--bench-max-rounds"),
+        heavy_rounds=get("--bench-heavy-rounds"),
         gc_batches=_ints("--bench-gc-batches", get("--bench-gc-batches")),
         gc_chunk=get("--bench-gc-chunk"),
         gc_paired_batch=get("--bench-gc-paired-batch"),
@@ -152,7 +161,7 @@ def from_pytest(config) -> BenchOptions:
         ring_threads=get("--bench-ring-threads"),
         sources=sources,
     )
-    positive = ("threads", "memory_workers", "min_rounds", "max_rounds", "gc_chunk", "gc_paired_batch")
+    positive = ("threads", "memory_workers", "min_rounds", "max_rounds", "heavy_rounds", "gc_chunk", "gc_paired_batch")
     for name in (*positive, "ring_rounds", "ring_threads"):
         value = getattr(opts, name)
         if value is not None and value < 1:
@@ -163,5 +172,5 @@ def from_pytest(config) -> BenchOptions:
 
 
 def timing_settings() -> dict:
-    """The interleaved loop's knobs of this run (``fastcl.bench.timing.interleave``)."""
+    """The interleaved loop's knobs of this run (``benchmarks.harness.timing.interleave``)."""
     return timing.settings(CURRENT.min_rounds, CURRENT.max_rounds, CURRENT.budget_s)

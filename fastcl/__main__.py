@@ -14,7 +14,6 @@ COMMANDS = {
     "train": "fastcl.cli.train",
     "eval": "fastcl.cli.eval",
     "plot-similarity": "fastcl.cli.plot_similarity",
-    "bench-report": "fastcl.bench.report",
 }
 
 

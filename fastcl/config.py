@@ -208,7 +208,7 @@ class TritonOptions:
         None,
         "FASTCL_TRITON_TABLE",
         OrNone(Text()),
-        "a config-table file to read instead of kernels/tuned/<arch>.json (written by python -m fastcl.kernels.tune)",
+        "a config-table file to read instead of kernels/tuned/<arch>.json (written by python -m benchmarks.triton_tools.tune)",
     )
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """One table of tolerances for comparing fastcl with the float64 reference.
 
 Used by the tests (small problems, :func:`assert_close`) and by the benchmark's correctness
-check at scale (``fastcl.bench.correctness``, ``fastcl.bench.peers``). Errors are relative Frobenius errors ``|got - ref| / |ref|`` against the reference run in
+check at scale (``benchmarks/harness/correctness.py``, ``benchmarks/harness/peers.py``). Errors are relative Frobenius errors ``|got - ref| / |ref|`` against the reference run in
 float64 on the *same* (already rounded) inputs. Below float64 the bound is the larger of
 the floor below and ``EAGER_FACTOR`` times the error of eager PyTorch computing the
 reference in that dtype (flash-attention's rule): a fused kernel may not be worse than

@@ -15,7 +15,7 @@ keyword and one :class:`~fastcl.kernels.configs.Config` from the config table (n
 autotuner: a training step never benchmarks), checks the arguments once per kernel, records
 the launch while a :func:`recording` is active and launches through ``wrap_triton`` so that
 ``torch.compile`` can trace into the kernel. The AOT compile list
-(``fastcl.kernels.aot``) is exactly the set of recorded launches.
+(``benchmarks.triton_tools.aot``) is exactly the set of recorded launches.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def recording(dry: bool = False, arch: str | None = None, sms: int | None = None
     any device; outputs stay uninitialised); ``arch`` / ``sms``: plan for this arch and SM
     count instead of the tensors' device (a dry run for an H100 on CPU tensors:
     ``recording(dry=True, arch="sm90", sms=132)``); ``record=False``: keep no list (a dry run
-    that times the launchers' host cost, ``fastcl.bench.launches.host_overhead``)."""
+    that times the launchers' host cost, ``benchmarks.harness.launches.host_overhead``)."""
     saved = _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms
     _STATE.records, _STATE.dry, _STATE.arch, _STATE.sms = ([] if record else None), dry, arch, sms
     try:

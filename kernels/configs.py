@@ -11,12 +11,12 @@ A configuration is chosen per **(role, arch, dtype class, d class)**:
 * d class: ``small`` (d <= 256) or ``large``.
 
 Lookups read, in order: the tuned table of the arch (``kernels/tuned/<arch>.json``, written by
-``python -m fastcl.kernels.tune`` on a GPU, or the file of ``fastcl.config``'s ``triton.table``,
+``python -m benchmarks.triton_tools.tune`` on a GPU, or the file of ``fastcl.config``'s ``triton.table``,
 ``FASTCL_TRITON_TABLE``), then the built-in defaults below. Both are read once, at the first lookup (:func:`reload` reads
 them again). Nothing here ever benchmarks: a training step launches exactly the table's
 config, so a new batch size never retunes and a step can be captured in a CUDA graph.
 
-Why each default (compile facts of ``python -m fastcl.kernels.aot``; docs/triton.md): the
+Why each default (compile facts of ``python -m benchmarks.triton_tools.aot``; docs/triton.md): the
 logit-tile and GEMM kernels keep an fp32 ``[BM, BN]`` accumulator plus the epilogue's
 tiles in registers, so a thread owns at most ~64 accumulator elements without spilling
 (128x128 on 8 warps on sm_90, whose wgmma accumulators leave room; 128x64 on sm_80). fp32
@@ -287,7 +287,7 @@ def lookup(role: str, arch: str, dclass: str, d: int) -> Config:
 
 
 def candidates(role: str, arch: str, dclass: str) -> list[Config]:
-    """The configs ``python -m fastcl.kernels.tune`` times for a role (the default first; at
+    """The configs ``python -m benchmarks.triton_tools.tune`` times for a role (the default first; at
     most eight): tile shapes whose compile facts allow them on this arch."""
     base = _default(role, arch, dclass, "large")
     if role in ("rows", "head") or dclass != "16" or arch == "interp":

@@ -2,7 +2,7 @@
 
 Calls ``torch.ops.fastcl.lse_fused`` directly (cross-entropy head, one positive logit per row,
 every candidate shared, no fold) on ``B`` anchors against ``N`` candidates of width ``d``,
-interleaved round by round with the floor (``fastcl.bench.floor``) of the same shape and
+interleaved round by round with the floor (``benchmarks.harness.floor``) of the same shape and
 with any ``--env`` variants of the kernel's knobs (``FASTCL_CPP_TILE``, ``FASTCL_CPP_GEMM`` and
 the test hooks ``_FASTCL_TEST_CPP_*``: ``fastcl.config``, re-read around each variant's step, a
 few microseconds), so a loaded machine hits all of them alike. Prints min
@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from fastcl import config
-from fastcl.bench.floor import fastest_floor, floor_step, named_floor_plans
-from fastcl.bench.timing import interleave
 from fastcl.ops import _cpp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the repository root (benchmarks.harness)
+
+from benchmarks.harness.floor import fastest_floor, floor_step, named_floor_plans  # noqa: E402
+from benchmarks.harness.timing import interleave  # noqa: E402
 
 
 def fused_step(B: int, N: int, d: int, n1: int = 0, seed: int = 0):
@@ -117,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, required=True)
     ap.add_argument("--N", type=int, help="candidates of the direct op call (default B * (P + Q))")
-    ap.add_argument("--loss", help="time this loss's whole step (fastcl.bench.cases.loss_step) instead of the op")
+    ap.add_argument("--loss", help="time this loss's whole step (benchmarks.harness.cases.loss_step) instead of the op")
     ap.add_argument("--N1", type=int, default=0, help="of the N candidates, how many in the second block")
     ap.add_argument("--P", type=int, default=5)
     ap.add_argument("--Q", type=int, default=5)
@@ -157,7 +162,7 @@ def main() -> None:
     plans = named_floor_plans(args.B, args.N, args.d)
     steps = {name: floor_step(p) for name, p in plans.items()}
     if args.loss:
-        from fastcl.bench.cases import loss_step
+        from benchmarks.harness.cases import loss_step
 
         for impl in args.impl or ["cpp", "torch"]:
             steps[impl] = loss_step(args.loss, impl, args.B, args.P, args.Q, args.d)

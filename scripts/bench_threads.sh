@@ -33,6 +33,6 @@ for n in $THREADS; do
     --benchmark-json "$OUT/threads-$n.json" "$@" 2>&1 | tee "$OUT/threads-$n.txt"
   (( PIPESTATUS[0] == 0 )) || status=1
 done
-"$PYTHON" -m fastcl.bench report "$OUT"/threads-*.json --out "$OUT/RESULTS.md" --plots "$OUT/plots" || status=1
+"$PYTHON" -m benchmarks.harness report "$OUT"/threads-*.json --out "$OUT/RESULTS.md" --plots "$OUT/plots" || status=1
 echo "results in $OUT (exit status $status)"
 exit $status

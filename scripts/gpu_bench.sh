@@ -7,7 +7,7 @@
 # Writes under OUT_DIR: info.txt (versions, device, backends), correctness.json/.txt
 # (every implementation's loss and gradients vs float64 at scale), bench.json
 # (pytest-benchmark, GPU grid of benchmarks/bench_losses.py), pytest.txt (its log with the
-# ratio table), RESULTS.md and plots/*.png (python -m fastcl.bench report).
+# ratio table), RESULTS.md and plots/*.png (python -m benchmarks.harness report).
 # PYTHON=... picks the interpreter (default: .venv/bin/python if present, else python).
 # The whole GPU grid takes about 10 minutes; where one command is limited to less, run it
 # in parts into the same folder (the report reads every bench*.json there):
@@ -27,7 +27,8 @@ status=0
 "$PYTHON" -m fastcl.info | tee "$OUT/info.txt"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   CORRECTNESS=(--device cpu --scale 0.0078125)
-  BENCH=(benchmarks/bench_losses.py --benchmark-only -k "cpu-infonce-B1024 and (eager or torch or st-mnrl or triton)")
+  BENCH=(benchmarks/bench_losses.py --benchmark-only
+    -k "(cpu-infonce-B1024 or cpu-clip-B4096-P1-Q0-d512) and (eager or torch or st-mnrl or triton or inf-cl)")
 else
   "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use DRY_RUN=1')" || exit 2
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/info.txt"
@@ -37,7 +38,7 @@ fi
 
 if [[ "${SKIP_CORRECTNESS:-0}" != 1 ]]; then
   echo "== correctness at scale"
-  "$PYTHON" -m fastcl.bench correctness "${CORRECTNESS[@]}" --out "$OUT/correctness.json" 2>&1 | tee "$OUT/correctness.txt"
+  "$PYTHON" -m benchmarks.harness correctness "${CORRECTNESS[@]}" --out "$OUT/correctness.json" 2>&1 | tee "$OUT/correctness.txt"
   (( PIPESTATUS[0] == 0 )) || status=1
 fi
 
@@ -51,6 +52,6 @@ fi
 (( PIPESTATUS[0] == 0 )) || status=1
 
 echo "== report"
-"$PYTHON" -m fastcl.bench report "$OUT"/bench*.json --out "$OUT/RESULTS.md" --plots "$OUT/plots" || status=1
+"$PYTHON" -m benchmarks.harness report "$OUT"/bench*.json --out "$OUT/RESULTS.md" --plots "$OUT/plots" || status=1
 echo "results in $OUT (exit status $status)"
 exit $status

@@ -28,9 +28,10 @@ rows = [(r["premise"], r["hypothesis"], r["label"]) for s in ("dev", "test") for
 with open(".gpu/data/snli/devtest.csv", "w", newline="") as f:
     w = csv.writer(f); w.writerow(["premise", "hypothesis", "label"]); w.writerows(rows)
 PY
-# peers of the GPU grid: Inf-CL, cut-cross-entropy, Liger-Kernel (fused linear cross-entropy)
+# peers of the GPU grid: Inf-CL, cut-cross-entropy, Liger-Kernel (fused linear cross-entropy),
+# open_clip (the image-text rows' eager: only its loss.py is loaded) and siglip-kernel
 for w in datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytorch-metric-learning==2.9.0 inf-cl==1.2.1 \
-  cut-cross-entropy==25.1.1 liger-kernel==0.8.5; do
+  cut-cross-entropy==25.1.1 liger-kernel==0.8.5 open_clip_torch==3.3.0 siglip-kernel==0.1.2; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "$w"
 done

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastcl.bench.cases import make_inputs
-from fastcl.bench.peers import TEMPERATURE, build
 from fastcl.graphs import capture_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the repository root (benchmarks.harness)
+
+from benchmarks.harness.cases import make_inputs  # noqa: E402
+from benchmarks.harness.peers import TEMPERATURE, build  # noqa: E402
 
 
 def _events_ms(fn, reps: int = 20) -> float:

@@ -9,13 +9,17 @@ launches and the kernels that take most of it (name, calls, total ms). Run on a 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastcl.bench.cases import make_inputs
-from fastcl.bench.peers import build
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the repository root (benchmarks.harness)
+
+from benchmarks.harness.cases import make_inputs  # noqa: E402
+from benchmarks.harness.peers import build  # noqa: E402
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ Most of them only run on a lent GPU, where a broken import would cost minutes of
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,11 @@ def test_python_tool_answers_help(path):
 def test_shell_tool_parses(path):
     proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_script_has_its_readme_line():
+    """``scripts/`` keeps set-up and durable tools, each with a line in scripts/README.md."""
+    readme = (SCRIPTS / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([^`]+)` \|", readme, re.M))
+    present = {p.name for p in SCRIPTS.iterdir() if p.suffix in (".py", ".sh")}
+    assert present == listed, f"not in the README: {sorted(present - listed)}; gone: {sorted(listed - present)}"

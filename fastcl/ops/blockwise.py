@@ -2,7 +2,7 @@
 
 ``cross_device="ring"`` (``fastcl.ops.ring``) runs the backend's ``forward``/``backward`` once
 per candidate block and combines the results here; nothing in this module communicates, so
-the same code also runs a one-process "simulated ring" (tests, ``fastcl.bench.ring_blocks``).
+the same code also runs a one-process "simulated ring" (tests, ``benchmarks.harness.ring_blocks``).
 
 For anchor row ``i`` and blocks ``t = 0 .. T-1`` of the candidate set:
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastcl.bench import harness, timing
+from benchmarks.harness import case_runs, timing
 
 QUICK = dict(warmup=1, min_rounds=3, max_rounds=3, budget_s=0.0)
 
 
-def _assert_interleaved(run: harness.CaseRun, impls: list[str]) -> None:
+def _assert_interleaved(run: case_runs.CaseRun, impls: list[str]) -> None:
     """Each timed round ran every implementation once, the order rotating between rounds."""
     assert run.order and all(set(impls) <= set(order) for order in run.order)
     if len(impls) > 1:  # the order rotates: no implementation always runs first
@@ -53,7 +53,7 @@ def test_run_case_times_every_builder_together_and_reports_failures():
     def wrong_value():
         raise AssertionError("values differ")
 
-    run = harness.run_case(
+    run = case_runs.run_case(
         {"a": make("a"), "b": make("b"), "late": make("late", fail_at=2), "gone": unavailable, "wrong": wrong_value},
         settings=QUICK,
         threads=1,
@@ -67,7 +67,7 @@ def test_run_case_times_every_builder_together_and_reports_failures():
 
 
 def test_record_fields_replays_the_rounds_and_raises_or_skips_the_outcome():
-    run = harness.CaseRun(
+    run = case_runs.CaseRun(
         outcomes={"ok": ("ok", None), "skip": ("skip", "why"), "err": ("error", ValueError("bad"))},
         samples={"ok": [0.3, 0.1, 0.2]},
         info={"ok": {"min_s": 0.1}},
@@ -80,19 +80,19 @@ def test_record_fields_replays_the_rounds_and_raises_or_skips_the_outcome():
         def pedantic(self, fn, **k):
             fn()
 
-    assert harness.record_fields(Bench(), run, "ok") == {"min_s": 0.1, "noisy": False, "rounds": 3}
+    assert case_runs.record_fields(Bench(), run, "ok") == {"min_s": 0.1, "noisy": False, "rounds": 3}
     with pytest.raises(pytest.skip.Exception, match="why"):
-        harness.record_fields(Bench(), run, "skip")
+        case_runs.record_fields(Bench(), run, "skip")
     with pytest.raises(ValueError, match="bad"):
-        harness.record_fields(Bench(), run, "err")
+        case_runs.record_fields(Bench(), run, "err")
     with pytest.raises(RuntimeError, match="not part of its case's run"):
-        harness.record_fields(Bench(), run, "absent")
+        case_runs.record_fields(Bench(), run, "absent")
 
 
 def test_case_runs_make_each_workload_once():
-    runs, made = harness.CaseRuns(), []
+    runs, made = case_runs.CaseRuns(), []
     for _ in range(3):
-        runs.get("w", lambda: made.append(1) or harness.CaseRun())
+        runs.get("w", lambda: made.append(1) or case_runs.CaseRun())
     assert made == [1]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastcl.bench import api_cases
-from fastcl.bench.memory import cpu_extra_peak_mib_parallel
+from benchmarks.harness import api_cases
+from benchmarks.harness.memory import cpu_extra_peak_mib_parallel
 
 
 def test_parallel_probe_keeps_case_order_and_reports_failures_as_none():
@@ -14,14 +14,14 @@ def test_parallel_probe_keeps_case_order_and_reports_failures_as_none():
     small = dict(loss="infonce", backend="eager", B=256, d=16)
     large = dict(small, B=2048)
     broken = dict(small, backend="no-such-backend")
-    peaks = cpu_extra_peak_mib_parallel("fastcl.bench.cases:loss_step", [large, broken, small], workers=2)
+    peaks = cpu_extra_peak_mib_parallel("benchmarks.harness.cases:loss_step", [large, broken, small], workers=2)
     assert len(peaks) == 3 and peaks[1] is None
     logits_mib = 2048 * 2048 * 4 / 2**20
     assert peaks[0] > logits_mib > peaks[2] >= 0, peaks
 
 
 def test_parallel_probe_of_no_cases_starts_nothing():
-    assert cpu_extra_peak_mib_parallel("fastcl.bench.cases:loss_step", []) == []
+    assert cpu_extra_peak_mib_parallel("benchmarks.harness.cases:loss_step", []) == []
 
 
 def test_api_step_builds_the_named_step_and_refuses_others():
@@ -40,6 +40,6 @@ def test_probe_counts_the_cpp_block_buffer_kept_between_calls():
 
     require("cpp")
     (peak,) = cpu_extra_peak_mib_parallel(
-        "fastcl.bench.cases:loss_step", [dict(loss="infonce", backend="cpp", B=1024, d=16)], workers=1
+        "benchmarks.harness.cases:loss_step", [dict(loss="infonce", backend="cpp", B=1024, d=16)], workers=1
     )
     assert peak is not None and peak >= 0.9 * 1024 * 1024 * 4 / 2**20, peak

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from benchmarks.harness import floor, fusable, peers, timing
+from benchmarks.harness.cases import make_inputs
 from fastcl import reference as R
-from fastcl.bench import floor, fusable, peers, timing
-from fastcl.bench.cases import make_inputs
 
 # --- spread and the noisy rule ---------------------------------------------------------
 
@@ -109,6 +109,31 @@ def test_interleave_stops_at_the_budget_or_max_rounds_and_flags_noise():
     assert out.rounds == 4
 
 
+def test_interleave_gives_an_unsettled_reference_more_rounds_after_the_budget():
+    # the floor's blockings: "floor" slowed in its first rounds (a busy machine), "floor1" always
+    # slower; the implementation settles at once. Past the 10 s budget the fastest blocking's
+    # spread is still wide, so rounds go on until its three fastest agree
+    m = FakeMachine({"impl": [1.0], "floor": [3.0, 2.0, 1.5, 1.0, 1.3, 1.0, 1.0, 1.0], "floor1": [2.5]})
+    kw = dict(warmup=0, min_rounds=3, max_rounds=30, budget_s=10.0, clock=m.clock)
+    out = timing.interleave(m.steps(), **kw, references=[("floor", "floor1")], reference_budget_s=30.0)
+    assert out.stopped == "settled" and out.rounds == 7  # floor's 1.0, 1.0, 1.0 at rounds 4, 6, 7
+    assert out.spread("floor") <= timing.NOISY_SPREAD
+    assert timing.unsettled_references(out, [("floor", "floor1")]) == []
+    # without references the budget ends the loop with the floor still too wide to divide by
+    m = FakeMachine({"impl": [1.0], "floor": [3.0, 2.0, 1.5, 1.0, 1.3, 1.0, 1.0, 1.0], "floor1": [2.5]})
+    out = timing.interleave(m.steps(), **dict(kw, clock=m.clock))
+    assert out.stopped == "budget" and out.rounds == 3
+    assert timing.unsettled_references(out, [("floor", "floor1")]) == ["floor"]
+    # a reference that never settles: a second budget's worth of rounds, then it says so
+    m = FakeMachine({"impl": [1.0], "floor": [1.0, 2.0, 2.0]})
+    out = timing.interleave(m.steps(), **dict(kw, clock=m.clock), references=[("floor",)], reference_budget_s=5.0)
+    assert out.stopped == "reference_budget" and 10.0 <= out.elapsed_s < 15.0 + 3.0
+    # ... and never beyond max_rounds
+    m = FakeMachine({"impl": [1.0], "floor": [1.0, 2.0, 2.0]})
+    out = timing.interleave(m.steps(), **dict(kw, clock=m.clock, max_rounds=4), references=[("floor",)])
+    assert out.stopped == "budget" and out.rounds == 4
+
+
 def test_interleave_drops_a_failing_step_and_keeps_its_error():
     m = FakeMachine({"a": [1.0], "b": [1.0]})
     steps = m.steps()
@@ -167,7 +192,7 @@ def test_impl_and_case_fields_are_what_every_benchmark_records():
 
 
 def test_share_problem_rules():
-    from fastcl.bench import shares
+    from benchmarks.harness import shares
 
     ok = dict(spread=0.01, sample_s=0.01)
     assert shares.floor_share_problem(0.9, **ok) is None
@@ -184,7 +209,7 @@ def test_share_problem_rules():
 
 
 def test_gemm_step_times_one_product_into_a_kept_output():
-    from fastcl.bench import metrics
+    from benchmarks.harness import metrics
 
     step = metrics.gemm_step(6, 10, 4, "float64")
     first = step()
@@ -345,7 +370,7 @@ def test_run_case_checks_times_and_reports_each_implementation(monkeypatch):
     assert case["gemm_in_rounds"] and case["gemm_tflops"] > 0 and case["gemm_repeats"] >= 1
     assert info["gemm_share_measured"] == pytest.approx(info["tflops"] / case["gemm_tflops"])
     # the references are repeated within their turn until a sample lasts MIN_REFERENCE_SAMPLE_S
-    from fastcl.bench.shares import MIN_REFERENCE_SAMPLE_S
+    from benchmarks.harness.shares import MIN_REFERENCE_SAMPLE_S
 
     # (how many: calibrated on a warm-up call, see test_interleave_repeats_short_reference_steps)
     assert 1 <= case["floor_repeats"] <= timing.MAX_REPEATS and case["floor_sample_s"] > 0

@@ -1,4 +1,4 @@
-"""``fastcl.bench.ring_blocks`` (the ring's per-block primitive against one call) runs on the
+"""``benchmarks.harness.ring_blocks`` (the ring's per-block primitive against one call) runs on the
 CPU at a tiny size and reports what a GPU lease records."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fastcl.bench.ring_blocks import main, ring_blocks_throughput
+from benchmarks.harness.ring_blocks import main, ring_blocks_throughput
 from tests.helpers.backends import require
 
 

@@ -1,11 +1,11 @@
-"""``fastcl.bench.ring_cpu`` (benchmarks/bench_ring.py's measurement) runs at a tiny size: two
+"""``benchmarks.harness.ring_cpu`` (benchmarks/bench_ring.py's measurement) runs at a tiny size: two
 gloo ranks, both modes, values checked equal inside, bytes as the module docstring counts them."""
 
 from __future__ import annotations
 
 import pytest
 
-from fastcl.bench import ring_cpu
+from benchmarks.harness import ring_cpu
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,7 +4,7 @@ RSS of one forward + backward step, ring against gather, at a fixed per-rank bat
 The step is ``supmpn_loss`` (and ``siglip_loss``, the sigmoid ring) on the torch backend in float64 (the gather mode with its
 default gradient-in-forward strategy, the ring recomputing), sized so that one rank's
 candidates (2 MiB) dominate the noise.
-Peak RSS is read as ``fastcl.bench.memory`` reads it (``VmHWM`` after ``clear_refs``, one
+Peak RSS is read as ``benchmarks.harness.memory`` reads it (``VmHWM`` after ``clear_refs``, one
 warm-up step first); the parent sets ``MALLOC_MMAP_THRESHOLD_`` so freed blocks leave RSS.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fastcl.losses as L
-from fastcl.bench.memory import measure_extra_rss
+from benchmarks.harness.memory import measure_extra_rss
 from tests.helpers.spawn import run_rank
 
 B, P, Q, D = 32, 4, 4, 1024  # one rank's candidates: B * (P + Q) * D float64 = 2 MiB

@@ -433,7 +433,7 @@ def test_supcon_labels_float32_b64_matches_pml_float32(backend):
 
 
 def _bench_layout(anchor, blocks, P):
-    """fastcl.bench.peers' PML layout: anchor labels 0..B-1, own positives labelled by owner."""
+    """benchmarks.harness.peers' PML layout: anchor labels 0..B-1, own positives labelled by owner."""
     B = anchor.shape[0]
     cands = torch.cat(blocks)
     others = torch.arange(B, B + cands.shape[0] - B * P)

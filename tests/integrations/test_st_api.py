@@ -319,10 +319,10 @@ ROW_BYTES = MEM_B * 3 * MEM_B * 4  # one float32 [B, 3B] buffer (a query row: 2B
 
 
 def test_meter_sees_st_buffers():
-    from fastcl.bench.memory import cpu_extra_peak_bytes
+    from benchmarks.harness.memory import cpu_extra_peak_bytes
 
     peer = cpu_extra_peak_bytes(
-        "fastcl.bench.api_cases:mnrl_directions_step", dict(backend="st-mnrl", B=MEM_B, d=MEM_D)
+        "benchmarks.harness.api_cases:mnrl_directions_step", dict(backend="st-mnrl", B=MEM_B, d=MEM_D)
     )
     assert peer > ROW_BYTES, f"ST's MNRL (GTE directions) peaked at only {peer / 2**20:.0f} MiB"
 
@@ -331,10 +331,10 @@ def test_meter_sees_st_buffers():
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_gte_directions_have_no_bxn_buffer(backend, hardness_mode):
     require(backend)
-    from fastcl.bench.memory import cpu_extra_peak_bytes
+    from benchmarks.harness.memory import cpu_extra_peak_bytes
 
     extra = cpu_extra_peak_bytes(
-        "fastcl.bench.api_cases:mnrl_directions_step",
+        "benchmarks.harness.api_cases:mnrl_directions_step",
         dict(backend=backend, B=MEM_B, d=MEM_D, hardness_mode=hardness_mode),
     )
     assert extra < ROW_BYTES / 2, f"{backend}: extra peak {extra / 2**20:.0f} MiB"

@@ -2,7 +2,7 @@
 
 Runs in a process *without* ``TRITON_INTERPRET=1`` (the interpreter replaces the kernels):
 
-* every launch the launchers make when planning for each arch (``fastcl.kernels.aot.dry_runs``)
+* every launch the launchers make when planning for each arch (``benchmarks.triton_tools.aot.dry_runs``)
   goes through the Triton frontend with the config the table gives it: a type or shape
   error in any flag combination fails here; the kernels that address whole blocks use 64-bit
   row offsets;
@@ -32,7 +32,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("AOT compilation needs compiled Triton: run without TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fastcl.kernels import aot, configs  # noqa: E402
+from benchmarks.triton_tools import aot  # noqa: E402
+from fastcl.kernels import configs  # noqa: E402
 from fastcl.ops import dispatch  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, LSEProblem  # noqa: E402
 
@@ -166,7 +167,17 @@ def test_kernels_compile_with_the_gpu_machines_triton(tmp_path):
     out = tmp_path / "aot36.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(GPU_TRITON), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "fastcl.kernels.aot", "--dtypes", "bfloat16", "--jobs", "2", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.triton_tools.aot",
+        "--dtypes",
+        "bfloat16",
+        "--jobs",
+        "2",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     results = json.loads(out.read_text()) if out.is_file() else []
     assert results, done.stderr[-3000:]

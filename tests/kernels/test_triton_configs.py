@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("triton")
 
+from benchmarks.triton_tools import tune  # noqa: E402
 from fastcl import config  # noqa: E402
-from fastcl.kernels import configs, plan, tune  # noqa: E402
+from fastcl.kernels import configs, plan  # noqa: E402
 
 
 @pytest.fixture

@@ -28,9 +28,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import fastcl.losses as L  # noqa: E402
+from benchmarks.triton_tools import aot  # noqa: E402
 from fastcl import config  # noqa: E402
 from fastcl import reference as R  # noqa: E402
-from fastcl.kernels import _common, aot  # noqa: E402
+from fastcl.kernels import _common  # noqa: E402
 from fastcl.ops import _torch_impl, _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
 from fastcl.ops.head import HeadInputs  # noqa: E402

@@ -20,7 +20,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fastcl.kernels import _common, aot  # noqa: E402
+from benchmarks.triton_tools import aot  # noqa: E402
+from fastcl.kernels import _common  # noqa: E402
 from fastcl.ops import _triton, dispatch  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, poison_outputs  # noqa: E402
 from tests.helpers.matryoshka import check_backend, check_roundoff, oracle, prefix_problem  # noqa: E402

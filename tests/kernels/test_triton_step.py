@@ -5,7 +5,7 @@ A warm SupMPN or InfoNCE step at the benchmark's shapes issues at most 45 kernel
 scratch (the launchers' buffers are cached per shape) and allocates nothing beyond its
 outputs; a new batch size plans new buffers without retuning anything. Run in the
 interpreter suite (``TRITON_INTERPRET=1``: the backend takes CPU tensors); the kernels are
-recorded, not launched (``fastcl.bench.launches``).
+recorded, not launched (``benchmarks.harness.launches``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 import fastcl.losses as L  # noqa: E402
-from fastcl.bench.launches import account  # noqa: E402
+from benchmarks.harness.launches import account  # noqa: E402
 from fastcl.kernels import configs, plan  # noqa: E402
 
 MAX_LAUNCHES = 45
@@ -119,14 +119,14 @@ def test_a_new_batch_size_plans_without_tuning(monkeypatch):
         _warm_step(leaves, loss_fn)
     assert {a[0] for a in looked} >= {"rows", "fwd", "head", "ds", "mm"}
     assert all(a[1] == "sm90" for a in looked)
-    assert "fastcl.kernels.tune" not in sys.modules
+    assert "benchmarks.triton_tools.tune" not in sys.modules
 
 
 def test_the_tuner_times_each_candidate_with_it_in_effect(tmp_path):
-    """``python -m fastcl.kernels.tune``'s loop, planned for an H100 with the kernels mocked:
+    """``python -m benchmarks.triton_tools.tune``'s loop, planned for an H100 with the kernels mocked:
     each candidate's step runs with that candidate's config (the recorded launches say so),
     the fastest by the timer wins, and the written table is what lookups then read."""
-    from fastcl.kernels import tune
+    from benchmarks.triton_tools import tune
     from fastcl.kernels._common import recording
 
     seen = []

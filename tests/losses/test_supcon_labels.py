@@ -250,10 +250,10 @@ LOGITS_BYTES = N * N * 4  # one float32 N x N buffer: 256 MiB
 
 def test_meter_sees_pml_nxn_buffers():
     pytest.importorskip("pytorch_metric_learning")
-    from fastcl.bench.memory import cpu_extra_peak_bytes
+    from benchmarks.harness.memory import cpu_extra_peak_bytes
 
     peer = cpu_extra_peak_bytes(
-        "fastcl.bench.api_cases:supcon_labels_step", dict(backend="pml-supcon", N=N, d=D, num_labels=LABELS)
+        "benchmarks.harness.api_cases:supcon_labels_step", dict(backend="pml-supcon", N=N, d=D, num_labels=LABELS)
     )
     assert peer > LOGITS_BYTES, f"PML SupCon peaked at only {peer / 2**20:.0f} MiB"
 
@@ -261,10 +261,10 @@ def test_meter_sees_pml_nxn_buffers():
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_no_nxn_buffer(backend):
     require(backend)
-    from fastcl.bench.memory import cpu_extra_peak_bytes
+    from benchmarks.harness.memory import cpu_extra_peak_bytes
 
     extra = cpu_extra_peak_bytes(
-        "fastcl.bench.api_cases:supcon_labels_step", dict(backend=backend, N=N, d=D, num_labels=LABELS)
+        "benchmarks.harness.api_cases:supcon_labels_step", dict(backend=backend, N=N, d=D, num_labels=LABELS)
     )
     # O(N d) copies and bounded tiles; any N x N float32 buffer alone would add 256 MiB
     assert extra < LOGITS_BYTES / 2, f"{backend}: extra peak {extra / 2**20:.0f} MiB"

@@ -1,4 +1,4 @@
-"""Steps the memory tests measure in fresh processes (``fastcl.bench.memory``): one forward +
+"""Steps the memory tests measure in fresh processes (``benchmarks.harness.memory``): one forward +
 backward of the image–text and filtered losses, fastcl's or the peer's that builds the logits."""
 
 from __future__ import annotations

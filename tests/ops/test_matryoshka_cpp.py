@@ -286,7 +286,7 @@ def test_memory_has_no_bxn_buffer_and_does_not_grow_with_k():
     Two threads: the block budget has a floor of 2^21 elements (8 MiB) per thread, constant
     in B and N, which on a 16-thread host is 128 MiB, this shape's whole [B, N] (the H100
     machine's host failed this test unpinned, 129 MiB; docs/csrc.md)."""
-    from fastcl.bench.memory import cpu_extra_peak_bytes
+    from benchmarks.harness.memory import cpu_extra_peak_bytes
 
     B, N, d = 2048, 14336, 32  # N = 16384 with the own positives
     bxn = B * (N + B) * 4

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastcl.bench.memory import cpu_extra_peak_bytes
+from benchmarks.harness.memory import cpu_extra_peak_bytes
 from tests.helpers.backends import backends_under_test, require
 
 B, P, Q, D = 4096, 5, 5, 32
@@ -19,14 +19,14 @@ CASE = dict(loss="supmpn", B=B, P=P, Q=Q, d=D)
 
 
 def test_meter_sees_a_bxn_buffer():
-    eager = cpu_extra_peak_bytes("fastcl.bench.cases:loss_step", dict(CASE, backend="eager"))
+    eager = cpu_extra_peak_bytes("benchmarks.harness.cases:loss_step", dict(CASE, backend="eager"))
     assert eager > LOGITS_BYTES, f"eager reference peaked at only {eager / 2**20:.0f} MiB"
 
 
 @pytest.mark.parametrize("backend", [b for b in backends_under_test() if b in ("torch", "cpp")])
 def test_fused_backend_has_no_bxn_buffer(backend):
     require(backend)
-    extra = cpu_extra_peak_bytes("fastcl.bench.cases:loss_step", dict(CASE, backend=backend))
+    extra = cpu_extra_peak_bytes("benchmarks.harness.cases:loss_step", dict(CASE, backend=backend))
     inputs = B * (1 + P + Q) * D * 4
     # O((B + N) d): normalised copies, gradients and a few bounded tiles (about 100 MB);
     # any B x N buffer alone would add 671 MB

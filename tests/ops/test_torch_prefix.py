@@ -76,9 +76,9 @@ def test_no_bxn_buffer_whatever_the_number_of_prefixes():
     """B = N = 8192: one float32 logits copy is 256 MiB, K = 2 prefixes' would be 512 MiB; the
     fused forward + backward (fresh process, tests/ops/test_memory.py's meter) stays below half of one
     copy: about 50 MiB of tiles, bounded by the plain path's tile budget whatever K is."""
-    from fastcl.bench.memory import cpu_extra_peak_bytes
+    from benchmarks.harness.memory import cpu_extra_peak_bytes
 
     B = 8192
     case = dict(backend="torch", B=B, d=16, Q=0, dims=[16, 8])
-    extra = cpu_extra_peak_bytes("fastcl.bench.api_cases:matryoshka_step", case)
+    extra = cpu_extra_peak_bytes("benchmarks.harness.api_cases:matryoshka_step", case)
     assert extra < B * B * 4 / 2, f"extra peak {extra / 2**20:.0f} MiB"

@@ -1,6 +1,6 @@
 """Every implementation the benchmarks compare, on the same inputs: fastcl, the reference, peers.
 
-An implementation turns the inputs of one loss (``fastcl.bench.cases.make_inputs``: raw
+An implementation turns the inputs of one loss (``benchmarks.harness.cases.make_inputs``: raw
 embeddings, temperature :data:`TEMPERATURE`) into a zero-argument callable returning the
 loss, so the benchmark can time ``fn().backward()`` and check ``fn()`` against the
 float64 reference first (:func:`check_value`).
@@ -9,7 +9,7 @@ Families:
 
 * ``reference``: ``eager`` (the oracle of ``fastcl.reference``, materialises ``[B, N]``)
   and ``compile`` (``torch.compile`` of the same loss written for compile to fuse,
-  ``fastcl.bench.fusable``; dynamic shapes, one compile per loss and process).
+  ``benchmarks.harness.fusable``; dynamic shapes, one compile per loss and process).
 * ``fastcl``: the backends of ``fastcl.ops.dispatch`` (``torch``, ``cpp``, ``triton``); one that cannot run here is skipped with dispatch's reason. ``triton-graphs``
   is the ``triton`` backend under ``torch.compile(mode="reduce-overhead")``, whose CUDA
   graphs replay the step without Python or launch latency (CUDA only; static shapes, one
@@ -28,7 +28,20 @@ Families:
     MNRL and InfoNCE with P = 1); SupCon's denominator is every candidate (``L_out``).
   - ``torch-lce``: PyTorch's chunked ``F.linear_cross_entropy`` (the logits never exist
     whole) on normalised embeddings with weight ``candidates / tau``: MNRL and InfoNCE.
-  - ``inf-cl``: Inf-CL's ``cal_inf_loss`` (InfoNCE only; CUDA only, Triton kernels).
+  - ``inf-cl``: Inf-CL's ``cal_inf_loss`` (InfoNCE; CLIP as the mean of its two directions'
+    calls; CUDA only, Triton kernels).
+  - ``siglip-kernel``: siglip-kernel's ``fused_siglip_loss`` (SigLIP; its router's choice of
+    kernel; it takes the log of open_clip's scale; CUDA only).
+  - ``st-gist-gemm``: sentence-transformers' GIST computation with ``sim_matrix`` as one GEMM of
+    normalised rows (``benchmarks.harness.gist``).
+
+The image–text losses (``clip``, ``siglip``) and GIST have their own ``eager`` and ``compile``:
+``eager`` is the peer a user runs today, open_clip's ``ClipLoss`` / ``SigLipLoss``
+(``benchmarks.harness.image_text``) and sentence-transformers' ``GISTEmbedLoss`` computation
+(``benchmarks.harness.gist``); ``compile`` is ``torch.compile`` of open_clip's loss, and of the
+GEMM form of ST's GIST (the broadcast cosine of ST's own ``sim_matrix`` compiles into a
+``B·N·d`` reduction loop). Their float64 references are open_clip's math and
+``fastcl.reference.gist`` in row blocks (``cases.LOSSES``).
   - ``cce``: Apple's cut-cross-entropy ``linear_cross_entropy`` (LSE over a classifier
     without materialising the logits; its defaults, gradient filtering on) and
     ``liger-flce``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (chunked logits,
@@ -46,11 +59,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from benchmarks.harness import gist, image_text
+from benchmarks.harness.cases import IMAGE_TEXT_LOSSES, LOSSES, SENTENCE_LOSSES, TEMPERATURE, first, hyper
 from fastcl.testing import VALUE_TOL
 
-TEMPERATURE = 0.05
-ALL_LOSSES = ("supmpn", "supcon", "mnrl", "infonce")
+ALL_LOSSES = SENTENCE_LOSSES  # the sentence-embedding losses (every peer's layout)
+EVERY_LOSS = (*SENTENCE_LOSSES, *IMAGE_TEXT_LOSSES, "gist")
 FASTCL_BACKENDS = ("torch", "cpp", "triton")
+# what "eager" is, per loss: the float64-exact oracle, or the peer a user runs today
+EAGER_IS = {
+    **{loss: "fastcl.reference oracle" for loss in SENTENCE_LOSSES},
+    "clip": "open_clip ClipLoss",
+    "siglip": "open_clip SigLipLoss",
+    "gist": "sentence-transformers GISTEmbedLoss (its computation on given embeddings)",
+}
 CMNRL_MINI_BATCH = 512  # rows of the score matrix per chunk (ST's default is 32; 512 is kinder to GEMMs)
 
 
@@ -66,6 +88,7 @@ class Impl:
     cuda_only: bool = False
     backend: str | None = None  # family "fastcl": the dispatch backend it runs
     compiles: bool = False  # its first calls compile (the benchmark reports compile_s)
+    dynamo: bool = False  # compiles through torch.compile (one graph per loss and process, reused)
 
 
 # ---------------------------------------------------------------------------------------
@@ -104,8 +127,11 @@ def _labels(B: int, P: int, N: int, device) -> tuple[Tensor, Tensor]:
 
 
 def _build_eager(loss: str, t: dict):
-    from fastcl.bench.cases import LOSSES
-
+    if loss in IMAGE_TEXT_LOSSES:  # open_clip's own loss module
+        call = image_text.open_clip_call(loss, image_text.open_clip_module(loss))
+        return lambda: call(**t)
+    if loss == "gist":  # sentence-transformers' computation, its broadcast sim_matrix included
+        return lambda: gist.st_gist(**t)
     oracle = LOSSES[loss][1]
     return lambda: oracle(**t, temperature=TEMPERATURE)
 
@@ -114,15 +140,21 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def _build_compile(loss: str, t: dict):
-    from fastcl.bench import fusable
-    from fastcl.bench.cases import LOSSES
+    from benchmarks.harness import fusable
 
     if loss not in _COMPILED:  # one dynamic-shape graph per loss and process
-        # the formulation a user would write for compile to fuse (fastcl.bench.fusable);
-        # a loss without one compiles its oracle
-        _COMPILED[loss] = torch.compile(fusable.LOSSES.get(loss, LOSSES[loss][1]), dynamic=True)
+        if loss in IMAGE_TEXT_LOSSES:  # open_clip's loss module, compiled
+            target = image_text.open_clip_call(loss, image_text.open_clip_module(loss))
+        elif loss == "gist":  # ST's computation with a GEMM sim_matrix (benchmarks.harness.gist)
+            target = gist.st_gist_gemm
+        else:
+            # the formulation a user would write for compile to fuse (benchmarks.harness.fusable);
+            # a loss without one compiles its oracle
+            target = fusable.LOSSES.get(loss, LOSSES[loss][1])
+        _COMPILED[loss] = torch.compile(target, dynamic=True)
     fn = _COMPILED[loss]
-    return lambda: fn(**t, temperature=TEMPERATURE)
+    kw = hyper(loss)
+    return lambda: fn(**t, **kw)
 
 
 def _graphs_builder(backend: str):
@@ -131,12 +163,8 @@ def _graphs_builder(backend: str):
     launches in a ~7 ms step). Static shapes: one compile per loss and shape."""
 
     def build(loss: str, t: dict):
-        from fastcl.bench.cases import LOSSES
-
-        fused = LOSSES[loss][0]
-        step = torch.compile(
-            lambda **kw: fused(**kw, temperature=TEMPERATURE, backend=backend), mode="reduce-overhead", dynamic=False
-        )
+        fused, kw = LOSSES[loss][0], hyper(loss)
+        step = torch.compile(lambda **x: fused(**x, **kw, backend=backend), mode="reduce-overhead", dynamic=False)
         return lambda: step(**t)
 
     return build
@@ -159,21 +187,18 @@ class _Replayed:
 def _build_cudagraph(loss: str, t: dict):
     """The ``triton`` backend's whole step captured with ``fastcl.graphs.capture_step``
     (``torch.cuda.CUDAGraph``; docs/triton.md, "CUDA graphs")."""
-    from fastcl.bench.cases import LOSSES
     from fastcl.graphs import capture_step
 
-    fused = LOSSES[loss][0]
+    fused, kw = LOSSES[loss][0], hyper(loss)
     leaves = [v for v in t.values() if isinstance(v, Tensor) and v.requires_grad]
-    replay = capture_step(lambda: fused(**t, temperature=TEMPERATURE, backend="triton"), leaves)
+    replay = capture_step(lambda: fused(**t, **kw, backend="triton"), leaves)
     return lambda: _Replayed(replay())
 
 
 def _fastcl_builder(backend: str):
     def build(loss: str, t: dict):
-        from fastcl.bench.cases import LOSSES
-
-        fused = LOSSES[loss][0]
-        return lambda: fused(**t, temperature=TEMPERATURE, backend=backend)
+        fused, kw = LOSSES[loss][0], hyper(loss)
+        return lambda: fused(**t, **kw, backend=backend)
 
     return build
 
@@ -242,6 +267,9 @@ def _build_torch_lce(loss: str, t: dict):
 def _build_inf_cl(loss: str, t: dict):
     from inf_cl import cal_inf_loss
 
+    if loss == "clip":  # normalised features, open_clip's scale (its gradient through Inf-CL's product)
+        x, y, s = t["image_features"], t["text_features"], t["logit_scale"]
+        return lambda: 0.5 * (cal_inf_loss(x, y, scale=s) + cal_inf_loss(y, x, scale=s))
     # a tensor: Inf-CL routes the scale through its own autograd Function; mean over rows
     scale = torch.tensor(1 / TEMPERATURE, device=t["anchor"].device, dtype=torch.float32)
 
@@ -261,6 +289,18 @@ def _lce_inputs(loss: str, t: dict) -> tuple[Tensor, Tensor, Tensor]:
     e = F.normalize(anchor, dim=-1, eps=1e-8)
     c = F.normalize(torch.cat(blocks), dim=-1, eps=1e-8) / TEMPERATURE
     return e, c, torch.arange(anchor.shape[0], device=anchor.device)
+
+
+def _build_siglip_kernel(loss: str, t: dict):
+    from siglip_kernel import fused_siglip_loss
+
+    x, y = t["image_features"], t["text_features"]
+    # it takes log(t) (open_clip passes t = logit_scale.exp()): the log is part of the step
+    return lambda: fused_siglip_loss(x, y, t["logit_scale"].log(), t["logit_bias"])
+
+
+def _build_st_gist_gemm(loss: str, t: dict):
+    return lambda: gist.st_gist_gemm(**t)
 
 
 def _build_cce(loss: str, t: dict):
@@ -283,9 +323,9 @@ def _build_liger(loss: str, t: dict):
 
 
 IMPLS: dict[str, Impl] = {
-    "eager": Impl("eager", "reference", ALL_LOSSES, _build_eager),
-    "compile": Impl("compile", "reference", ALL_LOSSES, _build_compile, compiles=True),
-    **{b: Impl(b, "fastcl", ALL_LOSSES, _fastcl_builder(b), backend=b) for b in FASTCL_BACKENDS},
+    "eager": Impl("eager", "reference", EVERY_LOSS, _build_eager),
+    "compile": Impl("compile", "reference", EVERY_LOSS, _build_compile, compiles=True, dynamo=True),
+    **{b: Impl(b, "fastcl", EVERY_LOSS, _fastcl_builder(b), backend=b) for b in FASTCL_BACKENDS},
     "triton-graphs": Impl(
         "triton-graphs",
         "fastcl",
@@ -294,6 +334,7 @@ IMPLS: dict[str, Impl] = {
         cuda_only=True,
         backend="triton",
         compiles=True,
+        dynamo=True,
     ),
     "triton-cudagraph": Impl(
         "triton-cudagraph", "fastcl", ALL_LOSSES, _build_cudagraph, cuda_only=True, backend="triton", compiles=True
@@ -315,7 +356,11 @@ IMPLS: dict[str, Impl] = {
         requires="pytorch_metric_learning",
     ),
     "torch-lce": Impl("torch-lce", "peer", ("mnrl", "infonce"), _build_torch_lce),
-    "inf-cl": Impl("inf-cl", "peer", ("infonce",), _build_inf_cl, requires="inf_cl", cuda_only=True),
+    "inf-cl": Impl("inf-cl", "peer", ("infonce", "clip"), _build_inf_cl, requires="inf_cl", cuda_only=True),
+    "siglip-kernel": Impl(
+        "siglip-kernel", "peer", ("siglip",), _build_siglip_kernel, requires="siglip_kernel", cuda_only=True
+    ),
+    "st-gist-gemm": Impl("st-gist-gemm", "peer", ("gist",), _build_st_gist_gemm),
     "cce": Impl("cce", "peer", ("mnrl", "infonce"), _build_cce, requires="cut_cross_entropy", cuda_only=True),
     "liger-flce": Impl(
         "liger-flce", "peer", ("mnrl", "infonce"), _build_liger, requires="liger_kernel", cuda_only=True
@@ -345,6 +390,10 @@ def unavailable(name: str, loss: str, device: str | torch.device) -> str | None:
         return f"{name} runs on CUDA only"
     if impl.requires and importlib.util.find_spec(impl.requires) is None:
         return f"{name} needs the optional package {impl.requires!r} (not installed)"
+    if loss in IMAGE_TEXT_LOSSES and name in ("eager", "compile"):
+        why = image_text.open_clip_missing()
+        if why:
+            return why
     if name == "torch-lce":
         return _torch_lce_missing()
     if impl.family == "fastcl":
@@ -362,7 +411,7 @@ def unavailable(name: str, loss: str, device: str | torch.device) -> str | None:
 
 def build(name: str, loss: str, inputs: dict) -> Callable[[], Tensor]:
     """The forward callable of implementation ``name`` on ``inputs`` (see the module docstring)."""
-    why = unavailable(name, loss, inputs["anchor"].device)
+    why = unavailable(name, loss, first(inputs).device)
     if why:
         raise RuntimeError(why)
     return IMPLS[name].build(loss, inputs)
@@ -384,11 +433,13 @@ class PeerMismatchError(AssertionError):
 
 
 def reference_value(loss: str, inputs: dict) -> float:
-    """The loss in float64 on the same inputs (oracle, or the chunked torch backend when big)."""
-    from fastcl.bench.cases import LOSSES
-
+    """The loss in float64 on the same inputs (oracle, or the chunked torch backend when big;
+    the image–text and GIST oracles work in row blocks at any size)."""
     fused, oracle, _ = LOSSES[loss]
     t64 = {k: (None if v is None else v.detach().double()) for k, v in inputs.items()}
+    if loss not in SENTENCE_LOSSES:
+        with torch.no_grad():
+            return float(oracle(**t64))
     anchor, blocks, _ = _columns(loss, t64)
     n = sum(b.shape[0] for b in blocks)
     with torch.no_grad():
@@ -403,7 +454,7 @@ def check_value(name: str, loss: str, fn: Callable[[], Tensor], inputs: dict, ex
 
     Raises :class:`PeerMismatchError` naming the implementation when it does not.
     """
-    dtype = inputs["anchor"].dtype
+    dtype = first(inputs).dtype
     ref = reference_value(loss, inputs) if expected is None else expected
     with torch.no_grad():
         got = float(fn())

@@ -4,7 +4,7 @@ A fused loss does four ``B x N x d`` matrix products per forward + backward (for
 recompute, d anchor, d candidates; docs/design.md): ``8 * B * N * d`` FLOPs. The GEMM rate is
 measured in the same interleaved rounds as the implementations, on the same device and
 dtype (one ``[B, d] @ [d, N]`` product into a preallocated output, :func:`gemm_step`), so
-"share of GEMM" = achieved / measured, not a datasheet peak; see ``fastcl.bench.shares``
+"share of GEMM" = achieved / measured, not a datasheet peak; see ``benchmarks.harness.shares``
 for when that share is sound enough to print.
 """
 
@@ -12,17 +12,33 @@ from __future__ import annotations
 
 import torch
 
-from fastcl.bench.cases import DTYPES
+from benchmarks.harness.cases import DTYPES
 
 
 def num_candidates(loss: str, B: int, P: int, Q: int) -> int:
-    """N, the columns of the logits: ``B`` for InfoNCE, ``B * (P + Q)`` otherwise."""
-    return B if loss == "infonce" else B * (P + Q)
+    """N, the columns of the logits: ``B`` for InfoNCE, CLIP and SigLIP; ``B * (3 + Q)`` for
+    GIST (anchor–positive, anchor–anchor, positive–positive, anchor–negative blocks);
+    ``B * (P + Q)`` otherwise."""
+    if loss in ("infonce", "clip", "siglip"):
+        return B
+    if loss == "gist":
+        return B * (3 + Q)
+    return B * (P + Q)
+
+
+def guide_flops(loss: str, B: int, P: int, Q: int) -> int:
+    """GIST's guide: one forward ``[B, g] x [g, N]`` product (no gradient); 0 otherwise."""
+    if loss != "gist":
+        return 0
+    from benchmarks.harness.gist import GUIDE_D
+
+    return 2 * B * num_candidates(loss, B, P, Q) * GUIDE_D
 
 
 def loss_flops(loss: str, B: int, P: int, Q: int, d: int) -> int:
-    """``8 * B * N * d``: the four GEMM passes of a forward + backward with recompute."""
-    return 8 * B * num_candidates(loss, B, P, Q) * d
+    """``8 * B * N * d``: the four GEMM passes of a forward + backward with recompute (GIST:
+    and its guide's forward product)."""
+    return 8 * B * num_candidates(loss, B, P, Q) * d + guide_flops(loss, B, P, Q)
 
 
 def synchronize(device: str | torch.device) -> None:

@@ -4,7 +4,11 @@ CPU memory is measured in a *subprocess* so earlier allocations of the calling p
 not hide or inflate the peak: the child builds the inputs, resets the kernel's high-water
 mark (``/proc/self/clear_refs``), runs the work and reports ``peak RSS - RSS before``.
 
-    python -m fastcl.bench.memory fastcl.bench.cases:loss_step '{"loss": "supmpn", "B": 1024, ...}'
+    python -m benchmarks.harness.memory benchmarks.harness.cases:loss_step '{"loss": "supmpn", "B": 1024, ...}'
+
+The probes run ``python -m benchmarks.harness.memory`` with the repository root on
+``PYTHONPATH`` (:func:`repo_env`), so they work from any working directory and a factory
+may live in ``benchmarks`` or ``tests``.
 """
 
 from __future__ import annotations
@@ -54,12 +58,25 @@ def measure_extra_rss(run, warmup: bool = True) -> int:
 _PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "_FASTCL_TEST_CPP_KEEP_BYTES": "0"}
 
 
-def _probe_env(threads: int | None) -> dict:
-    """A probe's environment: ours, ``_PROBE_ENV`` and, if given, its intra-op thread count
-    (OMP/MKL_NUM_THREADS, read when torch starts)."""
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def repo_env(base: dict | None = None) -> dict:
+    """``base`` (default: our environment) with the repository root first on ``PYTHONPATH``:
+    a fresh Python process started from any directory imports ``benchmarks`` (and ``tests``)."""
     import os
 
-    env = {**os.environ, **_PROBE_ENV}
+    env = dict(os.environ if base is None else base)
+    paths = [str(REPO_ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def _probe_env(threads: int | None) -> dict:
+    """A probe's environment: ours with the repository on ``PYTHONPATH`` (:func:`repo_env`),
+    ``_PROBE_ENV`` and, if given, its intra-op thread count (OMP/MKL_NUM_THREADS, read when
+    torch starts)."""
+    env = {**repo_env(), **_PROBE_ENV}
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
@@ -72,7 +89,7 @@ def cpu_extra_peak_bytes(factory: str, kwargs: dict, timeout: float = 600, threa
     zero-argument callable to measure. ``threads``: the probe's intra-op thread count
     (default inherited; the cpp backend's tile budget has a per-thread floor, docs/csrc.md).
     """
-    cmd = [sys.executable, "-m", "fastcl.bench.memory", factory, json.dumps(kwargs)]
+    cmd = [sys.executable, "-m", "benchmarks.harness.memory", factory, json.dumps(kwargs)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_probe_env(threads))
     if out.returncode != 0:
         raise RuntimeError(f"memory probe failed ({' '.join(cmd)}):\n{out.stderr[-4000:]}")
@@ -92,7 +109,7 @@ def cpu_extra_peak_bytes_many(
     torch starts; per-thread scratch buffers make memory depend on it), default inherited.
     """
     payload = json.dumps({"factory": factory, "cases": cases, "preload": list(preload)})
-    cmd = [sys.executable, "-m", "fastcl.bench.memory", "--many"]
+    cmd = [sys.executable, "-m", "benchmarks.harness.memory", "--many"]
     out = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout, env=_probe_env(threads))
     if out.returncode != 0:
         raise RuntimeError(f"memory probe server failed:\n{out.stderr[-4000:]}")

@@ -14,9 +14,9 @@ this device), on the exact code the ring runs per block (``fastcl.ops.blockwise`
   ``single_fused``, what the gather mode runs by default).
 
 ``share = single / blocks`` (the ring's target on a GPU: >= 0.9). Timing: interleaved rounds,
-minimum, CUDA-synchronised (``fastcl.bench.timing``). From a GPU lease::
+minimum, CUDA-synchronised (``benchmarks.harness.timing``). From a GPU lease::
 
-    python -m fastcl.bench.ring_blocks --B 4096 --P 5 --Q 5 --d 768 --world 2 4 8 --dtype bfloat16 [--pieces 2]
+    python -m benchmarks.harness.ring_blocks --B 4096 --P 5 --Q 5 --d 768 --world 2 4 8 --dtype bfloat16 [--pieces 2]
 
 or ``ring_blocks_throughput(B=4096, P=5, Q=5, d=768, world=8)`` from a script.
 """
@@ -28,13 +28,13 @@ import json
 
 import torch
 
-from .. import config
-from ..ops import dispatch
-from ..ops.blockwise import Merged, block_grad
-from ..ops.contract import TAG_ALL, LSEProblem, OwnPositives, compute_dtype, structured_tags
-from ..ops.head import HeadInputs
-from ..ops.ring_comm import split as row_ranges
-from .timing import interleave
+from benchmarks.harness.timing import interleave
+from fastcl import config
+from fastcl.ops import dispatch
+from fastcl.ops.blockwise import Merged, block_grad
+from fastcl.ops.contract import TAG_ALL, LSEProblem, OwnPositives, compute_dtype, structured_tags
+from fastcl.ops.head import HeadInputs
+from fastcl.ops.ring_comm import split as row_ranges
 
 
 def _blocks(B: int, P: int, Q: int, d: int, world: int, dtype: torch.dtype, device: torch.device, seed: int):

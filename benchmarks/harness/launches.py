@@ -165,7 +165,7 @@ def host_overhead(loss: str = "supmpn", B: int = 4096, d: int = 768, steps: int 
     import time
 
     import fastcl.losses as L
-    from fastcl.bench.cases import make_inputs
+    from benchmarks.harness.cases import make_inputs
     from fastcl.kernels import INTERPRET
     from fastcl.kernels._common import recording
 
@@ -202,7 +202,7 @@ def host_overhead(loss: str = "supmpn", B: int = 4096, d: int = 768, steps: int 
     }
 
 
-if __name__ == "__main__":  # python -m fastcl.bench.launches (under TRITON_INTERPRET=1)
+if __name__ == "__main__":  # python -m benchmarks.harness.launches (under TRITON_INTERPRET=1)
     for case in ("supmpn", "infonce"):
         r = host_overhead(case, B=4096 if case == "supmpn" else 16384)
         print(

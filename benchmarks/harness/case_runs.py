@@ -5,14 +5,14 @@ its own (``benchmark.pedantic``: a few rounds of one implementation, then the ne
 busy machine favour whichever ran in a quiet minute: an earlier harness saw ``cpp`` at 0.24-0.30x
 eager in ``bench_api.py`` / ``bench_st.py`` where an idle run gives ~1.9x. Instead, the
 first item of a workload builds the step of every selected implementation of that
-workload, :func:`run_case` times them together in ``fastcl.bench.timing.interleave``'s
+workload, :func:`run_case` times them together in ``benchmarks.harness.timing.interleave``'s
 rotating rounds, and each item then hands its own rounds to pytest-benchmark
 (``timing.replay``) and records the same fields as the loss grid (``timing.impl_fields``,
 ``timing.case_fields``: ``min_s``, ``spread``, ``noisy``, rounds, load average), so the
 end-of-run summary marks noisy cases here too.
 
-    runs = harness.CaseRuns()
-    run = runs.get(key, lambda: harness.run_case({impl: build_step_of(impl) for impl in members}))
+    runs = case_runs.CaseRuns()
+    run = runs.get(key, lambda: case_runs.run_case({impl: build_step_of(impl) for impl in members}))
     harness.replay_and_fields(benchmark, run, impl)   # -> the record's fields
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastcl.bench import timing
+from benchmarks.harness import timing
 
 __all__ = ["CaseRun", "CaseRuns", "run_case", "selected_params", "record_fields"]
 

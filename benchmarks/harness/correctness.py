@@ -1,11 +1,11 @@
 """Correctness at scale: every implementation's loss and gradients against float64.
 
-    python -m fastcl.bench correctness --device cuda --out results/correctness.json
-    python -m fastcl.bench correctness --device cpu --scale 0.03125   # a CPU dry run
+    python -m benchmarks.harness correctness --device cuda --out results/correctness.json
+    python -m benchmarks.harness correctness --device cpu --scale 0.03125   # a CPU dry run
 
 For each workload (loss, B, P, Q, d) and dtype, the float64 oracle on the same (rounded)
 inputs gives the reference loss and gradients; each available implementation of
-``fastcl.bench.peers`` is compared with it. fastcl backends must match the value within
+``benchmarks.harness.peers`` is compared with it. fastcl backends must match the value within
 ``VALUE_TOL`` and every gradient within ``GRAD_RTOL`` (``fastcl.testing``; relative Frobenius
 error) beyond the error of the reference gradient itself rounded to the input dtype (its
 storage floor); peers must match the value (their gradients are reported, not asserted:
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from fastcl.bench import peers
-from fastcl.bench.cases import LOSSES, make_inputs
-from fastcl.bench.metrics import num_candidates
+from benchmarks.harness import peers
+from benchmarks.harness.cases import LOSSES, make_inputs
+from benchmarks.harness.metrics import num_candidates
 from fastcl.testing import GRAD_RTOL, VALUE_TOL, rel_err
 
 # (loss, B, P, Q, d) at scale 1: the oracle's float64 logits stay a few GiB on an H100

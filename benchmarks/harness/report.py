@@ -1,8 +1,7 @@
 """pytest-benchmark JSON -> ``RESULTS.md`` tables and PNG plots (time and memory vs batch size).
 
-    python -m fastcl.bench report .benchmarks/fastcl-latest.json [gpu.json ...] \\
+    python -m benchmarks.harness report .benchmarks/fastcl-latest.json [gpu.json ...] \\
         --out benchmarks/RESULTS.md --plots benchmarks/plots [--notes NOTES.md]
-    python -m fastcl bench-report ...          # the same through the fastcl CLI
 
 Reads the records written by ``benchmarks/bench_losses.py`` (``extra_info``: workload,
 impl, B, time as the minimum of interleaved rounds with its spread, the GEMM floor and the
@@ -10,7 +9,7 @@ share of it, peak memory, TFLOP/s, GEMM share, compile time, threads, loss value
 reference) and the skips with their reasons (``fastcl_skipped``). One section per device,
 workload family (loss, P, Q, d, dtype) and thread count: a table of every batch size and
 implementation with ratios to eager and the floor's own line, cases marked *noisy* where
-a spread exceeds ``fastcl.bench.timing.NOISY_SPREAD``, the skipped implementations with
+a spread exceeds ``benchmarks.harness.timing.NOISY_SPREAD``, the skipped implementations with
 reasons, and one PNG with time and peak memory against B. A summary says where fastcl's
 best backend wins or loses against eager, ``torch.compile`` and the others; given runs at
 several thread counts (``scripts/bench_threads.sh``), a thread-scaling table follows.
@@ -26,8 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastcl.bench.shares import floor_share_problem, gemm_share_problem
-from fastcl.bench.timing import NOISY_SPREAD
+from benchmarks.harness.shares import FLOOR_SHARE_CEILING, floor_share_problem, gemm_share_problem, share_problem
+from benchmarks.harness.timing import NOISY_SPREAD
 
 FAMILY_ORDER = {"reference": 0, "fastcl": 1, "peer": 2}
 
@@ -51,6 +50,9 @@ class Row:
     gemm_problem: str | None = None  # why the measured GEMM share is not printed
     scratch_mib: float | None = None  # CUDA: warm peak beyond the inputs and their gradients
     first_peak_mib: float | None = None  # CUDA: the first step's peak (compiles included)
+    sym_floor_share: float | None = None  # CLIP: share of the symmetric (4-GEMM) floor, where sound
+    sym_floor_problem: str | None = None
+    clip_path: str | None = None  # CLIP, fastcl: "symmetric" or "two directions"
 
     @classmethod
     def from_record(cls, b: dict) -> Row:
@@ -71,6 +73,18 @@ class Row:
                 in_rounds=bool(e.get("gemm_in_rounds")),
             ),
         )
+        sym_share, sym_problem = _sound_share(
+            e,
+            "sym_floor",
+            lambda share: share_problem(
+                share,
+                reference="symmetric floor",
+                in_rounds=True,
+                spread=e.get("sym_floor_spread"),
+                sample_s=e.get("sym_floor_sample_s"),
+                ceiling=FLOOR_SHARE_CEILING,
+            ),
+        )
         return cls(
             e["impl"],
             e.get("family", "?"),
@@ -89,11 +103,14 @@ class Row:
             gemm_problem,
             e.get("scratch_mib"),
             e.get("first_peak_mib"),
+            sym_share,
+            sym_problem,
+            e.get("clip_path"),
         )
 
 
 def _sound_share(e: dict, ref: str, problem_of) -> tuple[float | None, str | None]:
-    """``(share, problem)`` of a record: the share only where ``fastcl.bench.shares`` finds
+    """``(share, problem)`` of a record: the share only where ``benchmarks.harness.shares`` finds
     its reference sound. Records from 2026-11-27 on carry the measured ratio and the verdict;
     older ones only the ratio, judged here by the same rules from what they recorded."""
     measured = e.get(f"{ref}_share_measured", e.get(f"{ref}_share"))
@@ -115,6 +132,9 @@ class Group:
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # impl -> reason (first seen)
     floors: dict[int, tuple[float, float | None]] = field(default_factory=dict)  # B -> (floor s, spread)
+    sym_floors: dict[int, tuple[float, float | None]] = field(default_factory=dict)  # CLIP: the 4-GEMM floor
+    floor_kind: str = "3 GEMMs"  # what the floor line is (GIST: and its guide's product)
+    eager_is: str | None = None  # what "eager" is for this loss (records from 2026-12 on)
     thread_suffix: bool = False  # several thread counts of this family were loaded: name them
 
     @property
@@ -167,6 +187,10 @@ def load(paths: list) -> tuple[list[Group], list[dict]]:
             g.rows.append(row)
             if e.get("floor_s"):
                 g.floors.setdefault(e["B"], (e["floor_s"], e.get("floor_spread")))
+            if e.get("sym_floor_s"):
+                g.sym_floors.setdefault(e["B"], (e["sym_floor_s"], e.get("sym_floor_spread")))
+            g.floor_kind = e.get("floor_kind") or g.floor_kind
+            g.eager_is = e.get("eager_is") or g.eager_is
         for s in doc.get("fastcl_skipped", []):
             w = parse_workload(s["workload"])
             g = group(w["device"], w["loss"], w["P"], w["Q"], w["d"], w["dtype"], run_threads)
@@ -192,18 +216,46 @@ def _fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+# below 1 MiB the CPU RSS meter sees page-level noise, not the workload (and a buffer kept
+# from the probe's warm-up step reads as 0): such a peak is not a measurement of the step
+MIN_PEAK_MIB = 1.0
+
+
+def peak_text(peak_mib: float | None) -> str:
+    """A peak memory cell: ``n/a`` where it was not measured, ``< 1`` below the meter's
+    resolution (never ``0.0``), else MiB."""
+    if peak_mib is None:
+        return "n/a"
+    if peak_mib < MIN_PEAK_MIB:
+        return f"< {MIN_PEAK_MIB:.0f}"
+    return f"{peak_mib:.1f}"
+
+
+def memory_ratio(peak_mib: float | None, eager_peak_mib: float | None) -> str | None:
+    """``peak / eager's peak`` as ``0.123x``, or None unless both were measured (>= 1 MiB)."""
+    if peak_mib is None or eager_peak_mib is None or min(peak_mib, eager_peak_mib) < MIN_PEAK_MIB:
+        return None
+    return f"{peak_mib / eager_peak_mib:.3f}x"
+
+
+def compile_text(compile_s: float | None) -> str:
+    """A compile-time cell: ``n/a`` where nothing was compiled (an implementation that does not
+    compile, or whose graph an earlier case of the run compiled), else seconds."""
+    return "n/a" if compile_s is None else f"{compile_s:.1f}"
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
-SHARE_NAMES = {"floor": "share of floor", "gemm": "share of GEMM"}
+SHARE_NAMES = {"floor": "share of floor", "sym_floor": "share of the symmetric floor", "gemm": "share of GEMM"}
 
 
 def share_notes(g: Group) -> list[str]:
     """One line per reason a share was not printed, naming the rows it applies to."""
     by_reason: dict[tuple[str, str], list[str]] = {}
     for r in g.rows:
-        for kind, problem in (("floor", r.floor_problem), ("gemm", r.gemm_problem)):
+        for kind, problem in (("floor", r.floor_problem), ("sym_floor", r.sym_floor_problem), ("gemm", r.gemm_problem)):
             if problem:
                 by_reason.setdefault((kind, problem), []).append(f"B={r.B} `{r.impl}`")
     return [f"- {SHARE_NAMES[kind]} not shown ({', '.join(rows)}): {why}." for (kind, why), rows in by_reason.items()]
@@ -225,28 +277,31 @@ def table(g: Group) -> str:
         b = f"{r.B} (noisy)" if g.noisy(r.B) else str(r.B)
         if r.B in g.floors and r.B not in floor_done:
             floor_done.add(r.B)
-            f_s, f_spread = g.floors[r.B]
-            lines.append(
-                f"| {b} | *floor: 3 GEMMs* | {f_s * 1e3:.1f} | {_pct(f_spread)} | – | 100% | – |"
-                + (" – | – |" if gpu else "")
-                + " – | – | – | – | – |"
-            )
+            floor_lines = [(f"floor: {g.floor_kind}", g.floors[r.B])]
+            if r.B in g.sym_floors:
+                floor_lines.append(("symmetric floor: 4 GEMMs", g.sym_floors[r.B]))
+            for label, (f_s, f_spread) in floor_lines:
+                lines.append(
+                    f"| {b} | *{label}* | {f_s * 1e3:.1f} | {_pct(f_spread)} | – | 100% | – |"
+                    + (" – | – |" if gpu else "")
+                    + " – | – | – | – | – |"
+                )
         e = _eager(g, r.B)
         speed = f"{e.seconds / r.seconds:.2f}x" if e else "–"
-        # below 1 MiB the RSS meter sees page-level noise, not the workload: no ratio
-        mem = (
-            f"{r.peak_mib / e.peak_mib:.3f}x"
-            if e and e.peak_mib and e.peak_mib >= 1 and r.peak_mib is not None
-            else "–"
-        )
+        mem = memory_ratio(r.peak_mib, e.peak_mib if e else None) or "–"
         rate_value = None if r.tflops is None else (r.tflops if gpu else r.tflops * 1e3)
         name = f"**{r.impl}**" if r.family == "fastcl" else r.impl
+        if r.clip_path == "two directions":  # the backend computes no column statistics: 6 GEMM passes
+            name += " (two directions)"
+        share = _pct(r.floor_share)
+        if r.B in g.sym_floors:  # CLIP: the three-GEMM floor's share, then the symmetric floor's
+            share += f" / {_pct(r.sym_floor_share)}"
         lines.append(
             f"| {b} | {name} | {r.seconds * 1e3:.1f} | {_pct(r.spread) if r.spread is not None else '–'} | {speed} | "
-            f"{_pct(r.floor_share)} | {_fmt(r.peak_mib, '.1f')} |"
+            f"{share} | {peak_text(r.peak_mib)} |"
             + (f" {_fmt(r.scratch_mib, '.1f')} | {_fmt(r.first_peak_mib, '.1f')} |" if gpu else "")
             + f" {mem} | {_fmt(rate_value, '.1f')} | "
-            f"{_pct(r.gemm_share)} | {_fmt(r.compile_s, '.1f')} | {_fmt(r.abs_err, '.1e')} |"
+            f"{_pct(r.gemm_share)} | {compile_text(r.compile_s)} | {_fmt(r.abs_err, '.1e')} |"
         )
     return "\n".join(lines)
 
@@ -330,8 +385,8 @@ def summary(g: Group) -> str | None:
             parts.append(f"{e.seconds / best.seconds:.2f}x faster than eager")
         else:
             parts.append(f"{best.seconds / e.seconds:.2f}x slower than eager")
-        if e.peak_mib and e.peak_mib >= 1 and best.peak_mib is not None:
-            parts.append(f"{best.peak_mib / e.peak_mib:.2f}x eager's peak memory")
+        if memory_ratio(best.peak_mib, e.peak_mib):
+            parts.append(f"{best.peak_mib / e.peak_mib:.2f}x eager's peak memory")  # type: ignore[operator]
     compiled = next((r for r in at if r.impl == "compile"), None)
     if compiled is not None:
         verb = "ahead of" if best.seconds < compiled.seconds else "behind"
@@ -346,7 +401,8 @@ def summary(g: Group) -> str | None:
         leanest = min((r for r in others if r.peak_mib is not None), key=lambda r: r.peak_mib, default=None)
         if leanest is not None and best.peak_mib is not None:
             parts.append(
-                f"memory {best.peak_mib:.0f} MiB vs the leanest other, `{leanest.impl}`, {leanest.peak_mib:.0f} MiB"
+                f"memory {peak_text(best.peak_mib)} MiB vs the leanest other, `{leanest.impl}`, "
+                f"{peak_text(leanest.peak_mib)} MiB"
             )
     if e is None and g.skipped.get("eager"):
         parts.append(f"eager skipped ({g.skipped['eager']})")
@@ -391,7 +447,7 @@ def render(
     lines = [
         "# fastcl benchmark results",
         "",
-        "Generated by `python -m fastcl.bench report` from pytest-benchmark JSON "
+        "Generated by `python -m benchmarks.harness report` from pytest-benchmark JSON "
         "(`pytest benchmarks --benchmark-only`; GPU: `scripts/gpu_bench.sh`). Time: forward + backward, "
         "the minimum over rounds in which all implementations of a case and its GEMM floor ran "
         "interleaved (older runs: median); spread: how far the third-fastest round lies above the "
@@ -434,6 +490,15 @@ def render(
         ]
     for g in groups:
         lines += ["", f"## {g.title}", ""]
+        if g.eager_is and g.eager_is != "fastcl.reference oracle":
+            lines += [f"eager = {g.eager_is}.", ""]
+        if g.sym_floors:
+            lines += [
+                "Share of floor: of the three-GEMM floor / of the symmetric floor (four GEMMs: A·Cᵀ, A·Cᵀ "
+                "again, X·C, Xᵀ·A; the fewest a symmetric step that never holds the [B, B] logits can do: "
+                "both directions' LSEs precede any gradient).",
+                "",
+            ]
         if g.rows:
             png = plots_dir / f"{g.slug}.png"
             plot(g, png)
@@ -442,7 +507,7 @@ def render(
             lines.append("No implementation ran.")
         notes = share_notes(g)
         if notes:
-            lines += ["", "Shares shown as –, measured but not sound (`fastcl.bench.shares`):"] + notes
+            lines += ["", "Shares shown as –, measured but not sound (`benchmarks.harness.shares`):"] + notes
         if g.skipped:
             lines += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in sorted(g.skipped.items())]
     return "\n".join(lines) + "\n"
@@ -479,12 +544,3 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(render(groups, machines, plots, out, notes, scaling_groups))
     print(f"wrote {out} and {sum(1 for g in groups if g.rows)} plots under {plots}")
     return 0
-
-
-# ``python -m fastcl bench-report``: registered in fastcl/__main__.py COMMANDS
-def add_parser(sub) -> None:
-    add_arguments(sub.add_parser("bench-report", help="benchmark JSON -> RESULTS.md tables and plots"))
-
-
-def run(args) -> int:
-    return main(args)

@@ -1,4 +1,4 @@
-"""Tune the config table on this GPU: ``python -m fastcl.kernels.tune``.
+"""Tune the config table on this GPU: ``python -m benchmarks.triton_tools.tune``.
 
 For each tile role (``fwd``, ``ds``, ``mm``) and each requested dtype and feature width, the
 candidates of ``configs.candidates`` (at most eight, the current entry first) are timed
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from . import configs
-from ._common import arch_of, dtype_class
+from fastcl.kernels import configs
+from fastcl.kernels._common import arch_of, dtype_class
 
 ROLES = ("fwd", "ds", "mm")
 
@@ -92,7 +92,7 @@ def tune(
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastcl.kernels.tune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.triton_tools.tune", description=__doc__.splitlines()[0])
     parser.add_argument("--B", type=int, default=4096, help="anchors of the SupMPN step timed (P = Q = 5)")
     parser.add_argument("--d", default="768", help="comma list of feature widths (one per d class)")
     parser.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16,float16,float32")

@@ -10,7 +10,7 @@
   embeddings (its cached-loss hook: K chunked losses, each with its own backward).
 
 Each returns a zero-argument callable doing one forward + backward, the form
-``fastcl.bench.memory`` and the benchmarks time and measure.
+``benchmarks.harness.memory`` and the benchmarks time and measure.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ of anchor rows, three matrix products and some row passes:
 
 The floor is the time of those three GEMMs alone at the case's shape (``B`` anchors,
 ``N`` candidates, width ``d``, its dtype and device), measured in the same run and the
-same interleaved rounds as the implementations (``fastcl.bench.timing``). An
+same interleaved rounds as the implementations (``benchmarks.harness.timing``). An
 implementation's **share of the floor** is ``floor / its time``: 100 % would mean the
 row passes and everything else cost nothing.
 
@@ -20,6 +20,17 @@ floor is the faster of two (:func:`floor_plans`), both timed in the same rounds.
 ``max_flops``), only the first ``timed_blocks`` full blocks run and the time is scaled
 by ``B / (rows * timed_blocks)`` (``FloorPlan.scale``); every block streams the whole
 ``[N, d]`` candidates and accumulator, so per-block time is what the full pass repeats.
+
+Two variants of the same blocked step (:func:`floor_step`'s keywords):
+
+* the **symmetric floor** (``recompute=True``, names ``sym-floor``, ``sym-floor1``): CLIP's
+  logit-free symmetric step (``fastcl.ops.symmetric``) needs both directions' LSEs before any
+  gradient, so it cannot form the gradient in its forward pass: a forward sweep of
+  ``S = A_blk · Cᵀ`` (rows' and columns' LSEs), then the backward sweep recomputing ``S`` and
+  forming ``X · C`` and ``Xᵀ · A``. Four GEMMs, the minimum for a symmetric step that never
+  holds the ``[B, B]`` logits; the three-GEMM floor stays the grid's common reference.
+* the **guided floor** (``guide_d=g``): GIST's step also needs its guide model's similarities,
+  one forward ``[h, g] x [g, N]`` product per block (no gradient), beside the model's three.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastcl.bench.cases import DTYPES
+from benchmarks.harness.cases import DTYPES
 
 # the S / X block buffer: at most 2^26 elements (256 MiB in float32), like a fused step's
 # row block it is independent of B
@@ -42,9 +53,9 @@ FLOOR_LIMITS = {
 }
 
 
-def floor_flops(B: int, N: int, d: int) -> int:
-    """The three GEMMs: ``3 * 2 * B * N * d``."""
-    return 6 * B * N * d
+def floor_flops(B: int, N: int, d: int, *, recompute: bool = False, guide_d: int | None = None) -> int:
+    """The three GEMMs: ``3 * 2 * B * N * d`` (four with ``recompute``; and ``2 B N g`` for a guide)."""
+    return (8 if recompute else 6) * B * N * d + 2 * B * N * (guide_d or 0)
 
 
 @dataclass(frozen=True)
@@ -98,9 +109,10 @@ def floor_plans(
     return [tall] if short.rows == tall.rows else [tall, short]
 
 
-def named_floor_plans(B: int, N: int, d: int, **limits) -> dict[str, FloorPlan]:
-    """:func:`floor_plans` by their step names in an interleaved loop: ``floor``, ``floor1``."""
-    return {f"floor{i or ''}": plan for i, plan in enumerate(floor_plans(B, N, d, **limits))}
+def named_floor_plans(B: int, N: int, d: int, prefix: str = "floor", **limits) -> dict[str, FloorPlan]:
+    """:func:`floor_plans` by their step names in an interleaved loop: ``floor``, ``floor1``
+    (``prefix``: ``sym-floor``, ``sym-floor1`` for the symmetric floor)."""
+    return {f"{prefix}{i or ''}": plan for i, plan in enumerate(floor_plans(B, N, d, **limits))}
 
 
 def fastest_floor(plans: dict[str, FloorPlan], samples: dict[str, list[float]]) -> tuple[str, float] | None:
@@ -113,11 +125,21 @@ def fastest_floor(plans: dict[str, FloorPlan], samples: dict[str, list[float]]) 
     return best, timed[best]
 
 
-def floor_step(plan: FloorPlan, dtype: str = "float32", device: str = "cpu", seed: int = 0):
+def floor_step(
+    plan: FloorPlan,
+    dtype: str = "float32",
+    device: str = "cpu",
+    seed: int = 0,
+    *,
+    recompute: bool = False,
+    guide_d: int | None = None,
+):
     """A zero-argument callable running the plan's GEMMs once; returns ``(dA, dC)``.
 
-    Inputs are random (GEMM time does not depend on the values); the outputs are the
-    real products so tests can check them (:func:`floor_reference`).
+    ``recompute``: a forward sweep of ``S`` over the blocks first (the symmetric floor);
+    ``guide_d``: a guide product ``[h, guide_d] x [guide_d, N]`` per block (the guided floor;
+    its output in ``step.guide``). Inputs are random (GEMM time does not depend on the
+    values); the outputs are the real products so tests can check them (:func:`floor_reference`).
     """
     dt = DTYPES[dtype]
     g = torch.Generator(device=device).manual_seed(seed)
@@ -128,12 +150,23 @@ def floor_step(plan: FloorPlan, dtype: str = "float32", device: str = "cpu", see
     da = torch.empty_like(a)
     dc = torch.empty_like(c)
     ct = c.t()
+    if guide_d:
+        ag = torch.randn(rows_total, guide_d, generator=g, device=device, dtype=torch.float32).to(dt)
+        cg = torch.randn(plan.N, guide_d, generator=g, device=device, dtype=torch.float32).to(dt)
+        gs = torch.empty(plan.rows, plan.N, device=device, dtype=dt)
+        cgt = cg.t()
 
     def step():
         dc.zero_()
+        if recompute:  # the forward pass: S per block (its LSEs), nothing kept
+            for r0 in range(0, rows_total, plan.rows):
+                r1 = min(r0 + plan.rows, rows_total)
+                torch.mm(a[r0:r1], ct, out=s[: r1 - r0])
         for r0 in range(0, rows_total, plan.rows):
             r1 = min(r0 + plan.rows, rows_total)
             blk, x = a[r0:r1], s[: r1 - r0]
+            if guide_d:  # the guide's similarities of the block: its false-negative filter
+                torch.mm(ag[r0:r1], cgt, out=gs[: r1 - r0])
             torch.mm(blk, ct, out=x)  # S = A_blk C^T; a fused step turns S into X in place
             torch.mm(x, c, out=da[r0:r1])  # dA_blk = X C
             dc.addmm_(x.t(), blk)  # dC += X^T A_blk
@@ -142,6 +175,8 @@ def floor_step(plan: FloorPlan, dtype: str = "float32", device: str = "cpu", see
         return da, dc
 
     step.inputs = (a, c)  # for tests
+    if guide_d:
+        step.guide = (ag, cg, gs)
     return step
 
 

@@ -13,7 +13,7 @@ writes the loss so that, after the one GEMM, everything is a single reduction pe
 * no masking where the benchmark's inputs have none (every candidate valid, mean
   reduction, cosine similarity, the oracles' ``EPS``).
 
-That is the ``compile`` implementation of ``fastcl.bench.peers``: a first-class peer on
+That is the ``compile`` implementation of ``benchmarks.harness.peers``: a first-class peer on
 every loss, checked against the float64 reference before it is timed like any other.
 Logits are cosines over ``temperature``, bounded by ``1 / temperature``, so ``exp``
 without a running maximum is as safe as in the oracles (they do the same).

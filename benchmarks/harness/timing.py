@@ -1,12 +1,15 @@
 """Timing that a busy machine cannot fool: warm-up, interleaved rounds, a settle rule.
 
-Every implementation of one benchmark case (and the GEMM floor, ``fastcl.bench.floor``)
+Every implementation of one benchmark case (and the GEMM floor, ``benchmarks.harness.floor``)
 is timed in the same loop, **round by round**: round ``r`` runs each of them once, in an
 order rotated by one place per round (:func:`round_order`), so drift in the machine's
 load hits all of them alike and none always follows the same neighbour. Rounds go on
 until every implementation's fastest rounds agree (:func:`spread` at most
 :data:`SETTLE_SPREAD`), or a time budget ends, or :data:`MAX_ROUNDS` is reached; never
-fewer than :data:`MIN_ROUNDS`.
+fewer than :data:`MIN_ROUNDS`. A budget that ends while a *reference* a share divides by (the
+floor, one GEMM) is still too wide to divide by gets a second budget of rounds for it (still
+at most ``MAX_ROUNDS``): on a busy machine the minimum and the third-fastest round of a
+reference come closer with every round, so more rounds, not a lucky one, make a share printable.
 
 The reported time is the **minimum** over rounds (the least disturbed run), with its
 **spread**: how far the ``SPREAD_RANK``-th fastest round lies above the fastest, relative
@@ -96,7 +99,7 @@ class Interleaved:
     first_s: dict[str, float]  # the first (warm-up) call per name: cold start, compile
     errors: dict[str, BaseException] = field(default_factory=dict)  # dropped from the rotation
     rounds: int = 0
-    stopped: str = ""  # "settled" | "budget" | "max_rounds" | "disabled"
+    stopped: str = ""  # "settled" | "budget" | "reference_budget" | "max_rounds" | "disabled"
     order: list[list[str]] = field(default_factory=list)  # the order each timed round ran in
     elapsed_s: float = 0.0
     repeats: dict[str, int] = field(default_factory=dict)  # calls per sample (1 unless min_sample_s)
@@ -121,6 +124,8 @@ def interleave(
     settle: float = SETTLE_SPREAD,
     min_sample_s: dict[str, float] | None = None,
     max_repeats: int = MAX_REPEATS,
+    references: list[tuple[str, ...]] | None = None,
+    reference_budget_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Interleaved:
     """Time every step of ``steps`` round by round (see the module docstring).
@@ -131,6 +136,12 @@ def interleave(
     call is kept in ``first_s``. ``min_sample_s``: for the steps it names, the calls per
     sample (:func:`repeats_for` of the last warm-up call; 1 without a warm-up); a sample is
     their mean.
+
+    ``references``: groups of steps a share divides by (a group: the blockings of one floor,
+    whose fastest counts). When the budget ends before the fastest of every group has a
+    spread of at most :data:`NOISY_SPREAD`, rounds go on for up to ``reference_budget_s``
+    more seconds (default: ``budget_s`` again), still within ``max_rounds``; the loop then
+    stops as ``"reference_budget"`` (:func:`unsettled_references` says which stayed wide).
     """
     names = list(steps)
     out = Interleaved(samples={n: [] for n in names}, first_s={}, repeats={n: 1 for n in names})
@@ -174,14 +185,36 @@ def interleave(
         if all(spread(out.samples[n]) <= settle for n in names):
             out.stopped = "settled"
             break
-        if clock() - start >= budget_s:
-            out.stopped = "budget"
-            break
+        elapsed = clock() - start
+        if elapsed >= budget_s:
+            if r >= max_rounds or not unsettled_references(out, references or []):
+                out.stopped = "budget"
+                break
+            if elapsed >= budget_s + (budget_s if reference_budget_s is None else reference_budget_s):
+                out.stopped = "reference_budget"
+                break
+            continue  # a reference too wide to divide by: more rounds, within max_rounds
         if r >= max_rounds:
             out.stopped = "max_rounds"
             break
     out.rounds = r
     out.elapsed_s = clock() - start
+    return out
+
+
+def unsettled_references(
+    result: Interleaved, groups: list[tuple[str, ...]], threshold: float = NOISY_SPREAD
+) -> list[str]:
+    """The fastest member of each group in ``groups`` whose spread exceeds ``threshold`` (a
+    share of it would not be printed: ``benchmarks.harness.shares``); groups without timed
+    samples (every member failed) are left out."""
+    out = []
+    for group in groups:
+        timed = [n for n in group if result.samples.get(n)]
+        if timed:
+            best = min(timed, key=lambda n: min(result.samples[n]))
+            if not result.spread(best) <= threshold:
+                out.append(best)
     return out
 
 

@@ -1,5 +1,5 @@
-"""``python -m fastcl.bench report JSON...``: benchmark JSON -> RESULTS.md tables and plots;
-``python -m fastcl.bench correctness``: every implementation against float64 at scale."""
+"""``python -m benchmarks.harness report JSON...``: benchmark JSON -> RESULTS.md tables and plots;
+``python -m benchmarks.harness correctness``: every implementation against float64 at scale."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastcl.bench")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.harness")
     sub = parser.add_subparsers(dest="command", required=True)
-    from fastcl.bench import correctness, report
+    from benchmarks.harness import correctness, report
 
     report.add_arguments(sub.add_parser("report", help="pytest-benchmark JSON -> RESULTS.md tables and PNG plots"))
     correctness.add_arguments(sub.add_parser("correctness", help="values and gradients vs float64 at scale"))

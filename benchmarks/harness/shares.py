@@ -1,8 +1,8 @@
 """When a share of a reference (the GEMM floor, one GEMM's rate) is measured soundly enough to print.
 
-A share divides by a reference time, so it is only as good as that reference. Issue 32
-found shares of 128-1020 % of the GEMM rate and 233-244 % of the floor at the grid's
-smallest shapes (SupCon B = 64 and 256, SupMPN B = 64) in a run on a busy machine. Both
+A share divides by a reference time, so it is only as good as that reference. A main job on
+a busy machine printed shares of 128-1020 % of the GEMM rate and 233-244 % of the floor at
+the grid's smallest shapes (SupCon B = 64 and 256, SupMPN B = 64). Both
 references were mis-measured there, for reasons a single check does not catch:
 
 * The GEMM rate (``metrics.gemm_tflops`` until then) was timed apart from the case: five
@@ -37,7 +37,7 @@ prints as "–" and the reason goes to the notes.
 
 from __future__ import annotations
 
-from fastcl.bench.timing import NOISY_SPREAD
+from benchmarks.harness.timing import NOISY_SPREAD
 
 FLOOR_SHARE_CEILING = 1.25
 GEMM_SHARE_CEILING = FLOOR_SHARE_CEILING * 8 / 6

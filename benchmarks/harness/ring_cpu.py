@@ -8,7 +8,7 @@ One call spawns ``world`` processes on a file store. Each rank builds its own Su
 1. checks that both modes give the same loss (relative 1e-4; the ring and the gather add
    the same terms in another order);
 2. **memory**: extra peak RSS of one forward + backward above the RSS before it
-   (``fastcl.bench.memory.measure_extra_rss``: a warm-up step, then ``VmHWM`` after
+   (``benchmarks.harness.memory.measure_extra_rss``: a warm-up step, then ``VmHWM`` after
    ``clear_refs``; the parent sets ``MALLOC_MMAP_THRESHOLD_`` so freed blocks leave RSS);
    reported as the largest rank's;
 3. **bytes**: what one step sends per rank, counted on the calls: point-to-point sends as
@@ -16,7 +16,7 @@ One call spawns ``world`` processes on a file store. Each rank builds its own Su
    of the gathered or reduced tensor (what gloo and NCCL send for large tensors);
 4. **time**: interleaved rounds (the modes alternate, order rotated each round): a barrier,
    then one forward + backward; a step's time is the slowest rank's; the minimum over
-   rounds and its spread (``fastcl.bench.timing.spread``).
+   rounds and its spread (``benchmarks.harness.timing.spread``).
 
 Each rank runs ``threads`` intra-op threads (default: the cores this process may use,
 divided by ``world``), so the ranks do not oversubscribe the machine.
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import distributed
-from .memory import measure_extra_rss
-from .timing import round_order, spread
+from benchmarks.harness.memory import measure_extra_rss
+from benchmarks.harness.timing import round_order, spread
+from fastcl import distributed
 
 MODES = ("gather", "ring")
 _MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "_FASTCL_TEST_CPP_KEEP_BYTES": "0"}
@@ -51,7 +51,7 @@ def _inputs(rank: int, B: int, P: int, Q: int, d: int, dtype: torch.dtype) -> di
 
 
 def _step(mode: str, x: dict, backend: str, group) -> torch.Tensor:
-    from .. import losses
+    from fastcl import losses
 
     loss = losses.supmpn_loss(
         x["anchor"], x["positives"], x["negatives"], temperature=0.05, backend=backend, process_group=group,

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the recorded kernel launches for sm_80 (A100) and sm_90 (H100).
 
-``python -m fastcl.kernels.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N] [--json FILE]`` prints
+``python -m benchmarks.triton_tools.aot [--arch sm80,sm90] [--kernel NAME] [--jobs N] [--json FILE]`` prints
 registers, spills, local memory, shared memory, pipelining, the CTAs per SM the registers and
 shared memory allow, and the tensor-core instruction of every ``(launch, config)``; no GPU
 needed (run it without ``TRITON_INTERPRET=1``). The launches are exactly what the launchers
@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fastcl.kernels._common import ARCHS, INTERPRET, Kernel, Launch, recording
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING
-
-from ._common import ARCHS, INTERPRET, Kernel, Launch, recording
 
 # shared memory one block may use (opt-in maximum) and registers per SM
 SMEM_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}
@@ -53,7 +52,7 @@ def dry_runs(arch: str, dtypes=(torch.bfloat16, torch.float16, torch.float32, to
     edge) and 768, anchors 256 and 300 (whole and partial GEMM ``k`` steps), several dS
     chunks with and without own positives, both similarities, every head option, and
     Matryoshka prefixes."""
-    from . import lse
+    from fastcl.kernels import lse
 
     wide = arch != "interp"
     out: dict[tuple, Launch] = {}
@@ -162,7 +161,7 @@ def _ast_source(launch: Launch, aligned: bool = False):
 
     fn = Kernel.registry[launch.kernel].fn
     if not isinstance(fn, triton.runtime.jit.JITFunction):
-        raise RuntimeError("fastcl.kernels.aot needs compiled Triton: unset TRITON_INTERPRET")
+        raise RuntimeError("benchmarks.triton_tools.aot needs compiled Triton: unset TRITON_INTERPRET")
     types = dict(launch.signature)
     constexprs = {**dict(launch.constexprs), **launch.config.kwargs}
     for name in fn.arg_names:
@@ -336,7 +335,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastcl.kernels.aot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.triton_tools.aot", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma list of sm80, sm90")
     parser.add_argument("--kernel", default=None, help="only this kernel (e.g. _lse_fwd_kernel)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")

@@ -1,1 +1,0 @@
-"""Benchmark support shared by ``benchmarks/`` and the memory tests: cases and meters."""

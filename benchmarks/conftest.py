@@ -21,15 +21,24 @@ Without ``--benchmark-json`` the results are written to ``.benchmarks/fastcl-lat
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib.metadata
 import os
 import platform
+import shutil
+import tempfile
 from pathlib import Path
 
-import pytest
+# torch.compile's kernel cache is private to this run, as in tests/conftest.py: the shared
+# /tmp/torchinductor_<user> has served a run a kernel that aborted it
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastcl-bench-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
-from benchmarks import options
+import pytest  # noqa: E402
+
+from benchmarks import options  # noqa: E402
 
 _RESULTS: list[dict] = []
 _SKIPPED: list[dict] = []

@@ -75,6 +75,7 @@ class BenchOptions:
     gc_chunk: int = 64
     gc_paired_batch: int = 256
     st_grid: tuple[tuple[int, int, int], ...] = ()  # bench_st.py (B, Q, d) cases; (): its own grid
+    gist_step: tuple[int, ...] = (512, 64)  # bench_gist_step.py: batch, mini-batch
     ring: bool = False  # bench_ring.py runs in the main job too
     ring_worlds: tuple[int, ...] = (2, 4)
     ring_case: dict[str, int] = field(default_factory=lambda: dict(RING_CASE))
@@ -113,6 +114,7 @@ def add_options(parser) -> None:
     g.addoption("--bench-gc-chunk", type=int, default=64, help="bench_gradcache.py rows per cached chunk")
     g.addoption("--bench-gc-paired-batch", type=int, default=256, help="bench_gradcache.py paired-overhead batch")
     g.addoption("--bench-st-grid", help='bench_st.py cases "B,Q,d;B,Q,d" (default: its grid)')
+    g.addoption("--bench-gist-step", default="512,64", help="bench_gist_step.py's batch,mini-batch (default 512,64)")
     g.addoption("--bench-ring", action="store_true", help="run bench_ring.py (multi-process) in the main job too")
     g.addoption("--bench-ring-worlds", default="2,4", help="bench_ring.py process counts (default 2,4)")
     g.addoption("--bench-ring-case", help="bench_ring.py sizes per rank (default B=1024,P=5,Q=5,d=768)")
@@ -152,6 +154,7 @@ def from_pytest(config) -> BenchOptions:
         gc_chunk=get("--bench-gc-chunk"),
         gc_paired_batch=get("--bench-gc-paired-batch"),
         st_grid=_grid(get("--bench-st-grid")),
+        gist_step=_ints("--bench-gist-step", get("--bench-gist-step")),
         ring=get("--bench-ring"),
         ring_worlds=_ints("--bench-ring-worlds", get("--bench-ring-worlds")),
         ring_case=_ring_case(get("--bench-ring-case")),
@@ -168,6 +171,8 @@ def from_pytest(config) -> BenchOptions:
             raise ValueError(f"--bench-{name.replace('_', '-')}={value}: expected a positive integer")
     if not opts.budget_s >= 0:
         raise ValueError(f"--bench-budget-s={opts.budget_s}: expected seconds >= 0")
+    if len(opts.gist_step) != 2:
+        raise ValueError(f"--bench-gist-step={opts.gist_step}: expected batch,mini-batch")
     return opts
 
 

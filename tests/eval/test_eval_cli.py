@@ -106,12 +106,14 @@ def test_plot_similarity_cli(tiny_model, tmp_path, capsys):
 
 
 def test_cosine_matrix_and_plot_checks(tmp_path):
-    import numpy as np
     import torch
 
     from fastcl.eval.plot import cosine_matrix, plot_similarity
+    from fastcl.testing import assert_roundoff
 
     sim = cosine_matrix(torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]))
-    np.testing.assert_allclose(sim, [[1, 0, 0.5**0.5], [0, 1, 0.5**0.5], [0.5**0.5, 0.5**0.5, 1]], atol=1e-12)
+    want = torch.tensor([[1, 0, 0.5**0.5], [0, 1, 0.5**0.5], [0.5**0.5, 0.5**0.5, 1]], dtype=torch.float64)
+    # float64: a norm and a dot product of d = 2 coordinates of unit size
+    assert_roundoff(torch.from_numpy(sim), want, torch.float64, terms=2 * 2, magnitude=1.0)
     with pytest.raises(ValueError, match=r"\(2, 2\)"):
         plot_similarity(["a", "b"], sim, tmp_path / "x.png")

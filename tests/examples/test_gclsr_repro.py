@@ -110,7 +110,8 @@ def test_init_script_rebuilds_the_seeded_model_and_measures_movement(tmp_path):
     for name, value in init.state_dict().items():
         assert torch.equal(saved[name], value), name
     moved = json.loads((out / "relative_change.json").read_text())
-    assert abs(moved["backbone.convs.0.weight"] - 0.25) < 1e-4
+    # written rounded to 4 decimals: float32's round-off of the norms (~1e-7) cannot show
+    assert moved["backbone.convs.0.weight"] == 0.25
     assert moved["backbone.convs.1.weight"] == 0.0
     emb = load_pretrained(out).encode(["the cat sat"])
     assert emb.shape == (1, 6) and torch.isfinite(torch.as_tensor(emb)).all()

@@ -5,7 +5,7 @@
   (``tests.helpers.st.lookup_model``), with a guide table that groups the texts into
   meanings: margin strategy x margin (0, 0.1, 0.3) x contrast_anchors x contrast_positives x
   temperature (0.01, 0.05), with 0, 1 and 2 negative columns (2: against the cached loss, the
-  uncached one takes at most one). Values and the table's gradient within 1e-10.
+  uncached one takes at most one). Values and the table's gradient within float64 round-off.
 * Through real models, float32: a tiny random BERT trained with all-MiniLM-L6-v2 as the guide,
   once with another tokenizer (the texts are decoded and re-tokenized for the guide) and
   once with MiniLM's own; dropout on, seeded. Plain against plain and cached against cached,
@@ -30,12 +30,16 @@ from fastcl.integrations import sentence_transformers as fst  # noqa: E402
 from fastcl.losses import gist_loss  # noqa: E402
 from tests.helpers import st as common  # noqa: E402
 from tests.helpers.gradcache import one_thread  # noqa: E402, F401  (the fixture)
+from tests.helpers.roundoff import assert_grad_roundoff, assert_loss_roundoff  # noqa: E402
 
 # tiny models: one intra-op thread (two stall each other on a busy 2-core machine: 4x slower)
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
-F64_TOL = 1e-10
 B, D, G = 5, 6, 4  # an odd batch: cached chunks of 2 leave a chunk of 1
+# float64 sums behind a value or gradient entry: a logit's D coordinates, a row's candidates
+# (up to 4 columns and the anchors, 5 x B) and a column's B anchors
+F64_TERMS = D + 5 * B + B
+ST_TEMPERATURE = 0.01  # sentence-transformers' default
 CHUNK = 2
 MARGINS = [(s, m) for s in ("absolute", "relative") for m in (0.0, 0.1, 0.3)]
 FLAGS = list(itertools.product([True, False], [True, False], [0.01, 0.05]))  # anchors, positives, temperature
@@ -68,11 +72,14 @@ def _run(loss, model, features) -> tuple[torch.Tensor, torch.Tensor]:
     return value.detach(), model.table.grad.clone()
 
 
-def _assert_same(got, want, what: str, tol: float = F64_TOL) -> None:
+def _assert_same(got, want, what: str, temperature: float = ST_TEMPERATURE, weight: float = 1.0) -> None:
+    """Float64 round-off of :data:`F64_TERMS` sums, logits of size ``1/temperature`` (times
+    ``weight``, the sum of the losses' weights)."""
     (v, g), (rv, rg) = got, want
     assert torch.isfinite(v), what
-    torch.testing.assert_close(v, rv, rtol=tol, atol=tol, msg=lambda m: f"{what}: value\n{m}")
-    torch.testing.assert_close(g, rg, rtol=tol, atol=tol, msg=lambda m: f"{what}: gradient\n{m}")
+    kw = dict(terms=F64_TERMS, logit_scale=weight / temperature)
+    assert_loss_roundoff(v, rv, torch.float64, **kw, msg=f"{what}: value")
+    assert_grad_roundoff(g, rg, torch.float64, **kw, msg=f"{what}: gradient")
 
 
 def _dropped(guide: torch.Tensor, columns: int, strategy: str, margin: float) -> tuple[int, int]:
@@ -109,12 +116,14 @@ def test_every_option_equals_sentence_transformers(strategy, margin, negatives):
         st_cached = _run(st_losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=CHUNK, **opts), model, features)
         if negatives <= 1:
             want = _run(st_losses.GISTEmbedLoss(model, guide, **opts), model, features)
-            _assert_same(st_cached, want, f"ST cached vs ST ({what})")  # the oracle agrees with itself
+            _assert_same(st_cached, want, f"ST cached vs ST ({what})", temperature)  # the oracle agrees with itself
         else:
             want = st_cached
-        _assert_same(_run(fst.GISTEmbedLoss(model, guide, **opts), model, features), want, f"fastcl, {what}")
+        _assert_same(
+            _run(fst.GISTEmbedLoss(model, guide, **opts), model, features), want, f"fastcl, {what}", temperature
+        )
         cached = fst.CachedGISTEmbedLoss(model, guide, mini_batch_size=CHUNK, **opts)
-        _assert_same(_run(cached, model, features), st_cached, f"fastcl cached, {what}")
+        _assert_same(_run(cached, model, features), st_cached, f"fastcl cached, {what}", temperature)
 
 
 def test_compute_loss_from_embeddings_and_no_grad():
@@ -126,13 +135,14 @@ def test_compute_loss_from_embeddings_and_no_grad():
     cols = [model_table[c * B : (c + 1) * B] for c in range(3)]
     gcols = [guide_table[c * B : (c + 1) * B] for c in range(3)]
     got = fst.GISTEmbedLoss(None, None, margin=0.1).compute_loss_from_embeddings(cols, gcols)
-    torch.testing.assert_close(got, want.detach(), rtol=F64_TOL, atol=F64_TOL)
+    kw = dict(terms=F64_TERMS, logit_scale=1 / ST_TEMPERATURE)
+    assert_loss_roundoff(got, want.detach(), torch.float64, **kw)
     with torch.no_grad():
         for loss in (
             fst.GISTEmbedLoss(model, guide, margin=0.1),
             fst.CachedGISTEmbedLoss(model, guide, 0.01, 2, margin=0.1),
         ):
-            torch.testing.assert_close(loss([dict(f) for f in _features(3)]), want.detach(), rtol=F64_TOL, atol=F64_TOL)
+            assert_loss_roundoff(loss([dict(f) for f in _features(3)]), want.detach(), torch.float64, **kw)
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -156,8 +166,9 @@ def test_inside_matryoshka_loss_and_fused_dims(cached):
         else (lambda **kw: fst.GISTEmbedLoss(model, guide, margin=0.1, **kw))
     )
     want = _run(st_losses.MatryoshkaLoss(model, make_st(), dims), model, features)
-    _assert_same(_run(st_losses.MatryoshkaLoss(model, make(), dims), model, features), want, "wrapped")
-    _assert_same(_run(make(matryoshka_dims=dims), model, features), want, "fused dims")
+    # three dims' losses, each of weight 1
+    _assert_same(_run(st_losses.MatryoshkaLoss(model, make(), dims), model, features), want, "wrapped", weight=3.0)
+    _assert_same(_run(make(matryoshka_dims=dims), model, features), want, "fused dims", weight=3.0)
 
 
 # --------------------------------------------------------------------------- real models, float32

@@ -23,13 +23,16 @@ import fastcl.losses as L
 from fastcl import reference as R
 from tests.helpers.backends import backends_under_test, device_under_test, require
 from tests.helpers.gradcache import one_thread  # noqa: F401  (the fixture)
+from tests.helpers.roundoff import assert_grad_roundoff, assert_loss_roundoff
 
 # B = 7: one intra-op thread (two stall each other on a busy 2-core machine: 5x slower)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BACKENDS = ["reference", *backends_under_test()]
-TOL = 1e-9  # float64 (fastcl.testing's floor)
 B, D, G = 7, 9, 5
+# float64 sums behind a value or gradient entry: a logit's D coordinates, a row's candidates
+# (the [ap | aa | pp | an] blocks, up to 5 x B) and a column's B anchors
+TERMS = D + 5 * B + B
 
 
 @pytest.fixture(params=BACKENDS)
@@ -68,12 +71,28 @@ def _value_grads(fn, leaves):
     return value.detach(), torch.autograd.grad(value.sum(), leaves)
 
 
-def _assert_same(got, want, what):
+def _scale(leaves, temperature: float, similarity: str = "cos", weight: float = 1.0) -> tuple[float, float]:
+    """The logits' size, ``1/temperature`` (cos) or ``max|a| max|c| / temperature`` (dot), times
+    ``weight`` (the sum of Matryoshka weights); and the size of a gradient's terms, softmax
+    weights times d logit / d a, which cancel where the softmax saturates: ``|c| / temperature``
+    for dot products, ``(c/|c| - cos a/|a|) / (|a| temperature) <= 2 / (min|a| temperature)``."""
+    norms = [t.detach().norm(dim=-1) for t in leaves]
+    big, small = max(n.max().item() for n in norms), min(n.min().item() for n in norms)
+    if similarity != "dot":
+        return weight / temperature, 2 * weight / (small * temperature)
+    return weight * big**2 / temperature, weight * big / temperature
+
+
+def _assert_same(got, want, what, scale: tuple[float, float]):
+    """Float64 round-off of :data:`TERMS` sums with logits and gradient terms of the sizes
+    ``scale`` (:func:`_scale`)."""
     (v, g), (rv, rg) = got, want
+    logits, term = scale
     assert torch.isfinite(v).all(), what
-    torch.testing.assert_close(v, rv, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: value\n{m}")
+    assert_loss_roundoff(v, rv, torch.float64, terms=TERMS, logit_scale=logits, msg=f"{what}: value")
     for i, (a, b) in enumerate(zip(g, rg)):
-        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL, msg=lambda m, i=i: f"{what}: gradient {i}\n{m}")
+        kw = dict(terms=TERMS, logit_scale=logits, term_size=term, msg=f"{what}: gradient {i}")
+        assert_grad_roundoff(a, b, torch.float64, **kw)
 
 
 def _guide_drops(guide, strategy: str, margin: float) -> tuple[int, int]:
@@ -108,6 +127,7 @@ def test_gist_equals_reference_for_every_option(backend, strategy, Q):
             _value_grads(lambda o=opts: L.gist_loss(a, p, n, guide=guide, backend=backend, **o), leaves),
             _value_grads(lambda o=opts: R.gist(a, p, n, guide=guide, **o), leaves),
             f"{backend}, Q={Q}, {opts}",
+            _scale(leaves, temperature),
         )
 
 
@@ -117,7 +137,8 @@ def test_gist_reductions(backend, reduction):
     a, p, n = leaves
     opts = dict(margin=0.1, margin_strategy="relative", reduction=reduction)
     got = _value_grads(lambda: L.gist_loss(a, p, n, guide=guide, backend=backend, **opts), leaves)
-    _assert_same(got, _value_grads(lambda: R.gist(a, p, n, guide=guide, **opts), leaves), reduction)
+    want = _value_grads(lambda: R.gist(a, p, n, guide=guide, **opts), leaves)
+    _assert_same(got, want, reduction, _scale(leaves, 0.01))  # gist_loss's default temperature
     assert got[0].shape == ((B,) if reduction == "none" else ())
 
 
@@ -128,9 +149,11 @@ def test_gist_negative_absolute_margin_and_module(backend):
     a, p, n = leaves
     opts = dict(margin=-0.05, contrast_positives=False, temperature=0.05)
     want = _value_grads(lambda: R.gist(a, p, n, guide=guide, **opts), leaves)
-    _assert_same(_value_grads(lambda: L.gist_loss(a, p, n, guide=guide, backend=backend, **opts), leaves), want, "fn")
+    scale = _scale(leaves, 0.05)
+    got = _value_grads(lambda: L.gist_loss(a, p, n, guide=guide, backend=backend, **opts), leaves)
+    _assert_same(got, want, "fn", scale)
     module = L.GISTLoss(backend=backend, **opts)
-    _assert_same(_value_grads(lambda: module(a, p, n, guide=guide), leaves), want, "module")
+    _assert_same(_value_grads(lambda: module(a, p, n, guide=guide), leaves), want, "module", scale)
     assert "margin=-0.05" in repr(module)
 
 
@@ -152,7 +175,9 @@ def test_gist_matryoshka_is_the_sum_over_prefixes(backend, weights):
         ),
         leaves,
     )
-    _assert_same(got, _value_grads(oracle, leaves), f"dims {dims}, weights {weights}")
+    _assert_same(
+        got, _value_grads(oracle, leaves), f"dims {dims}, weights {weights}", _scale(leaves, 0.05, weight=sum(w))
+    )
 
 
 # --------------------------------------------------------------------------- self-margin filter
@@ -181,6 +206,7 @@ def test_self_margin_mnrl_equals_reference(backend, Q):
             ),
             _value_grads(lambda m=margin, o=opts: R.self_margin_mnrl(a, p, n, margin=m, **o), leaves),
             f"{backend}, Q={Q}, margin={margin}, {opts}",
+            _scale(leaves, 0.05, similarity),
         )
 
 
@@ -197,9 +223,10 @@ def test_self_margin_symmetric_infonce_equals_reference(backend, margin):
         lambda: L.infonce_loss(a, p, symmetric=True, false_negative_margin=margin, temperature=0.05, backend=backend),
         leaves,
     )
-    _assert_same(got, _value_grads(oracle, leaves), f"margin {margin}")
+    scale = _scale(leaves, 0.05)
+    _assert_same(got, _value_grads(oracle, leaves), f"margin {margin}", scale)
     module = L.InfoNCELoss(temperature=0.05, symmetric=True, false_negative_margin=margin, backend=backend)
-    _assert_same(_value_grads(lambda: module(a, p), leaves), _value_grads(oracle, leaves), "module")
+    _assert_same(_value_grads(lambda: module(a, p), leaves), _value_grads(oracle, leaves), "module", scale)
 
 
 def test_self_margin_matryoshka_thresholds_per_prefix(backend):
@@ -213,7 +240,8 @@ def test_self_margin_matryoshka_thresholds_per_prefix(backend):
     got = _value_grads(
         lambda: L.mnrl_loss(a, p, n, false_negative_margin=0.1, matryoshka_dims=dims, backend=backend), leaves
     )
-    _assert_same(got, _value_grads(oracle, leaves), f"dims {dims}")
+    # mnrl_loss's default temperature 0.05; three prefixes of weight 1
+    _assert_same(got, _value_grads(oracle, leaves), f"dims {dims}", _scale(leaves, 0.05, weight=3.0))
 
 
 # --------------------------------------------------------------------------- errors

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fastcl.losses as L
+from tests.helpers.roundoff import assert_loss_roundoff, assert_tau_grad_roundoff
 
 E = math.e
 R2 = 1 / math.sqrt(2)
@@ -20,6 +21,18 @@ BACKENDS = ["reference", "torch"]
 
 def t(x):
     return torch.tensor(x, dtype=torch.float64)
+
+
+# float64 against the same formula in math's float64: a logit's d = 2 coordinates, a row's up to
+# 4 candidates and a column's 2 anchors (symmetric), the mean over 2 rows
+TERMS = 2 + 4 + 2 + 2
+
+
+def _hand(got, want, logit_scale: float = 1.0) -> None:
+    """A loss against its hand-derived value: logits of size ``logit_scale`` (``1/tau`` for cosine)."""
+    assert_loss_roundoff(
+        got, torch.as_tensor(want, dtype=torch.float64), torch.float64, terms=TERMS, logit_scale=logit_scale
+    )
 
 
 # Two anchors along the axes, one positive and one negative each (d = 2, tau = 1).
@@ -36,11 +49,11 @@ def test_supmpn_eq7(backend):
     term0 = -1 + math.log(E + r0)
     term1 = -1 + math.log(E + r1)
     got = L.supmpn_loss(A, POS, NEG, temperature=1.0, backend=backend)
-    assert got.item() == pytest.approx((term0 + term1) / 2, rel=1e-12)
+    _hand(got, (term0 + term1) / 2)
     none = L.supmpn_loss(A, POS, NEG, temperature=1.0, reduction="none", backend=backend)
-    assert none.tolist() == pytest.approx([term0, term1], rel=1e-12)
+    _hand(none, [term0, term1])
     total = L.supmpn_loss(A, POS, NEG, temperature=1.0, reduction="sum", backend=backend)
-    assert total.item() == pytest.approx(term0 + term1, rel=1e-12)
+    _hand(total, term0 + term1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -48,7 +61,7 @@ def test_supcon_includes_own_positive(backend):
     lse0 = math.log(E + 1 + math.exp(-1) + math.exp(R2))
     lse1 = math.log(1 + E + 1 + math.exp(R2))
     got = L.supcon_loss(A, POS, NEG, temperature=1.0, backend=backend)
-    assert got.item() == pytest.approx(((lse0 - 1) + (lse1 - 1)) / 2, rel=1e-12)
+    _hand(got, ((lse0 - 1) + (lse1 - 1)) / 2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -57,7 +70,7 @@ def test_temperature_scales_logits(backend):
     lse0 = math.log(math.exp(2) + 1 + math.exp(-2) + math.exp(2 * R2))
     lse1 = math.log(1 + math.exp(2) + 1 + math.exp(2 * R2))
     got = L.supcon_loss(A, POS, NEG, temperature=tau, backend=backend)
-    assert got.item() == pytest.approx(((lse0 - 2) + (lse1 - 2)) / 2, rel=1e-12)
+    _hand(got, ((lse0 - 2) + (lse1 - 2)) / 2, logit_scale=1 / tau)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -72,8 +85,8 @@ def test_supmpn_other_own_positives(backend):
     code = (-1 + math.log(E + math.exp(-1) + 1) + (0 + math.log(1 + math.exp(-1) + 1))) / 2
     got = L.supmpn_loss(a, pos, neg, temperature=1.0, backend=backend)
     got_code = L.supmpn_loss(a, pos, neg, temperature=1.0, own_positives="zero_logit", backend=backend)
-    assert got.item() == pytest.approx(eq7, rel=1e-12)
-    assert got_code.item() == pytest.approx(code, rel=1e-12)
+    _hand(got, eq7)
+    _hand(got_code, code)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -91,7 +104,7 @@ def test_masks_remove_slots_and_anchors(backend):
     # anchor 0: candidates = p0 (own), n0 ; p1 is padding too (its slot is masked)
     expected = -1 + math.log(E + math.exp(-1))
     got = L.supcon_loss(A, POS, NEG, pos_mask=pos_mask, neg_mask=neg_mask, temperature=1.0, backend=backend)
-    assert got.item() == pytest.approx(expected, rel=1e-12)
+    _hand(got, expected)
     rows = L.supcon_loss(
         A, POS, NEG, pos_mask=pos_mask, neg_mask=neg_mask, temperature=1.0, reduction="none", backend=backend
     )
@@ -104,7 +117,7 @@ def test_dot_similarity(backend):
     lse0 = math.log(math.exp(2) + 1 + math.exp(-1) + E)
     lse1 = math.log(1 + math.exp(3) + 1 + E)
     got = L.supcon_loss(A, POS, NEG, temperature=1.0, similarity="dot", backend=backend)
-    assert got.item() == pytest.approx(((lse0 - 2) + (lse1 - 3)) / 2, rel=1e-12)
+    _hand(got, ((lse0 - 2) + (lse1 - 3)) / 2, logit_scale=3.0)  # dot products up to 3
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -113,9 +126,9 @@ def test_mnrl_is_cross_entropy_over_positives_and_negatives(backend):
     lse0 = math.log(E + 1 + math.exp(-1) + math.exp(R2))
     lse1 = math.log(1 + E + 1 + math.exp(R2))
     got = L.mnrl_loss(A, POS[:, 0], NEG[:, 0], temperature=1.0, backend=backend)
-    assert got.item() == pytest.approx(((lse0 - 1) + (lse1 - 1)) / 2, rel=1e-12)
+    _hand(got, ((lse0 - 1) + (lse1 - 1)) / 2)
     got_2d = L.mnrl_loss(A, POS[:, 0], NEG, temperature=1.0, backend=backend)
-    assert got_2d.item() == pytest.approx(got.item(), rel=1e-12)
+    _hand(got_2d, got.item())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -128,9 +141,9 @@ def test_infonce_and_symmetric(backend):
     col0 = -R2 + math.log(2 * math.exp(R2))
     col1 = -1 + math.log(1 + E)
     got = L.infonce_loss(a, p, temperature=1.0, backend=backend)
-    assert got.item() == pytest.approx((row0 + row1) / 2, rel=1e-12)
+    _hand(got, (row0 + row1) / 2)
     sym = L.infonce_loss(a, p, temperature=1.0, symmetric=True, backend=backend)
-    assert sym.item() == pytest.approx(0.5 * ((row0 + row1) / 2 + (col0 + col1) / 2), rel=1e-12)
+    _hand(sym, 0.5 * ((row0 + row1) / 2 + (col0 + col1) / 2))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -141,7 +154,7 @@ def test_edacse(backend):
     first = -1 + math.log(E + 1)
     second = ((1 + math.log(math.exp(-1) + 1)) + (-1 + math.log(1 + E))) / 2
     got = L.edacse_loss(a, drop, aug, lam=0.6, temperature=1.0, backend=backend)
-    assert got.item() == pytest.approx(first + 0.6 * second, rel=1e-12)
+    _hand(got, first + 0.6 * second)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -155,7 +168,7 @@ def test_supcon_pool_shared_positive(backend):
     row0 = -1 + math.log(E + 1)
     row1 = -R2 + math.log(2 * math.exp(R2))
     got = L.supcon_pool_loss(a, cands, pos_index, cand_mask=cand_mask, temperature=1.0, backend=backend)
-    assert got.item() == pytest.approx((row0 + row1) / 2, rel=1e-12)
+    _hand(got, (row0 + row1) / 2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -171,19 +184,19 @@ def test_temperature_gradient(backend):
         mean_s = sum(wj * s for wj, s in zip(w, sims[i])) / sum(w)
         grad += (sims[i][i] - mean_s) / 0.5**2 / 2
     L.infonce_loss(a, p, temperature=tau, backend=backend).backward()
-    assert tau.grad.item() == pytest.approx(grad, rel=1e-10)
+    # the mean (rows = 1) of logit differences of size 1/tau, times 1/tau
+    want = torch.tensor(grad, dtype=torch.float64)
+    assert_tau_grad_roundoff(tau.grad, want, torch.float64, terms=TERMS, logit_scale=1 / 0.5, rows=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_cosine_and_gclsr(backend):
     h = t([[1.0, 0.0, 0.0, 1.0]])
     z = t([[1.0, 0.0, 1.0, 0.0]])  # group cosines: 1 and 0
-    assert L.grouped_cosine_loss(h, z, group_size=2, backend=backend).item() == pytest.approx(-0.5)
-    assert L.grouped_cosine_loss(h, z, group_size=4, backend=backend).item() == pytest.approx(
-        -0.5
-    )  # SimSiam: cos = 1/2
+    _hand(L.grouped_cosine_loss(h, z, group_size=2, backend=backend), -0.5)
+    _hand(L.grouped_cosine_loss(h, z, group_size=4, backend=backend), -0.5)  # SimSiam: cos = 1/2
     h2 = t([[0.0, 1.0, 0.0, 1.0]])
     z2 = t([[0.0, 2.0, 0.0, -1.0]])  # L(h1, z2): groups (1,0)v(0,2)=0 ; (0,1)v(0,-1)=-1 -> 0.5
     # L(h2, z1): (0,1)v(1,0)=0 ; (0,1)v(1,0)=0 -> 0
     got = L.gclsr_loss(h, z, h2, z2, group_size=2, backend=backend)
-    assert got.item() == pytest.approx(0.5 * (0.5 + 0.0))
+    _hand(got, 0.5 * (0.5 + 0.0))

@@ -246,7 +246,11 @@ def test_supmpn_slot_layout_drops_a_full_mask_and_keeps_the_loss():
     assert pm is None and nm is None and positives.data_ptr() == pos_flat.data_ptr()
     unmasked = supmpn_loss(anchor, positives, negatives, pos_mask=pm, neg_mask=nm, backend="reference")
     masked = supmpn_loss(anchor, positives, negatives, pos_mask=full_p, neg_mask=full_n, backend="reference")
-    torch.testing.assert_close(unmasked, masked, rtol=0, atol=1e-12)
+    # the reference in float64, masked or not: a logit's d coordinates, a row's B x (P + Q)
+    # candidates, B rows; logits of size 1/tau = 20 (the default 0.05)
+    from tests.helpers.roundoff import assert_loss_roundoff
+
+    assert_loss_roundoff(unmasked, masked, torch.float64, terms=d + B * (P + Q) + B, logit_scale=20.0)
 
     part = full_n.clone()
     part[1, 2] = part[3, 0] = False

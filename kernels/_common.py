@@ -193,6 +193,148 @@ def online_lse(m, l, u, logits, keep):
 
 
 @triton.jit
+def log1p(x):
+    """``log(1 + x)`` accurate for small ``x`` (``x * log(u) / (u - 1)``, ``u = 1 + x``)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
+# ---------------------------------------------------------------------------------------
+# the primitive's extensions (contract.Filter, contract.Sigmoid) on a [BM, BN] tile
+# ---------------------------------------------------------------------------------------
+
+FILTER_KINDS = ("none", "self", "guide")  # the kernels' FILTER constexpr is the index
+FILTER_NONE = tl.constexpr(0)
+FILTER_SELF = tl.constexpr(1)  # the model's own similarity against the threshold
+FILTER_GUIDE = tl.constexpr(2)  # a guide model's cosine, a second (narrow) dot tile
+
+
+@triton.jit
+def own_columns(rows, cols, first, P):
+    """``[BM, BN]``: column ``cols[c]`` is one of row ``rows[r]``'s own positives, the columns
+    ``first + r * P .. first + (r + 1) * P - 1`` (``contract.own_positive_columns``; ``P = 0``:
+    none). What the sigmoid's ``z = +1`` and the filter's exemption read."""
+    lo = first + rows.to(tl.int64) * P
+    c = cols.to(tl.int64)[None, :]
+    return (c >= lo[:, None]) & (c < (lo + P)[:, None])
+
+
+@triton.jit
+def similarity(s, ia, ic, SCALE_TILE: tl.constexpr):
+    """Raw dot tile -> the model's similarity (cosine, or the dot product with row scales of 1):
+    ``scale_logits`` without the temperature, for the filters."""
+    if SCALE_TILE:
+        return s * ia[:, None] * ic[None, :]
+    else:
+        return s
+
+
+@triton.jit
+def filter_logits(s, ia, ic, inv_tau, POISON, a_off, c_off, row_ok, col_ok, SCALE_TILE: tl.constexpr):
+    """``(sim, logits)`` of a filtered problem's tile: the similarity with the rows' poison added
+    (NaN for an input row that held a NaN or an Inf, read as zeros in the product: contract.Filter)."""
+    pa = tl.load(POISON + a_off, mask=row_ok, other=0.0)
+    pc = tl.load(POISON + c_off, mask=col_ok, other=0.0)
+    sim = similarity(s, ia, ic, SCALE_TILE) + pa[:, None] + pc[None, :]
+    return sim, sim * inv_tau
+
+
+@triton.jit
+def guide_similarity(GA, GC, GNORMS, rows, cols, n_rows, n_cols, a_off, c_off, row_ok, col_ok, g):
+    """``[BM, BN]`` cosine of the guide embeddings (rows of ``GA [B, g]`` against rows of
+    ``GC [n, g]``, row scales ``GNORMS``): the guide filter's second, narrow dot tile. fp32/fp64
+    guides are scaled on load, 16-bit ones after the product (``dot_tile``'s rule)."""
+    GT: tl.constexpr = GA.dtype.element_ty
+    WIDE: tl.constexpr = (GT == tl.float32) or (GT == tl.float64)
+    GACC: tl.constexpr = tl.float64 if GT == tl.float64 else tl.float32
+    GPREC: tl.constexpr = "tf32x3" if GT == tl.float32 else "ieee"
+    # narrow k steps: the guide's operand tiles live in registers beside the model's tile (fp32
+    # guides split each into two halves for 3xTF32)
+    GBK: tl.constexpr = 16 if WIDE else 32
+    iga = tl.load(GNORMS + a_off, mask=row_ok, other=0.0)
+    igc = tl.load(GNORMS + c_off, mask=col_ok, other=0.0)
+    ga_rows = GA + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * g
+    gc_rows = GC + tl.minimum(cols, n_cols - 1).to(tl.int64)[:, None] * g
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=GACC)
+    gs = dot_tile(acc, ga_rows, gc_rows, 0, g, iga, igc, GPREC, WIDE, False, GBK)
+    return similarity(gs, iga, igc, not WIDE)
+
+
+@triton.jit
+def filter_drop(fsim, THR, rows, row_ok, own):
+    """The filter's drops on a tile: ``fsim > threshold[row]`` (strict; a NaN on either side drops
+    nothing) unless an own positive (``contract.filtered``)."""
+    thr = tl.load(THR + rows, mask=row_ok, other=float("nan"))
+    return (fsim > thr[:, None]) & ~own
+
+
+@triton.jit
+def sigmoid_terms(logits, own, bias):
+    """``(softplus(-z (l + b)), sigma = -z sigmoid(-z (l + b)))`` elementwise, ``z = +1`` on own
+    positives and ``-1`` elsewhere (``contract.sigmoid_terms``), from one ``exp(-|u|)``, exact
+    for every ``u``; NaN stays NaN."""
+    x = logits + bias
+    u = tl.where(own, -x, x)  # -z (l + b)
+    e = tl.exp(-tl.abs(u))
+    term = tl.maximum(u, 0.0) + log1p(e)
+    r = 1.0 / (1.0 + e)
+    sig = tl.where(u >= 0.0, r, e * r)
+    return term, tl.where(own, -sig, sig)
+
+
+@triton.jit
+def ext_own(rows, cols, first, P, FILTER: tl.constexpr, SIGMOID: tl.constexpr):
+    """The tile's own-positive columns where an extension reads them (``own_columns``), else None."""
+    if (FILTER != FILTER_NONE) or SIGMOID:
+        return own_columns(rows, cols, first, P)
+    else:
+        return None
+
+
+@triton.jit
+def ext_guide(GA, GC, GNORMS, THR, rows, cols, n_rows, n_cols, a_off, c_off, row_ok, col_ok, own, g,
+              FILTER: tl.constexpr):  # fmt: skip
+    """The guide filter's drops on a tile (its similarity tile against the thresholds) when
+    ``FILTER`` is the guide, formed before the model's tile, so that only a mask lives through
+    the main loop; else ``own`` as a placeholder :func:`ext_logits` does not read (Triton 3.6
+    cannot carry a None beside a tensor through a loop)."""
+    if FILTER == FILTER_GUIDE:
+        gsim = guide_similarity(GA, GC, GNORMS, rows, cols, n_rows, n_cols, a_off, c_off, row_ok, col_ok, g)
+        return filter_drop(gsim, THR, rows, row_ok, own)
+    else:
+        return own
+
+
+@triton.jit
+def ext_logits(s, ia, ic, inv_tau, keep, own, gdrop, POISON, THR, a_off, c_off, rows, row_ok, col_ok,
+               FILTER: tl.constexpr, SCALE_TILE: tl.constexpr):  # fmt: skip
+    """``(logits, keep)`` of a tile from its raw dot products ``s``: the structural mask ``keep``
+    less the filter's drops (self: the model's similarity with its poison; guide: ``gdrop``)."""
+    if FILTER == FILTER_NONE:
+        return scale_logits(s, ia, ic, inv_tau, SCALE_TILE), keep
+    else:
+        sim, logits = filter_logits(s, ia, ic, inv_tau, POISON, a_off, c_off, row_ok, col_ok, SCALE_TILE)
+        if FILTER == FILTER_SELF:
+            gdrop = filter_drop(sim, THR, rows, row_ok, own)
+        return logits, keep & ~gdrop
+
+
+@triton.jit
+def reduce_tile(m, l, u, logits, keep, own, bias, SIGMOID: tl.constexpr):
+    """The forward's per-tile row reduction: the online LSE's ``(max, sum exp, sum exp * l)``, or
+    with ``SIGMOID`` the sigmoid reduction's plain row sums ``(sum term, sum sigma * l, sum
+    sigma)`` (partials of splits then add, no rescaling)."""
+    if SIGMOID:
+        term, sigma = sigmoid_terms(logits, own, bias)
+        m += tl.sum(tl.where(keep, term, 0.0), 1)
+        l += tl.sum(tl.where(keep, sigma * logits, 0.0), 1)
+        u += tl.sum(tl.where(keep, sigma, 0.0), 1)
+        return m, l, u
+    else:
+        return online_lse(m, l, u, logits, keep)
+
+
+@triton.jit
 def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of a linear tile index in grouped order: consecutive tiles share
     column panels of the second operand in L2 (the Triton matmul tutorial's swizzle)."""

@@ -4,7 +4,9 @@ A configuration is chosen per **(role, arch, dtype class, d class)**:
 
 * role: ``rows`` (norm pre-pass), ``head`` (combine + own logits + loss head), ``fwd`` /
   ``ds`` (the logit-tile sweeps), ``mm`` (the backward GEMM), ``prefix_fwd`` / ``prefix_ds``
-  (their Matryoshka variants);
+  (their Matryoshka variants), and each sweep's ``<sweep>_ext`` (with the sigmoid reduction
+  or a self filter: a longer epilogue) and ``<sweep>_guide`` (with the guide filter: a second
+  dot tile per tile);
 * arch: ``sm80`` (A100 and other sm_8x), ``sm90`` (H100/H200), ``interp`` (the Triton
   interpreter: tiny tiles so that small test shapes cross every edge);
 * dtype class: ``16`` (bf16/fp16), ``32``, ``64``;
@@ -31,7 +33,10 @@ import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-ROLES = ("rows", "head", "fwd", "ds", "mm", "mm_split", "prefix_fwd", "prefix_ds")
+SWEEPS = ("fwd", "ds", "prefix_fwd", "prefix_ds")  # the logit-tile sweeps, each with extension roles
+ROLES = ("rows", "head", "fwd", "ds", "mm", "mm_split", "prefix_fwd", "prefix_ds") + tuple(
+    f"{sweep}_{ext}" for ext in ("ext", "guide") for sweep in SWEEPS
+)
 ARCHS = ("sm80", "sm90", "interp")
 DCLASSES = ("16", "32", "64")
 DSIZES = ("small", "large")
@@ -192,6 +197,44 @@ DEFAULTS: dict[str, dict[str, dict]] = {
         "interp": _INTERP_TILE,
     },
 }
+
+
+# The extensions' sweeps (``<sweep>_ext``: the sigmoid reduction or a self filter, a longer
+# epilogue; ``<sweep>_guide``: the guide filter's second dot tile) take the plain sweep's config
+# except where that spilled (compile facts of python -m fastcl.kernels.aot, both archs, both
+# Triton versions; the same entry for sm_80 and sm_90 unless the arch is named):
+_BOTH = {
+    # the K row-sum states beside the sigmoid's terms: 92-296 B at 128 x 64 (16-bit), 36-40 B (fp64)
+    "prefix_fwd_ext": {"16": cfg(8, 4, BM=64, BN=64, BK=32), "64": cfg(4, 1, BM=16, BN=16, BK=16)},
+    "prefix_ds_ext": {"32": cfg(4, 3, 2, BM=64, BN=32, BK=16, GROUP_M=8)},
+    # the guide's tile: 8-144 B at 128 x 64 (16-bit), 16-148 B at 64 x 64 (fp32)
+    "fwd_guide": {"32": cfg(4, 3, BM=64, BN=32, BK=16), "64": cfg(4, 2, BM=32, BN=32, BK=16)},
+    "ds_guide": {
+        "32": cfg(4, 3, 2, BM=64, BN=32, BK=16, GROUP_M=8),
+        "64": cfg(4, 1, 2, BM=32, BN=32, BK=16, GROUP_M=8),
+    },
+    "prefix_fwd_guide": {"16": cfg(8, 4, BM=64, BN=64, BK=32), "64": cfg(4, 2, BM=16, BN=32, BK=16)},
+    "prefix_ds_guide": {
+        "32": cfg(4, 3, 2, BM=32, BN=32, BK=16, GROUP_M=8),
+        "64": cfg(4, 1, 2, BM=32, BN=16, BK=16, GROUP_M=8),
+    },
+}
+EXTENSION_CONFIGS: dict[str, dict[str, dict[str, Config]]] = {
+    role: {arch: dict(by_class) for arch in ("sm80", "sm90")} for role, by_class in _BOTH.items()
+}
+# 16-bit sm_90 128 x 128: 2.7-7.5 KiB (128 x 64 x 64: 104 B with Triton 3.6); fp64 32 x 64 (its exp
+# and log): 0.5-1.5 KiB; fp32 sm_80 64 x 64: 12 B
+EXTENSION_CONFIGS["fwd_ext"] = {
+    "sm80": {"32": cfg(4, 3, BM=32, BN=64, BK=16), "64": cfg(4, 2, BM=32, BN=32, BK=16)},
+    "sm90": {"16": cfg(8, 3, BM=128, BN=64, BK=32), "64": cfg(4, 2, BM=32, BN=32, BK=16)},
+}
+EXTENSION_CONFIGS["fwd_guide"]["sm80"]["16"] = cfg(8, 4, BM=64, BN=64, BK=32)  # 128 x 64: 32-112 B (Triton 3.6)
+EXTENSION_CONFIGS["fwd_guide"]["sm90"]["16"] = cfg(8, 3, BM=64, BN=64, BK=64)
+EXTENSION_CONFIGS["ds_guide"]["sm90"]["16"] = cfg(8, 3, 1, BM=64, BN=64, BK=64, GROUP_M=8)  # 128 x 64: 8 B
+for _sweep in SWEEPS:
+    for _ext in ("ext", "guide"):
+        _over = EXTENSION_CONFIGS.get(f"{_sweep}_{_ext}", {})
+        DEFAULTS[f"{_sweep}_{_ext}"] = {arch: {**DEFAULTS[_sweep][arch], **_over.get(arch, {})} for arch in ARCHS}
 
 
 def _default(role: str, arch: str, dclass: str, dsize: str) -> Config:

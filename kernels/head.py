@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import Kernel, cast_to
+from ._common import Kernel, cast_to, log1p
 
 KIND_CROSS_ENTROPY = 0
 KIND_SOFTPLUS = 1
@@ -34,13 +34,6 @@ KINDS = {"cross_entropy": KIND_CROSS_ENTROPY, "softplus": KIND_SOFTPLUS}
 # own positives per anchor the fused head takes (a [BR, MAX_OWN] register tile); more take
 # the PyTorch head
 MAX_OWN = 64
-
-
-@triton.jit
-def _log1p(x):
-    """``log(1 + x)`` accurate for small ``x`` (``x * log(u) / (u - 1)``, ``u = 1 + x``)."""
-    u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
 
 
 @triton.jit
@@ -52,9 +45,12 @@ def _logaddexp(a, b):
 
 
 @triton.jit
-def _own_logits(A, C0, NORMS, rows, row_ok, valid, kk, P, d, B, pos_offset, inv_tau, ia,
-                SCALE_ON_LOAD: tl.constexpr, PP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """``[BR, PP]`` logits of each row with its own positives (0 in invalid slots)."""
+def _own_logits(A, C0, NORMS, POISON, rows, row_ok, valid, kk, P, d, B, pos_offset, inv_tau, ia,
+                POISONED: tl.constexpr, SCALE_ON_LOAD: tl.constexpr, PP: tl.constexpr, BR: tl.constexpr,
+                BD: tl.constexpr):  # fmt: skip
+    """``[BR, PP]`` logits of each row with its own positives (0 in invalid slots). ``POISONED``
+    (a filtered problem: ``A``, ``C0`` hold its inputs with non-finite rows read as zeros): the
+    rows' poison is added, as to every logit of the tiles."""
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
     a_rows = A + rows.to(tl.int64)[:, None] * d
     first = pos_offset + rows.to(tl.int64) * P  # block-0 row of each anchor's first positive
@@ -75,6 +71,10 @@ def _own_logits(A, C0, NORMS, rows, row_ok, valid, kk, P, d, B, pos_offset, inv_
         slot = (first[:, None] + kk).to(tl.int64)
         ic = tl.load(NORMS + B + slot, mask=valid != 0, other=0.0)
         dots = dots * ia[:, None] * ic
+    if POISONED:
+        slot = (first[:, None] + kk).to(tl.int64)
+        poison = tl.load(POISON + rows, mask=row_ok, other=0.0)[:, None]
+        dots += poison + tl.load(POISON + B + slot, mask=valid != 0, other=0.0)
     return tl.where(valid != 0, dots * inv_tau, 0.0)
 
 
@@ -84,6 +84,7 @@ def _head_kernel(
     A,
     C0,
     NORMS,
+    POISON,
     TAU,
     POS_IN,
     MASK,
@@ -103,6 +104,8 @@ def _head_kernel(
     P,
     pos_offset,
     HEAD: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    POISONED: tl.constexpr,
     KIND: tl.constexpr,
     FOLDED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -117,66 +120,81 @@ def _head_kernel(
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
     ok = rows < n_rows
-    # 1. combine the splits in a fixed order
-    m = tl.full([BR], float("-inf"), dtype=ACC)
-    for s in range(0, n_slots):
-        m = tl.maximum(m, tl.load(PARTS + s * n_rows + rows, mask=ok, other=float("-inf")))
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([BR], dtype=ACC)
-    u = tl.zeros([BR], dtype=ACC)
-    for s in range(0, n_slots):
-        w = tl.exp(tl.load(PARTS + s * n_rows + rows, mask=ok, other=float("-inf")) - m_ref)
-        l += w * tl.load(PARTS + (n_slots + s) * n_rows + rows, mask=ok, other=0.0)
-        u += w * tl.load(PARTS + (2 * n_slots + s) * n_rows + rows, mask=ok, other=0.0)
-    empty = l == 0
-    l_safe = tl.where(empty, 1.0, l)
-    lse = tl.where(empty, float("-inf"), m_ref + tl.log(l_safe))
-    mean = tl.where(empty, 0.0, u / l_safe)
-    tl.store(LSE + rows, lse, mask=ok)
-    if not HEAD:
-        tl.store(MEAN + rows, mean, mask=ok)
+    if SIGMOID:  # the sigmoid reduction's partial row sums add (no head: its loss is the value)
+        v = tl.zeros([BR], dtype=ACC)
+        s0 = tl.zeros([BR], dtype=ACC)
+        s1 = tl.zeros([BR], dtype=ACC)
+        for s in range(0, n_slots):
+            v += tl.load(PARTS + s * n_rows + rows, mask=ok, other=0.0)
+            s0 += tl.load(PARTS + (n_slots + s) * n_rows + rows, mask=ok, other=0.0)
+            s1 += tl.load(PARTS + (2 * n_slots + s) * n_rows + rows, mask=ok, other=0.0)
+        tl.store(LSE + rows, v, mask=ok)
+        tl.store(MEAN + rows, s0, mask=ok)
+        tl.store(MEAN + n_rows + rows, s1, mask=ok)
     else:
-        # 2. the loss head of fastcl/ops/head.py on these rows
-        kk = tl.arange(0, PP)[None, :]
-        valid = ok[:, None] & (kk < P)
-        if HAS_MASK:
-            valid = valid & (tl.load(MASK + rows.to(tl.int64)[:, None] * P + kk, mask=valid, other=0) != 0)
-        valid = valid.to(tl.int32)
-        inv_tau = 1.0 / tl.load(TAU)
-        if FOLDED:
-            ia = tl.load(NORMS + rows, mask=ok, other=0.0)
-            pos = _own_logits(A, C0, NORMS, rows, ok, valid, kk, P, d, B, pos_offset, inv_tau, ia, SCALE_ON_LOAD, PP, BR, BD)  # fmt: skip
+        # 1. combine the splits in a fixed order
+        m = tl.full([BR], float("-inf"), dtype=ACC)
+        for s in range(0, n_slots):
+            m = tl.maximum(m, tl.load(PARTS + s * n_rows + rows, mask=ok, other=float("-inf")))
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.zeros([BR], dtype=ACC)
+        u = tl.zeros([BR], dtype=ACC)
+        for s in range(0, n_slots):
+            w = tl.exp(tl.load(PARTS + s * n_rows + rows, mask=ok, other=float("-inf")) - m_ref)
+            l += w * tl.load(PARTS + (n_slots + s) * n_rows + rows, mask=ok, other=0.0)
+            u += w * tl.load(PARTS + (2 * n_slots + s) * n_rows + rows, mask=ok, other=0.0)
+        empty = l == 0
+        l_safe = tl.where(empty, 1.0, l)
+        lse = tl.where(empty, float("-inf"), m_ref + tl.log(l_safe))
+        mean = tl.where(empty, 0.0, u / l_safe)
+        tl.store(LSE + rows, lse, mask=ok)
+        if not HEAD:
+            tl.store(MEAN + rows, mean, mask=ok)
         else:
-            pos = tl.load(POS_IN + rows.to(tl.int64)[:, None] * P + kk, mask=valid != 0, other=0.0).to(ACC)
-        count = tl.sum(valid, 1).to(ACC)
-        inv_count = 1.0 / tl.maximum(count, 1.0)
-        r = lse
-        if HAS_EXTRA:
-            r = _logaddexp(lse, tl.load(LOG_EXTRA + rows, mask=ok, other=float("-inf")))
-        x = r[:, None] - pos
-        if KIND == 0:  # cross_entropy: phi(x) = x
-            phi = x
-            dphi = tl.full([BR, PP], 1.0, dtype=ACC)
-        else:  # softplus (SupMPN), exact for every x
-            phi = tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
-            dphi = 1.0 / (1.0 + tl.exp(-x))
-        phi = tl.where(valid != 0, phi, 0.0)
-        dphi = tl.where(valid != 0, dphi, 0.0)
-        loss = tl.sum(phi, 1) * inv_count
-        dlse = tl.sum(dphi, 1) * inv_count
-        if HAS_EXTRA:  # d logaddexp(lse, c) / d lse = exp(lse - r): none for an empty row (r = -inf); NaN stays NaN
-            dlse = dlse * tl.where(r == float("-inf"), 0.0, tl.exp(lse - r))
-        dpos = -dphi * inv_count[:, None]
-        w_row = dlse * mean
-        if FOLDED:
-            w_row += tl.sum(dpos * pos, 1)
-        tl.store(DLSE + rows, dlse, mask=ok)
-        tl.store(DPOS + rows.to(tl.int64)[:, None] * P + kk, dpos, mask=ok[:, None] & (kk < P))
-        tl.store(WROW + rows, w_row, mask=ok)
-        if ROWS_OUT:
-            tl.store(ROWS + rows, loss, mask=ok)
-        weights = tl.load(WEIGHTS + rows, mask=ok, other=0.0).to(ACC)
-        tl.store(PARTIAL + pid, tl.sum(tl.where(ok, loss * weights, 0.0), 0))
+            # 2. the loss head of fastcl/ops/head.py on these rows
+            kk = tl.arange(0, PP)[None, :]
+            valid = ok[:, None] & (kk < P)
+            if HAS_MASK:
+                valid = valid & (tl.load(MASK + rows.to(tl.int64)[:, None] * P + kk, mask=valid, other=0) != 0)
+            valid = valid.to(tl.int32)
+            inv_tau = 1.0 / tl.load(TAU)
+            if FOLDED:
+                ia = tl.load(NORMS + rows, mask=ok, other=0.0)
+                # (the poison's loads beside a full chunk spilled 8 B in fp64: half chunks there)
+                BDP: tl.constexpr = BD // 2 if POISONED and ACC == tl.float64 else BD
+                pos = _own_logits(A, C0, NORMS, POISON, rows, ok, valid, kk, P, d, B, pos_offset, inv_tau, ia, POISONED,
+                                  SCALE_ON_LOAD, PP, BR, BDP)  # fmt: skip
+            else:
+                pos = tl.load(POS_IN + rows.to(tl.int64)[:, None] * P + kk, mask=valid != 0, other=0.0).to(ACC)
+            count = tl.sum(valid, 1).to(ACC)
+            inv_count = 1.0 / tl.maximum(count, 1.0)
+            r = lse
+            if HAS_EXTRA:
+                r = _logaddexp(lse, tl.load(LOG_EXTRA + rows, mask=ok, other=float("-inf")))
+            x = r[:, None] - pos
+            if KIND == 0:  # cross_entropy: phi(x) = x
+                phi = x
+                dphi = tl.full([BR, PP], 1.0, dtype=ACC)
+            else:  # softplus (SupMPN), exact for every x
+                phi = tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x)))
+                dphi = 1.0 / (1.0 + tl.exp(-x))
+            phi = tl.where(valid != 0, phi, 0.0)
+            dphi = tl.where(valid != 0, dphi, 0.0)
+            loss = tl.sum(phi, 1) * inv_count
+            dlse = tl.sum(dphi, 1) * inv_count
+            if HAS_EXTRA:  # d logaddexp(lse, c) / d lse = exp(lse - r): none for an empty row (r = -inf); NaN stays NaN
+                dlse = dlse * tl.where(r == float("-inf"), 0.0, tl.exp(lse - r))
+            dpos = -dphi * inv_count[:, None]
+            w_row = dlse * mean
+            if FOLDED:
+                w_row += tl.sum(dpos * pos, 1)
+            tl.store(DLSE + rows, dlse, mask=ok)
+            tl.store(DPOS + rows.to(tl.int64)[:, None] * P + kk, dpos, mask=ok[:, None] & (kk < P))
+            tl.store(WROW + rows, w_row, mask=ok)
+            if ROWS_OUT:
+                tl.store(ROWS + rows, loss, mask=ok)
+            weights = tl.load(WEIGHTS + rows, mask=ok, other=0.0).to(ACC)
+            tl.store(PARTIAL + pid, tl.sum(tl.where(ok, loss * weights, 0.0), 0))
 
 
 @triton.jit

@@ -25,7 +25,16 @@ from torch import Tensor
 from fastcl.ops.contract import new_output, prefix_order
 
 from . import configs, plan
-from ._common import acc_dtype, arch_of, dot_precision, dtype_class, launch, num_sms, register_op
+from ._common import (
+    FILTER_KINDS,
+    acc_dtype,
+    arch_of,
+    dot_precision,
+    dtype_class,
+    launch,
+    num_sms,
+    register_op,
+)
 from .head import HEAD, KINDS, MAX_OWN, SUM
 from .lse_bwd import DS, PREFIX_DS
 from .lse_fwd import FWD, MAX_PREFIXES, PREFIX_FWD
@@ -45,10 +54,38 @@ def _check_layout(tensors) -> None:
             raise ValueError("triton LSE kernels need contiguous inputs")
 
 
-class _Call:
-    """What every launcher of one call shares: device, dtypes, arch, sizes and configs."""
+class Extensions:
+    """The primitive's extensions as the launchers take them (``contract.Filter``,
+    ``contract.Sigmoid``): a filter's ``threshold`` (``[B]``, or ``[K, B]`` per prefix in the
+    caller's dims order) and the guide embeddings ``guide`` (``[B, g]``, ``[N0, g]``, ``[N1, g]``;
+    None: a self filter), the sigmoid's ``bias`` (0-d), and the own positives' layout in block 0
+    (``pos_offset``, ``pos_count``; 0: none), which the sigmoid's ``z`` and the filter's
+    exemption read."""
 
-    def __init__(self, anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor):
+    def __init__(self, threshold=None, guide=None, bias=None, pos_offset: int = 0, pos_count: int = 0):
+        self.threshold, self.bias, self.pos_offset, self.pos_count = threshold, bias, pos_offset, pos_count
+        self.guide = guide if guide is not None and guide[0] is not None else None
+        kind = "none" if threshold is None else "self" if self.guide is None else "guide"
+        self.filter = FILTER_KINDS.index(kind)  # the kernels' FILTER constexpr
+        self.sigmoid = bias is not None
+
+    def role(self, sweep: str) -> str:
+        """The config-table role of the sweep ``sweep`` (``fwd``, ``ds``, ``prefix_fwd``,
+        ``prefix_ds``) with these extensions (``kernels/configs.py``)."""
+        if self.filter == FILTER_KINDS.index("guide"):
+            return sweep + "_guide"
+        return sweep if self.filter == 0 and not self.sigmoid else sweep + "_ext"
+
+
+PLAIN = Extensions()
+
+
+class _Call:
+    """What every launcher of one call shares: device, dtypes, arch, sizes and configs, and
+    (after :func:`_prepare`) the row scales and the extensions' device tensors."""
+
+    def __init__(self, anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor,
+                 ext: Extensions = PLAIN):  # fmt: skip
         _check_layout((anchor, block0, block1, tags0, tags1))
         self.anchor, self.blocks, self.tags = anchor, (block0, block1), (tags0, tags1)
         self.dev, self.dt = anchor.device, anchor.dtype
@@ -61,6 +98,19 @@ class _Call:
         self.tau = tau.to(self.acc).reshape(1)
         self.precision = dot_precision(self.dt)
         self._none: Tensor | None = None
+        self.ext = ext
+        pos = ext.pos_count > 0
+        if pos and not (ext.pos_offset >= 0 and ext.pos_offset + self.B * ext.pos_count <= self.sizes[0]):
+            raise ValueError(
+                f"own positives (offset {ext.pos_offset}, {ext.pos_count} per anchor) do not fit in block 0"
+            )
+        # filled by _prepare (filters): the poison [K, R], the guide's row scales and rows
+        self.poison: Tensor | None = None
+        self.gnorms: Tensor | None = None
+        self.guide: tuple[Tensor, Tensor, Tensor] | None = None
+        self.thr: Tensor | None = None
+        self.stride_thr = 0
+        self.bias = None if ext.bias is None else ext.bias.to(self.acc).reshape(1)
 
     def config(self, role: str) -> configs.Config:
         return configs.lookup(role, self.arch, self.dclass, self.d)
@@ -76,31 +126,109 @@ class _Call:
             self._none = plan.dummy(self.dev)
         return self._none
 
+    def ext_args(self, block: int | None = None, c0: int = 0, c1: int = 0) -> dict:
+        """The extensions' kernel arguments: for the forward sweep over both blocks (``block``
+        None), or for the dS chunk ``[c0, c1)`` of ``block`` (the own positives' offset relative
+        to the chunk, none outside block 0)."""
+        ext, none = self.ext, self.none
+        guide = self.guide
+        args = dict(
+            POISON=none if self.poison is None else self.poison, THR=none if self.thr is None else self.thr,
+            GA=none if guide is None else guide[0], GNORMS=none if self.gnorms is None else self.gnorms,
+            BIAS=none if self.bias is None else self.bias, g=0 if guide is None else guide[0].shape[1],
+            FILTER=ext.filter, SIGMOID=ext.sigmoid,
+        )  # fmt: skip
+        if block is None:
+            args.update(GC0=none if guide is None else guide[1], GC1=none if guide is None else guide[2])
+            args.update(pos_offset=ext.pos_offset, P=ext.pos_count)
+        else:
+            args["GC"] = none if guide is None else guide[1 + block][c0:c1]
+            own = (
+                block == 0
+                and ext.pos_count > 0
+                and c0 < ext.pos_offset + self.B * ext.pos_count
+                and ext.pos_offset < c1
+            )
+            args.update(pos_offset=ext.pos_offset - c0 if own else 0, P=ext.pos_count if own else 0)
+        return args
+
 
 # ---------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------
 
 
-def _norms(call: _Call, cosine: bool, eps: float, bounds: Tensor | None, out: Tensor) -> Tensor:
-    """Row scales ``[2, K, R]`` of anchors and both blocks (``norms.py``), one launch."""
+def _norms(call: _Call, rows, d: int, cosine: bool, eps: float, bounds: Tensor | None, out: Tensor,
+           clean=None, poison: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Row scales ``[2, K, R]`` of the row sets ``rows`` (anchors and both blocks, or the guide's)
+    of width ``d`` (``norms.py``), one launch; ``clean`` (three outputs) and ``poison [K, R]``:
+    the filtered problems' copies with non-finite entries read as zeros, and their poison."""
     cfg = call.config("rows")
     (n0, n1), br = call.sizes, cfg["BR"]
     grid = (plan.cdiv(call.B, br) + plan.cdiv(n0, br) + plan.cdiv(n1, br),)
+    none = call.none
+    clean = (none, none, none) if clean is None else clean
     launch(
         ROW_NORMS, grid, cfg,
-        A=call.anchor, C0=call.blocks[0], C1=call.blocks[1], TAGS0=call.tags[0], TAGS1=call.tags[1],
-        BOUNDS=call.dummy() if bounds is None else bounds, NORMS=out,
-        B=call.B, n0=n0, n1=n1, d=call.d, n_prefixes=1 if bounds is None else bounds.shape[0], eps=float(eps),
-        COSINE=cosine, PREFIXES=bounds is not None,
+        A=rows[0], C0=rows[1], C1=rows[2], TAGS0=call.tags[0], TAGS1=call.tags[1],
+        BOUNDS=none if bounds is None else bounds, NORMS=out,
+        CLEAN_A=clean[0], CLEAN_C0=clean[1], CLEAN_C1=clean[2], POISON=none if poison is None else poison,
+        B=call.B, n0=n0, n1=n1, d=d, n_prefixes=1 if bounds is None else bounds.shape[0], eps=float(eps),
+        COSINE=cosine, PREFIXES=bounds is not None, CLEAN=poison is not None,
     )  # fmt: skip
     return out
+
+
+def _guide_rows(call: _Call) -> tuple[Tensor, Tensor, Tensor]:
+    """The guide embeddings in one dtype the tiles can multiply: float64 beside float64 inputs,
+    else their own (float32 when they differ or are float64), contiguous."""
+    ga, g0, g1 = call.ext.guide
+    kinds = {ga.dtype, g0.dtype, g1.dtype}
+    if call.dt == torch.float64:
+        gdt = torch.float64
+    elif len(kinds) == 1 and torch.float64 not in kinds:
+        gdt = ga.dtype
+    else:
+        gdt = torch.float32
+    return tuple(t.to(gdt).contiguous() for t in (ga, g0, g1))
+
+
+def _prepare(call: _Call, cosine: bool, eps: float, bounds: Tensor | None, norms: Tensor,
+             order: list[int] | None = None) -> Tensor:  # fmt: skip
+    """The row scales into ``norms`` (one launch) and, with a filter, what the tiles read besides
+    (``contract.Filter``): the inputs with non-finite entries read as zeros (the same launch; the
+    call's inputs become these copies) and their poison ``[K, R]``, the guide's row scales (one
+    more launch) and the thresholds in sorted prefix order (``order``). Returns ``norms``."""
+    ext = call.ext
+    if ext.filter == 0:
+        return _norms(call, (call.anchor, *call.blocks), call.d, cosine, eps, bounds, norms)
+    B, (n0, n1), d, dt, acc = call.B, call.sizes, call.d, call.dt, call.acc
+    K = 1 if bounds is None else bounds.shape[0]
+    layout = {
+        "clean_a": ((B, d), dt), "clean_0": ((n0, d), dt), "clean_1": ((n1, d), dt), "poison": ((K, call.R), acc),
+    }  # fmt: skip
+    guide = _guide_rows(call) if ext.guide is not None else None
+    if guide is not None:
+        layout["gnorms"] = ((2, 1, call.R), acc)
+    ws = plan.scratch(call.dev, layout)
+    clean = (ws["clean_a"], ws["clean_0"], ws["clean_1"])
+    _norms(call, (call.anchor, *call.blocks), d, cosine, eps, bounds, norms, clean, ws["poison"])
+    call.anchor, call.blocks, call.poison = clean[0], clean[1:], ws["poison"]
+    if guide is not None:
+        call.guide, call.gnorms = guide, _norms(call, guide, guide[0].shape[1], True, eps, None, ws["gnorms"])
+    thr = ext.threshold.to(acc)
+    if thr.dim() == 2:  # a self filter's threshold per prefix, in sorted order
+        if order is not None and K > 1:
+            thr = thr.index_select(0, plan.int_constant(tuple(order), call.dev))
+        call.stride_thr = B
+    call.thr = thr.contiguous()
+    return norms
 
 
 def _sweep(call: _Call, norms: Tensor, bounds: Tensor | None) -> tuple[Tensor, int]:
     """The split forward sweep into partials ``[3, slots, K * B]`` (scratch), one launch."""
     K = 1 if bounds is None else bounds.shape[0]
-    cfg = call.config("fwd" if bounds is None else "prefix_fwd")
+    cfg = call.config(call.ext.role("fwd" if bounds is None else "prefix_fwd"))
     (n0, n1), bn, bm = call.sizes, cfg["BN"], cfg["BM"]
     tiles0 = plan.cdiv(n0, bn)
     n_tiles = tiles0 + plan.cdiv(n1, bn)
@@ -108,49 +236,82 @@ def _sweep(call: _Call, norms: Tensor, bounds: Tensor | None) -> tuple[Tensor, i
     splits, per = plan.forward_splits(row_tiles, n_tiles, call.sms * cfg.occupancy, call.arch)
     n_slots = max(splits, 1)
     parts = plan.scratch(call.dev, {"parts": ((3, n_slots, K * call.B), call.acc)})["parts"]
-    if n_tiles == 0:  # no candidate: one empty slot (the combine gives lse = -inf)
-        parts[0].fill_(float("-inf"))
+    if n_tiles == 0:  # no candidate: one empty slot (the combine gives lse = -inf, or 0 sums)
+        parts[0].fill_(0.0 if call.ext.sigmoid else float("-inf"))
         parts[1:].zero_()
         return parts, n_slots
     common = dict(
         A=call.anchor, C0=call.blocks[0], C1=call.blocks[1], TAGS0=call.tags[0], TAGS1=call.tags[1],
         NORMS=norms, TAU=call.tau, PARTS=parts, B=call.B, n0=n0, n1=n1, d=call.d,
         tiles0=tiles0, n_tiles=n_tiles, tiles_per_split=per, n_slots=n_slots, PRECISION=call.precision,
+        **call.ext_args(),
     )  # fmt: skip
     if bounds is None:
         on_load = plan.scale_on_load(call.dt)
         flags = dict(SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, EVEN_K=call.d % cfg["BK"] == 0)
         launch(FWD, (row_tiles, splits), cfg, **common, **flags)
     else:
-        launch(PREFIX_FWD, (row_tiles, splits), cfg, **common, BOUNDS=bounds, n_prefixes=K)
+        launch(PREFIX_FWD, (row_tiles, splits), cfg, **common, BOUNDS=bounds, n_prefixes=K, stride_thr=call.stride_thr)
     return parts, n_slots
 
 
 def _combine(call: _Call, parts: Tensor, n_slots: int, rows: int) -> tuple[Tensor, Tensor]:
-    """``(lse, mean_logit)`` ``[rows]`` from the partials (the head kernel with its head off)."""
+    """``(lse, mean_logit)`` ``[rows]`` from the partials (the head kernel with its head off);
+    the sigmoid reduction: ``(value [rows], stats [2, rows])``."""
+    sigmoid = call.ext.sigmoid
     lse = new_output(rows, dtype=call.acc, device=call.dev)
-    mean = new_output(rows, dtype=call.acc, device=call.dev)
+    mean = new_output((2, rows) if sigmoid else rows, dtype=call.acc, device=call.dev)
     cfg = call.config("head")
     none = call.dummy()
     launch(
         HEAD, (plan.cdiv(rows, cfg["BR"]),), cfg,
-        PARTS=parts, A=call.anchor, C0=call.blocks[0], NORMS=none, TAU=call.tau, POS_IN=none, MASK=none,
+        PARTS=parts, A=call.anchor, C0=call.blocks[0], NORMS=none, POISON=none, TAU=call.tau, POS_IN=none, MASK=none,
         LOG_EXTRA=none, WEIGHTS=none, LSE=lse, MEAN=mean, DLSE=none, DPOS=none, WROW=none, ROWS=none, PARTIAL=none,
         n_rows=rows, n_slots=n_slots, B=call.B, d=call.d, P=0, pos_offset=0,
-        HEAD=False, KIND=0, FOLDED=False, HAS_MASK=False, HAS_EXTRA=False, ROWS_OUT=False, SCALE_ON_LOAD=False, PP=16,
+        HEAD=False, SIGMOID=sigmoid, POISONED=False, KIND=0, FOLDED=False, HAS_MASK=False, HAS_EXTRA=False,
+        ROWS_OUT=False, SCALE_ON_LOAD=False, PP=16,
     )  # fmt: skip
     return lse, mean
 
 
+def _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset, pos_count) -> Extensions:
+    guide = None if guide_anchor is None else (guide_anchor, guide_block0, guide_block1)
+    return Extensions(threshold, guide, bias, pos_offset, pos_count)
+
+
+EXT_PARAMS = """``threshold``, ``guide_anchor``, ``guide_block0``, ``guide_block1``: a filter
+    (``contract.Filter``: the threshold ``[B]``, or ``[K, B]`` per prefix; the guide embeddings,
+    or None for a self filter); ``bias``: the sigmoid reduction (``contract.Sigmoid``);
+    ``pos_offset``/``pos_count``: the own positives in block 0 (their ``z = +1``, and the filter
+    never drops them)."""
+
+
 def _lse_forward(
-    anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor, cosine: bool, eps: float
+    anchor: Tensor,
+    block0: Tensor,
+    block1: Tensor,
+    tags0: Tensor,
+    tags1: Tensor,
+    tau: Tensor,
+    cosine: bool,
+    eps: float,
+    threshold: Tensor | None = None,
+    guide_anchor: Tensor | None = None,
+    guide_block0: Tensor | None = None,
+    guide_block1: Tensor | None = None,
+    bias: Tensor | None = None,
+    pos_offset: int = 0,
+    pos_count: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """``(lse, mean_logit)`` ``[B]`` in the compute dtype."""
-    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    """``(lse, mean_logit)`` ``[B]`` in the compute dtype; the sigmoid reduction: ``(value [B],
+    stats [2, B])``. Extensions: ``EXT_PARAMS``."""
+    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset, pos_count)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
+    stats = (2, 0) if ext.sigmoid else 0
     if call.B == 0:
-        return new_output(0, dtype=call.acc, device=call.dev), new_output(0, dtype=call.acc, device=call.dev)
+        return new_output(0, dtype=call.acc, device=call.dev), new_output(stats, dtype=call.acc, device=call.dev)
     norms = plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
-    _norms(call, cosine, eps, None, norms)
+    _prepare(call, cosine, eps, None, norms)
     parts, n_slots = _sweep(call, norms, None)
     return _combine(call, parts, n_slots, call.B)
 
@@ -165,22 +326,33 @@ def _lse_forward_prefixes(
     dims: list[int],
     cosine: bool,
     eps: float,
+    threshold: Tensor | None = None,
+    guide_anchor: Tensor | None = None,
+    guide_block0: Tensor | None = None,
+    guide_block1: Tensor | None = None,
+    bias: Tensor | None = None,
+    pos_offset: int = 0,
+    pos_count: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """``(lse, mean_logit)`` ``[K, B]`` in ``dims`` order."""
-    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    """``(lse, mean_logit)`` ``[K, B]`` in ``dims`` order; the sigmoid reduction: ``(value [K, B],
+    stats [2, K, B])``. Extensions: ``EXT_PARAMS``."""
+    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset, pos_count)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
     K = len(dims)
+    stats = (2, K, call.B) if ext.sigmoid else (K, call.B)
     if call.B == 0:
-        return new_output((K, 0), dtype=call.acc, device=call.dev), new_output((K, 0), dtype=call.acc, device=call.dev)
+        return new_output((K, 0), dtype=call.acc, device=call.dev), new_output(stats, dtype=call.acc, device=call.dev)
     order, inverse = prefix_order(dims)
     bounds = plan.int_constant(tuple(dims[i] for i in order), call.dev)
     norms = plan.scratch(call.dev, {"norms": ((2, K, call.R), call.acc)})["norms"]
-    _norms(call, cosine, eps, bounds, norms)
+    _prepare(call, cosine, eps, bounds, norms, order)
     parts, n_slots = _sweep(call, norms, bounds)
     lse, mean = _combine(call, parts, n_slots, K * call.B)
-    inv = plan.int_constant(tuple(inverse), call.dev) if K > 1 else None
-    if inv is None:
-        return lse.view(K, call.B), mean.view(K, call.B)
-    return lse.view(K, call.B)[inv].contiguous(), mean.view(K, call.B)[inv].contiguous()
+    lse, mean = lse.view(K, call.B), mean.view(stats)
+    if K == 1:
+        return lse, mean
+    inv = plan.int_constant(tuple(inverse), call.dev)
+    return lse[inv].contiguous(), (mean[:, inv] if ext.sigmoid else mean[inv]).contiguous()
 
 
 def _head_forward(
@@ -200,8 +372,16 @@ def _head_forward(
     log_extra: Tensor | None,
     weights: Tensor,
     per_row: bool,
+    threshold: Tensor | None = None,
+    guide_anchor: Tensor | None = None,
+    guide_block0: Tensor | None = None,
+    guide_block1: Tensor | None = None,
+    own_offset: int = 0,
+    own_count: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The loss step's forward: ``(loss, lse, dlse, dpos, w_row, norms)``.
+    """The loss step's forward: ``(loss, lse, dlse, dpos, w_row, norms)``. A filter (``threshold``,
+    the guide embeddings: ``EXT_PARAMS``) never drops the own positives ``own_offset``,
+    ``own_count`` of block 0 (the folded ones when ``pos_logits`` is None).
 
     ``loss``: the reduced ``sum_i weights_i * loss_i`` (0-d, input dtype) or, ``per_row``, the
     rows ``[B]`` (compute dtype). Own positives are ``pos_count`` rows per anchor of block 0
@@ -211,15 +391,17 @@ def _head_forward(
     logits before the weights), ``w_row [B]`` (the temperature gradient is
     ``-sum_i s_i w_row_i / tau``, ``s`` the weights times the upstream gradient) and the row
     scales ``norms [2, 1, R]``."""
-    call = _Call(anchor, block0, block1, tags0, tags1, tau)
-    B, P, acc, dev = call.B, pos_count, call.acc, call.dev
+    B, P, folded = anchor.shape[0], pos_count, pos_logits is None
     if kind not in KINDS:
         raise ValueError(f"unknown head {kind!r}; expected one of {sorted(KINDS)}")
     if not 1 <= P <= MAX_OWN:
         raise ValueError(f"the fused head takes 1..{MAX_OWN} positives per anchor, got {P}")
-    folded = pos_logits is None
-    if folded and not (pos_offset >= 0 and pos_offset + B * P <= call.sizes[0]):
+    if folded and not (pos_offset >= 0 and pos_offset + B * P <= block0.shape[0]):
         raise ValueError(f"own positives (offset {pos_offset}, {P} per anchor, {B} anchors) do not fit in block 0")
+    own = (pos_offset, P) if folded else (own_offset, own_count)
+    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, None, *own)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
+    acc, dev = call.acc, call.dev
     norms = new_output((2, 1, call.R), dtype=acc, device=dev)
     lse = new_output(B, dtype=acc, device=dev)
     dlse = new_output(B, dtype=acc, device=dev)
@@ -230,21 +412,23 @@ def _head_forward(
         if not per_row:
             loss.zero_()
         return loss, lse, dlse, dpos, w_row, norms
-    _norms(call, cosine, eps, None, norms)
+    _prepare(call, cosine, eps, None, norms)
     parts, n_slots = _sweep(call, norms, None)
     cfg = call.config("head")
     programs = plan.cdiv(B, cfg["BR"])
     partial = plan.scratch(dev, {"partial": ((programs,), acc)})["partial"]
     none = call.dummy()
+    poisoned = call.poison is not None and folded
     launch(
         HEAD, (programs,), cfg,
-        PARTS=parts, A=anchor, C0=block0, NORMS=norms, TAU=call.tau,
+        PARTS=parts, A=call.anchor, C0=call.blocks[0], NORMS=norms, POISON=call.poison if poisoned else none,
+        TAU=call.tau,
         POS_IN=none if folded else pos_logits.to(acc).contiguous(),
         MASK=none if pos_mask is None else pos_mask.contiguous().view(torch.uint8),
         LOG_EXTRA=none if log_extra is None else log_extra.to(acc).contiguous(), WEIGHTS=weights.contiguous(),
         LSE=lse, MEAN=none, DLSE=dlse, DPOS=dpos, WROW=w_row, ROWS=loss if per_row else none, PARTIAL=partial,
         n_rows=B, n_slots=n_slots, B=B, d=call.d, P=P, pos_offset=pos_offset if folded else 0,
-        HEAD=True, KIND=KINDS[kind], FOLDED=folded, HAS_MASK=pos_mask is not None, HAS_EXTRA=log_extra is not None,
+        HEAD=True, SIGMOID=False, POISONED=poisoned, KIND=KINDS[kind], FOLDED=folded, HAS_MASK=pos_mask is not None, HAS_EXTRA=log_extra is not None,
         ROWS_OUT=per_row, SCALE_ON_LOAD=plan.scale_on_load(call.dt), PP=max(16, 1 << (P - 1).bit_length()),
     )  # fmt: skip
     if not per_row:
@@ -271,19 +455,19 @@ def _backward(
     go: Tensor | None,
     go_per_row: bool,
     d_pos: Tensor | None,
-    pos_offset: int,
     cosine: bool,
     fp32_ds: bool,
     w_row: Tensor | None = None,
     padded: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The chunked backward sweep (``lse_bwd.py``): three launches per dS chunk. ``w_row``:
-    the rows' ``<G, l>`` before scaling (the fused head's), else summed from the dS tiles."""
+    the rows' ``<G, l>`` before scaling (the fused head's), else summed from the dS tiles;
+    ``d_pos``: folded at the own positives of ``call.ext``."""
     B, d, dt, acc, dev = call.B, call.d, call.dt, call.acc, call.dev
     d_anchor = new_output((B, d), dtype=dt, device=dev)
     d_blocks = tuple(new_output(b.shape, dtype=dt, device=dev) for b in call.blocks)
     ds_type = plan.ds_dtype(dt, fp32_ds)
-    ds_cfg, mm_cfg = call.config("ds"), call.config("mm_split" if ds_type != dt else "mm")
+    ds_cfg, mm_cfg = call.config(call.ext.role("ds")), call.config("mm_split" if ds_type != dt else "mm")
     align = plan.chunk_align(ds_cfg, mm_cfg)
     elt = torch.empty((), dtype=ds_type).element_size()
     width = tuple(plan.chunk_width(B, n, d, elt, align, call.arch) for n in call.sizes)
@@ -305,7 +489,6 @@ def _backward(
     go_mode = 0 if go is None else (2 if go_per_row else 1)
     on_load = plan.scale_on_load(dt)
     on_load_mm = cosine and not fold  # the GEMMs normalise Y's rows and scale output rows
-    P = 0 if d_pos is None else d_pos.shape[-1]
     ia, ra = norms[0, 0, :B], norms[1, 0, :B]
     acc_buf = ws.get("d_anchor_acc", none)
     tile0 = 0
@@ -315,7 +498,8 @@ def _backward(
         blk, tg, d_blk = call.blocks[bi][c0:c1], call.tags[bi][c0:c1], d_blocks[bi][c0:c1]
         base = B + (0 if bi == 0 else call.sizes[0]) + c0  # the chunk's first column in the norms layout
         ic, rc = norms[0, 0, base : base + nc], norms[1, 0, base : base + nc]
-        fold_pos = bi == 0 and P > 0 and c0 < pos_offset + B * P and pos_offset < c1
+        ext = call.ext_args(bi, c0, c1)
+        fold_pos = d_pos is not None and ext["P"] > 0
         tiles = plan.cdiv(B, bm) * plan.cdiv(nc, bn)
         ds = ws["ds"][:, :nc]
         launch(
@@ -324,11 +508,10 @@ def _backward(
             ROW_W=none if row_w is None else row_w, GO=none if go is None else go,
             DPOS=d_pos if fold_pos else none, DS=ws["ds"], ROWW=ws.get("roww", none), COLW=ws.get("colw", none),
             B=B, nc=nc, d=d, c_norm=base, stride_ds=W, col_tile0=tile0,
-            pos_offset=pos_offset - c0 if fold_pos else 0, P=P if fold_pos else 0,
             n_progs=min(tiles, call.sms * ds_cfg.occupancy),
             COSINE=cosine, ROW_SUMS=row_sums, SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, FOLD_NORMS=fold,
             FOLD_POS=fold_pos, ROW_W_ON=row_w is not None, GO_MODE=go_mode,
-            EVEN_K=d % ds_cfg["BK"] == 0, PRECISION=call.precision,
+            EVEN_K=d % ds_cfg["BK"] == 0, PRECISION=call.precision, **ext,
         )  # fmt: skip
         tile0 += plan.cdiv(nc, bn)
         # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
@@ -397,23 +580,33 @@ def _lse_backward(
     cosine: bool,
     eps: float,
     fp32_ds: bool,
+    threshold: Tensor | None = None,
+    guide_anchor: Tensor | None = None,
+    guide_block0: Tensor | None = None,
+    guide_block1: Tensor | None = None,
+    bias: Tensor | None = None,
+    pos_count: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``d anchor, d block0, d block1`` (input dtype) from ``g = dLoss/dlse [B]``.
+    """``d anchor, d block0, d block1`` (input dtype) from ``g = dLoss/dlse [B]`` (the sigmoid
+    reduction: ``dLoss/dvalue``; ``lse`` is not read).
 
     ``d_pos [B, P]`` (or None): gradient of the own-positive logits, anchor ``i``'s positive
-    ``k`` being row ``pos_offset + i * P + k`` of block 0; folded into dS (float32).
+    ``k`` being row ``pos_offset + i * P + k`` of block 0; folded into dS (float32). Extensions:
+    ``EXT_PARAMS`` (``pos_count``: the own positives' count when ``d_pos`` is None).
     """
-    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    count = pos_count if d_pos is None else d_pos.shape[-1]
+    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset if count else 0, count)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
     too_big = plan.size_reasons(call.B, call.d)
     if too_big:
         raise ValueError(f"triton LSE backward: {too_big[0]}")
     if call.B == 0 or sum(call.sizes) == 0:  # no anchor or no candidate: every gradient is zero
         return _zero_grads(call)
     norms = plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
-    _norms(call, cosine, eps, None, norms)
+    _prepare(call, cosine, eps, None, norms)
     lse, g = lse.to(call.acc).contiguous(), g.to(call.acc).contiguous()
-    dpos = None if d_pos is None else d_pos.to(call.acc).contiguous()
-    return _backward(call, norms, lse, g, None, None, False, dpos, pos_offset, cosine, fp32_ds)
+    dpos = None if d_pos is None or ext.sigmoid else d_pos.to(call.acc).contiguous()
+    return _backward(call, norms, lse, g, None, None, False, dpos, cosine, fp32_ds)
 
 
 def _head_backward(
@@ -435,18 +628,32 @@ def _head_backward(
     cosine: bool,
     fp32_ds: bool,
     padded: bool,
+    threshold: Tensor | None = None,
+    guide_anchor: Tensor | None = None,
+    guide_block0: Tensor | None = None,
+    guide_block1: Tensor | None = None,
+    own_offset: int = 0,
+    own_count: int = 0,
+    eps: float = 1e-8,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`_head_forward`'s loss for the upstream ``grad_out`` (0-d for the
     reduced loss, ``[B]`` for rows), without a host read: ``g_i = dlse_i * weights_i * go``
     (rows: ``dlse_i * go_i``) is formed inside the ds kernel, and the anchors' radial term
-    comes from the forward's ``w_row``."""
-    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    comes from the forward's ``w_row``. A filter (as :func:`_head_forward`'s) runs the row pass
+    again (the inputs read as zeros where non-finite; ``eps`` as the forward's)."""
+    own = (pos_offset, dpos.shape[1]) if folded else (own_offset, own_count)
+    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, None, *own)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
     if call.B == 0 or sum(call.sizes) == 0:
         return _zero_grads(call)
+    if ext.filter:
+        norms = _prepare(
+            call, cosine, eps, None, plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
+        )
     per_row = grad_out.dim() > 0
     return _backward(
         call, norms, lse, dlse, None if per_row else weights, grad_out.contiguous(), per_row,
-        dpos if folded else None, pos_offset, cosine, fp32_ds, w_row, padded,
+        dpos if folded else None, cosine, fp32_ds, w_row, padded,
     )  # fmt: skip
 
 
@@ -471,13 +678,22 @@ def _lse_backward_prefixes(
     dims: list[int],
     cosine: bool,
     eps: float,
+    threshold: Tensor | None = None,
+    guide_anchor: Tensor | None = None,
+    guide_block0: Tensor | None = None,
+    guide_block1: Tensor | None = None,
+    bias: Tensor | None = None,
+    pos_count: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Summed prefix gradients (input dtype) from ``lse``/``g`` ``[K, B]`` and ``d_pos [K, B, P]``.
 
     Coordinate ``j`` of a row gets the gradients of the prefixes ``k >= seg(j)``: the ds
     kernel writes suffix sums ``T_j`` of the prefixes' dS, and the GEMMs run once per segment
-    (docs/triton.md, "Matryoshka prefixes")."""
-    call = _Call(anchor, block0, block1, tags0, tags1, tau)
+    (docs/triton.md, "Matryoshka prefixes"). Extensions: ``EXT_PARAMS``, as
+    :func:`_lse_backward`'s."""
+    count = pos_count if d_pos is None else d_pos.shape[-1]
+    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset if count else 0, count)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
     B, d, dt, acc, dev, K = call.B, call.d, call.dt, call.acc, call.dev, len(dims)
     too_big = plan.size_reasons(B, d)
     if too_big:
@@ -493,7 +709,7 @@ def _lse_backward_prefixes(
         t[:, top:].zero_()
     bounds = plan.int_constant(tuple(sorted_dims), dev)
     ds_type = plan.ds_dtype(dt, True)  # suffix sums would add rounded terms: always fp32
-    ds_cfg, mm_cfg = call.config("prefix_ds"), call.config("mm_split" if ds_type != dt else "mm")
+    ds_cfg, mm_cfg = call.config(ext.role("prefix_ds")), call.config("mm_split" if ds_type != dt else "mm")
     align = plan.chunk_align(ds_cfg, mm_cfg)
     elt = torch.empty((), dtype=ds_type).element_size()
     width = tuple(plan.chunk_width(K * B, n, d, elt, align, call.arch) for n in call.sizes)
@@ -507,9 +723,10 @@ def _lse_backward_prefixes(
     if len(chunks) > 1:
         layout["d_anchor_acc"] = ((B, d), acc)
     ws = plan.scratch(dev, layout)
-    norms = _norms(call, cosine, eps, bounds, ws["norms"])
+    norms = _prepare(call, cosine, eps, bounds, ws["norms"], order)
+    anchor = call.anchor  # with a filter: read as zeros where non-finite
     lse, g = lse[order].to(acc).contiguous(), g[order].to(acc).contiguous()
-    P = 0 if d_pos is None else d_pos.shape[2]
+    P = 0 if d_pos is None or ext.sigmoid else d_pos.shape[2]
     dpos = d_pos[order].to(acc).contiguous() if P else None
     none = call.dummy()
     ones = plan.ones(max(B, W), acc, dev)
@@ -521,16 +738,16 @@ def _lse_backward_prefixes(
         nc = c1 - c0
         blk, tg, d_blk = call.blocks[bi][c0:c1], call.tags[bi][c0:c1], d_blocks[bi][c0:c1]
         base = B + (0 if bi == 0 else call.sizes[0]) + c0
-        fold_pos = bi == 0 and P > 0 and c0 < pos_offset + B * P and pos_offset < c1
+        ext_args = call.ext_args(bi, c0, c1)
+        fold_pos = P > 0 and ext_args["P"] > 0
         tiles = plan.cdiv(B, bm) * plan.cdiv(nc, bn)
         progs = min(tiles, call.sms * ds_cfg.occupancy)
         launch(
             PREFIX_DS, (progs,), ds_cfg,
             A=anchor, C=blk, TAGS=tg, BOUNDS=bounds, NORMS=norms, TAU=call.tau, LSE=lse, G_ROWS=g,
             DPOS=dpos if fold_pos else none, DS=ws["ds"], ROWW=ws.get("roww", none), COLW=ws.get("colw", none),
-            B=B, nc=nc, d=d, R=call.R, n_prefixes=K, c_norm=base, stride_ds=W, col_tile0=tile0,
-            pos_offset=pos_offset - c0 if fold_pos else 0, P=P if fold_pos else 0, n_progs=progs,
-            COSINE=cosine, FOLD_POS=fold_pos, PRECISION=call.precision,
+            B=B, nc=nc, d=d, R=call.R, n_prefixes=K, c_norm=base, stride_ds=W, stride_thr=call.stride_thr,
+            col_tile0=tile0, n_progs=progs, COSINE=cosine, FOLD_POS=fold_pos, PRECISION=call.precision, **ext_args,
         )  # fmt: skip
         tile0 += plan.cdiv(nc, bn)
         if cosine:

@@ -36,7 +36,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import TAG_PADDING, Kernel, cast_to, dot_tile, grouped_tile, load_tags, scale_logits, structural_mask
+from ._common import (
+    FILTER_NONE,
+    TAG_PADDING,
+    Kernel,
+    cast_to,
+    dot_tile,
+    ext_guide,
+    ext_logits,
+    ext_own,
+    grouped_tile,
+    load_tags,
+    sigmoid_terms,
+    structural_mask,
+)
+
+
+@triton.jit
+def _row_grad(logits, keep, own, lse, g, bias, SIGMOID: tl.constexpr):
+    """``dLoss/dlogit`` of the tile for the rows' gradient ``g``: ``g softmax`` (LSE) or ``g sigma``
+    (the sigmoid reduction), zero outside ``keep``."""
+    if SIGMOID:
+        _, sigma = sigmoid_terms(logits, own, bias)
+        return tl.where(keep, sigma * g[:, None], 0.0)
+    else:
+        return tl.where(keep, tl.exp(logits - lse[:, None]) * g[:, None], 0.0)
 
 
 @triton.jit
@@ -85,9 +109,16 @@ def _lse_ds_kernel(
     DS,
     ROWW,
     COLW,
+    POISON,
+    THR,
+    GA,
+    GC,
+    GNORMS,
+    BIAS,
     B,
     nc,
     d,
+    g,
     c_norm,
     stride_ds,
     col_tile0,
@@ -103,6 +134,8 @@ def _lse_ds_kernel(
     ROW_W_ON: tl.constexpr,
     GO_MODE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FILTER: tl.constexpr,
+    SIGMOID: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -111,6 +144,9 @@ def _lse_ds_kernel(
 ):
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
     inv_tau = 1.0 / tl.load(TAU)
+    bias = 0.0
+    if SIGMOID:
+        bias = tl.load(BIAS).to(ACC)
     num_m = tl.cdiv(B, BM)
     num_n = tl.cdiv(nc, BN)
     # not flattened into the d loop as the forward's tiles are: the flattened loop spilled
@@ -126,21 +162,29 @@ def _lse_ds_kernel(
         ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
         ic = tl.load(NORMS + c_norm + cols, mask=col_ok, other=0.0)
         acc = tl.zeros([BM, BN], dtype=ACC)
+        own = ext_own(rows, cols, pos_offset, P, FILTER, SIGMOID)
+        gdrop = ext_guide(GA, GC, GNORMS, THR, rows, cols, B, nc, rows, c_norm + cols, row_ok, col_ok, own, g, FILTER)
         s = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
-        logits = scale_logits(s, ia, ic, inv_tau, SCALE_TILE)
         tags = load_tags(TAGS, cols, col_ok)
-        keep = structural_mask(rows, B, tags, col_ok)
-        lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+        structural = structural_mask(rows, B, tags, col_ok)
+        logits, keep = ext_logits(s, ia, ic, inv_tau, structural, own, gdrop, POISON, THR, rows, c_norm + cols,
+                                  rows, row_ok, col_ok, FILTER, SCALE_TILE)  # fmt: skip
+        lse = 0.0
+        if not SIGMOID:
+            lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
         scale = _row_scale(rows, row_ok, ROW_W, GO, ROW_W_ON, GO_MODE, ACC)
-        g = tl.load(G_ROWS + rows, mask=row_ok, other=0.0) * scale
-        grad = tl.where(keep, tl.exp(logits - lse[:, None]) * g[:, None], 0.0)  # dLoss/dlogit
+        g_row = tl.load(G_ROWS + rows, mask=row_ok, other=0.0) * scale
+        grad = _row_grad(logits, keep, own, lse, g_row, bias, SIGMOID)  # dLoss/dlogit
         if FOLD_POS:
             grad = _fold_positives(grad, rows, cols, row_ok, DPOS, scale, pos_offset, P, BM, BN)
         if COSINE:
             # <G, l> per row (over this tile's columns) and per column (over its rows): the
             # radial part of the normalisation backward, summed by the GEMMs' epilogues
-            # padded and out-of-range columns hold no gradient but may hold NaN logits
+            # padded and out-of-range columns hold no gradient but may hold NaN logits (and so
+            # may a column the filter drops)
             counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
+            if FILTER != FILTER_NONE:
+                counted = counted & (keep | ~structural)
             gl = tl.where(counted, grad * logits, 0.0)
             if ROW_SUMS:  # (the fused head knows them from the forward: w_row)
                 tl.store(ROWW + (col_tile0 + pid_n).to(tl.int64) * B + rows, tl.sum(gl, 1), mask=row_ok)
@@ -166,19 +210,29 @@ def _prefix_ds_kernel(
     DS,
     ROWW,
     COLW,
+    POISON,
+    THR,
+    GA,
+    GC,
+    GNORMS,
+    BIAS,
     B,
     nc,
     d,
+    g,
     R,
     n_prefixes,
     c_norm,
     stride_ds,
+    stride_thr,
     col_tile0,
     pos_offset,
     P,
     n_progs,
     COSINE: tl.constexpr,
     FOLD_POS: tl.constexpr,
+    FILTER: tl.constexpr,
+    SIGMOID: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -191,6 +245,9 @@ def _prefix_ds_kernel(
     width]`` hold ``rinv_k^2 <G_k, l_k>`` partial sums."""
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
     inv_tau = 1.0 / tl.load(TAU)
+    bias = 0.0
+    if SIGMOID:
+        bias = tl.load(BIAS).to(ACC)
     num_m = tl.cdiv(B, BM)
     num_n = tl.cdiv(nc, BN)
     stride_k = B * stride_ds
@@ -204,8 +261,10 @@ def _prefix_ds_kernel(
         a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
         c_rows = C + tl.minimum(cols, nc - 1).to(tl.int64)[:, None] * d
         tags = load_tags(TAGS, cols, col_ok)
-        keep = structural_mask(rows, B, tags, col_ok)
+        structural = structural_mask(rows, B, tags, col_ok)
         counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
+        own = ext_own(rows, cols, pos_offset, P, FILTER, SIGMOID)
+        gdrop = ext_guide(GA, GC, GNORMS, THR, rows, cols, B, nc, rows, c_norm + cols, row_ok, col_ok, own, g, FILTER)
         ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
         ones = tl.full([BM], 1.0, dtype=ACC)
         acc = tl.zeros([BM, BN], dtype=ACC)
@@ -216,21 +275,29 @@ def _prefix_ds_kernel(
             lo = hi
             ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
             ic = tl.load(NORMS + k * R + c_norm + cols, mask=col_ok, other=0.0)
-            logits = scale_logits(acc, ia, ic, inv_tau, True)
-            lse = tl.load(LSE + k * B + rows, mask=row_ok, other=0.0)
-            g = tl.load(G_ROWS + k * B + rows, mask=row_ok, other=0.0)
-            grad = tl.where(keep, tl.exp(logits - lse[:, None]) * g[:, None], 0.0)
+            logits, keep = ext_logits(acc, ia, ic, inv_tau, structural, own, gdrop, POISON + k * R,
+                                      THR + k * stride_thr, rows, c_norm + cols, rows, row_ok, col_ok, FILTER, True)  # fmt: skip
+            lse = 0.0
+            if not SIGMOID:
+                lse = tl.load(LSE + k * B + rows, mask=row_ok, other=0.0)
+            g_row = tl.load(G_ROWS + k * B + rows, mask=row_ok, other=0.0)
+            grad = _row_grad(logits, keep, own, lse, g_row, bias, SIGMOID)
             if FOLD_POS:
                 grad = _fold_positives(grad, rows, cols, row_ok, DPOS + k * B * P, ones, pos_offset, P, BM, BN)
+            kept = counted
+            if FILTER != FILTER_NONE:  # a dropped column may hold a NaN logit
+                kept = counted & (keep | ~structural)
             if COSINE:
                 ra = tl.load(NORMS + (n_prefixes + k) * R + rows, mask=row_ok, other=0.0)
                 rc = tl.load(NORMS + (n_prefixes + k) * R + c_norm + cols, mask=col_ok, other=0.0)
-                gl = tl.where(counted, grad * logits, 0.0)
+                gl = tl.where(kept, grad * logits, 0.0)
                 row_part = ROWW + ((col_tile0 + pid_n).to(tl.int64) * n_prefixes + k) * B + rows
                 tl.store(row_part, tl.sum(gl, 1) * ra * ra, mask=row_ok)
                 col_part = COLW + (pid_m.to(tl.int64) * n_prefixes + k) * stride_ds + cols
                 tl.store(col_part, tl.sum(gl, 0) * rc * rc, mask=col_ok)
             ds = grad * (ia * inv_tau)[:, None] * ic[None, :]
+            if FILTER != FILTER_NONE:  # exactly 0 where dropped, even beside a refused (NaN-scaled) row
+                ds = tl.where(kept, ds, 0.0)
             tl.store(DS + k * stride_k + ds_offs, cast_to(ds, DS.dtype.element_ty), mask=tile_ok)
         total = tl.zeros([BM, BN], dtype=ACC)
         for j in range(0, n_prefixes):

@@ -28,7 +28,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import Kernel, block_of_tile, dot_tile, load_tags, online_lse, scale_logits, structural_mask
+from ._common import (
+    FILTER_NONE,
+    Kernel,
+    block_of_tile,
+    dot_tile,
+    ext_guide,
+    ext_logits,
+    ext_own,
+    load_tags,
+    reduce_tile,
+    structural_mask,
+)
 
 # Matryoshka: at most this many prefixes (their online-LSE states are one [MAX_PREFIXES, BM] tile)
 MAX_PREFIXES = 8
@@ -37,7 +48,8 @@ KP = tl.constexpr(MAX_PREFIXES)
 
 @triton.jit
 def _tile_setup(A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN: tl.constexpr):
-    """Column tile ``t``: its rows' pointers (clamped), tags, validity and norm offsets."""
+    """Column tile ``t``: its rows' pointers (clamped), tags, validity, norm offsets, whether it
+    is in block 0 and its rows in its block."""
     in0, local, n, base = block_of_tile(t, tiles0, n0, n1, n0)
     C = tl.where(in0, C0, C1)
     TAGS = tl.where(in0, TAGS0, TAGS1)
@@ -45,7 +57,7 @@ def _tile_setup(A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN: tl.constex
     col_ok = cols < n
     c_rows = C + tl.minimum(cols, n - 1).to(tl.int64)[:, None] * d
     tags = load_tags(TAGS, cols, col_ok)
-    return cols, col_ok, c_rows, tags, B + base + cols
+    return cols, col_ok, c_rows, tags, B + base + cols, in0, n
 
 
 @triton.jit
@@ -58,10 +70,20 @@ def _lse_fwd_kernel(
     NORMS,
     TAU,
     PARTS,
+    POISON,
+    THR,
+    GA,
+    GC0,
+    GC1,
+    GNORMS,
+    BIAS,
     B,
     n0,
     n1,
     d,
+    g,
+    pos_offset,
+    P,
     tiles0,
     n_tiles,
     tiles_per_split,
@@ -69,6 +91,8 @@ def _lse_fwd_kernel(
     SCALE_TILE: tl.constexpr,
     SCALE_ON_LOAD: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FILTER: tl.constexpr,
+    SIGMOID: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -82,18 +106,32 @@ def _lse_fwd_kernel(
     a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
     ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
     inv_tau = 1.0 / tl.load(TAU)
-    m = tl.full([BM], float("-inf"), dtype=ACC)
+    bias = 0.0
+    if SIGMOID:  # running (sum term, sum sigma * l, sum sigma)
+        bias = tl.load(BIAS).to(ACC)
+        m = tl.zeros([BM], dtype=ACC)
+    else:  # running (max, sum exp, sum exp * l)
+        m = tl.full([BM], float("-inf"), dtype=ACC)
     l = tl.zeros([BM], dtype=ACC)
     u = tl.zeros([BM], dtype=ACC)
     t_begin = pid_s * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
-    for t in tl.range(t_begin, t_end, flatten=True):
-        cols, col_ok, c_rows, tags, norm_cols = _tile_setup(A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN)
+    # the extensions' longer epilogue beside the next tile's prefetch spilled: not flattened
+    FLAT: tl.constexpr = (FILTER == FILTER_NONE) and not SIGMOID
+    for t in tl.range(t_begin, t_end, flatten=FLAT):
+        cols, col_ok, c_rows, tags, norm_cols, in0, n = _tile_setup(
+            A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN
+        )
         ic = tl.load(NORMS + norm_cols, mask=col_ok, other=0.0)
+        own = ext_own(rows, cols, pos_offset, tl.where(in0, P, 0), FILTER, SIGMOID)
+        gdrop = ext_guide(GA, tl.where(in0, GC0, GC1), GNORMS, THR, rows, cols, B, n, rows, norm_cols, row_ok, col_ok,
+                          own, g, FILTER)  # fmt: skip
         acc = tl.zeros([BM, BN], dtype=ACC)
         s = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
-        logits = scale_logits(s, ia, ic, inv_tau, SCALE_TILE)
-        m, l, u = online_lse(m, l, u, logits, structural_mask(rows, B, tags, col_ok))
+        keep = structural_mask(rows, B, tags, col_ok)
+        logits, keep = ext_logits(s, ia, ic, inv_tau, keep, own, gdrop, POISON, THR, rows, norm_cols, rows, row_ok,
+                                  col_ok, FILTER, SCALE_TILE)  # fmt: skip
+        m, l, u = reduce_tile(m, l, u, logits, keep, own, bias, SIGMOID)
     out = PARTS + pid_s * B + rows
     tl.store(out, m, mask=row_ok)
     tl.store(out + n_slots * B, l, mask=row_ok)
@@ -111,22 +149,36 @@ def _prefix_fwd_kernel(
     NORMS,
     TAU,
     PARTS,
+    POISON,
+    THR,
+    GA,
+    GC0,
+    GC1,
+    GNORMS,
+    BIAS,
     B,
     n0,
     n1,
     d,
+    g,
+    pos_offset,
+    P,
+    stride_thr,
     n_prefixes,
     tiles0,
     n_tiles,
     tiles_per_split,
     n_slots,
+    FILTER: tl.constexpr,
+    SIGMOID: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
     """``_lse_fwd_kernel`` for K prefixes: the tiles are scaled after the product, never on
-    load (one load scale cannot serve prefixes of different norms)."""
+    load (one load scale cannot serve prefixes of different norms). ``POISON [K, R]`` and a self
+    filter's ``THR`` (prefix ``k`` at ``k * stride_thr``) are per prefix, in sorted order."""
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -136,14 +188,24 @@ def _prefix_fwd_kernel(
     a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
     inv_tau = 1.0 / tl.load(TAU)
     prefix = tl.arange(0, KP)[:, None]
-    m = tl.full([KP, BM], float("-inf"), dtype=ACC)
+    bias = 0.0
+    if SIGMOID:
+        bias = tl.load(BIAS).to(ACC)
+        m = tl.zeros([KP, BM], dtype=ACC)
+    else:
+        m = tl.full([KP, BM], float("-inf"), dtype=ACC)
     l = tl.zeros([KP, BM], dtype=ACC)
     u = tl.zeros([KP, BM], dtype=ACC)
     t_begin = pid_s * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
     for t in range(t_begin, t_end):
-        cols, col_ok, c_rows, tags, norm_cols = _tile_setup(A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN)
-        keep = structural_mask(rows, B, tags, col_ok)
+        cols, col_ok, c_rows, tags, norm_cols, in0, n = _tile_setup(
+            A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN
+        )
+        base_keep = structural_mask(rows, B, tags, col_ok)
+        own = ext_own(rows, cols, pos_offset, tl.where(in0, P, 0), FILTER, SIGMOID)
+        gdrop = ext_guide(GA, tl.where(in0, GC0, GC1), GNORMS, THR, rows, cols, B, n, rows, norm_cols, row_ok, col_ok,
+                          own, g, FILTER)  # fmt: skip
         acc = tl.zeros([BM, BN], dtype=ACC)
         lo = 0
         for k in range(0, n_prefixes):
@@ -152,13 +214,14 @@ def _prefix_fwd_kernel(
             lo = hi
             ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
             ic = tl.load(NORMS + k * R + norm_cols, mask=col_ok, other=0.0)
-            logits = scale_logits(acc, ia, ic, inv_tau, True)
+            logits, keep = ext_logits(acc, ia, ic, inv_tau, base_keep, own, gdrop, POISON + k * R, THR + k * stride_thr,
+                                     rows, norm_cols, rows, row_ok, col_ok, FILTER, True)  # fmt: skip
             # select prefix k's state (sums over one row: -inf, NaN and values pass exactly)
             sel = prefix == k
             mk = tl.sum(tl.where(sel, m, 0.0), 0)
             lk = tl.sum(tl.where(sel, l, 0.0), 0)
             uk = tl.sum(tl.where(sel, u, 0.0), 0)
-            mk, lk, uk = online_lse(mk, lk, uk, logits, keep)
+            mk, lk, uk = reduce_tile(mk, lk, uk, logits, keep, own, bias, SIGMOID)
             m = tl.where(sel, mk[None, :], m)
             l = tl.where(sel, lk[None, :], l)
             u = tl.where(sel, uk[None, :], u)

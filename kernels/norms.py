@@ -12,6 +12,12 @@
   ``+-inf`` dot product could give a ``-inf`` logit that ``exp`` would turn into a silent 0).
 
 A non-finite row gets NaN in both modes. Padded candidate rows (tag ``PAD``) read as zero.
+
+``CLEAN`` (a filtered problem, ``contract.Filter``): the pass also writes each row set's copy
+with non-finite entries read as zeros (``CLEAN_A``, ``CLEAN_C0``, ``CLEAN_C1``; padded rows all
+zeros), the scales of those copies, and ``POISON [K, R]``: NaN for a row with a non-finite entry
+in prefix ``k``, else 0 (the tile kernels add it to every logit of the row; a logit the filter
+drops is masked by selection, so the NaN reaches only the rows that keep it).
 With Matryoshka ``BOUNDS`` (sorted prefix lengths) the sums run on, segment by segment, and
 prefix ``k``'s scales are written at the end of segment ``k``: one pass over each row. There
 a row holding an entry of magnitude ``2^50`` or more (``2^400`` for fp64) is refused
@@ -62,6 +68,10 @@ def _row_norms_kernel(
     TAGS1,
     BOUNDS,
     NORMS,
+    CLEAN_A,
+    CLEAN_C0,
+    CLEAN_C1,
+    POISON,
     B,
     n0,
     n1,
@@ -70,6 +80,7 @@ def _row_norms_kernel(
     eps,
     COSINE: tl.constexpr,
     PREFIXES: tl.constexpr,
+    CLEAN: tl.constexpr,
     BR: tl.constexpr,
     BD: tl.constexpr,
 ):
@@ -95,6 +106,9 @@ def _row_norms_kernel(
     tag = tl.load(TAGS + rows, mask=ok & is_candidate, other=0)
     read = ok & (tag != TAG_PADDING)
     x_rows = X + rows.to(tl.int64)[:, None] * d
+    if CLEAN:  # the row set's copy with non-finite entries read as zeros (contract.Filter)
+        Y = tl.where(in_a, CLEAN_A, tl.where(in_0, CLEAN_C0, CLEAN_C1))
+        y_rows = Y + rows.to(tl.int64)[:, None] * d
     out = NORMS + base + rows
     LO: tl.constexpr = SCALE_LO_F64 if ACC == tl.float64 else SCALE_LO_F32
     HI: tl.constexpr = SCALE_HI_F64 if ACC == tl.float64 else SCALE_HI_F32
@@ -104,17 +118,25 @@ def _row_norms_kernel(
     n_bad = tl.zeros([BR], dtype=tl.int32)
     lo = 0
     n_seg = n_prefixes if PREFIXES else 1
+    # the clean copy's stores and selects beside the chunk spilled 8-32 B (fp32/fp64): half chunks
+    BDC: tl.constexpr = BD // 2 if CLEAN else BD
     for k in range(0, n_seg):
         if PREFIXES:
             hi = tl.load(BOUNDS + k)
         else:
             hi = d
-        for k0 in range(lo, hi, BD):
-            ks = k0 + tl.arange(0, BD)
-            x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < hi)[None, :], other=0.0).to(ACC)
+        for k0 in range(lo, hi, BDC):
+            ks = k0 + tl.arange(0, BDC)
+            x = tl.load(x_rows + ks[None, :], mask=read[:, None] & (ks < hi)[None, :], other=0.0)
+            if CLEAN:
+                finite = tl.abs(x.to(ACC)) < float("inf")  # false exactly for NaN and +-Inf
+                n_bad += tl.sum(tl.where(finite, 0, 1), 1)
+                x = tl.where(finite, x, 0.0)
+                tl.store(y_rows + ks[None, :], x, mask=ok[:, None] & (ks < hi)[None, :])
+            x = x.to(ACC)
             if COSINE:
                 scale, ssq = ssq_step(scale, ssq, x, HI)
-            else:
+            elif not CLEAN:
                 # |x| < inf is false exactly for NaN and +-Inf
                 n_bad += tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), 1)
         lo = hi
@@ -125,11 +147,16 @@ def _row_norms_kernel(
             if PREFIXES:
                 bad = bad | (scale >= BIG)
             inv, rinv = inverse_norms(norm, bad, eps)
+        elif CLEAN:
+            inv = tl.full([BR], 1.0, dtype=ACC)
+            rinv = inv
         else:
             inv = tl.where(n_bad > 0, float("nan"), tl.full([BR], 1.0, dtype=ACC))
             rinv = inv  # unused by dot similarity; written so no slot is stale
         tl.store(out + k * R, inv, mask=ok)
         tl.store(out + (n_seg + k) * R, rinv, mask=ok)
+        if CLEAN:  # NaN for a row with a non-finite entry in the prefix (padding: none)
+            tl.store(POISON + k * R + base + rows, tl.where(n_bad > 0, float("nan"), 0.0).to(ACC), mask=ok)
 
 
 ROW_NORMS = Kernel(_row_norms_kernel, "rows")

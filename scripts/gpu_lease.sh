@@ -22,8 +22,11 @@
 #      skip with the reason where its wheel does not install)     -> bench.json, bench.txt
 #   6. where the step spends its time (profile); correctness at B = 2048 -> measure.txt, correctness.json
 #   7. the ring's per-block primitive against one call (W = 8 simulated)  -> measure.txt
-# PARTS picks the steps (default "checks tune kernels bench profile correctness ring"); T_* are
-# their time limits.
+#   8. the primitive's extensions: a SigLIP-shaped sigmoid loss (B = 16384, d = 768, bf16) and a
+#      GIST-filtered SupMPN (B = 4096, fp32 guide of width 384), triton against torch
+#                                                                      -> measure.txt, extensions.json
+# PARTS picks the steps (default "checks tune kernels bench profile correctness ring extensions");
+# T_* are their time limits.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
@@ -60,7 +63,7 @@ say "setup"
 "$PY" -m fastcl.info >>"$CHECKS" 2>&1
 say "setup done"
 
-PARTS=${PARTS:-checks tune kernels bench profile correctness ring}
+PARTS=${PARTS:-checks tune kernels bench profile correctness ring extensions}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if [[ $DRY == 1 ]]; then
   DEV=cpu SCALE=0.0078125 B=64 BI=128 D=32 SMOKE=(--B 64 --d 32)
@@ -143,5 +146,13 @@ if has ring; then
   timeout -s INT -k 10 $(lim ${T_RING:-25}) "$PY" -m benchmarks.harness.ring_blocks --B $B --P 5 --Q 5 --d $D --world 8 \
     --dtype $([[ $DEV == cuda ]] && echo bfloat16 || echo float32) --device $DEV --budget-s 1 >>"$MEASURE" 2>&1
   say "ring blocks: exit $?"
+fi
+if has extensions; then
+  say "extensions"
+  if [[ $DEV == cuda ]]; then EXT_ARGS=(--B 16384 --gist-B 4096 --d 768 --dtype bfloat16 --impls triton,torch)
+  else EXT_ARGS=(--B 256 --gist-B 64 --d 32 --dtype float32 --impls torch --reps 1); fi
+  timeout -s INT -k 10 $(lim ${T_EXT:-40}) "$PY" scripts/gpu_extensions.py "${EXT_ARGS[@]}" --device $DEV \
+    --json "$OUT/extensions.json" >>"$MEASURE" 2>&1
+  say "extensions: exit $?"
 fi
 say "done"

@@ -93,9 +93,53 @@ def dry_runs(arch: str, dtypes=(torch.bfloat16, torch.float16, torch.float32, to
             ones = torch.ones(3, B)
             dp = torch.zeros(3, B, P) if P else None
             lse._lse_backward_prefixes(anchor, c0, c1, t0, t1, tau, 0 * ones, ones, dp, 3, dims, cosine, 1e-8)
+            _extension_runs(lse, dt, (anchor, c0, c1, t0, t1), P, d, dims, cosine, wide, gen)
     for launch in launches:
         out.setdefault((launch.key, launch.config), launch)
     return list(out.values())
+
+
+def _extension_runs(lse, dt, inputs, P, d, dims, cosine, wide, gen) -> None:
+    """The primitive's extensions (docs/triton.md, "Extensions"): the sigmoid reduction, the
+    self and the guide filter (guide width off every tile edge; an fp32 guide beside 16-bit
+    inputs), alone and together, plain and Matryoshka, and the fused head with a filter."""
+    anchor, c0, c1, t0, t1 = inputs
+    B = anchor.shape[0]
+    tau, cd = torch.tensor(0.1), torch.float64 if dt == torch.float64 else torch.float32
+    g = 40 if d == 40 else 384 if wide else 24
+    gdt = torch.float32 if dt in (torch.bfloat16, torch.float16) and cosine else dt
+    guide = dict(zip(("guide_anchor", "guide_block0", "guide_block1"),
+                     (torch.randn(n, g, generator=gen).to(gdt) for n in (B, *(c.shape[0] for c in (c0, c1))))))  # fmt: skip
+    thr = torch.zeros(B, dtype=cd)
+    bias = dict(bias=torch.tensor(-1.0, dtype=cd))
+    cases = [bias, dict(threshold=thr), dict(threshold=thr, **bias), dict(threshold=thr, **guide),
+             dict(threshold=thr, **guide, **bias)]  # fmt: skip
+    d_pos = torch.zeros(B, P) if P else None
+    for ext in cases:
+        lse._lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8, **ext, pos_offset=3, pos_count=P)
+        dp = None if "bias" in ext else d_pos
+        for fp32_ds in (True, False):
+            lse._lse_backward(
+                anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), dp, 3, cosine, 1e-8, fp32_ds, **ext,
+                pos_count=P,
+            )  # fmt: skip
+        self_filter = "threshold" in ext and "guide_anchor" not in ext  # one threshold row per prefix
+        pext = dict(ext, threshold=torch.zeros(len(dims), B, dtype=cd)) if self_filter else ext
+        lse._lse_forward_prefixes(anchor, c0, c1, t0, t1, tau, dims, cosine, 1e-8, **pext, pos_offset=3, pos_count=P)
+        ones = torch.ones(len(dims), B)
+        dp = None if "bias" in ext or not P else torch.zeros(len(dims), B, P)
+        lse._lse_backward_prefixes(
+            anchor, c0, c1, t0, t1, tau, 0 * ones, ones, dp, 3, dims, cosine, 1e-8, **pext, pos_count=P
+        )
+        if P and "bias" not in ext:  # the fused head with a filter (GIST)
+            w = torch.full((B,), 1.0 / B)
+            _, *saved = lse._head_forward(
+                anchor, c0, c1, t0, t1, tau, cosine, 1e-8, "softplus", 3, P, None, None, None, w, False, **ext
+            )
+            lse._head_backward(
+                anchor, c0, c1, t0, t1, tau, saved[4], saved[0], saved[1], saved[2], saved[3], w,
+                torch.ones((), dtype=dt), 3, True, cosine, dt == torch.float16, True, **ext,
+            )  # fmt: skip
 
 
 def uses_dot(launch: Launch) -> bool:
@@ -268,7 +312,7 @@ def ttir(launch: Launch, arch: str) -> str:
 
 def _features(launch: Launch) -> int:
     """How much code a launch generates, roughly: flags on plus pointers that are really read."""
-    flags = sum(v is True for _, v in launch.constexprs)
+    flags = sum(v is True or (name == "FILTER" and v > 0) for name, v in launch.constexprs)
     pointers = sum(t.startswith("*") and t != "*fp32" for _, t in launch.signature)
     return flags + pointers
 
@@ -278,13 +322,23 @@ def _features(launch: Launch) -> int:
 LOOP_FLAGS = ("X_T", "SPLIT_X", "PAD_K", "Y_KSCALE", "SCALE_ON_LOAD")
 
 
+def extension(launch: Launch) -> str:
+    """Which of the primitive's forms a launch computes: ``plain``, or its extensions' flags
+    (``FILTER=1 SIGMOID=True``; the row pass's clean copies, the head's poison). Each form has
+    its own representatives: the extensions' epilogues differ in registers more than their
+    flag counts tell, and the plain kernels' facts must not hide behind an extension's."""
+    flags = dict(launch.constexprs)
+    on = [f"{k}={flags[k]}" for k in ("FILTER", "SIGMOID", "CLEAN", "POISONED") if flags.get(k)]
+    return " ".join(on) or "plain"
+
+
 def representatives(launches: list[Launch]) -> list[Launch]:
-    """One launch per ``(kernel, dtype class, config, main-loop flags)``: the one with the most
-    flags on and typed pointers (the most code, so the most registers)."""
+    """One launch per ``(kernel, dtype class, config, main-loop flags, extension)``: the one with
+    the most flags on and typed pointers (the most code, so the most registers)."""
     best: dict[tuple, Launch] = {}
     for launch in launches:
         flags = dict(launch.constexprs)
-        key = (launch.kernel, launch.dclass, launch.config, tuple(flags.get(f) for f in LOOP_FLAGS))
+        key = (launch.kernel, launch.dclass, launch.config, tuple(flags.get(f) for f in LOOP_FLAGS), extension(launch))
         if key not in best or _features(launch) > _features(best[key]):
             best[key] = launch
     return list(best.values())

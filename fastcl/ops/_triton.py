@@ -46,15 +46,39 @@ def fp32_ds(dtype: torch.dtype) -> bool:
     return mode == "fp32" or dtype != torch.bfloat16
 
 
+def _extensions(problem: LSEProblem) -> dict:
+    """The launchers' keyword arguments for the problem's extensions (``kernels/lse.py``'s
+    ``EXT_PARAMS``); empty for a plain problem, whose launches stay as they were."""
+    f, sig = problem.filter, problem.sigmoid
+    kw: dict = {}
+    if f is not None:
+        kw["threshold"] = f.threshold
+        if f.guide_anchor is not None and f.guide_blocks is not None:
+            kw.update(guide_anchor=f.guide_anchor, guide_block0=f.guide_blocks[0], guide_block1=f.guide_blocks[1])
+    if sig is not None:
+        kw["bias"] = sig.bias
+    return kw
+
+
 class TritonHeadStep:
     """The loss step with the head fused into the kernels: a forward of four launches that
     also returns the reduced loss, and a backward that takes the upstream gradient and the
     reduction weights as device tensors (no PyTorch op between the kernels)."""
 
     def takes(self, problem: LSEProblem, head: HeadInputs, own_count: int) -> bool:
-        """Plain problems (no Matryoshka dims, filter or sigmoid) of a known head with 1..``MAX_OWN`` positives."""
-        plain = problem.dims is None and problem.filter is None and problem.sigmoid is None
+        """Problems without Matryoshka dims or the sigmoid reduction (a filter is fine) of a known
+        head with 1..``MAX_OWN`` positives."""
+        plain = problem.dims is None and problem.sigmoid is None
         return plain and head.kind in HEADS and 1 <= own_count <= _kernels().MAX_OWN
+
+    @staticmethod
+    def _filter(problem: LSEProblem) -> dict:
+        """A filter's keyword arguments: the threshold, the guide, and the own positives it never drops."""
+        if problem.filter is None:
+            return {}
+        pos = problem.positives
+        own = {} if pos is None else {"own_offset": pos.offset, "own_count": pos.count}
+        return {**_extensions(problem), **own}
 
     def forward(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, per_row: bool):
         """``(loss, saved)``: the reduced loss (0-d, input dtype) or the rows ``[B]`` (compute
@@ -69,7 +93,7 @@ class TritonHeadStep:
             offset, count = 0, head.pos_logits.shape[1]
         loss, *saved = _kernels().head_forward(
             problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps, head.kind, offset, count,
-            head.pos_logits, head.pos_mask, head.log_extra, head.weights, per_row,
+            head.pos_logits, head.pos_mask, head.log_extra, head.weights, per_row, **self._filter(problem),
         )  # fmt: skip
         return loss, tuple(saved)
 
@@ -81,6 +105,7 @@ class TritonHeadStep:
         d_anchor, d_b0, d_b1 = _kernels().head_backward(
             problem.anchor, b0, b1, t0, t1, tau, norms, lse, dlse, dpos, w_row, weights, grad_out,
             0 if pos is None else pos.offset, pos is not None, problem.cosine, fp32_ds(problem.anchor.dtype), problem.padded,
+            **self._filter(problem), **({"eps": problem.eps} if problem.filter is not None else {}),
         )  # fmt: skip
         return d_anchor, (d_b0, d_b1)
 
@@ -91,6 +116,8 @@ class TritonLSE(Backend):
     name = "triton"
     fused = None
     head_step = TritonHeadStep()
+    takes_filter = True
+    takes_sigmoid = True
 
     def unavailable(self) -> str | None:
         try:
@@ -110,6 +137,11 @@ class TritonLSE(Backend):
         device_type = "cpu" if _kernels().INTERPRET else "cuda"
         why = input_reasons(problem, backend=self.name, device_type=device_type, takes_dims=True)
         why += _kernels().prefix_reasons(problem.dims)
+        f, sig = problem.filter, problem.sigmoid
+        if (f is not None and f.threshold.device != problem.device) or (
+            sig is not None and sig.bias.device != problem.device
+        ):
+            why.append(f"the triton backend needs the filter's threshold and the sigmoid's bias on {problem.device}")
         if not why and problem.device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(problem.device)
             if major < 8:
@@ -117,19 +149,27 @@ class TritonLSE(Backend):
         return why + _kernels().size_reasons(*problem.anchor.shape)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
+        """``(lse, mean_logit)``, or the sigmoid reduction's ``(value, stats [2, ...])``."""
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
+        ext = _extensions(problem)
+        if ext and problem.positives is not None:  # the sigmoid's z = +1 and the filter's exemption
+            ext.update(pos_offset=problem.positives.offset, pos_count=problem.positives.count)
         if problem.dims is not None:  # [K, B]: every prefix from one pass over d
             return _kernels().lse_forward_prefixes(
-                problem.anchor, b0, b1, t0, t1, tau, list(problem.dims), problem.cosine, problem.eps
+                problem.anchor, b0, b1, t0, t1, tau, list(problem.dims), problem.cosine, problem.eps, **ext
             )
-        return _kernels().lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps)
+        return _kernels().lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps, **ext)
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
-        """``d_pos [B, P]``: own-positive logit gradient, folded when ``problem.positives`` is set."""
+        """``d_pos [B, P]``: own-positive logit gradient, folded when ``problem.positives`` is set
+        (the LSE only: the sigmoid's pairs are inside its sum)."""
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
-        d_pos = None if pos is None else d_pos
-        offset = 0
+        d_pos = None if pos is None or problem.sigmoid is not None else d_pos
+        ext = _extensions(problem)
+        if ext and pos is not None and d_pos is None:  # the own positives, without a gradient to fold
+            ext["pos_count"] = pos.count
+        offset = 0 if pos is None or not ext else pos.offset
         if pos is not None and d_pos is not None:
             want: tuple[int, ...] = (problem.num_anchors, pos.count)
             if problem.dims is not None:
@@ -140,11 +180,11 @@ class TritonLSE(Backend):
         inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, offset)
         if problem.dims is not None:
             d_anchor, d_b0, d_b1 = _kernels().lse_backward_prefixes(
-                *inputs, list(problem.dims), problem.cosine, problem.eps
+                *inputs, list(problem.dims), problem.cosine, problem.eps, **ext
             )
             return d_anchor, (d_b0, d_b1)
         d_anchor, d_b0, d_b1 = _kernels().lse_backward(
-            *inputs, problem.cosine, problem.eps, fp32_ds(problem.anchor.dtype)
+            *inputs, problem.cosine, problem.eps, fp32_ds(problem.anchor.dtype), **ext
         )
         return d_anchor, (d_b0, d_b1)
 

@@ -88,11 +88,11 @@ def extension_reasons(impl: Backend, problem: LSEProblem) -> list[str]:
     why = []
     if problem.filter is not None and not impl.takes_filter:
         why.append(
-            f"the {impl.name} backend does not take a false-negative filter (backends that do: reference, torch, cpp)"
+            f"the {impl.name} backend does not take a false-negative filter (backends that do: reference, torch, cpp, triton)"
         )
     if problem.sigmoid is not None and not impl.takes_sigmoid:
         why.append(
-            f"the {impl.name} backend does not compute the sigmoid reduction (backends that do: reference, torch, cpp)"
+            f"the {impl.name} backend does not compute the sigmoid reduction (backends that do: reference, torch, cpp, triton)"
         )
     if problem.columns and not impl.takes_columns:
         why.append(

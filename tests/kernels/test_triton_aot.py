@@ -74,6 +74,14 @@ def test_recorded_launches_cover_every_flag(arch):
     assert seen[("_head_kernel", "HEAD")] == {True, False}
     assert seen[("_lse_ds_kernel", "GO_MODE")] == {0, 1, 2}
     assert seen[("_mm_kernel", "RADIAL_SCALE")] == {0, 1, 2}
+    # the primitive's extensions: every sweep with no filter, a self and a guide filter, and the
+    # sigmoid reduction; the row pass's clean copies and the head's poison (bool flags above)
+    for kernel in ("_lse_fwd_kernel", "_lse_ds_kernel", "_prefix_fwd_kernel", "_prefix_ds_kernel"):
+        assert seen[(kernel, "FILTER")] == {0, 1, 2} and seen[(kernel, "SIGMOID")] == {True, False}, kernel
+    assert seen[("_row_norms_kernel", "CLEAN")] == {True, False}
+    assert seen[("_head_kernel", "POISONED")] == {True, False} and seen[("_head_kernel", "SIGMOID")] == {True, False}
+    forms = {aot.extension(x) for x in launches if x.kernel == "_lse_fwd_kernel"}
+    assert forms == {"plain", "SIGMOID=True", "FILTER=1", "FILTER=1 SIGMOID=True", "FILTER=2", "FILTER=2 SIGMOID=True"}
 
 
 @pytest.mark.parametrize("arch", aot.ARCHS)

@@ -2,7 +2,7 @@
 
 The interpreter must be switched on before Triton kernels are imported, so the suite
 (the core backend matrix, primitive, property, robustness and double-backward tests for
-``triton`` on small shapes, plus the Triton-specific interpreter, non-finite and Matryoshka tests) runs
+``triton`` on small shapes, plus the Triton-specific interpreter, non-finite, Matryoshka and extension tests) runs
 in a child pytest process with
 ``TRITON_INTERPRET=1``. ``FASTCL_REQUIRE_BACKENDS=triton`` makes a backend that cannot
 run fail there instead of skipping. ``-k triton`` keeps the tests that run Triton (its files,
@@ -37,6 +37,8 @@ FILES = [
     "ops/test_matryoshka_contract.py",
     "ops/test_robust.py",
     "ops/test_double_backward.py",
+    "ops/test_extensions.py",
+    "kernels/test_triton_extensions.py",
 ]
 
 

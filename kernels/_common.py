@@ -284,11 +284,12 @@ def sigmoid_terms(logits, own, bias):
 
 @triton.jit
 def ext_own(rows, cols, first, P, FILTER: tl.constexpr, SIGMOID: tl.constexpr):
-    """The tile's own-positive columns where an extension reads them (``own_columns``), else None."""
+    """The tile's own-positive columns where an extension reads them (``own_columns``), else a
+    placeholder nothing reads (compiled away; Triton 3.6 cannot carry a None through a loop)."""
     if (FILTER != FILTER_NONE) or SIGMOID:
         return own_columns(rows, cols, first, P)
     else:
-        return None
+        return rows < 0
 
 
 @triton.jit
@@ -297,7 +298,7 @@ def ext_guide(GA, GC, GNORMS, THR, rows, cols, n_rows, n_cols, a_off, c_off, row
     """The guide filter's drops on a tile (its similarity tile against the thresholds) when
     ``FILTER`` is the guide, formed before the model's tile, so that only a mask lives through
     the main loop; else ``own`` as a placeholder :func:`ext_logits` does not read (Triton 3.6
-    cannot carry a None beside a tensor through a loop)."""
+    cannot carry a None through a loop)."""
     if FILTER == FILTER_GUIDE:
         gsim = guide_similarity(GA, GC, GNORMS, rows, cols, n_rows, n_cols, a_off, c_off, row_ok, col_ok, g)
         return filter_drop(gsim, THR, rows, row_ok, own)

@@ -118,6 +118,9 @@ class TritonLSE(Backend):
     head_step = TritonHeadStep()
     takes_filter = True
     takes_sigmoid = True
+    # No column statistics (their per-column partials over row tiles are not in the sweeps):
+    # extension_reasons refuses them by name and CLIP runs its two directional calls instead.
+    takes_columns = False
 
     def unavailable(self) -> str | None:
         try:

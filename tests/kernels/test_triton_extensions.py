@@ -6,11 +6,14 @@
 * shapes that cross the launchers' edges with the configured interpreter block sizes (tiles
   16 wide, ``d`` and the guide width off the feature steps, dS chunks of 32 columns, three
   splits), plain and Matryoshka;
+* degenerate shapes (no anchors, no candidates) and a NaN anchor row under a filter;
 * 16-bit inputs (bf16, fp16) beside an fp32 or a 16-bit guide, against the float64 oracle on
   the same (rounded) inputs;
 * the fused head step with a filter (the GIST losses' path): it is taken, matches the
   reference, a NaN in a column a row drops reaches neither that row's loss nor its gradient;
-* every launch the extensions make is in the AOT compile list.
+* every launch the extensions make is in the AOT compile list;
+* the public losses on them (CLIP, SigLIP, GIST) against the reference; CLIP's column
+  statistics are refused by the Triton backend, so CLIP runs its two directions.
 
 Runs in the Triton interpreter suite (``tests/kernels/test_triton_suite.py``).
 """
@@ -31,7 +34,15 @@ from fastcl.kernels import _common, aot, plan  # noqa: E402
 from fastcl.ops import _triton, contrastive  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, Filter, LSEProblem, OwnPositives, Sigmoid, poison_outputs  # noqa: E402
 from fastcl.testing import assert_close  # noqa: E402
-from tests.ops.test_extensions import Case, _check_backward, _check_forward, make_case  # noqa: E402
+from tests.ops.test_extensions import (  # noqa: E402
+    Case,
+    _check_backward,
+    _check_forward,
+    _compare,
+    make_case,
+    oracle,
+    oracle_grads,
+)
 
 TRITON = _triton.BACKEND
 CPU = torch.device("cpu")
@@ -123,6 +134,73 @@ def test_matryoshka_edges_16_bit(filt, reduce):
     _check_backward(TRITON, case, 5, torch.bfloat16)
 
 
+@pytest.mark.parametrize("B, N0, N1", [(0, 5, 3), (4, 0, 0), (1, 1, 0)])
+@pytest.mark.parametrize("reduce, filt", [("sigmoid", "guide"), ("lse", "self")])
+def test_degenerate_shapes(B, N0, N1, reduce, filt):
+    """No anchors, no candidates, one of each: empty rows give the sigmoid 0 and the LSE -inf,
+    and no gradient (outputs poisoned)."""
+    g = torch.Generator().manual_seed(B + N0 + N1)
+    d = 6
+    blocks = (torch.randn(N0, d, generator=g), torch.randn(N1, d, generator=g))
+    tags = (torch.full((N0,), TAG_ALL, dtype=torch.int32), torch.full((N1,), TAG_ALL, dtype=torch.int32))
+    case = Case(torch.randn(B, d, generator=g), blocks, tags, 0.3, True, None)
+    case.bias = -1.0 if reduce == "sigmoid" else None
+    case.threshold = torch.full((B,), 0.2)
+    if filt == "guide":
+        case.guide = (torch.randn(B, 3, generator=g), torch.randn(N0, 3, generator=g), torch.randn(N1, 3, generator=g))
+    _check_forward(TRITON, case)
+    _check_backward(TRITON, case, 1)
+    if N0 + N1 == 0:
+        value = TRITON.forward(case.problem(), torch.tensor(case.tau))[0]
+        assert (value == (0 if reduce == "sigmoid" else -math.inf)).all()
+
+
+@pytest.mark.parametrize("reduce", ["lse", "sigmoid"])
+def test_nan_anchor_row_under_a_filter(reduce):
+    """Anchor 2 holds a NaN and the guide drops candidate 6 from its row only: row 2 is NaN, its
+    NaN reaches the gradient of a candidate it keeps but not of candidate 6 (a weight of 0 by
+    selection, not 0 * NaN); the other rows are those of the oracle (the LSE) or of the torch
+    backend in float64 (the sigmoid: the oracle forms softplus(NaN) before selecting)."""
+    from dataclasses import replace
+
+    from fastcl.ops._torch_impl import TorchLSE
+
+    case = make_case(4, 10, 3, 6, seed=3, reduce=reduce, filt="guide", dev=CPU)
+    case.positives = OwnPositives(0, 1)
+    case.tags = (torch.full((10,), TAG_ALL, dtype=torch.int32), torch.full((3,), TAG_PADDING, dtype=torch.int32))
+    case.anchor = case.anchor.clone()
+    case.anchor[2, 1] = math.nan
+    ga, g0, g1 = case.guide  # type: ignore[misc]
+    g0 = g0.clone()
+    g0[6] = ga[2] * 4 + 0.01 * g0[6]  # next to anchor 2 in the guide's space, and dropped there
+    case.guide = (ga, g0, g1)
+    case.threshold = torch.tensor([0.999, 0.999, 0.9, 0.999])
+    prob, tau = case.problem(), torch.tensor(case.tau)
+    w = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    with poison_outputs():
+        value = TRITON.forward(prob, tau)[0]
+        d_a, d_b = TRITON.backward(prob, tau, value, w, None)
+    assert torch.isnan(value[2]) and torch.isfinite(value[[0, 1, 3]]).all()
+    assert torch.isfinite(d_b[0][6]).all(), "no NaN reaches the candidate the NaN row drops"
+    assert torch.isnan(d_b[0][5]).any(), "the NaN row's NaN reaches a candidate it keeps"
+    assert (d_b[1] == 0).all(), "padding gets exactly zero"
+    assert torch.isfinite(d_a[[0, 1, 3]]).all()
+    _compare("value", value, oracle(case)[0], abs_scale=1 / case.tau)
+    if reduce == "lse":
+        want = oracle_grads(case, w.double(), None)
+    else:
+        f = prob.filter
+        assert f is not None and prob.sigmoid is not None
+        p64 = replace(
+            prob, anchor=prob.anchor.double(), blocks=tuple(b.double() for b in prob.blocks),
+            filter=Filter(f.threshold.double(), f.guide_anchor, f.guide_blocks), sigmoid=Sigmoid(prob.sigmoid.bias.double()),
+        )  # fmt: skip
+        want_a, want_b = TorchLSE().backward(p64, tau.double(), value.double(), w.double(), None)
+        want = [want_a, *want_b]
+    _compare("d block0 row 6", d_b[0][6], want[1][6], abs_scale=1 / case.tau)
+    _compare("d anchor rows 0, 1, 3", d_a[[0, 1, 3]], want[0][[0, 1, 3]], abs_scale=1 / case.tau)
+
+
 # ---------------------------------------------------------------------------------------
 # the fused head step with a filter
 # ---------------------------------------------------------------------------------------
@@ -166,6 +244,9 @@ def _gist_loss(backend, anchor, blocks, tags, pos, flt, tau, reduction="mean"):
     )  # fmt: skip
 
 
+T = 0.1  # the GIST step's temperature: its logits, the loss's terms, are of size 1 / T
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("nan_column", [False, True])
 def test_head_step_with_a_filter(reduction, nan_column):
@@ -173,7 +254,7 @@ def test_head_step_with_a_filter(reduction, nan_column):
     assert TRITON.head_step.takes(LSEProblem(anchor, blocks, tags, positives=pos, filter=flt), _head(), 2)
     a = anchor.clone().requires_grad_()
     b0, b1 = (b.clone().requires_grad_() for b in blocks)
-    tau = torch.tensor(0.1, requires_grad=True)
+    tau = torch.tensor(T, requires_grad=True)
     with _common.recording() as launched, poison_outputs():
         loss = _gist_loss("triton", a, (b0, b1), tags, pos, flt, tau, reduction)
         loss.sum().backward()
@@ -193,12 +274,12 @@ def test_head_step_with_a_filter(reduction, nan_column):
         ok = torch.isfinite(a64.grad)
         assert_close("d anchor row 0", a.grad[ok].double(), a64.grad[ok], torch.float32)
         if rows is not None:
-            assert_close("loss row 0", rows[0].double(), want[0], torch.float32, abs_scale=10.0)
+            assert_close("loss row 0", rows[0].double(), want[0], torch.float32, abs_scale=1 / T)
         return
-    assert_close("loss", loss.double(), want, torch.float32, abs_scale=10.0)
+    assert_close("loss", loss.double(), want, torch.float32, abs_scale=1 / T)
     for name, got, ref in (("d anchor", a, a64), ("d block0", b0, c0), ("d block1", b1, c1)):
         assert_close(name, got.grad.double(), ref.grad, torch.float32)
-    assert_close("d tau", tau.grad.double(), tau64.grad, torch.float32, abs_scale=100.0)
+    assert_close("d tau", tau.grad.double(), tau64.grad, torch.float32, abs_scale=1 / T**2)  # dl/dtau = -l / tau
     # the filter changed the loss (the guide drops the false negative from row 0)
     plain = _gist_loss(
         "reference", a64.detach(), (c0.detach(), c1.detach()), tags, pos, None, tau64.detach(), reduction
@@ -254,3 +335,44 @@ def test_every_extension_launch_is_in_the_aot_list():
     launched = {x.key for x in launched}
     known = {x.key for x in aot.dry_runs("interp")}
     assert launched and launched <= known, sorted(launched - known)
+
+
+# ---------------------------------------------------------------------------------------
+# the losses on the extensions
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip", "gist"])
+def test_losses_equal_the_reference(loss):
+    """The public losses with ``backend="triton"`` (19 pairs: past a 16-row tile) equal the
+    reference in float64, values and gradients. CLIP: the Triton kernels compute no column
+    statistics, so the symmetric step is refused and the two directional calls run instead."""
+    import fastcl.losses as L
+    from fastcl.ops import dispatch, symmetric
+
+    g = torch.Generator().manual_seed(7)
+    B, d = 19, 9
+    img, txt = torch.randn(B, d, generator=g, dtype=torch.float64), torch.randn(B, d, generator=g, dtype=torch.float64)
+    txt = txt + 0.5 * img  # pairs that agree, as after some training
+    ga = torch.randn(B, 5, generator=g, dtype=torch.float64)
+    guide = (ga, ga + 0.3 * torch.randn(B, 5, generator=g, dtype=torch.float64))  # a positive near its anchor
+    scale = torch.tensor(6.0, dtype=torch.float64)
+    calls = {
+        "clip": lambda x, y, t, backend: L.clip_loss(x, y, t, backend=backend),
+        "siglip": lambda x, y, t, backend: L.siglip_loss(x, y, t, -2.0, backend=backend),
+        "gist": lambda x, y, t, backend: L.gist_loss(x, y, guide=guide, margin=0.1, temperature=1 / t, backend=backend),
+    }
+    if loss == "clip":
+        probe = symmetric.SymmetricSpec(dispatch.get("reference"), True, 1e-8, img[:0], "mean").problem(img, txt)
+        assert any("column statistics" in why for why in dispatch.reasons("triton", probe))
+        assert symmetric.takes("triton", img, txt, True, 1e-8) is None
+    out = {}
+    for backend in ("triton", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (img, txt, scale)]
+        with _common.recording() as launched:
+            value = calls[loss](*leaves, backend)
+            grads = torch.autograd.grad(value, leaves)
+        assert (backend == "triton") == bool(launched), backend
+        out[backend] = (value, *grads)
+    for name, got, want in zip(("loss", "d image", "d text", "d scale"), out["triton"], out["reference"]):
+        assert_close(f"{loss} {name}", got, want, torch.float64, scalar_sum=name == "d scale")

@@ -201,7 +201,7 @@ DEFAULTS: dict[str, dict[str, dict]] = {
 
 # The extensions' sweeps (``<sweep>_ext``: the sigmoid reduction or a self filter, a longer
 # epilogue; ``<sweep>_guide``: the guide filter's second dot tile) take the plain sweep's config
-# except where that spilled (compile facts of python -m fastcl.kernels.aot, both archs, both
+# except where that spilled (compile facts of python -m benchmarks.triton_tools.aot, both archs, both
 # Triton versions; the same entry for sm_80 and sm_90 unless the arch is named):
 _BOTH = {
     # the K row-sum states beside the sigmoid's terms: 92-296 B at 128 x 64 (16-bit), 36-40 B (fp64)

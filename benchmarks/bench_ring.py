@@ -1,12 +1,14 @@
 """Cross-device negatives, gather against ring, on the CPU with gloo.
 
-SupMPN (``P`` positives and ``Q`` negatives per anchor, ``B`` anchors per rank, width ``d``)
-on ``W`` = 2 and 4 processes, ``cross_device="gather"`` and ``"ring"`` in the same processes
+SupMPN (``P`` positives and ``Q`` negatives per anchor, ``B`` anchors per rank, width ``d``),
+or SigLIP with ``--bench-ring-loss siglip`` (``B`` image–text pairs per rank), on ``W`` = 2
+and 4 processes, ``cross_device="gather"`` and ``"ring"`` in the same processes
 (``benchmarks.harness.ring_cpu``: values checked equal first): time per step (the slowest rank's,
 minimum of interleaved rounds), bytes sent per rank in one step, extra peak RSS per rank
 (the largest rank's). The targets: the ring's extra memory per rank constant in ``W``
 (within 10 % from W = 2 to 4) and its CPU step within 1.2x of the gather's at W = 4 for
-SupMPN B = 1024, d = 768. docs/distributed.md explains the trade-off; its table of numbers
+SupMPN B = 1024, d = 768, and (issue [clip]) the SigLIP ring's extra memory per rank within
+10 % from W = 2 to 4 at B = 1024. docs/distributed.md explains the trade-off; its table of numbers
 is filled from this benchmark on an idle machine.
 
     pytest benchmarks/bench_ring.py --benchmark-only
@@ -17,7 +19,8 @@ It spawns its own processes and takes minutes at the default case, so the main j
 line or ``--bench-ring`` is given.
 
 Options (``benchmarks/options.py``): ``--bench-ring-worlds`` (default ``2,4``),
-``--bench-ring-case`` (default ``B=1024,P=5,Q=5,d=768``), ``--bench-ring-dtype``
+``--bench-ring-case`` (default ``B=1024,P=5,Q=5,d=768``), ``--bench-ring-loss``
+(``supmpn`` or ``siglip``), ``--bench-ring-dtype``
 (``float32``), ``--bench-ring-backend`` (``auto``: cpp where it builds),
 ``--bench-ring-rounds`` (5 timed rounds after one warm-up), ``--bench-ring-threads`` (intra-op
 threads per rank; default the usable cores divided by ``W``). At the default case one step at
@@ -43,7 +46,7 @@ def measure(world: int) -> dict:
     o = options.CURRENT
     if world not in _RUNS:
         _RUNS[world] = ring_cpu.run(
-            world=world, dtype=o.ring_dtype, backend=o.ring_backend, rounds=o.ring_rounds, threads=o.ring_threads,
+            world=world, loss=o.ring_loss, dtype=o.ring_dtype, backend=o.ring_backend, rounds=o.ring_rounds, threads=o.ring_threads,
             **o.ring_case,
         )  # fmt: skip
     return _RUNS[world]
@@ -59,7 +62,9 @@ def _selected(config) -> bool:
 def test_cross_device_step(request, benchmark, bench_record, bench_skip, world, mode):
     o = options.CURRENT
     case = " ".join(f"{k}={v}" for k, v in o.ring_case.items())
-    workload = f"supmpn-{o.ring_dtype} {case} W={world} (per rank)"
+    if o.ring_loss == "siglip":  # image and text features only
+        case = " ".join(f"{k}={v}" for k, v in o.ring_case.items() if k in ("B", "d"))
+    workload = f"{o.ring_loss}-{o.ring_dtype} {case} W={world} (per rank)"
     if not _selected(request.config):
         bench_skip(workload, mode, "multi-process: run pytest benchmarks/bench_ring.py, or pass --bench-ring")
     result = measure(world)

@@ -79,6 +79,7 @@ class BenchOptions:
     ring: bool = False  # bench_ring.py runs in the main job too
     ring_worlds: tuple[int, ...] = (2, 4)
     ring_case: dict[str, int] = field(default_factory=lambda: dict(RING_CASE))
+    ring_loss: str = "supmpn"  # bench_ring.py: "supmpn" or "siglip" (benchmarks.harness.ring_cpu)
     ring_dtype: str = "float32"
     ring_backend: str = "auto"
     ring_rounds: int = 5
@@ -118,6 +119,9 @@ def add_options(parser) -> None:
     g.addoption("--bench-ring", action="store_true", help="run bench_ring.py (multi-process) in the main job too")
     g.addoption("--bench-ring-worlds", default="2,4", help="bench_ring.py process counts (default 2,4)")
     g.addoption("--bench-ring-case", help="bench_ring.py sizes per rank (default B=1024,P=5,Q=5,d=768)")
+    g.addoption(
+        "--bench-ring-loss", default="supmpn", choices=("supmpn", "siglip"), help="bench_ring.py loss (default supmpn)"
+    )
     g.addoption("--bench-ring-dtype", default="float32", choices=("float32", "float64", "bfloat16"))
     g.addoption(
         "--bench-ring-backend", default="auto", help="bench_ring.py backend (default auto: cpp where it builds)"
@@ -158,6 +162,7 @@ def from_pytest(config) -> BenchOptions:
         ring=get("--bench-ring"),
         ring_worlds=_ints("--bench-ring-worlds", get("--bench-ring-worlds")),
         ring_case=_ring_case(get("--bench-ring-case")),
+        ring_loss=get("--bench-ring-loss"),
         ring_dtype=get("--bench-ring-dtype"),
         ring_backend=get("--bench-ring-backend"),
         ring_rounds=get("--bench-ring-rounds"),

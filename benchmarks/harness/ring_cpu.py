@@ -1,9 +1,10 @@
 """Gather against ring across processes on the CPU (gloo): time per step, bytes sent per rank,
 extra peak memory per rank (``benchmarks/bench_ring.py`` records it).
 
-One call spawns ``world`` processes on a file store. Each rank builds its own SupMPN batch
-(``B`` anchors, ``P`` positives and ``Q`` negatives each, width ``d``) and, for every mode of
-``cross_device``:
+One call spawns ``world`` processes on a file store. Each rank builds its own batch: SupMPN
+(``loss="supmpn"``: ``B`` anchors, ``P`` positives and ``Q`` negatives each, width ``d``) or
+SigLIP (``loss="siglip"``: ``B`` image and ``B`` text features of width ``d``, a learnable
+scale and bias; ``P`` and ``Q`` unused), and, for every mode of ``cross_device``:
 
 1. checks that both modes give the same loss (relative 1e-4; the ring and the gather add
    the same terms in another order);
@@ -41,22 +42,36 @@ from benchmarks.harness.timing import round_order, spread
 from fastcl import distributed
 
 MODES = ("gather", "ring")
+LOSSES = ("supmpn", "siglip")
 _MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "_FASTCL_TEST_CPP_KEEP_BYTES": "0"}
 
 
-def _inputs(rank: int, B: int, P: int, Q: int, d: int, dtype: torch.dtype) -> dict:
+def _inputs(loss: str, rank: int, B: int, P: int, Q: int, d: int, dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(1000 + rank)
-    shapes = {"anchor": (B, d), "positives": (B, P, d), "negatives": (B, Q, d)}
-    return {k: torch.randn(*s, generator=g).to(dtype).requires_grad_() for k, s in shapes.items()}
+    if loss == "siglip":  # open_clip's initial values: scale 10 (exponentiated), bias -10
+        shapes = {"image": (B, d), "text": (B, d)}
+        scalars = {"logit_scale": 10.0, "logit_bias": -10.0}
+    else:
+        shapes = {"anchor": (B, d), "positives": (B, P, d), "negatives": (B, Q, d)}
+        scalars = {}
+    x = {k: torch.randn(*s, generator=g).to(dtype).requires_grad_() for k, s in shapes.items()}
+    x.update({k: torch.tensor(v, dtype=dtype, requires_grad=True) for k, v in scalars.items()})
+    return x
 
 
 def _step(mode: str, x: dict, backend: str, group) -> torch.Tensor:
     from fastcl import losses
 
-    loss = losses.supmpn_loss(
-        x["anchor"], x["positives"], x["negatives"], temperature=0.05, backend=backend, process_group=group,
-        cross_device=mode,
-    )  # fmt: skip
+    if "image" in x:
+        loss = losses.siglip_loss(
+            x["image"], x["text"], x["logit_scale"], x["logit_bias"], backend=backend, process_group=group,
+            cross_device=mode,
+        )  # fmt: skip
+    else:
+        loss = losses.supmpn_loss(
+            x["anchor"], x["positives"], x["negatives"], temperature=0.05, backend=backend, process_group=group,
+            cross_device=mode,
+        )  # fmt: skip
     loss.backward()
     for t in x.values():
         t.grad = None
@@ -104,7 +119,7 @@ def _rank(rank: int, world: int, store: str, out_dir: str, case: dict) -> None:
         )
         group = dist.group.WORLD
         dtype = getattr(torch, case["dtype"])
-        x = _inputs(rank, case["B"], case["P"], case["Q"], case["d"], dtype)
+        x = _inputs(case["loss"], rank, case["B"], case["P"], case["Q"], case["d"], dtype)
         modes, backend = case["modes"], case["backend"]
         values = {m: _step(m, x, backend, group) for m in modes}
         ref = values[modes[0]].double()
@@ -143,6 +158,7 @@ def _rank(rank: int, world: int, store: str, out_dir: str, case: dict) -> None:
 def run(
     *,
     world: int,
+    loss: str = "supmpn",
     B: int,
     P: int,
     Q: int,
@@ -157,8 +173,10 @@ def run(
 ) -> dict:
     """Spawn ``world`` ranks and measure (module docstring); a JSON-able dict per mode with
     ``min_s``, ``spread``, ``samples_s``, ``sent_bytes`` and ``extra_peak_mib`` (largest rank)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}: expected one of {LOSSES}")
     threads = threads or max(1, len(os.sched_getaffinity(0)) // world)
-    case = dict(B=B, P=P, Q=Q, d=d, dtype=dtype, backend=backend, modes=list(modes))
+    case = dict(loss=loss, B=B, P=P, Q=Q, d=d, dtype=dtype, backend=backend, modes=list(modes))
     case.update(rounds=rounds, warmup=warmup, threads=threads)
     saved = {k: os.environ.get(k) for k in _MMAP_ENV}
     os.environ.update(_MMAP_ENV)  # read at start by the ranks' glibc and fastcl.config

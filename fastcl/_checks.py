@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import config
+from .ops.constants import constant
 from .ops.contract import FLOAT_DTYPES, compute_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -135,4 +136,6 @@ def as_temperature(temperature, like: Tensor) -> Tensor:
     check_temperature(temperature, dtype)
     if isinstance(temperature, Tensor):
         return temperature.to(device=like.device, dtype=dtype)
-    return torch.full((), float(temperature), dtype=dtype, device=like.device)
+    value = float(temperature)
+    key = ("temperature", value, dtype, str(like.device))  # made once per value (fastcl.ops.constants)
+    return constant(key, lambda: torch.full((), value, dtype=dtype, device=like.device))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
+from ..ops.constants import constant
 from ..ops.contract import EPS, Filter, OwnPositives, compute_dtype, empty_block, structured_tags
 from ..ops.contrastive import contrastive_loss
 from ..ops.head import reduction_weights
@@ -133,6 +134,12 @@ def row_weights(
 # --------------------------------------------------------------------------- the fused call
 
 
+def _every_row(anchor: Tensor) -> Tensor:
+    """``[B]`` all True: every anchor has a positive (no ``pos_mask``), made once per size."""
+    B, dev = anchor.shape[0], anchor.device
+    return constant(("every_row", B, str(dev)), lambda: torch.ones(B, dtype=torch.bool, device=dev))
+
+
 def fused_loss(
     head: str,
     anchor: Tensor,
@@ -158,9 +165,7 @@ def fused_loss(
     padding (no masks were given; backends may skip masking padded rows). ``filter``: a self
     filter (``contract.Filter`` without a guide) on this rank's rows."""
     cd = compute_dtype(anchor.dtype)
-    has_pos = (
-        torch.ones(anchor.shape[0], dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
-    )
+    has_pos = _every_row(anchor) if pos_mask is None else pos_mask.any(1)
     dims = None if matryoshka is None else matryoshka[0]
     if uses_ring(opts):
         return ring_contrastive_loss(
@@ -186,8 +191,11 @@ def fused_loss(
             strategy=opts.strategy,
             filter=filter,
         )
-    if opts.process_group is None:
-        weights, offset = row_weights(has_pos, opts.reduction, cd, maybe_empty=pos_mask is not None), 0
+    if opts.process_group is None and pos_mask is None:  # the same every step: made once
+        key = ("row_weights", anchor.shape[0], opts.reduction, cd, str(anchor.device))
+        weights, offset = constant(key, lambda: row_weights(has_pos, opts.reduction, cd, maybe_empty=False)), 0
+    elif opts.process_group is None:
+        weights, offset = row_weights(has_pos, opts.reduction, cd), 0
     else:
         g = distributed.gather_candidates(
             blocks, tags, has_pos, sizes=sizes, check_positive=pos_mask is not None, group=opts.process_group

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .constants import constant
+
 TAG_PADDING = -2
 TAG_ALL = -1
 
@@ -243,13 +245,18 @@ def structured_tags(
     """Tags of a ``[batch, slots]`` candidate grid laid out anchor-major: slot ``(j, k)`` is left
     out of its owner ``j``'s row with ``exclude_owner`` (tag ``j``), else in every row
     (``TAG_ALL``); ``mask`` (``False`` = padding) turns slots into ``TAG_PADDING``."""
-    if exclude_owner:
-        tags = torch.arange(batch, device=device, dtype=torch.int32)[:, None].expand(batch, slots)
-    else:
-        tags = torch.full((batch, slots), TAG_ALL, device=device, dtype=torch.int32)
-    if mask is not None:
-        tags = torch.where(mask, tags, torch.full_like(tags, TAG_PADDING))
+    if mask is None:  # the same every step: made once (fastcl.ops.constants)
+        key = ("structured_tags", batch, slots, exclude_owner, str(torch.device(device)))
+        return constant(key, lambda: _grid_tags(batch, slots, device, exclude_owner).reshape(batch * slots).contiguous())
+    tags = _grid_tags(batch, slots, device, exclude_owner)
+    tags = torch.where(mask, tags, torch.full_like(tags, TAG_PADDING))
     return tags.reshape(batch * slots).contiguous()
+
+
+def _grid_tags(batch: int, slots: int, device, exclude_owner: bool) -> Tensor:
+    if exclude_owner:
+        return torch.arange(batch, device=device, dtype=torch.int32)[:, None].expand(batch, slots)
+    return torch.full((batch, slots), TAG_ALL, device=device, dtype=torch.int32)
 
 
 def pool_tags(num: int, mask: Tensor | None, *, device: torch.device) -> Tensor:

@@ -24,14 +24,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from fastcl import config
-from fastcl.ops import dispatch
-from fastcl.ops.contract import TAG_ALL, Filter, LSEProblem, OwnPositives, Sigmoid, empty_block
-from fastcl.ops.head import SIGMOID_HEAD, HeadInputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the repository root (benchmarks.harness)
+
+from benchmarks.harness.timing import interleave  # noqa: E402
+from fastcl import config  # noqa: E402
+from fastcl.ops import dispatch  # noqa: E402
+from fastcl.ops.contract import TAG_ALL, Filter, LSEProblem, OwnPositives, Sigmoid, empty_block  # noqa: E402
+from fastcl.ops.head import SIGMOID_HEAD, HeadInputs  # noqa: E402
 
 
 def problem(case: str, B: int, d: int, g: int, seed: int = 0) -> LSEProblem:
@@ -127,15 +132,9 @@ def main() -> None:
     for case in args.cases.split(","):
         prob = problem(case, args.B, args.d, args.g)
         fns = {"floor": floor(prob)} | {n: with_env(e, step(prob, tau)) for n, e in variants.items()}
-        for fn in fns.values():
-            fn()  # warm-up: builds the library, first touch of the buffers
-        best = dict.fromkeys(fns, float("inf"))
+        res = interleave(fns, min_rounds=args.rounds, max_rounds=args.rounds, budget_s=0.0, clock=clock)
+        best = {n: res.minimum(n) for n in fns}
         names = list(fns)
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                t0 = clock()
-                fns[name]()
-                best[name] = min(best[name], clock() - t0)
         load = os.getloadavg()[0]
         unit = "CPU s" if clock is time.process_time else "s"
         row = ", ".join(f"{n} {best[n]:.3f} {unit}" for n in names)

@@ -16,30 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from fastcl.ops import contrastive, sigmoid
-from fastcl.ops.contract import TAG_ALL, Filter, OwnPositives
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the repository root (benchmarks.harness)
 
-
-def _time_ms(fn, reps: int, device: str) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b))
-        else:
-            import time
-
-            t = time.perf_counter()
-            fn()
-            best = min(best, (time.perf_counter() - t) * 1e3)
-    return best
+from benchmarks.harness.timing import best_ms  # noqa: E402
+from fastcl.ops import contrastive, sigmoid  # noqa: E402
+from fastcl.ops.contract import TAG_ALL, Filter, OwnPositives  # noqa: E402
 
 
 def _siglip(B: int, d: int, dt, dev, backend: str):
@@ -107,7 +93,7 @@ def main() -> None:
             try:
                 step = make(B, args.d, dt, dev, impl)
                 step()  # warm (compile, scratch)
-                ms = _time_ms(step, args.reps, dev.type)
+                ms = best_ms(step, args.reps, dev.type)
             except Exception as exc:  # one failing case must not hide the others' numbers
                 print(f"{case} B={B} d={args.d} {args.dtype} {impl}: FAILED {type(exc).__name__}: {exc}", flush=True)
                 continue

@@ -30,18 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the
 
 from benchmarks.harness.cases import make_inputs  # noqa: E402
 from benchmarks.harness.peers import TEMPERATURE, build  # noqa: E402
-
-
-def _events_ms(fn, reps: int = 20) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b))
-    return best
+from benchmarks.harness.timing import best_ms  # noqa: E402
 
 
 def main() -> None:
@@ -79,10 +68,10 @@ def main() -> None:
     a = torch.randn(args.B, args.d, device="cuda", dtype=dt)
     c = torch.randn(N, args.d, device="cuda", dtype=dt)
     ds = torch.randn(args.B, N, device="cuda", dtype=dt) if args.B * N * 2 <= 2**31 else None
-    gemm = {"A C^T": _events_ms(lambda: a @ c.T)}
+    gemm = {"A C^T": best_ms(lambda: a @ c.T, 20)}
     if ds is not None:
-        gemm["dS^T A"] = _events_ms(lambda: ds.T @ a)
-        gemm["dS C"] = _events_ms(lambda: ds @ c)
+        gemm["dS^T A"] = best_ms(lambda: ds.T @ a, 20)
+        gemm["dS C"] = best_ms(lambda: ds @ c, 20)
     flops = 2.0 * args.B * N * args.d
     rate = {k: flops / (v * 1e-3) / 1e12 for k, v in gemm.items()}
     out = {"shape": vars(args) | {"N": N}, "cublas_ms": gemm, "cublas_tflops": rate, "kernels": {}}
@@ -104,9 +93,9 @@ def main() -> None:
         else:
             print(f"  {name[:60]:60s} {ms:8.3f} ms {calls:4d}x")
         out["kernels"][name] = row
-    eager = _events_ms(step, 10)
+    eager = best_ms(step, 10)
     replay = capture_step(lambda: fn(), leaves)
-    graphed = _events_ms(replay, 10)
+    graphed = best_ms(replay, 10)
     out.update(step_ms=eager, graph_step_ms=graphed, launches=sum(c for _, c in kernels.values()))
     print(f"  step {eager:.3f} ms eager, {graphed:.3f} ms as a CUDA graph; {out['launches']} kernel launches")
     print(f"  (temperature {TEMPERATURE})")

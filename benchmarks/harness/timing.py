@@ -83,6 +83,29 @@ def repeats_for(call_s: float | None, min_sample_s: float, max_repeats: int = MA
     return max(1, min(max_repeats, math.ceil(min_sample_s / call_s)))
 
 
+def best_ms(fn: Callable[[], object], reps: int, device: str = "cuda") -> float:
+    """The fastest of ``reps`` calls of ``fn`` in milliseconds: on CUDA between two events
+    around the call (the kernels' time, not the host's), elsewhere by the wall clock. For the
+    GPU lease's one-off scripts, where one card runs nothing else; CPU comparisons of several
+    implementations use :func:`interleave`."""
+    import torch
+
+    best = float("inf")
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
 def round_order(names: list[str], r: int) -> list[str]:
     """Round ``r``'s order: ``names`` rotated left by ``r`` places."""
     if not names:

@@ -99,7 +99,7 @@ if has checks; then
       -m "not slow" -q -x -p no:cacheprovider ${WORKERS:+-n $WORKERS} -rfE 2>&1 | tail -n 25
     echo "tests: exit ${PIPESTATUS[0]}"
   } >>"$CHECKS" 2>&1
-  say "checks: $(grep -E '^(gradcache|cuda graphs|tests)' "$CHECKS" | tr '\n' ' ')"
+  say "checks: $(grep -E '^(gradcache cuda run [0-9]+|cuda graphs|tests): exit' "$CHECKS" | tr '\n' ' ')"
 fi
 
 if has tune && [[ $DEV == cuda ]]; then

@@ -247,7 +247,9 @@ def structured_tags(
     (``TAG_ALL``); ``mask`` (``False`` = padding) turns slots into ``TAG_PADDING``."""
     if mask is None:  # the same every step: made once (fastcl.ops.constants)
         key = ("structured_tags", batch, slots, exclude_owner, str(torch.device(device)))
-        return constant(key, lambda: _grid_tags(batch, slots, device, exclude_owner).reshape(batch * slots).contiguous())
+        return constant(
+            key, lambda: _grid_tags(batch, slots, device, exclude_owner).reshape(batch * slots).contiguous()
+        )
     tags = _grid_tags(batch, slots, device, exclude_owner)
     tags = torch.where(mask, tags, torch.full_like(tags, TAG_PADDING))
     return tags.reshape(batch * slots).contiguous()

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .. import config
 from . import dispatch
-from .backend import Backend
+from .backend import Backend, HeadSaved, HeadStep
 from .contract import Filter, LSEProblem, OwnPositives, compute_dtype
 from .head import HeadInputs, head_rows
 from .positive_logits import own_positive_similarities
@@ -157,9 +157,9 @@ def _first_order_only(name: str, grads: tuple, message: str | None = None) -> tu
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 
-def _head_step(spec: LossSpec, problem: LSEProblem, head: HeadInputs, own_count: int):
+def _head_step(spec: LossSpec, problem: LSEProblem, head: HeadInputs, own_count: int) -> HeadStep | None:
     """The backend's fused loss step if it takes this call (``Backend.head_step``), else None."""
-    step = getattr(spec.impl, "head_step", None)
+    step = spec.impl.head_step
     return step if step is not None and step.takes(problem, head, own_count) else None
 
 
@@ -192,7 +192,7 @@ class ContrastiveLSE(torch.autograd.Function):
                 loss, saved = step.forward(problem, tau, head, per_row=spec.reduction == "none")
                 if needs_grad:
                     ctx.mode = "head"
-                    ctx.save_for_backward(anchor, block0, block1, tau, *saved)
+                    ctx.save_for_backward(anchor, block0, block1, tau, saved.d_pos, saved.w_row, *saved.state)
                 return loss.to(anchor.dtype)
         in_sweep = ctx.mode == "fused" and folded and spec.impl.forms_own_logits
         if in_sweep:
@@ -276,14 +276,16 @@ class ContrastiveLSE(torch.autograd.Function):
         """Gradients of the fused head step: the kernels scale by ``grad_out`` and the weights
         themselves; only the temperature's (and shared positives') gradients take small ops."""
         spec = ctx.spec
-        anchor, block0, block1, tau, *saved = ctx.saved_tensors
+        anchor, block0, block1, tau, dpos, w_row, *state = ctx.saved_tensors
         problem = spec.problem(anchor, block0, block1)
-        d_anchor, (d_b0, d_b1) = spec.impl.head_step.backward(problem, tau, tuple(saved), spec.weights, grad_out)
+        step = spec.impl.head_step
+        assert step is not None  # forward ran it
+        saved = HeadSaved(dpos, w_row, tuple(state))
+        d_anchor, (d_b0, d_b1) = step.backward(problem, tau, saved, spec.weights, grad_out)
         d_tau = d_pos = None
         if ctx.needs_input_grad[4] or not ctx.folded:
             go = grad_out.to(compute_dtype(ctx.dtype))
             s = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B]
-            _, _, dpos, w_row, _ = saved
             if ctx.needs_input_grad[4]:  # l = s / tau: dL/dtau = -sum_i s_i w_row_i / tau
                 d_tau = (-(s * w_row).sum() / tau.to(s.dtype)).to(tau.dtype)
             if not ctx.folded:

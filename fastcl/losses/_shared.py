@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
-from ..ops.contract import EPS, Filter, OwnPositives, compute_dtype, empty_block, structured_tags
-from ..ops.contrastive import contrastive_loss
+from ..ops.contract import EPS, OwnPositives, compute_dtype, empty_block, structured_tags
+from ..ops.contrastive import LossSpec, contrastive_loss
 from ..ops.head import reduction_weights
 from ..ops.ring import ring_contrastive_loss
 from ._docs import ARG_DOCS, LSE_OPTIONS, document
@@ -45,6 +45,16 @@ class Options:
     def kwargs(self) -> dict[str, Any]:
         """As keyword arguments of a public loss function."""
         return {name: getattr(self, name) for name in LSE_OPTIONS}
+
+    def spec(self, kind: str, tags: tuple[Tensor, Tensor], anchor: Tensor, matryoshka=None, **fields) -> LossSpec:
+        """The call's description (``fastcl.ops.contrastive.LossSpec``) with these options: the
+        one place they become the primitive's settings. ``matryoshka``: the checked
+        ``(dims, weights)`` (``fastcl.matryoshka.check``) or None; ``fields``: the rest."""
+        return LossSpec(
+            kind, tags, self.reduction, cosine=self.similarity == "cos", eps=EPS,
+            dims=None if matryoshka is None else matryoshka[0], dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+            strategy=self.strategy, backend=self.backend, **fields,
+        )  # fmt: skip
 
 
 CROSS_DEVICE = ("gather", "ring")
@@ -134,88 +144,45 @@ def row_weights(
 
 
 def fused_loss(
-    head: str,
     anchor: Tensor,
     blocks: tuple[Tensor, Tensor],
-    tags: tuple[Tensor, Tensor],
     tau: Tensor,
+    spec: LossSpec,
     opts: Options,
     *,
     sizes: dict[str, int],
-    pos_mask: Tensor | None,
-    matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None,
-    own_count: int | None = None,
     pos_logits: Tensor | None = None,
-    log_extra: Tensor | None = None,
-    padded: bool = True,
-    filter: Filter | None = None,
 ) -> Tensor:
     """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``), weigh
-    the rows by :func:`row_weights` and run the fused loss; or, with ``cross_device="ring"``,
-    run it over the ring (``fastcl.ops.ring``: the same weights, from the global count).
-    Own positives are ``own_count`` rows per anchor in block 0 (from where this rank's
-    candidates start) or the given differentiable ``pos_logits``. ``padded=False``: no tag is
-    padding (no masks were given; backends may skip masking padded rows). ``filter``: a self
-    filter (``contract.Filter`` without a guide) on this rank's rows."""
+    the rows by :func:`row_weights` and run the fused loss ``spec`` (:meth:`Options.spec`,
+    this rank's tags; own positives in block 0 from this rank's first row, or the given
+    differentiable ``pos_logits``); or, with ``cross_device="ring"``, run it over the ring
+    (``fastcl.ops.ring``: the same weights, from the global count). The weights come from
+    ``spec.pos_mask``; with a process group the candidates may hold padding (``padded``)."""
     cd = compute_dtype(anchor.dtype)
+    masked = spec.pos_mask is not None
     has_pos = (
-        torch.ones(anchor.shape[0], dtype=torch.bool, device=anchor.device) if pos_mask is None else pos_mask.any(1)
+        torch.ones(anchor.shape[0], dtype=torch.bool, device=anchor.device)
+        if spec.pos_mask is None
+        else spec.pos_mask.any(1)
     )
-    dims = None if matryoshka is None else matryoshka[0]
+    if opts.process_group is not None:
+        spec = replace(spec, padded=True)  # other ranks' candidates may carry padding
     if uses_ring(opts):
         return ring_contrastive_loss(
-            anchor,
-            blocks,
-            tags,
-            tau,
-            group=opts.process_group,
-            kind=head,
-            positives=None if own_count is None else OwnPositives(0, own_count),
-            pos_logits=pos_logits,
-            pos_mask=pos_mask,
-            reduction=opts.reduction,
-            cosine=opts.similarity == "cos",
-            eps=EPS,
-            has_pos=has_pos,
-            check_positive=pos_mask is not None,
+            anchor, blocks, tau, spec, pos_logits, group=opts.process_group, has_pos=has_pos, check_positive=masked,
             sizes=sizes,
-            log_extra=log_extra,
-            backend=opts.backend,
-            dims=dims,
-            dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
-            strategy=opts.strategy,
-            filter=filter,
-        )
+        )  # fmt: skip
     if opts.process_group is None:
-        weights, offset = row_weights(has_pos, opts.reduction, cd, maybe_empty=pos_mask is not None), 0
+        spec = replace(spec, weights=row_weights(has_pos, opts.reduction, cd, maybe_empty=masked))
     else:
         g = distributed.gather_candidates(
-            blocks, tags, has_pos, sizes=sizes, check_positive=pos_mask is not None, group=opts.process_group
+            blocks, spec.tags, has_pos, sizes=sizes, check_positive=masked, group=opts.process_group
         )
-        blocks, tags, offset = g.blocks, g.tags, g.offset
+        own = None if spec.positives is None else OwnPositives(g.offset + spec.positives.offset, spec.positives.count)
         weights = row_weights(has_pos, opts.reduction, cd, world=g.world, valid_anchors=g.valid_anchors.to(cd))
-    own = None if own_count is None else OwnPositives(offset, own_count)
-    return contrastive_loss(
-        anchor,
-        blocks,
-        tags,
-        tau,
-        kind=head,
-        positives=own,
-        pos_logits=pos_logits,
-        pos_mask=pos_mask,
-        weights=weights,
-        reduction=opts.reduction,
-        cosine=opts.similarity == "cos",
-        eps=EPS,
-        log_extra=log_extra,
-        backend=opts.backend,
-        dims=dims,
-        dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
-        padded=padded or opts.process_group is not None,  # other ranks' candidates may carry padding
-        strategy=opts.strategy,
-        filter=filter,
-    )
+        blocks, spec = g.blocks, replace(spec, tags=g.tags, positives=own, weights=weights)
+    return contrastive_loss(anchor, blocks, tau, spec, pos_logits)
 
 
 def structured_loss(
@@ -263,29 +230,19 @@ def structured_loss(
         if zero_logit_own:
             count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
-        blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
-        sizes = {"B": B, "P": P, "Q": Q, "d": d}
         filt = None
         if false_negative_margin is not None:
             from .gist import self_margin_filter
 
             dims = None if matryoshka is None else matryoshka[0]
             filt = self_margin_filter(anchor, positives[:, 0], false_negative_margin, opts.similarity == "cos", dims)
-        return fused_loss(
-            head,
-            anchor,
-            blocks,
-            tags,
-            tau,
-            opts,
-            sizes=sizes,
-            pos_mask=pos_mask,
-            matryoshka=matryoshka,
-            own_count=P,
-            log_extra=log_extra,
-            padded=pos_mask is not None or neg_mask is not None,  # no mask: no padding tag anywhere
+        spec = opts.spec(
+            head, (pos_tags, neg_tags), anchor, matryoshka, positives=OwnPositives(0, P), pos_mask=pos_mask,
+            log_extra=log_extra, padded=pos_mask is not None or neg_mask is not None,  # no mask: no padding tag
             filter=filt,
-        )
+        )  # fmt: skip
+        blocks = (positives.reshape(B * P, d), neg_block)
+        return fused_loss(anchor, blocks, tau, spec, opts, sizes={"B": B, "P": P, "Q": Q, "d": d})
 
 
 # --------------------------------------------------------------------------- modules

@@ -223,18 +223,8 @@ def supcon_pool_loss(
         pos_logits = per_prefix[0] if matryoshka is None else torch.stack(per_prefix)
         empty, empty_tags = empty_block(anchor)
         blocks, tags = (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags)
-        return fused_loss(
-            "cross_entropy",
-            anchor,
-            blocks,
-            tags,
-            tau,
-            opts,
-            sizes={"B": B, "N": N, "d": d},
-            pos_mask=pos_mask,
-            matryoshka=matryoshka,
-            pos_logits=pos_logits,
-        )
+        spec = opts.spec("cross_entropy", tags, anchor, matryoshka, pos_mask=pos_mask)
+        return fused_loss(anchor, blocks, tau, spec, opts, sizes={"B": B, "N": N, "d": d}, pos_logits=pos_logits)
 
 
 # --------------------------------------------------------------------------- module

@@ -238,11 +238,11 @@ def _gist_inputs(seed: int, nan_column: bool):
 
 def _gist_loss(backend, anchor, blocks, tags, pos, flt, tau, reduction="mean"):
     B = anchor.shape[0]
-    return contrastive.contrastive_loss(
-        anchor, blocks, tags, tau, kind="softplus", positives=pos, pos_logits=None, pos_mask=None,
-        weights=torch.full((B,), 1.0 / B, dtype=tau.dtype), reduction=reduction, cosine=True, eps=1e-8,
-        backend=backend, strategy="recompute", filter=flt,
+    spec = contrastive.LossSpec(
+        "softplus", tags, reduction, torch.full((B,), 1.0 / B, dtype=tau.dtype), cosine=True, eps=1e-8,
+        positives=pos, strategy="recompute", filter=flt, backend=backend,
     )  # fmt: skip
+    return contrastive.contrastive_loss(anchor, blocks, tau, spec)
 
 
 T = 0.1  # the GIST step's temperature: its logits, the loss's terms, are of size 1 / T

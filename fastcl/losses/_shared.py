@@ -3,8 +3,10 @@ losses, the one distributed scaling rule, and the base of the loss modules (the 
 re-exported here: ``_docs``).
 
 Each family module (``supmpn``, ``supcon``, ``mnrl``, ``infonce``, ``clip``, ``gist``, ...)
-imports from here, so a reader follows any loss through two files: its family's and this one,
-then ``fastcl.ops.contrastive`` (the autograd Function) and the backend.
+imports from here, so a reader follows any loss through two files: its family's, which lays
+out the call (:func:`structured_call`: a :class:`FusedCall` with its ``LossSpec``, built once
+by :meth:`Options.spec`), and this one's :func:`fused_loss`, which runs it; then
+``fastcl.ops.contrastive`` (the autograd Function) and the backend (docs/design.md).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
 from ..ops.contract import EPS, OwnPositives, compute_dtype, empty_block, structured_tags
-from ..ops.contrastive import LossSpec, contrastive_loss
+from ..ops.contrastive import ContrastiveLSE, LossSpec, ready
 from ..ops.head import reduction_weights
 from ..ops.ring import ring_contrastive_loss
 from ._docs import ARG_DOCS, LSE_OPTIONS, document
@@ -143,22 +145,28 @@ def row_weights(
 # --------------------------------------------------------------------------- the fused call
 
 
-def fused_loss(
-    anchor: Tensor,
-    blocks: tuple[Tensor, Tensor],
-    tau: Tensor,
-    spec: LossSpec,
-    opts: Options,
-    *,
-    sizes: dict[str, int],
-    pos_logits: Tensor | None = None,
-) -> Tensor:
-    """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``), weigh
-    the rows by :func:`row_weights` and run the fused loss ``spec`` (:meth:`Options.spec`,
-    this rank's tags; own positives in block 0 from this rank's first row, or the given
-    differentiable ``pos_logits``); or, with ``cross_device="ring"``, run it over the ring
-    (``fastcl.ops.ring``: the same weights, from the global count). The weights come from
-    ``spec.pos_mask``; with a process group the candidates may hold padding (``padded``)."""
+class FusedCall(NamedTuple):
+    """A fused loss call as a loss lays it out, before any gather: this rank's ``anchor [B, d]``,
+    candidate ``blocks``, ``tau`` (0-d, compute dtype), the call's description ``spec``
+    (:meth:`Options.spec`: this rank's tags, own positives in block 0 from its first row), the
+    named ``sizes`` every rank must share, and the shared positives' differentiable
+    ``pos_logits`` (None: own positives, folded from block 0)."""
+
+    anchor: Tensor
+    blocks: tuple[Tensor, Tensor]
+    tau: Tensor
+    spec: LossSpec
+    sizes: dict[str, int]
+    pos_logits: Tensor | None = None
+
+
+def fused_loss(call: FusedCall, opts: Options) -> Tensor:
+    """Run ``call``: gather the candidate set (this rank's, or every rank's:
+    ``fastcl.distributed``), weigh the rows by :func:`row_weights` (from ``spec.pos_mask``)
+    and run ``ContrastiveLSE``; or, with ``cross_device="ring"``, run it over the ring
+    (``fastcl.ops.ring``: the same weights, from the global count). With a process group the
+    candidates may hold padding (``padded``)."""
+    anchor, blocks, tau, spec, sizes, pos_logits = call
     cd = compute_dtype(anchor.dtype)
     masked = spec.pos_mask is not None
     has_pos = (
@@ -168,24 +176,27 @@ def fused_loss(
     )
     if opts.process_group is not None:
         spec = replace(spec, padded=True)  # other ranks' candidates may carry padding
-    if uses_ring(opts):
-        return ring_contrastive_loss(
-            anchor, blocks, tau, spec, pos_logits, group=opts.process_group, has_pos=has_pos, check_positive=masked,
-            sizes=sizes,
-        )  # fmt: skip
-    if opts.process_group is None:
-        spec = replace(spec, weights=row_weights(has_pos, opts.reduction, cd, maybe_empty=masked))
-    else:
-        g = distributed.gather_candidates(
-            blocks, spec.tags, has_pos, sizes=sizes, check_positive=masked, group=opts.process_group
-        )
-        own = None if spec.positives is None else OwnPositives(g.offset + spec.positives.offset, spec.positives.count)
-        weights = row_weights(has_pos, opts.reduction, cd, world=g.world, valid_anchors=g.valid_anchors.to(cd))
-        blocks, spec = g.blocks, replace(spec, tags=g.tags, positives=own, weights=weights)
-    return contrastive_loss(anchor, blocks, tau, spec, pos_logits)
+    with no_autocast(anchor):
+        if uses_ring(opts):
+            return ring_contrastive_loss(
+                anchor, blocks, tau, spec, pos_logits, group=opts.process_group, has_pos=has_pos,
+                check_positive=masked, sizes=sizes,
+            )  # fmt: skip
+        if opts.process_group is None:
+            spec = replace(spec, weights=row_weights(has_pos, opts.reduction, cd, maybe_empty=masked))
+        else:
+            g = distributed.gather_candidates(
+                blocks, spec.tags, has_pos, sizes=sizes, check_positive=masked, group=opts.process_group
+            )
+            pos = spec.positives
+            own = None if pos is None else OwnPositives(g.offset + pos.offset, pos.count)
+            weights = row_weights(has_pos, opts.reduction, cd, world=g.world, valid_anchors=g.valid_anchors.to(cd))
+            blocks, spec = g.blocks, replace(spec, tags=g.tags, positives=own, weights=weights)
+        anchor, (b0, b1), spec = ready(anchor, blocks, spec)
+        return ContrastiveLSE.apply(anchor, b0, b1, pos_logits, tau, spec)
 
 
-def structured_loss(
+def structured_call(
     head: str,
     anchor: Tensor,
     positives: Tensor,
@@ -197,8 +208,9 @@ def structured_loss(
     exclude_own: bool,
     zero_logit_own: bool = False,
     false_negative_margin: float | None = None,
-) -> Tensor:
-    """The layout of SupMPN, SupCon, MNRL and InfoNCE: every anchor's ``P`` own positives in
+) -> FusedCall:
+    """The call (:func:`fused_loss` runs it) of SupMPN, SupCon, MNRL and InfoNCE, checked and
+    laid out: every anchor's ``P`` own positives in
     block 0 (left out of the owner's denominator with ``exclude_own``), every negative in
     block 1. ``zero_logit_own``: each *other* own positive adds ``exp(0)`` to the
     denominator (SupMPN's released code). ``false_negative_margin``: the self-margin filter on
@@ -242,7 +254,7 @@ def structured_loss(
             filter=filt,
         )  # fmt: skip
         blocks = (positives.reshape(B * P, d), neg_block)
-        return fused_loss(anchor, blocks, tau, spec, opts, sizes={"B": B, "P": P, "Q": Q, "d": d})
+        return FusedCall(anchor, blocks, tau, spec, {"B": B, "P": P, "Q": Q, "d": d})
 
 
 # --------------------------------------------------------------------------- modules
@@ -327,10 +339,11 @@ __all__ = [
     "check_slots",
     "CROSS_DEVICE",
     "document",
+    "FusedCall",
     "fused_loss",
     "no_autocast",
     "row_weights",
-    "structured_loss",
+    "structured_call",
     "uses_ring",
     "without_unused_anchors",
 ]

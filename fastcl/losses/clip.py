@@ -36,9 +36,10 @@ from ._shared import (
     check_matrix,
     check_options,
     document,
+    fused_loss,
     no_autocast,
     row_weights,
-    structured_loss,
+    structured_call,
     uses_ring,
 )
 
@@ -159,7 +160,8 @@ def clip_loss(
         symmetric = _symmetric.takes(backend, image_features, text_features, similarity == "cos", EPS)
 
     def direction(x: Tensor, y: Tensor) -> Tensor:
-        return structured_loss("cross_entropy", x, y.unsqueeze(1), None, pos_mask, None, opts, exclude_own=False)
+        call = structured_call("cross_entropy", x, y.unsqueeze(1), None, pos_mask, None, opts, exclude_own=False)
+        return fused_loss(call, opts)
 
     if symmetric is not None:  # one pass for both directions' LSEs, one recompute backward
         cd = compute_dtype(image_features.dtype)

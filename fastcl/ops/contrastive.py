@@ -325,17 +325,26 @@ class ContrastiveLSE(torch.autograd.Function):
         return d_anchor, d_b0, d_b1, d_pos, d_tau, None
 
 
+def ready(
+    anchor: Tensor, blocks: tuple[Tensor, Tensor], spec: LossSpec
+) -> tuple[Tensor, tuple[Tensor, Tensor], LossSpec]:
+    """``(anchor, blocks, spec)`` as ``ContrastiveLSE`` takes them: contiguous, and ``spec``'s
+    backend chosen for them (``LossSpec.choose``)."""
+    anchor = anchor.contiguous()
+    blocks = (blocks[0].contiguous(), blocks[1].contiguous())
+    return anchor, blocks, spec.choose(spec.problem(anchor, *blocks))
+
+
 def contrastive_loss(
     anchor: Tensor, blocks: tuple[Tensor, Tensor], tau: Tensor, spec: LossSpec, pos_logits: Tensor | None = None
 ) -> Tensor:
     """Run one LSE loss, described by ``spec`` (its ``weights`` set), on the backend it names or
-    the one dispatch chooses (validated inputs; see ``fastcl.losses``). Own positives are a
-    layout in block 0 (``spec.positives``: every backend folds their gradient) or precomputed
-    differentiable ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``). With
-    ``spec.dims`` (``pos_logits`` then ``[K, B, P]``): the sum of the loss on each prefix
-    weighted by ``spec.dim_weights``; with ``reduction="none"`` and no ``dim_weights``, the
-    prefixes' rows ``[K, B]``. Strategies: docs/design.md, "Three strategies"."""
-    anchor = anchor.contiguous()
-    blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    spec = spec.choose(spec.problem(anchor, *blocks))
-    return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, spec)
+    the one dispatch chooses (validated inputs; see ``fastcl.losses``; their ``fused_loss``
+    runs ``ContrastiveLSE`` itself, after :func:`ready`). Own positives are a layout in block 0
+    (``spec.positives``: every backend folds their gradient) or precomputed differentiable
+    ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``). With ``spec.dims``
+    (``pos_logits`` then ``[K, B, P]``): the sum of the loss on each prefix weighted by
+    ``spec.dim_weights``; with ``reduction="none"`` and no ``dim_weights``, the prefixes'
+    rows ``[K, B]``. Strategies: docs/design.md, "Three strategies"."""
+    anchor, (b0, b1), spec = ready(anchor, blocks, spec)
+    return ContrastiveLSE.apply(anchor, b0, b1, pos_logits, tau, spec)

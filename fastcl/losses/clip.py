@@ -168,10 +168,11 @@ def clip_loss(
         tau = _checks.as_temperature(1.0 / scale, image_features)
         weights = row_weights(torch.ones(B, dtype=torch.bool, device=image_features.device), reduction, cd)
         with no_autocast(image_features):
-            loss = _symmetric.symmetric_loss(
-                image_features, text_features, tau, weights=weights, reduction=reduction,
-                cosine=similarity == "cos", eps=EPS, backend=symmetric,
+            spec = _symmetric.symmetric_spec(
+                text_features, weights=weights, reduction=reduction, cosine=similarity == "cos", eps=EPS,
+                backend=symmetric,
             )  # fmt: skip
+            loss = _symmetric.symmetric_loss(image_features, text_features, tau, spec)
     else:
         loss = 0.5 * (direction(image_features, text_features) + direction(text_features, image_features))
     if logit_bias is not None:  # shifts every logit of a row alike: no value, a zero gradient

@@ -43,6 +43,7 @@ class LossSpec:
     strategy: str = "auto"  # "auto" (fastcl.config's strategy), "fused" or "recompute"
     filter: Filter | None = None  # false negatives left out of the rows (contract.Filter)
     backend: str | Backend = "auto"  # the name asked for (dispatch.NAMES or "auto"), then the chosen one
+    columns: bool = False  # the columns' LSEs too (CLIP's symmetric step, ops/symmetric.py)
 
     @property
     def impl(self) -> Backend:
@@ -80,7 +81,7 @@ class LossSpec:
         """The primitive's problem on these tensors (``sigmoid``: the sigmoid reduction's bias)."""
         return LSEProblem(
             anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims, self.padded,
-            filter=self.filter, sigmoid=sigmoid,
+            filter=self.filter, sigmoid=sigmoid, columns=self.columns,
         )  # fmt: skip
 
 

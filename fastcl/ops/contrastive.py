@@ -85,9 +85,10 @@ class LossSpec:
         )  # fmt: skip
 
 
-def _strategy(impl: Backend, reduction: str, dims, strategy: str) -> str:
+def _strategy(spec: LossSpec) -> str:
     """``"fused"`` or ``"recompute"`` for a call that needs gradients: the requested one
     (``"auto"``: ``fastcl.config``'s ``strategy``, whose own ``"auto"`` fuses where it can)."""
+    impl, reduction, dims, strategy = spec.impl, spec.reduction, spec.dims, spec.strategy
     wanted = config.get().strategy if strategy == "auto" else strategy
     can_fuse = impl.fused is not None and reduction != "none" and (dims is None or impl.fused_takes_dims)
     if wanted == "fused" and not can_fuse:
@@ -206,7 +207,7 @@ class ContrastiveLSE(torch.autograd.Function):
             raise ValueError(f"with matryoshka dims pos_logits is [K={len(spec.dims)}, B, P]: one per prefix")
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
-        ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims, spec.strategy) if needs_grad else "none"
+        ctx.mode = _strategy(spec) if needs_grad else "none"
         # a backend that forms the folded own-positive logits in its sweep spares the [B, P, d]
         # normalisation passes of _own_logits (~5 % of a cpp SupMPN step)
         if ctx.mode != "fused":

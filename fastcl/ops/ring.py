@@ -108,7 +108,7 @@ def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor
 def _fuses_own(ls: LossSpec, needs_grad: bool) -> bool:
     """Whether the own block runs the backend's gradient-in-forward sweep (module docstring);
     a ``"fused"`` strategy where it cannot raises, as in one process."""
-    return needs_grad and _strategy(ls.impl, ls.reduction, ls.dims, ls.strategy) == "fused"
+    return needs_grad and _strategy(ls) == "fused"
 
 
 def _own_sweep(ls: LossSpec, own, tau: Tensor, pos_values: Tensor, others: Tensor | None, weights: Tensor):

@@ -41,7 +41,7 @@ class SigmoidPairs(torch.autograd.Function):
         problem = spec.problem(anchor, block0, block1, Sigmoid(bias.detach().to(cd)))
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.tau_dtype, ctx.bias_dtype = spec, anchor.dtype, tau.dtype, bias.dtype
-        ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims, spec.strategy) if needs_grad else "none"
+        ctx.mode = _strategy(spec) if needs_grad else "none"
         if ctx.mode == "fused":
             assert spec.impl.fused is not None
             w = value_grads(spec, torch.ones((), dtype=cd, device=anchor.device))

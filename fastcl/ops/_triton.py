@@ -101,7 +101,7 @@ class TritonHeadStep(HeadStep):
         self, problem: LSEProblem, tau: Tensor, saved: HeadSaved, weights: Tensor, grad_out: Tensor
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """``(d anchor, (d block0, d block1))`` for the upstream ``grad_out`` (0-d or ``[B]``)."""
-        (dpos, w_row), (lse, dlse, norms) = saved[:2], saved.state
+        dpos, w_row, (lse, dlse, norms) = saved
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
         d_anchor, d_b0, d_b1 = _kernels().head_backward(

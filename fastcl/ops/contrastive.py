@@ -1,6 +1,7 @@
-"""The autograd Function of the fused LSE losses (``ContrastiveLSE``: primitive + head on any
-backend) and ``contrastive_loss``, which picks the backend. Call path, strategies (the losses'
-``strategy=`` argument) and the double-backward rule: docs/design.md.
+"""One loss call's description (``LossSpec``), the autograd Function of the fused LSE losses
+(``ContrastiveLSE``: primitive + head on any backend) and ``contrastive_loss``, which picks
+the backend and runs it. Call path, the three strategies (the losses' ``strategy=`` argument,
+and the backend's head step) and the double-backward rule: docs/design.md.
 """
 
 from __future__ import annotations

@@ -43,15 +43,16 @@ class LossSpec:
     padded: bool = True  # False: no tag is TAG_PADDING (no masks were given)
     strategy: str = "auto"  # "auto" (fastcl.config's strategy), "fused" or "recompute"
     filter: Filter | None = None  # false negatives left out of the rows (contract.Filter)
-    backend: str | Backend = "auto"  # the name asked for (dispatch.NAMES or "auto"), then the chosen one
+    backend: str = "auto"  # the name asked for: "auto" or one of dispatch.NAMES
     columns: bool = False  # the columns' LSEs too (CLIP's symmetric step, ops/symmetric.py)
+    chosen: Backend | None = None  # the backend that runs the call (:meth:`choose`)
 
     @property
     def impl(self) -> Backend:
         """The chosen backend (:meth:`choose`)."""
-        if isinstance(self.backend, str):
-            raise RuntimeError(f"fastcl: LossSpec.backend {self.backend!r} is not chosen yet (LossSpec.choose)")
-        return self.backend
+        if self.chosen is None:
+            raise RuntimeError(f"fastcl: the backend of this LossSpec ({self.backend!r}) is not chosen yet")
+        return self.chosen
 
     @property
     def row_weights(self) -> Tensor:
@@ -62,9 +63,9 @@ class LossSpec:
 
     def choose(self, problem: LSEProblem) -> LossSpec:
         """This description with its backend chosen for ``problem`` (``fastcl.ops.dispatch``)."""
-        if not isinstance(self.backend, str):
+        if self.chosen is not None:
             return self
-        return replace(self, backend=dispatch.choose(problem, backend=self.backend))
+        return replace(self, chosen=dispatch.choose(problem, backend=self.backend))
 
     def head_weights(self, weights: Tensor) -> Tensor:
         """The head's row weights from the reduction's ``[B]``: ``[K, B]`` with dims (each

@@ -16,14 +16,13 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .backend import Backend
 from .contract import TAG_ALL, LSEProblem, OwnPositives, compute_dtype, empty_block
 from .contrastive import LossSpec, _first_order_only
 from .positive_logits import own_positive_similarities
 
 
 def symmetric_spec(
-    text: Tensor, *, weights: Tensor | None, reduction: str, cosine: bool, eps: float, backend: str | Backend = "auto"
+    text: Tensor, *, weights: Tensor | None, reduction: str, cosine: bool, eps: float, backend: str = "auto"
 ) -> LossSpec:
     """The description of CLIP's step on ``B`` pairs: every text a candidate of every image (no
     padding), text ``i`` image ``i``'s own positive, column statistics; ``weights [B]`` each

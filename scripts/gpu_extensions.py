@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: the
 from benchmarks.harness.timing import best_ms  # noqa: E402
 from fastcl.ops import contrastive, sigmoid  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, Filter, OwnPositives  # noqa: E402
+from fastcl.ops.head import SIGMOID_HEAD  # noqa: E402
 
 
 def _siglip(B: int, d: int, dt, dev, backend: str):
@@ -41,10 +42,10 @@ def _siglip(B: int, d: int, dt, dev, backend: str):
     def step():
         for x in (img, txt, tau, bias):
             x.grad = None
-        loss = sigmoid.sigmoid_loss(
-            img, (txt, empty), tags, tau, bias, positives=OwnPositives(0, 1), weights=w, reduction="mean",
-            cosine=True, eps=1e-8, backend=backend,
-        )  # fmt: skip
+        spec = contrastive.LossSpec(
+            SIGMOID_HEAD, tags, "mean", w, cosine=True, eps=1e-8, positives=OwnPositives(0, 1), backend=backend
+        )
+        loss = sigmoid.sigmoid_loss(img, (txt, empty), tau, bias, spec)
         loss.backward()
 
     return step
@@ -66,10 +67,11 @@ def _gist(B: int, d: int, dt, dev, backend: str, P: int = 5, Q: int = 5, gd: int
     def step():
         for x in (anchor, b0, b1):
             x.grad = None
-        loss = contrastive.contrastive_loss(
-            anchor, (b0, b1), tags, tau, kind="softplus", positives=OwnPositives(0, P), pos_logits=None,
-            pos_mask=None, weights=w, reduction="mean", cosine=True, eps=1e-8, backend=backend, filter=flt,
+        spec = contrastive.LossSpec(
+            "softplus", tags, "mean", w, cosine=True, eps=1e-8, positives=OwnPositives(0, P), filter=flt,
+            backend=backend,
         )  # fmt: skip
+        loss = contrastive.contrastive_loss(anchor, (b0, b1), tau, spec)
         loss.backward()
 
     return step

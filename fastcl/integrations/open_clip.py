@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from .. import distributed
 from ..losses.clip import _pairs, clip_loss, siglip_loss
 from ..losses.clip import _scalar as _check_scalar
-from ..ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
-from ..ops.contrastive import contrastive_loss
+from ..ops.contract import TAG_ALL, OwnPositives, compute_dtype, empty_block
+from ..ops.contrastive import LossSpec, contrastive_loss
 
 DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 
@@ -150,24 +150,11 @@ def _local_constant_candidates(image, text, logit_scale, logit_bias, group, back
         empty, empty_tags = empty_block(every)
         tags = torch.full((world * B,), TAG_ALL, dtype=torch.int32, device=x.device)
         weights = torch.full((B,), 1.0 / B, dtype=cd, device=x.device)
-        rows.append(
-            contrastive_loss(
-                x.contiguous(),
-                (every, empty),
-                (tags, empty_tags),
-                tau,
-                kind="cross_entropy",
-                positives=OwnPositives(rank * B, 1),
-                pos_logits=None,
-                pos_mask=None,
-                weights=weights,
-                reduction="mean",
-                cosine=False,
-                eps=EPS,
-                backend=backend,
-                padded=False,
-            )  # fmt: skip
-        )
+        spec = LossSpec(
+            "cross_entropy", (tags, empty_tags), "mean", weights, cosine=False, positives=OwnPositives(rank * B, 1),
+            padded=False, backend=backend,
+        )  # fmt: skip
+        rows.append(contrastive_loss(x.contiguous(), (every, empty), tau, spec))
     loss = 0.5 * (rows[0] + rows[1])
     if logit_bias is not None:
         loss = loss + 0 * _check_scalar("logit_bias", logit_bias, image, positive=False).to(loss.dtype)

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .. import _checks, distributed
 from ..ops.contract import EPS, TAG_ALL, OwnPositives, compute_dtype, empty_block
-from ..ops.contrastive import contrastive_loss
+from ..ops.contrastive import LossSpec, contrastive_loss
 from ..ops.positive_logits import positive_logits
 from ..ops.ring import ring_contrastive_loss
 
@@ -187,24 +187,18 @@ class _Batch:
             block1, tags1 = empty_block(anchor)
         tau = self.tau if tau is None else tau
         cd = compute_dtype(anchor.dtype)
-        args = dict(
-            kind="cross_entropy",
-            positives=OwnPositives(self.offset, 1) if fold else None,
-            pos_logits=None if fold else self.pos()[..., None],
-            pos_mask=None,
-            weights=torch.ones(self.B, dtype=cd, device=anchor.device),
-            reduction="none",
-            cosine=self.cosine,
-            eps=EPS,
-            backend=self.backend,
-            strategy=self.strategy,
+        spec = LossSpec(
+            "cross_entropy", (tags0, tags1), "none", torch.ones(self.B, dtype=cd, device=anchor.device),
+            cosine=self.cosine, positives=OwnPositives(self.offset, 1) if fold else None, strategy=self.strategy,
             dims=self.dims,  # no dim_weights: the prefixes' rows, combined per prefix below
-        )
+            backend=self.backend,
+        )  # fmt: skip
+        pos_logits = None if fold else self.pos()[..., None]
         if self.group is not None:  # sizes were checked once per loss call
             return ring_contrastive_loss(
-                anchor, (block0, block1), (tags0, tags1), tau, group=self.group, handshake=False, **args
+                anchor, (block0, block1), tau, spec, pos_logits, group=self.group, handshake=False
             ).to(cd)
-        return contrastive_loss(anchor, (block0, block1), (tags0, tags1), tau, **args).to(cd)
+        return contrastive_loss(anchor, (block0, block1), tau, spec, pos_logits).to(cd)
 
 
 def _cat(*pairs):

@@ -3,16 +3,18 @@ losses, the one distributed scaling rule, and the base of the loss modules (the 
 re-exported here: ``_docs``).
 
 Each family module (``supmpn``, ``supcon``, ``mnrl``, ``infonce``, ``clip``, ``gist``, ...)
-imports from here, so a reader follows any loss through two files: its family's and this one,
-then ``fastcl.ops.contrastive`` (the autograd Function) and the backend.
+imports from here, so a reader follows any loss through two files: its family's, which lays
+out the call (:func:`structured_call`: a :class:`FusedCall` with its ``LossSpec``, built once
+by :meth:`Options.spec`), and this one's :func:`fused_loss`, which runs it; then
+``fastcl.ops.contrastive`` (the autograd Function) and the backend (docs/design.md).
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -20,8 +22,8 @@ from torch import Tensor, nn
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
 from ..ops.constants import constant
-from ..ops.contract import EPS, Filter, OwnPositives, compute_dtype, empty_block, structured_tags
-from ..ops.contrastive import contrastive_loss
+from ..ops.contract import EPS, OwnPositives, compute_dtype, empty_block, structured_tags
+from ..ops.contrastive import ContrastiveLSE, LossSpec, ready
 from ..ops.head import reduction_weights
 from ..ops.ring import ring_contrastive_loss
 from ._docs import ARG_DOCS, LSE_OPTIONS, document
@@ -46,6 +48,16 @@ class Options:
     def kwargs(self) -> dict[str, Any]:
         """As keyword arguments of a public loss function."""
         return {name: getattr(self, name) for name in LSE_OPTIONS}
+
+    def spec(self, kind: str, tags: tuple[Tensor, Tensor], anchor: Tensor, matryoshka=None, **fields) -> LossSpec:
+        """The call's description (``fastcl.ops.contrastive.LossSpec``) with these options: the
+        one place they become the primitive's settings. ``matryoshka``: the checked
+        ``(dims, weights)`` (``fastcl.matryoshka.check``) or None; ``fields``: the rest."""
+        return LossSpec(
+            kind, tags, self.reduction, cosine=self.similarity == "cos", eps=EPS,
+            dims=None if matryoshka is None else matryoshka[0], dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
+            strategy=self.strategy, backend=self.backend, **fields,
+        )  # fmt: skip
 
 
 CROSS_DEVICE = ("gather", "ring")
@@ -140,93 +152,58 @@ def _every_row(anchor: Tensor) -> Tensor:
     return constant(("every_row", B, str(dev)), lambda: torch.ones(B, dtype=torch.bool, device=dev))
 
 
-def fused_loss(
-    head: str,
-    anchor: Tensor,
-    blocks: tuple[Tensor, Tensor],
-    tags: tuple[Tensor, Tensor],
-    tau: Tensor,
-    opts: Options,
-    *,
-    sizes: dict[str, int],
-    pos_mask: Tensor | None,
-    matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None,
-    own_count: int | None = None,
-    pos_logits: Tensor | None = None,
-    log_extra: Tensor | None = None,
-    padded: bool = True,
-    filter: Filter | None = None,
-) -> Tensor:
-    """Gather the candidate set (this rank's, or every rank's: ``fastcl.distributed``), weigh
-    the rows by :func:`row_weights` and run the fused loss; or, with ``cross_device="ring"``,
-    run it over the ring (``fastcl.ops.ring``: the same weights, from the global count).
-    Own positives are ``own_count`` rows per anchor in block 0 (from where this rank's
-    candidates start) or the given differentiable ``pos_logits``. ``padded=False``: no tag is
-    padding (no masks were given; backends may skip masking padded rows). ``filter``: a self
-    filter (``contract.Filter`` without a guide) on this rank's rows."""
+class FusedCall(NamedTuple):
+    """A fused loss call as a loss lays it out, before any gather: this rank's ``anchor [B, d]``,
+    candidate ``blocks``, ``tau`` (0-d, compute dtype), the call's description ``spec``
+    (:meth:`Options.spec`: this rank's tags, own positives in block 0 from its first row), the
+    named ``sizes`` every rank must share, and the shared positives' differentiable
+    ``pos_logits`` (None: own positives, folded from block 0)."""
+
+    anchor: Tensor
+    blocks: tuple[Tensor, Tensor]
+    tau: Tensor
+    spec: LossSpec
+    sizes: dict[str, int]
+    pos_logits: Tensor | None = None
+
+
+def fused_loss(call: FusedCall, opts: Options) -> Tensor:
+    """Run ``call``: gather the candidate set (this rank's, or every rank's:
+    ``fastcl.distributed``), weigh the rows by :func:`row_weights` (from ``spec.pos_mask``)
+    and run ``ContrastiveLSE``; or, with ``cross_device="ring"``, run it over the ring
+    (``fastcl.ops.ring``: the same weights, from the global count). With a process group the
+    candidates may hold padding (``padded``)."""
+    anchor, blocks, tau, spec, sizes, pos_logits = call
     cd = compute_dtype(anchor.dtype)
-    has_pos = _every_row(anchor) if pos_mask is None else pos_mask.any(1)
-    dims = None if matryoshka is None else matryoshka[0]
-    if uses_ring(opts):
-        return ring_contrastive_loss(
-            anchor,
-            blocks,
-            tags,
-            tau,
-            group=opts.process_group,
-            kind=head,
-            positives=None if own_count is None else OwnPositives(0, own_count),
-            pos_logits=pos_logits,
-            pos_mask=pos_mask,
-            reduction=opts.reduction,
-            cosine=opts.similarity == "cos",
-            eps=EPS,
-            has_pos=has_pos,
-            check_positive=pos_mask is not None,
-            sizes=sizes,
-            log_extra=log_extra,
-            backend=opts.backend,
-            dims=dims,
-            dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
-            strategy=opts.strategy,
-            filter=filter,
-        )
-    if opts.process_group is None and pos_mask is None:  # the same every step: made once
-        key = ("row_weights", anchor.shape[0], opts.reduction, cd, str(anchor.device))
-        weights, offset = constant(key, lambda: row_weights(has_pos, opts.reduction, cd, maybe_empty=False)), 0
-    elif opts.process_group is None:
-        weights, offset = row_weights(has_pos, opts.reduction, cd), 0
-    else:
-        g = distributed.gather_candidates(
-            blocks, tags, has_pos, sizes=sizes, check_positive=pos_mask is not None, group=opts.process_group
-        )
-        blocks, tags, offset = g.blocks, g.tags, g.offset
-        weights = row_weights(has_pos, opts.reduction, cd, world=g.world, valid_anchors=g.valid_anchors.to(cd))
-    own = None if own_count is None else OwnPositives(offset, own_count)
-    return contrastive_loss(
-        anchor,
-        blocks,
-        tags,
-        tau,
-        kind=head,
-        positives=own,
-        pos_logits=pos_logits,
-        pos_mask=pos_mask,
-        weights=weights,
-        reduction=opts.reduction,
-        cosine=opts.similarity == "cos",
-        eps=EPS,
-        log_extra=log_extra,
-        backend=opts.backend,
-        dims=dims,
-        dim_weights=_matryoshka.weight_tensor(matryoshka, anchor),
-        padded=padded or opts.process_group is not None,  # other ranks' candidates may carry padding
-        strategy=opts.strategy,
-        filter=filter,
-    )
+    masked = spec.pos_mask is not None
+    has_pos = _every_row(anchor) if spec.pos_mask is None else spec.pos_mask.any(1)
+    if opts.process_group is not None:
+        spec = replace(spec, padded=True)  # other ranks' candidates may carry padding
+    with no_autocast(anchor):
+        if uses_ring(opts):
+            return ring_contrastive_loss(
+                anchor, blocks, tau, spec, pos_logits, group=opts.process_group, has_pos=has_pos,
+                check_positive=masked, sizes=sizes,
+            )  # fmt: skip
+        if opts.process_group is None and not masked:  # the same every step: made once
+            key = ("row_weights", anchor.shape[0], opts.reduction, cd, str(anchor.device))
+            weights = constant(key, lambda: row_weights(has_pos, opts.reduction, cd, maybe_empty=False))
+            spec = replace(spec, weights=weights)
+        elif opts.process_group is None:
+            spec = replace(spec, weights=row_weights(has_pos, opts.reduction, cd))
+        else:
+            g = distributed.gather_candidates(
+                blocks, spec.tags, has_pos, sizes=sizes, check_positive=masked, group=opts.process_group
+            )
+            pos = spec.positives
+            own = None if pos is None else OwnPositives(g.offset + pos.offset, pos.count)
+            weights = row_weights(has_pos, opts.reduction, cd, world=g.world, valid_anchors=g.valid_anchors.to(cd))
+            blocks, spec = g.blocks, replace(spec, tags=g.tags, positives=own, weights=weights)
+        anchor, (b0, b1), spec = ready(anchor, blocks, spec)
+        return ContrastiveLSE.apply(anchor, b0, b1, pos_logits, tau, spec)
 
 
-def structured_loss(
+def structured_call(
     head: str,
     anchor: Tensor,
     positives: Tensor,
@@ -238,8 +215,9 @@ def structured_loss(
     exclude_own: bool,
     zero_logit_own: bool = False,
     false_negative_margin: float | None = None,
-) -> Tensor:
-    """The layout of SupMPN, SupCon, MNRL and InfoNCE: every anchor's ``P`` own positives in
+) -> FusedCall:
+    """The call (:func:`fused_loss` runs it) of SupMPN, SupCon, MNRL and InfoNCE, checked and
+    laid out: every anchor's ``P`` own positives in
     block 0 (left out of the owner's denominator with ``exclude_own``), every negative in
     block 1. ``zero_logit_own``: each *other* own positive adds ``exp(0)`` to the
     denominator (SupMPN's released code). ``false_negative_margin``: the self-margin filter on
@@ -271,29 +249,19 @@ def structured_loss(
         if zero_logit_own:
             count = torch.full((B,), P, device=dev) if pos_mask is None else pos_mask.sum(1)
             log_extra = (count - 1).clamp_min(0).to(compute_dtype(anchor.dtype)).log()
-        blocks, tags = (positives.reshape(B * P, d), neg_block), (pos_tags, neg_tags)
-        sizes = {"B": B, "P": P, "Q": Q, "d": d}
         filt = None
         if false_negative_margin is not None:
             from .gist import self_margin_filter
 
             dims = None if matryoshka is None else matryoshka[0]
             filt = self_margin_filter(anchor, positives[:, 0], false_negative_margin, opts.similarity == "cos", dims)
-        return fused_loss(
-            head,
-            anchor,
-            blocks,
-            tags,
-            tau,
-            opts,
-            sizes=sizes,
-            pos_mask=pos_mask,
-            matryoshka=matryoshka,
-            own_count=P,
-            log_extra=log_extra,
-            padded=pos_mask is not None or neg_mask is not None,  # no mask: no padding tag anywhere
+        spec = opts.spec(
+            head, (pos_tags, neg_tags), anchor, matryoshka, positives=OwnPositives(0, P), pos_mask=pos_mask,
+            log_extra=log_extra, padded=pos_mask is not None or neg_mask is not None,  # no mask: no padding tag
             filter=filt,
-        )
+        )  # fmt: skip
+        blocks = (positives.reshape(B * P, d), neg_block)
+        return FusedCall(anchor, blocks, tau, spec, {"B": B, "P": P, "Q": Q, "d": d})
 
 
 # --------------------------------------------------------------------------- modules
@@ -378,10 +346,11 @@ __all__ = [
     "check_slots",
     "CROSS_DEVICE",
     "document",
+    "FusedCall",
     "fused_loss",
     "no_autocast",
     "row_weights",
-    "structured_loss",
+    "structured_call",
     "uses_ring",
     "without_unused_anchors",
 ]

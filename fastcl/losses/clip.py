@@ -19,7 +19,7 @@ passes the candidates rank to rank: per-rank memory constant in the world size.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,7 @@ from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
 from ..ops import symmetric as _symmetric
 from ..ops.contract import EPS, TAG_ALL, TAG_PADDING, OwnPositives, compute_dtype, empty_block
+from ..ops.head import SIGMOID_HEAD
 from ..ops.ring_sigmoid import ring_sigmoid_loss
 from ..ops.sigmoid import sigmoid_loss
 from ._shared import (
@@ -35,9 +36,10 @@ from ._shared import (
     check_matrix,
     check_options,
     document,
+    fused_loss,
     no_autocast,
     row_weights,
-    structured_loss,
+    structured_call,
     uses_ring,
 )
 
@@ -158,17 +160,19 @@ def clip_loss(
         symmetric = _symmetric.takes(backend, image_features, text_features, similarity == "cos", EPS)
 
     def direction(x: Tensor, y: Tensor) -> Tensor:
-        return structured_loss("cross_entropy", x, y.unsqueeze(1), None, pos_mask, None, opts, exclude_own=False)
+        call = structured_call("cross_entropy", x, y.unsqueeze(1), None, pos_mask, None, opts, exclude_own=False)
+        return fused_loss(call, opts)
 
     if symmetric is not None:  # one pass for both directions' LSEs, one recompute backward
         cd = compute_dtype(image_features.dtype)
         tau = _checks.as_temperature(1.0 / scale, image_features)
         weights = row_weights(torch.ones(B, dtype=torch.bool, device=image_features.device), reduction, cd)
         with no_autocast(image_features):
-            loss = _symmetric.symmetric_loss(
-                image_features, text_features, tau, weights=weights, reduction=reduction,
-                cosine=similarity == "cos", eps=EPS, backend=symmetric,
+            spec = _symmetric.symmetric_spec(
+                text_features, weights=weights, reduction=reduction, cosine=similarity == "cos", eps=EPS,
+                backend=symmetric,
             )  # fmt: skip
+            loss = _symmetric.symmetric_loss(image_features, text_features, tau, spec)
     else:
         loss = 0.5 * (direction(image_features, text_features) + direction(text_features, image_features))
     if logit_bias is not None:  # shifts every logit of a row alike: no value, a zero gradient
@@ -234,22 +238,18 @@ def siglip_loss(
     elif mask is not None:
         _checks.check_some_positive(mask[:, None], "no pair is valid (mask is all False)")
     dev = image_features.device
-    opts = Options(reduction=reduction, process_group=group, cross_device=cross_device)
     has_row = torch.ones(B, dtype=torch.bool, device=dev) if mask is None else mask
     tags = torch.full((B,), TAG_ALL, dtype=torch.int32, device=dev)
     if mask is not None:
         tags = torch.where(mask, tags, torch.full_like(tags, TAG_PADDING))
-    common: dict[str, Any] = dict(
-        reduction=reduction,
-        cosine=similarity == "cos",
-        eps=EPS,
-        backend=backend,
-        dims=None if matryoshka is None else matryoshka[0],
-        dim_weights=_matryoshka.weight_tensor(matryoshka, image_features),
-    )
+    opts = Options(
+        reduction=reduction, backend=backend, strategy=strategy, process_group=group, similarity=similarity,
+        cross_device=cross_device,
+    )  # fmt: skip
+    empty, empty_tags = empty_block(text_features)
+    spec = opts.spec(SIGMOID_HEAD, (tags, empty_tags), image_features, matryoshka, positives=OwnPositives(0, 1))
     with no_autocast(image_features):
         image = image_features if mask is None else torch.where(mask[:, None], image_features, 0.0)
-        empty, empty_tags = empty_block(text_features)
         tau = 1.0 / scale
         sizes = {"siglip_B": B, "d": d}
         if uses_ring(opts):
@@ -258,22 +258,23 @@ def siglip_loss(
                     "siglip_loss with cross_device='ring' recomputes in backward: strategy='fused' is refused"
                 )
             return ring_sigmoid_loss(
-                image, (text_features, empty), (tags, empty_tags), tau, bias, group=group,
-                positives=OwnPositives(0, 1), has_row=has_row, check_rows=mask is not None, sizes=sizes, **common,
+                image, (text_features, empty), tau, bias, spec, group=group, has_row=has_row,
+                check_rows=mask is not None, sizes=sizes,
             )  # fmt: skip
-        blocks, all_tags, offset = (text_features, empty), (tags, empty_tags), 0
+        blocks, offset = (text_features, empty), 0
         if group is None:
             weights = row_weights(has_row, reduction, cd, maybe_empty=mask is not None)
         else:
             g = distributed.gather_candidates(
-                blocks, all_tags, has_row, sizes=sizes, check_positive=mask is not None, group=group
+                blocks, spec.tags, has_row, sizes=sizes, check_positive=mask is not None, group=group
             )
-            blocks, all_tags, offset = g.blocks, g.tags, g.offset
+            blocks, offset = g.blocks, g.offset
             weights = row_weights(has_row, reduction, cd, world=g.world, valid_anchors=g.valid_anchors.to(cd))
-        return sigmoid_loss(
-            image, blocks, all_tags, tau, bias, positives=OwnPositives(offset, 1), weights=weights,
-            padded=mask is not None or group is not None, strategy=strategy, **common,
-        )  # fmt: skip
+            spec = replace(spec, tags=g.tags)
+        spec = replace(
+            spec, weights=weights, positives=OwnPositives(offset, 1), padded=mask is not None or group is not None
+        )
+        return sigmoid_loss(image, blocks, tau, bias, spec)
 
 
 class _ImageTextLoss(nn.Module):

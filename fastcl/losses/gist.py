@@ -26,8 +26,8 @@ from torch import Tensor
 
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
-from ..ops import dispatch, joint
-from ..ops.contract import EPS, TAG_ALL, Filter, LSEProblem, OwnPositives, compute_dtype, empty_block
+from ..ops import joint
+from ..ops.contract import EPS, TAG_ALL, Filter, OwnPositives, compute_dtype, empty_block
 from ..ops.contrastive import ContrastiveLSE, LossSpec, contrastive_loss
 from ..ops.joint import JointLSE, JointSpec
 from ..ops.positive_logits import own_positive_similarities, positive_logits
@@ -136,32 +136,25 @@ def _gather(x: Tensor, group, grad: bool) -> Tensor:
     return out
 
 
-def _rows(anchor, blocks, tags, tau, *, positives, pos_logits, filt, cosine, backend, strategy, dims, ring_group):
-    """``[B]`` (``[K, B]``) rows ``LSE(filtered candidates) - l(a_i, p_i)`` of one primitive call."""
+def _rows(anchor, blocks, tags, tau, *, positives, pos_logits, filt, ring_group, **common) -> Tensor:
+    """``[B]`` (``[K, B]``) rows ``LSE(filtered candidates) - l(a_i, p_i)`` of one primitive call;
+    ``common``: the call's ``LossSpec`` fields (cosine, backend, strategy, dims)."""
     cd = compute_dtype(anchor.dtype)
-    args: dict[str, Any] = dict(
-        kind="cross_entropy", positives=positives, pos_logits=pos_logits, pos_mask=None, reduction="none",
-        cosine=cosine, eps=EPS, backend=backend, strategy=strategy, dims=dims, filter=filt,
-    )  # fmt: skip
-    if ring_group is not None:
-        return ring_contrastive_loss(
-            anchor, blocks, tags, tau, group=ring_group, handshake=False,
-            weights=torch.ones(anchor.shape[0], dtype=cd, device=anchor.device), **args,
-        ).to(cd)  # fmt: skip
     weights = torch.ones(anchor.shape[0], dtype=cd, device=anchor.device)
-    return contrastive_loss(anchor, blocks, tags, tau, weights=weights, **args).to(cd)
+    spec = LossSpec("cross_entropy", tags, "none", weights, positives=positives, filter=filt, **common)
+    if ring_group is not None:
+        return ring_contrastive_loss(anchor, blocks, tau, spec, pos_logits, group=ring_group, handshake=False).to(cd)
+    return contrastive_loss(anchor, blocks, tau, spec, pos_logits).to(cd)
 
 
-def _spec(anchor, blocks, tau, positives, filt, weights, reduction, matryoshka, *, cosine, backend, strategy, dims):
-    """The ``LossSpec`` of one GIST problem (all candidates valid: no padding tags)."""
-    t0, t1 = (torch.full((b.shape[0],), TAG_ALL, dtype=torch.int32, device=anchor.device) for b in blocks)
-    tags = (t0, t1)
-    probe = LSEProblem(anchor, blocks, tags, cosine, EPS, positives, dims, padded=False, filter=filt)
-    impl = dispatch.choose(probe, backend=backend)
-    return LossSpec(
-        impl, tags, cosine, EPS, positives, "cross_entropy", None, None, weights, reduction, dims,
-        _matryoshka.weight_tensor(matryoshka, anchor), False, strategy, filt,
+def _spec(anchor, blocks, positives, filt, weights, reduction, matryoshka, **common) -> LossSpec:
+    """The ``LossSpec`` of one GIST problem (all candidates valid: no padding tags), its backend chosen."""
+    tags = tuple(torch.full((b.shape[0],), TAG_ALL, dtype=torch.int32, device=anchor.device) for b in blocks)
+    spec = LossSpec(
+        "cross_entropy", (tags[0], tags[1]), reduction, weights, positives=positives,
+        dim_weights=_matryoshka.weight_tensor(matryoshka, anchor), padded=False, filter=filt, **common,
     )  # fmt: skip
+    return spec.choose(spec.problem(anchor, *blocks))
 
 
 @distributed.agree_on_errors
@@ -253,7 +246,7 @@ def gist_loss(
         else:
             cand_p, cand_n, cand_gp, cand_gn = positive, negs, gp, gnegs
         tags = lambda n: torch.full((n,), TAG_ALL, dtype=torch.int32, device=anchor.device)  # noqa: E731
-        common = dict(cosine=cosine, backend=backend, strategy=strategy, dims=dims)
+        common: dict[str, Any] = dict(cosine=cosine, backend=backend, strategy=strategy, dims=dims)
         # the pair logits l(a_i, p_i), differentiable, for the pieces that do not fold them
         pos = None
 
@@ -278,15 +271,15 @@ def gist_loss(
             valid = torch.tensor(world * B, dtype=compute_dtype(anchor.dtype), device=anchor.device)
             weights = row_weights(every, reduction, valid.dtype, world=world, valid_anchors=valid)
             q = _spec(
-                anchor, (cand_p, b1), tau, OwnPositives(offset, 1), Filter(thr, ga, (cand_gp, gb1)), weights,
-                reduction, matryoshka, **common,
+                anchor, (cand_p, b1), OwnPositives(offset, 1), Filter(thr, ga, (cand_gp, gb1)), weights, reduction,
+                matryoshka, **common,
             )  # fmt: skip
             if not contrast_positives:
                 return ContrastiveLSE.apply(anchor, cand_p, b1, None, tau, q)
             empty, empty_g = empty_block(positive)[0], gp.new_empty((0, gp.shape[1]))
             e = _spec(
-                positive, (cand_p, empty), tau, None, Filter(thr, gp, (cand_gp, empty_g)), weights, reduction,
-                matryoshka, **common,
+                positive, (cand_p, empty), None, Filter(thr, gp, (cand_gp, empty_g)), weights, reduction, matryoshka,
+                **common,
             )  # fmt: skip
             if joint.takes(q) and e.impl.name == q.impl.name:
                 return JointLSE.apply(anchor, cand_p, b1, positive, cand_p, empty, tau, JointSpec(q, e))

@@ -2,7 +2,7 @@
 
 All are supervised contrastive with one positive per anchor: ``loss_i = -l_i,pos(i) +
 LSE_{c in C} l_ic`` over the batch's candidates ``C``. Plain MNRL runs the structured layout
-(``_shared.structured_loss``); sentence-transformers 6's ``directions``, ``partition_mode``
+(``_shared.structured_call``); sentence-transformers 6's ``directions``, ``partition_mode``
 and hardness options combine several primitive calls per row (``_mnrl_directions``).
 Formulas: docs/losses.md.
 """
@@ -24,9 +24,10 @@ from ._shared import (
     check_matrix,
     check_options,
     document,
+    fused_loss,
     no_autocast,
     row_weights,
-    structured_loss,
+    structured_call,
 )
 from .gist import GIST_DOCS, check_false_negative_margin
 
@@ -138,7 +139,7 @@ def mnrl_loss(
         return mnrl_directions_loss(anchor, positive, negatives, directions=directions, **st6, **opts.kwargs())
     _checks.check_embeddings(anchor=anchor, positive=positive, negatives=negatives)
     _checks.check_rank("positive", positive, 2, "[B, d]")
-    return structured_loss(
+    call = structured_call(
         "cross_entropy",
         anchor,
         positive.unsqueeze(1),
@@ -149,6 +150,7 @@ def mnrl_loss(
         exclude_own=False,
         false_negative_margin=margin,
     )
+    return fused_loss(call, opts)
 
 
 @distributed.agree_on_errors

@@ -23,6 +23,7 @@ from ..ops.contract import EPS, compute_dtype, empty_block, pool_tags
 from ..ops.positive_logits import positive_logits
 from ._shared import (
     LSE_OPTIONS,
+    FusedCall,
     Options,
     TemperatureLoss,
     check_matrix,
@@ -31,7 +32,7 @@ from ._shared import (
     document,
     fused_loss,
     no_autocast,
-    structured_loss,
+    structured_call,
     without_unused_anchors,
 )
 from .supcon_labels import LABELS_TEMPERATURE, supcon_labels_loss
@@ -126,7 +127,8 @@ def supcon_loss(
         raise TypeError("supcon_loss needs positives (structured form) or labels= (labels form)")
     if ref_emb is not None or ref_labels is not None:
         raise ValueError("supcon_loss: ref_emb/ref_labels belong to the labels form (give labels=)")
-    return structured_loss("cross_entropy", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=False)
+    call = structured_call("cross_entropy", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=False)
+    return fused_loss(call, opts)
 
 
 # --------------------------------------------------------------------------- pool form
@@ -223,18 +225,8 @@ def supcon_pool_loss(
         pos_logits = per_prefix[0] if matryoshka is None else torch.stack(per_prefix)
         empty, empty_tags = empty_block(anchor)
         blocks, tags = (candidates, empty), (pool_tags(N, cand_mask, device=anchor.device), empty_tags)
-        return fused_loss(
-            "cross_entropy",
-            anchor,
-            blocks,
-            tags,
-            tau,
-            opts,
-            sizes={"B": B, "N": N, "d": d},
-            pos_mask=pos_mask,
-            matryoshka=matryoshka,
-            pos_logits=pos_logits,
-        )
+        spec = opts.spec("cross_entropy", tags, anchor, matryoshka, pos_mask=pos_mask)
+        return fused_loss(FusedCall(anchor, blocks, tau, spec, {"B": B, "N": N, "d": d}, pos_logits), opts)
 
 
 # --------------------------------------------------------------------------- module

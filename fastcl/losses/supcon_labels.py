@@ -24,7 +24,7 @@ from torch import Tensor
 from .. import _checks, distributed
 from .. import matryoshka as _matryoshka
 from ..ops.contract import EPS, TAG_ALL, compute_dtype, empty_block
-from ..ops.contrastive import contrastive_loss
+from ..ops.contrastive import LossSpec, contrastive_loss
 from ..ops.normalize import normalize_rows
 from ..ops.ring_labels import supcon_labels_ring
 from ._shared import LSE_OPTIONS, check_options, document, no_autocast, row_weights
@@ -214,21 +214,9 @@ def supcon_labels_loss(
         if self_set:
             tags[offset : offset + N] = torch.arange(N, dtype=torch.int32, device=dev)
         empty, empty_tags = empty_block(features)
-        return contrastive_loss(
-            features,
-            (cands, empty),
-            (tags, empty_tags),
-            tau,
-            kind="cross_entropy",
-            positives=None,
-            pos_logits=pos_logits,
-            pos_mask=has_pos[:, None],
-            weights=weights,
-            reduction=reduction,
-            cosine=cosine,
-            eps=EPS,
-            backend=backend,
+        spec = LossSpec(
+            "cross_entropy", (tags, empty_tags), reduction, weights, cosine=cosine, pos_mask=has_pos[:, None],
             dims=None if matryoshka is None else matryoshka[0],
-            dim_weights=_matryoshka.weight_tensor(matryoshka, features),
-            strategy=strategy,
-        )
+            dim_weights=_matryoshka.weight_tensor(matryoshka, features), strategy=strategy, backend=backend,
+        )  # fmt: skip
+        return contrastive_loss(features, (cands, empty), tau, spec, pos_logits)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .. import _checks, distributed
-from ._shared import LSE_OPTIONS, Options, TemperatureLoss, document, structured_loss
+from ._shared import LSE_OPTIONS, Options, TemperatureLoss, document, fused_loss, structured_call
 
 __all__ = ["supmpn_loss", "SupMPNLoss", "OWN_POSITIVES"]
 
@@ -86,9 +86,10 @@ def supmpn_loss(
         cross_device,
     )
     zero_logit = own_positives == "zero_logit"
-    return structured_loss(
+    call = structured_call(
         "softplus", anchor, positives, negatives, pos_mask, neg_mask, opts, exclude_own=True, zero_logit_own=zero_logit
     )
+    return fused_loss(call, opts)
 
 
 @document("learn_temperature", *LSE_OPTIONS)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import config
-from .backend import Backend, input_reasons
+from .backend import Backend, HeadSaved, HeadStep, input_reasons
 from .contract import LSEProblem
 from .head import HEADS, HeadInputs
 
@@ -60,10 +60,10 @@ def _extensions(problem: LSEProblem) -> dict:
     return kw
 
 
-class TritonHeadStep:
-    """The loss step with the head fused into the kernels: a forward of four launches that
-    also returns the reduced loss, and a backward that takes the upstream gradient and the
-    reduction weights as device tensors (no PyTorch op between the kernels)."""
+class TritonHeadStep(HeadStep):
+    """The loss step with the head fused into the kernels (``backend.HeadStep``): a forward of
+    four launches that also returns the reduced loss, and a backward that takes the upstream
+    gradient and the reduction weights as device tensors (no PyTorch op between the kernels)."""
 
     def takes(self, problem: LSEProblem, head: HeadInputs, own_count: int) -> bool:
         """Problems without Matryoshka dims or the sigmoid reduction (a filter is fine) of a known
@@ -80,7 +80,7 @@ class TritonHeadStep:
         own = {} if pos is None else {"own_offset": pos.offset, "own_count": pos.count}
         return {**_extensions(problem), **own}
 
-    def forward(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, per_row: bool):
+    def forward(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, per_row: bool) -> tuple[Tensor, HeadSaved]:
         """``(loss, saved)``: the reduced loss (0-d, input dtype) or the rows ``[B]`` (compute
         dtype, ``per_row``), and what :meth:`backward` needs."""
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
@@ -91,15 +91,17 @@ class TritonHeadStep:
             offset, count = pos.offset, pos.count
         else:
             offset, count = 0, head.pos_logits.shape[1]
-        loss, *saved = _kernels().head_forward(
+        loss, lse, dlse, dpos, w_row, norms = _kernels().head_forward(
             problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps, head.kind, offset, count,
             head.pos_logits, head.pos_mask, head.log_extra, head.weights, per_row, **self._filter(problem),
         )  # fmt: skip
-        return loss, tuple(saved)
+        return loss, HeadSaved(dpos, w_row, (lse, dlse, norms))
 
-    def backward(self, problem: LSEProblem, tau: Tensor, saved: tuple, weights: Tensor, grad_out: Tensor):
+    def backward(
+        self, problem: LSEProblem, tau: Tensor, saved: HeadSaved, weights: Tensor, grad_out: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """``(d anchor, (d block0, d block1))`` for the upstream ``grad_out`` (0-d or ``[B]``)."""
-        lse, dlse, dpos, w_row, norms = saved
+        dpos, w_row, (lse, dlse, norms) = saved
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
         d_anchor, d_b0, d_b1 = _kernels().head_backward(

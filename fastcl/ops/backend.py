@@ -5,13 +5,47 @@ and :func:`input_reasons`, the input checks the compiled backends share.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from .contract import FLOAT_DTYPES, FusedResult, LSEProblem
 from .head import HeadInputs
+
+
+class HeadSaved(NamedTuple):
+    """What :meth:`HeadStep.forward` keeps for its backward, in the compute dtype."""
+
+    d_pos: Tensor  # [B, P] dLoss_i/d l_ik before the weights: the given pos_logits' gradient
+    w_row: Tensor  # [B]: the temperature's gradient is -sum_i s_i w_row_i / tau (s: weights x upstream)
+    state: tuple[Tensor, ...]  # the backend's own (the Triton step: lse, dlse, the row scales)
+
+
+class HeadStep(Protocol):
+    """The third strategy (docs/design.md, "Three strategies"): the recompute strategy's whole
+    loss step with the loss head fused into the backend's kernels, so that no PyTorch op runs
+    between them. ``ContrastiveLSE`` asks ``takes`` first and runs ``forward`` and
+    ``backward`` in place of ``Backend.forward``, :func:`~fastcl.ops.head.head_rows` and
+    ``Backend.backward``; the temperature's (and given positives') gradients come from the
+    :class:`HeadSaved` fields. The one implementation: ``fastcl/ops/_triton.py``'s
+    ``TritonHeadStep``."""
+
+    def takes(self, problem: LSEProblem, head: HeadInputs, own_count: int) -> bool:
+        """Whether the step runs this call: ``head`` (``weights [B]`` the reduction's) on
+        ``problem`` with ``own_count`` positives per anchor (folded from block 0 when
+        ``head.pos_logits`` is None, else ``head.pos_logits [B, own_count]``). Metadata only."""
+
+    def forward(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, per_row: bool) -> tuple[Tensor, HeadSaved]:
+        """``(loss, saved)``: the reduced loss ``sum_i weights_i loss_i`` (0-d, input dtype), or
+        with ``per_row`` the rows ``[B]`` (compute dtype), and what :meth:`backward` needs."""
+
+    def backward(
+        self, problem: LSEProblem, tau: Tensor, saved: HeadSaved, weights: Tensor, grad_out: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """``(d anchor, (d block0, d block1))`` in the compute dtype for the upstream
+        ``grad_out`` (0-d; ``[B]`` for rows) and the reduction's ``weights [B]``, which the
+        kernels apply themselves (no host read); own positives folded as ``Backend.backward``'s."""
 
 
 class Backend(Protocol):
@@ -38,10 +72,10 @@ class Backend(Protocol):
     takes_filter: bool = False
     takes_sigmoid: bool = False
     takes_columns: bool = False  # contract: LSEProblem.columns (CLIP's symmetric step)
-    # The recompute strategy's whole loss step with the head fused into the backend's kernels
-    # (``fastcl/ops/_triton.py``'s ``TritonHeadStep``: ``takes``, ``forward``, ``backward``), or
-    # None: ``ContrastiveLSE`` then runs ``forward``, the PyTorch head and ``backward``.
-    head_step: object | None = None
+    # The head step (:class:`HeadStep`: the recompute strategy's loss step with the head fused
+    # into the backend's kernels), or None: ``ContrastiveLSE`` then runs ``forward``, the
+    # PyTorch head and ``backward``.
+    head_step: HeadStep | None = None
 
     def unavailable(self) -> str | None:
         """Why the backend cannot run in this process at all (not installed, build failed), or None."""

@@ -1,58 +1,96 @@
-"""The autograd Function of the fused LSE losses (``ContrastiveLSE``: primitive + head on any
-backend) and ``contrastive_loss``, which picks the backend. Call path, strategies (the losses'
-``strategy=`` argument) and the double-backward rule: docs/design.md.
+"""One loss call's description (``LossSpec``), the autograd Function of the fused LSE losses
+(``ContrastiveLSE``: primitive + head on any backend) and ``contrastive_loss``, which picks
+the backend and runs it. Call path, the three strategies (the losses' ``strategy=`` argument,
+and the backend's head step) and the double-backward rule: docs/design.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from .. import config
 from . import dispatch
-from .backend import Backend
-from .contract import Filter, LSEProblem, OwnPositives, compute_dtype
+from .backend import Backend, HeadSaved, HeadStep
+from .contract import EPS, Filter, LSEProblem, OwnPositives, Sigmoid, compute_dtype
 from .head import HeadInputs, head_rows
 from .positive_logits import own_positive_similarities
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Everything about a fused loss call that is not a differentiable tensor."""
+    """One fused loss call's description: everything about it that is not a differentiable
+    tensor. The loss builds it once (``fastcl.losses._shared.Options.spec``) and passes it
+    down: :func:`contrastive_loss` or :func:`~fastcl.ops.sigmoid.sigmoid_loss` (or their ring
+    forms) choose its backend (:meth:`choose`), the autograd Function keeps it, and
+    :meth:`problem` gives the backend its ``LSEProblem``."""
 
-    impl: Backend
-    tags: tuple[Tensor, Tensor]
-    cosine: bool
-    eps: float
-    positives: OwnPositives | None  # set: own positives are in block 0 and the backend folds d_pos
-    kind: str  # head: "cross_entropy" | "softplus" (ops/head.py)
-    pos_mask: Tensor | None
-    log_extra: Tensor | None
-    weights: Tensor  # [B] reduction weights
-    reduction: str
+    kind: str  # the head: "cross_entropy" | "softplus" (ops/head.py), or "sigmoid" (ops/sigmoid.py)
+    tags: tuple[Tensor, Tensor]  # int32 [N0], [N1]: the structural mask (contract.py)
+    reduction: str = "mean"
+    # [B] the reduction's weight of each row; None until known (fastcl.losses' fused_loss sets
+    # them after the gather, the ring forms from the global count): see :attr:`row_weights`
+    weights: Tensor | None = None
+    cosine: bool = True
+    eps: float = EPS
+    positives: OwnPositives | None = None  # set: own positives are in block 0 and the backend folds d_pos
+    pos_mask: Tensor | None = None  # [B, P] valid own positives
+    log_extra: Tensor | None = None  # [B] log of extra denominator mass (ops/head.py)
     dims: tuple[int, ...] | None = None  # Matryoshka prefixes: loss = sum_k dim_weights[k] * loss_k
     dim_weights: Tensor | None = None  # [K] compute dtype; None (reduction "none"): rows [K, B]
     padded: bool = True  # False: no tag is TAG_PADDING (no masks were given)
     strategy: str = "auto"  # "auto" (fastcl.config's strategy), "fused" or "recompute"
     filter: Filter | None = None  # false negatives left out of the rows (contract.Filter)
+    backend: str = "auto"  # the name asked for: "auto" or one of dispatch.NAMES
+    columns: bool = False  # the columns' LSEs too (CLIP's symmetric step, ops/symmetric.py)
+    chosen: Backend | None = None  # the backend that runs the call (:meth:`choose`)
+
+    @property
+    def impl(self) -> Backend:
+        """The chosen backend (:meth:`choose`)."""
+        if self.chosen is None:
+            raise RuntimeError(f"fastcl: the backend of this LossSpec ({self.backend!r}) is not chosen yet")
+        return self.chosen
+
+    @property
+    def row_weights(self) -> Tensor:
+        """``weights``, which must be known by now."""
+        if self.weights is None:
+            raise RuntimeError("fastcl: LossSpec.weights are not set")
+        return self.weights
+
+    def choose(self, problem: LSEProblem) -> LossSpec:
+        """This description with its backend chosen for ``problem`` (``fastcl.ops.dispatch``)."""
+        if self.chosen is not None:
+            return self
+        return replace(self, chosen=dispatch.choose(problem, backend=self.backend))
 
     def head_weights(self, weights: Tensor) -> Tensor:
         """The head's row weights from the reduction's ``[B]``: ``[K, B]`` with dims (each
         prefix's weight times the row's), else as given."""
         return weights if self.dim_weights is None else self.dim_weights.to(weights.dtype)[:, None] * weights
 
-    def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor) -> LSEProblem:
+    def combine(self, rows: Tensor) -> Tensor:
+        """``[B]`` loss rows from per-prefix ``rows [K, B]`` (``sum_k dim_weights[k] * rows[k]``);
+        without ``dim_weights``, ``rows`` as given."""
+        if self.dim_weights is None:
+            return rows
+        return (rows * self.dim_weights.to(rows.dtype)[:, None]).sum(0)
+
+    def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor, sigmoid: Sigmoid | None = None) -> LSEProblem:
+        """The primitive's problem on these tensors (``sigmoid``: the sigmoid reduction's bias)."""
         return LSEProblem(
             anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims, self.padded,
-            filter=self.filter,
+            filter=self.filter, sigmoid=sigmoid, columns=self.columns,
         )  # fmt: skip
 
 
-def _strategy(impl: Backend, reduction: str, dims, strategy: str) -> str:
+def _strategy(spec: LossSpec) -> str:
     """``"fused"`` or ``"recompute"`` for a call that needs gradients: the requested one
     (``"auto"``: ``fastcl.config``'s ``strategy``, whose own ``"auto"`` fuses where it can)."""
+    impl, reduction, dims, strategy = spec.impl, spec.reduction, spec.dims, spec.strategy
     wanted = config.get().strategy if strategy == "auto" else strategy
     can_fuse = impl.fused is not None and reduction != "none" and (dims is None or impl.fused_takes_dims)
     if wanted == "fused" and not can_fuse:
@@ -102,11 +140,6 @@ def _own_logit_values(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tenso
     return _own_logits(spec, problem, tau)
 
 
-def _sum_prefixes(rows: Tensor, dim_weights: Tensor) -> Tensor:
-    """``[B]`` Matryoshka loss rows ``sum_k dim_weights[k] * rows[k]`` from per-prefix ``rows [K, B]``."""
-    return (rows * dim_weights.to(rows.dtype)[:, None]).sum(0)
-
-
 def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
     """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``."""
     lse, mean_logit = spec.impl.forward(problem, tau)
@@ -127,8 +160,7 @@ def head_of(spec: LossSpec, lse: Tensor, pos_logits: Tensor) -> tuple[Tensor, Te
     if spec.dim_weights is None:  # the caller combines the prefixes' rows itself
         return rows.view(K, B), dlse.view(K, B), dpos.view(K, B, P)
     w = spec.dim_weights.to(rows.dtype)
-    loss_rows = _sum_prefixes(rows.view(K, B), w)
-    return loss_rows, dlse.view(K, B) * w[:, None], dpos.view(K, B, P) * w[:, None, None]
+    return spec.combine(rows.view(K, B)), dlse.view(K, B) * w[:, None], dpos.view(K, B, P) * w[:, None, None]
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -157,9 +189,9 @@ def _first_order_only(name: str, grads: tuple, message: str | None = None) -> tu
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 
-def _head_step(spec: LossSpec, problem: LSEProblem, head: HeadInputs, own_count: int):
+def _head_step(spec: LossSpec, problem: LSEProblem, head: HeadInputs, own_count: int) -> HeadStep | None:
     """The backend's fused loss step if it takes this call (``Backend.head_step``), else None."""
-    step = getattr(spec.impl, "head_step", None)
+    step = spec.impl.head_step
     return step if step is not None and step.takes(problem, head, own_count) else None
 
 
@@ -177,12 +209,16 @@ class ContrastiveLSE(torch.autograd.Function):
             raise ValueError(f"with matryoshka dims pos_logits is [K={len(spec.dims)}, B, P]: one per prefix")
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.folded = spec, anchor.dtype, folded
-        ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims, spec.strategy) if needs_grad else "none"
+        ctx.mode = _strategy(spec) if needs_grad else "none"
         # a backend that forms the folded own-positive logits in its sweep spares the [B, P, d]
         # normalisation passes of _own_logits (~5 % of a cpp SupMPN step)
         if ctx.mode != "fused":
             head = HeadInputs(
-                spec.kind, None if folded else pos_input.detach().to(cd), spec.pos_mask, spec.log_extra, spec.weights
+                spec.kind,
+                None if folded else pos_input.detach().to(cd),
+                spec.pos_mask,
+                spec.log_extra,
+                spec.row_weights,
             )
             own_count = (
                 pos_input.shape[-1] if pos_input is not None else (spec.positives.count if spec.positives else 0)
@@ -192,7 +228,7 @@ class ContrastiveLSE(torch.autograd.Function):
                 loss, saved = step.forward(problem, tau, head, per_row=spec.reduction == "none")
                 if needs_grad:
                     ctx.mode = "head"
-                    ctx.save_for_backward(anchor, block0, block1, tau, *saved)
+                    ctx.save_for_backward(anchor, block0, block1, tau, saved.d_pos, saved.w_row, *saved.state)
                 return loss.to(anchor.dtype)
         in_sweep = ctx.mode == "fused" and folded and spec.impl.forms_own_logits
         if in_sweep:
@@ -203,7 +239,7 @@ class ContrastiveLSE(torch.autograd.Function):
         if ctx.mode == "fused":
             # _strategy chose "fused": the backend has a sweep, and with dims a reduction's weights
             assert spec.impl.fused is not None and (spec.dims is None or spec.dim_weights is not None)
-            head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.head_weights(spec.weights))
+            head = HeadInputs(spec.kind, pos_logits, spec.pos_mask, spec.log_extra, spec.head_weights(spec.row_weights))
             out = spec.impl.fused(problem, tau, head)
             d_anchor, d_blocks, g_dot_mean_logit, rows, d_pos = out.sweep_outputs()
             pos_logits = out.pos_logits if in_sweep else pos_logits
@@ -216,13 +252,13 @@ class ContrastiveLSE(torch.autograd.Function):
             d_inputs = (t.to(keep) for t in (d_anchor, *d_blocks))
             ctx.save_for_backward(*d_inputs, d_pos, None if d_tau is None else d_tau.to(tau.dtype))
             # with dims the head's rows are per prefix [K, B]
-            loss_rows = rows if spec.dim_weights is None else _sum_prefixes(rows, spec.dim_weights)
+            loss_rows = spec.combine(rows)
         else:
             lse, mean_logit, loss_rows, dlse, dpos = _head(spec, problem, tau, pos_logits)
             if needs_grad:
                 ctx.save_for_backward(anchor, block0, block1, tau, pos_input, lse, mean_logit, dlse, dpos, pos_logits)
 
-        out_loss = loss_rows if spec.reduction == "none" else (loss_rows * spec.weights.to(cd)).sum()
+        out_loss = loss_rows if spec.reduction == "none" else (loss_rows * spec.row_weights.to(cd)).sum()
         return out_loss.to(anchor.dtype)
 
     @staticmethod
@@ -261,7 +297,7 @@ class ContrastiveLSE(torch.autograd.Function):
             lse, mean_logit, _, dlse, dpos = _head(spec, problem, tau, pos_logits)
         else:
             lse, mean_logit, dlse, dpos, pos_logits = head
-        row_w = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B] (or [K, B])
+        row_w = go * spec.row_weights.to(go.dtype) if spec.reduction != "none" else go  # [B] (or [K, B])
         g = dlse * row_w  # [B], or [K, B] with dims
         d_pos = dpos * row_w[..., None]
         d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, lse, g, d_pos if ctx.folded else None)
@@ -276,14 +312,16 @@ class ContrastiveLSE(torch.autograd.Function):
         """Gradients of the fused head step: the kernels scale by ``grad_out`` and the weights
         themselves; only the temperature's (and shared positives') gradients take small ops."""
         spec = ctx.spec
-        anchor, block0, block1, tau, *saved = ctx.saved_tensors
+        anchor, block0, block1, tau, dpos, w_row, *state = ctx.saved_tensors
         problem = spec.problem(anchor, block0, block1)
-        d_anchor, (d_b0, d_b1) = spec.impl.head_step.backward(problem, tau, tuple(saved), spec.weights, grad_out)
+        step = spec.impl.head_step
+        assert step is not None  # forward ran it
+        saved = HeadSaved(dpos, w_row, tuple(state))
+        d_anchor, (d_b0, d_b1) = step.backward(problem, tau, saved, spec.row_weights, grad_out)
         d_tau = d_pos = None
         if ctx.needs_input_grad[4] or not ctx.folded:
             go = grad_out.to(compute_dtype(ctx.dtype))
-            s = go * spec.weights.to(go.dtype) if spec.reduction != "none" else go  # [B]
-            _, _, dpos, w_row, _ = saved
+            s = go * spec.row_weights.to(go.dtype) if spec.reduction != "none" else go  # [B]
             if ctx.needs_input_grad[4]:  # l = s / tau: dL/dtau = -sum_i s_i w_row_i / tau
                 d_tau = (-(s * w_row).sum() / tau.to(s.dtype)).to(tau.dtype)
             if not ctx.folded:
@@ -291,56 +329,26 @@ class ContrastiveLSE(torch.autograd.Function):
         return d_anchor, d_b0, d_b1, d_pos, d_tau, None
 
 
-def contrastive_loss(
-    anchor: Tensor,
-    blocks: tuple[Tensor, Tensor],
-    tags: tuple[Tensor, Tensor],
-    tau: Tensor,
-    *,
-    kind: str,
-    positives: OwnPositives | None,
-    pos_logits: Tensor | None,
-    pos_mask: Tensor | None,
-    weights: Tensor,
-    reduction: str,
-    cosine: bool,
-    eps: float,
-    log_extra: Tensor | None = None,
-    backend: str = "auto",
-    dims: tuple[int, ...] | None = None,
-    dim_weights: Tensor | None = None,
-    padded: bool = True,
-    strategy: str = "auto",
-    filter: Filter | None = None,
-) -> Tensor:
-    """Run one LSE loss on the chosen backend (validated inputs; see ``fastcl.losses``). Own
-    positives are a layout in block 0 (``positives``: every backend folds their gradient) or
-    precomputed differentiable ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``).
-    ``dims`` (with ``dim_weights [K]``; ``pos_logits`` then ``[K, B, P]``): the weighted sum
-    of the loss on each prefix; with ``reduction="none"`` and no ``dim_weights``, the
-    prefixes' rows ``[K, B]``. ``padded=False`` promises that no tag is ``TAG_PADDING`` (the
-    caller gave no masks): backends may then skip masking padded rows. ``strategy``: ``"auto"``,
-    ``"fused"`` or ``"recompute"`` (docs/design.md, "Two strategies"). ``filter``: false
-    negatives left out of the rows (``contract.Filter``)."""
+def ready(
+    anchor: Tensor, blocks: tuple[Tensor, Tensor], spec: LossSpec
+) -> tuple[Tensor, tuple[Tensor, Tensor], LossSpec]:
+    """``(anchor, blocks, spec)`` as ``ContrastiveLSE`` takes them: contiguous, and ``spec``'s
+    backend chosen for them (``LossSpec.choose``)."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    probe = LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims, padded, filter=filter)
-    impl = dispatch.choose(probe, backend=backend)
-    spec = LossSpec(
-        impl,
-        tags,
-        cosine,
-        eps,
-        positives,
-        kind,
-        pos_mask,
-        log_extra,
-        weights,
-        reduction,
-        dims,
-        dim_weights,
-        padded,
-        strategy,
-        filter,
-    )
-    return ContrastiveLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, spec)
+    return anchor, blocks, spec.choose(spec.problem(anchor, *blocks))
+
+
+def contrastive_loss(
+    anchor: Tensor, blocks: tuple[Tensor, Tensor], tau: Tensor, spec: LossSpec, pos_logits: Tensor | None = None
+) -> Tensor:
+    """Run one LSE loss, described by ``spec`` (its ``weights`` set), on the backend it names or
+    the one dispatch chooses (validated inputs; see ``fastcl.losses``; their ``fused_loss``
+    runs ``ContrastiveLSE`` itself, after :func:`ready`). Own positives are a layout in block 0
+    (``spec.positives``: every backend folds their gradient) or precomputed differentiable
+    ``pos_logits [B, P]`` (shared positives, ``supcon_pool_loss``). With ``spec.dims``
+    (``pos_logits`` then ``[K, B, P]``): the sum of the loss on each prefix weighted by
+    ``spec.dim_weights``; with ``reduction="none"`` and no ``dim_weights``, the prefixes'
+    rows ``[K, B]``. Strategies: docs/design.md, "Three strategies"."""
+    anchor, (b0, b1), spec = ready(anchor, blocks, spec)
+    return ContrastiveLSE.apply(anchor, b0, b1, pos_logits, tau, spec)

@@ -59,7 +59,7 @@ class JointLSE(torch.autograd.Function):
         lse_e, ml_e = e.impl.forward(ep, tau)
         in_sweep = q.impl.forms_own_logits
         pos = None if in_sweep else _own_logit_values(q, qp, tau).detach().to(cd)
-        weights = q.head_weights(q.weights.to(cd))  # [B], or [K, B] with dims
+        weights = q.head_weights(q.row_weights.to(cd))  # [B], or [K, B] with dims
         assert q.impl.fused is not None  # takes() checked it
         out = q.impl.fused(qp, tau, HeadInputs(q.kind, pos, q.pos_mask, lse_e.detach(), weights))
         d_qa, d_qb, g_dot_ml_q, rows, d_pos = out.sweep_outputs()
@@ -77,7 +77,7 @@ class JointLSE(torch.autograd.Function):
         ctx.save_for_backward(*(g.to(keep) for g in grads), d_tau)
         ctx.dtypes = (q_anchor.dtype, e_anchor.dtype)
         loss_rows = rows if q.dim_weights is None else (rows * q.dim_weights.to(rows.dtype)[:, None]).sum(0)
-        return (loss_rows * q.weights.to(cd)).sum().to(q_anchor.dtype)
+        return (loss_rows * q.row_weights.to(cd)).sum().to(q_anchor.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -35,15 +35,14 @@ raise at the end of that pass (``ring_comm``); a second derivative raises.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from .. import distributed
-from . import dispatch
 from .blockwise import Merged, block_grad, foreign_tags
-from .contract import Filter, LSEProblem, OwnPositives, compute_dtype
+from .contract import Filter, LSEProblem, compute_dtype
 from .contrastive import LossSpec, _first_order_only, _own_logit_values, _strategy, _tau_grad, head_of
 from .head import HeadInputs, reduction_weights
 from .ring_comm import RingComm, circulate, circulate_grads
@@ -98,7 +97,7 @@ class RingSpec:
 def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor:
     """``[B]`` reduction weights; with ``has_pos`` those of the global batch (see RingSpec)."""
     if spec.has_pos is None:
-        return spec.loss.weights
+        return spec.loss.row_weights
     total = torch.cat(counts).sum()
     if spec.check_positive and int(total) == 0:  # every rank has the same total: all raise
         raise ValueError(spec.no_positive)
@@ -109,7 +108,7 @@ def _weights(spec: RingSpec, counts: list[Tensor], dtype: torch.dtype) -> Tensor
 def _fuses_own(ls: LossSpec, needs_grad: bool) -> bool:
     """Whether the own block runs the backend's gradient-in-forward sweep (module docstring);
     a ``"fused"`` strategy where it cannot raises, as in one process."""
-    return needs_grad and _strategy(ls.impl, ls.reduction, ls.dims, ls.strategy) == "fused"
+    return needs_grad and _strategy(ls) == "fused"
 
 
 def _own_sweep(ls: LossSpec, own, tau: Tensor, pos_values: Tensor, others: Tensor | None, weights: Tensor):
@@ -236,52 +235,35 @@ class RingLSE(torch.autograd.Function):
 def ring_contrastive_loss(
     anchor: Tensor,
     blocks: tuple[Tensor, Tensor],
-    tags: tuple[Tensor, Tensor],
     tau: Tensor,
+    spec: LossSpec,
+    pos_logits: Tensor | None = None,
     *,
     group,
-    kind: str,
-    positives: OwnPositives | None,
-    pos_logits: Tensor | None,
-    pos_mask: Tensor | None,
-    reduction: str,
-    cosine: bool,
-    eps: float,
     has_pos: Tensor | None = None,
-    weights: Tensor | None = None,
     check_positive: bool = False,
     no_positive: str = NO_POSITIVE,
     sizes: dict[str, int] | None = None,
     handshake: bool = True,
-    log_extra: Tensor | None = None,
-    backend: str = "auto",
-    dims: tuple[int, ...] | None = None,
-    dim_weights: Tensor | None = None,
-    strategy: str = "auto",
-    filter: Filter | None = None,
 ) -> Tensor:
     """:func:`~fastcl.ops.contrastive.contrastive_loss` over every rank of ``group``'s candidates,
-    by the ring (module docstring). Arguments as there, all of them this rank's: ``tags``
-    name this rank's anchors (rows ``0..B-1``), ``positives`` is the own-positive layout in
-    this rank's block 0. Give ``has_pos [B]`` (anchors with a valid positive: the weights are
-    the gather mode's, from the global count; ``check_positive`` raises when it is 0) or
-    ``weights [B]`` (used as given); ``no_positive``: that error's message. ``sizes``: the named sizes every rank must share (at
-    most six; default the block shapes), checked by one handshake unless ``handshake=False``
-    (the caller checked shapes and dtype already). Every rank must call it, and backward."""
-    if (has_pos is None) == (weights is None):
-        raise TypeError("ring_contrastive_loss takes has_pos or weights (exactly one)")
+    by the ring (module docstring). Arguments as there, all of them this rank's: ``spec.tags``
+    name this rank's anchors (rows ``0..B-1``), ``spec.positives`` is the own-positive layout
+    in this rank's block 0. Give ``has_pos [B]`` (anchors with a valid positive: the weights
+    are the gather mode's, from the global count; ``check_positive`` raises when it is 0) or
+    ``spec.weights [B]`` (used as given); ``no_positive``: that error's message. ``sizes``: the
+    named sizes every rank must share (at most six; default the block shapes), checked by one
+    handshake unless ``handshake=False`` (the caller checked shapes and dtype already). Every
+    rank must call it, and backward."""
+    if (has_pos is None) == (spec.weights is None):
+        raise TypeError("ring_contrastive_loss takes has_pos or spec.weights (exactly one)")
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    tags = (tags[0].contiguous(), tags[1].contiguous())
+    # the pieces of other ranks may carry padding
+    spec = replace(spec, tags=(spec.tags[0].contiguous(), spec.tags[1].contiguous()), padded=True)
     if handshake:
         shapes = {"B": anchor.shape[0], "N0": blocks[0].shape[0], "N1": blocks[1].shape[0], "d": anchor.shape[1]}
         distributed.check_same_sizes(group, sizes or shapes, blocks[0].dtype)
-    probe = LSEProblem(anchor, blocks, tags, cosine, eps, positives, dims, filter=filter)
-    impl = dispatch.choose(probe, backend=backend)
-    placeholder = anchor.new_empty(0) if weights is None else weights
-    spec = LossSpec(
-        impl, tags, cosine, eps, positives, kind, pos_mask, log_extra, placeholder, reduction, dims, dim_weights,
-        strategy=strategy, filter=filter,
-    )  # fmt: skip
+    spec = spec.choose(spec.problem(anchor, *blocks))
     ring = RingSpec(spec, RingComm(group), has_pos, check_positive, no_positive)
     return RingLSE.apply(anchor, blocks[0], blocks[1], pos_logits, tau, ring)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .. import distributed
 from .contract import EPS, compute_dtype, empty_block
+from .contrastive import LossSpec
 from .normalize import normalize_rows
 from .ring import ring_contrastive_loss
 from .ring_comm import RingComm, circulate, circulate_grads
@@ -132,25 +133,11 @@ def supcon_labels_ring(
     pos_logits = means[0][:, None] if dims is None else means[..., None]
     tags = torch.arange(N, dtype=torch.int32, device=features.device)  # row i leaves itself out
     empty, empty_tags = empty_block(features)
+    spec = LossSpec(
+        "cross_entropy", (tags, empty_tags), reduction, cosine=cosine, pos_mask=has_pos[:, None], dims=dims,
+        dim_weights=dim_weights, strategy=strategy, backend=backend,
+    )  # fmt: skip
     return ring_contrastive_loss(
-        features,
-        (features, empty),
-        (tags, empty_tags),
-        tau,
-        group=group,
-        kind="cross_entropy",
-        positives=None,
-        pos_logits=pos_logits,
-        pos_mask=has_pos[:, None],
-        reduction=reduction,
-        cosine=cosine,
-        eps=EPS,
-        has_pos=has_pos,
-        check_positive=True,
-        no_positive=NO_POSITIVE,
-        handshake=False,
-        backend=backend,
-        dims=dims,
-        dim_weights=dim_weights,
-        strategy=strategy,
-    )
+        features, (features, empty), tau, spec, pos_logits, group=group, has_pos=has_pos, check_positive=True,
+        no_positive=NO_POSITIVE, handshake=False,
+    )  # fmt: skip

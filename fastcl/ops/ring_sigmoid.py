@@ -24,21 +24,20 @@ import torch
 from torch import Tensor
 
 from .. import distributed
-from . import dispatch
 from .blockwise import foreign_tags
-from .contract import Filter, LSEProblem, OwnPositives, Sigmoid, compute_dtype
-from .contrastive import _first_order_only
+from .contract import Filter, LSEProblem, Sigmoid, compute_dtype
+from .contrastive import LossSpec, _first_order_only
 from .head import reduction_weights
 from .ring import SECOND_ORDER
 from .ring_comm import RingComm, circulate, circulate_grads
-from .sigmoid import SigmoidSpec, _scalar_grads
+from .sigmoid import _scalar_grads, value_grads
 
 
 class _Ring:
-    """A sigmoid ring call: the loss (``SigmoidSpec``, this rank's tags and pairs), the ring,
+    """A sigmoid ring call: the loss (``LossSpec``, this rank's tags and pairs), the ring,
     ``has_row [B]`` (rows that count) and the guide embeddings that travel with the blocks."""
 
-    def __init__(self, spec: SigmoidSpec, comm: RingComm, has_row: Tensor, check_rows: bool):
+    def __init__(self, spec: LossSpec, comm: RingComm, has_row: Tensor, check_rows: bool):
         self.spec, self.comm, self.has_row, self.check_rows = spec, comm, has_row, check_rows
 
     def payload(self, block0: Tensor, block1: Tensor) -> list[Tensor]:
@@ -52,7 +51,7 @@ class _Ring:
         s = self.spec
         b0, b1, t0, t1, _, *guide = payload
         if own:
-            return s.problem(anchor, b0, b1, bias)
+            return s.problem(anchor, b0, b1, Sigmoid(bias))
         filt = s.filter
         if filt is not None and guide:
             filt = Filter(filt.threshold, filt.guide_anchor, (guide[0], guide[1]))
@@ -121,7 +120,7 @@ class RingSigmoid(torch.autograd.Function):
         anchor, block0, block1, tau, bias, stat = ctx.saved_tensors
         cd = compute_dtype(ctx.dtype)
         b = bias.detach().to(cd)
-        g = spec.row_weights(grad_out.to(cd))
+        g = value_grads(spec, grad_out.to(cd))
         d_anchor = torch.zeros(anchor.shape, dtype=cd, device=anchor.device)
 
         def contribute(source: int, piece: int | None, payload: list[Tensor]) -> list[Tensor]:
@@ -145,40 +144,26 @@ class RingSigmoid(torch.autograd.Function):
 def ring_sigmoid_loss(
     anchor: Tensor,
     blocks: tuple[Tensor, Tensor],
-    tags: tuple[Tensor, Tensor],
     tau: Tensor,
     bias: Tensor,
+    spec: LossSpec,
     *,
     group,
-    positives: OwnPositives | None,
     has_row: Tensor,
     check_rows: bool,
-    reduction: str,
-    cosine: bool,
-    eps: float,
     sizes: dict[str, int],
-    backend: str = "auto",
-    dims: tuple[int, ...] | None = None,
-    dim_weights: Tensor | None = None,
-    filter: Filter | None = None,
 ) -> Tensor:
     """:func:`~fastcl.ops.sigmoid.sigmoid_loss` over every rank of ``group``'s candidates by the
-    ring (module docstring); arguments as there, all this rank's. ``has_row [B]``: the rows that
-    count (weights from the global count; ``check_rows`` raises on every rank when it is 0).
-    ``sizes``: the named sizes every rank must share (one handshake). Every rank must call it,
-    and backward."""
+    ring (module docstring); arguments as there, all this rank's (``spec.weights`` unset: they
+    come from the global count). ``has_row [B]``: the rows that count (``check_rows`` raises
+    on every rank when none does). ``sizes``: the named sizes every rank must share (one
+    handshake). Every rank must call it, and backward."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    tags = (tags[0].contiguous(), tags[1].contiguous())
+    # the weights come from the global count in forward; the other ranks' pieces recompute
+    spec = replace(spec, tags=(spec.tags[0].contiguous(), spec.tags[1].contiguous()), padded=True, strategy="recompute")
     distributed.check_same_sizes(group, sizes, blocks[0].dtype)
     cd = compute_dtype(anchor.dtype)
-    probe = LSEProblem(
-        anchor, blocks, tags, cosine, eps, positives, dims, filter=filter, sigmoid=Sigmoid(bias.detach().to(cd))
-    )
-    impl = dispatch.choose(probe, backend=backend)
-    placeholder = anchor.new_empty(0)  # the weights come from the global count in forward
-    spec = SigmoidSpec(
-        impl, tags, cosine, eps, positives, placeholder, reduction, dims, dim_weights, True, "recompute", filter
-    )
+    spec = spec.choose(spec.problem(anchor, *blocks, Sigmoid(bias.detach().to(cd))))
     ring = _Ring(spec, RingComm(group), has_row, check_rows)
     return RingSigmoid.apply(anchor, blocks[0], blocks[1], tau, bias, ring)

@@ -11,53 +11,18 @@ row statistics ``(sum_c sigma_ic l_ic, sum_c sigma_ic)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from . import dispatch
-from .backend import Backend
-from .contract import Filter, LSEProblem, OwnPositives, Sigmoid, compute_dtype
-from .contrastive import _first_order_only, _grad_store_dtype, _strategy
+from .contract import Sigmoid, compute_dtype
+from .contrastive import LossSpec, _first_order_only, _grad_store_dtype, _strategy
 from .head import SIGMOID_HEAD, HeadInputs
 
 
-@dataclass(frozen=True)
-class SigmoidSpec:
-    """Everything about a sigmoid loss call that is not a differentiable tensor."""
-
-    impl: Backend
-    tags: tuple[Tensor, Tensor]
-    cosine: bool
-    eps: float
-    positives: OwnPositives | None  # the pairs (z = +1): anchor i's in block 0
-    weights: Tensor  # [B] reduction weights
-    reduction: str
-    dims: tuple[int, ...] | None = None
-    dim_weights: Tensor | None = None  # [K]; None with dims: rows [K, B] (reduction "none")
-    padded: bool = True
-    strategy: str = "auto"
-    filter: Filter | None = None
-
-    def problem(self, anchor: Tensor, block0: Tensor, block1: Tensor, bias: Tensor) -> LSEProblem:
-        return LSEProblem(
-            anchor, (block0, block1), self.tags, self.cosine, self.eps, self.positives, self.dims, self.padded,
-            filter=self.filter, sigmoid=Sigmoid(bias),
-        )  # fmt: skip
-
-    def row_weights(self, go: Tensor) -> Tensor:
-        """``dLoss/dvalue``: ``[B]``, or ``[K, B]`` with dims, for the upstream ``go``."""
-        w = go * self.weights.to(go.dtype) if self.reduction != "none" else go
-        if self.dims is None or self.dim_weights is None:
-            return w
-        return self.dim_weights.to(w.dtype)[:, None] * w
-
-    def combine(self, rows: Tensor) -> Tensor:
-        """``[B]`` loss rows from the primitive's values (``[K, B]`` with dims: weighted sum)."""
-        if self.dims is None or self.dim_weights is None:
-            return rows
-        return (rows * self.dim_weights.to(rows.dtype)[:, None]).sum(0)
+def value_grads(spec: LossSpec, go: Tensor) -> Tensor:
+    """``dLoss/dvalue`` of a sigmoid call (``spec.kind == "sigmoid"``): ``[B]``, or ``[K, B]``
+    with dims, for the upstream ``go``."""
+    return spec.head_weights(go * spec.row_weights.to(go.dtype) if spec.reduction != "none" else go)
 
 
 def _scalar_grads(stats: Tensor, g: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
@@ -71,15 +36,15 @@ class SigmoidPairs(torch.autograd.Function):
     candidate blocks, ``tau`` and ``bias`` (0-d tensors)."""
 
     @staticmethod
-    def forward(ctx, anchor, block0, block1, tau, bias, spec: SigmoidSpec):
+    def forward(ctx, anchor, block0, block1, tau, bias, spec: LossSpec):
         cd = compute_dtype(anchor.dtype)
-        problem = spec.problem(anchor, block0, block1, bias.detach().to(cd))
+        problem = spec.problem(anchor, block0, block1, Sigmoid(bias.detach().to(cd)))
         needs_grad = any(ctx.needs_input_grad[:5])
         ctx.spec, ctx.dtype, ctx.tau_dtype, ctx.bias_dtype = spec, anchor.dtype, tau.dtype, bias.dtype
-        ctx.mode = _strategy(spec.impl, spec.reduction, spec.dims, spec.strategy) if needs_grad else "none"
+        ctx.mode = _strategy(spec) if needs_grad else "none"
         if ctx.mode == "fused":
             assert spec.impl.fused is not None
-            w = spec.row_weights(torch.ones((), dtype=cd, device=anchor.device))
+            w = value_grads(spec, torch.ones((), dtype=cd, device=anchor.device))
             out = spec.impl.fused(problem, tau, HeadInputs(SIGMOID_HEAD, None, None, None, w))
             assert out.d_anchor is not None and out.d_blocks is not None
             value = out.lse
@@ -91,7 +56,7 @@ class SigmoidPairs(torch.autograd.Function):
             if needs_grad:
                 ctx.save_for_backward(anchor, block0, block1, tau, bias, value, stats)
         rows = spec.combine(value)
-        out_loss = rows if spec.reduction == "none" else (rows * spec.weights.to(cd)).sum()
+        out_loss = rows if spec.reduction == "none" else (rows * spec.row_weights.to(cd)).sum()
         return out_loss.to(anchor.dtype)
 
     @staticmethod
@@ -114,8 +79,8 @@ class SigmoidPairs(torch.autograd.Function):
             grads = [(t * go).to(ctx.dtype) for t in (d_anchor, d_b0, d_b1)]
             return (*grads, (d_tau * go).to(ctx.tau_dtype), (d_bias * go).to(ctx.bias_dtype), None)
         anchor, block0, block1, tau, bias, value, stats = ctx.saved_tensors
-        g = spec.row_weights(go)
-        problem = spec.problem(anchor, block0, block1, bias.detach().to(cd))
+        g = value_grads(spec, go)
+        problem = spec.problem(anchor, block0, block1, Sigmoid(bias.detach().to(cd)))
         d_anchor, (d_b0, d_b1) = spec.impl.backward(problem, tau, value, g)
         d_tau, d_bias = _scalar_grads(stats, g, tau)
         grads = [t.to(ctx.dtype) for t in (d_anchor, d_b0, d_b1)]
@@ -129,47 +94,24 @@ class SigmoidPairs(torch.autograd.Function):
         inputs = (anchor, block0, block1, tau, bias)
         with torch.enable_grad():
             cd = compute_dtype(anchor.dtype)
-            problem = spec.problem(anchor, block0, block1, bias.to(cd))
+            problem = spec.problem(anchor, block0, block1, Sigmoid(bias.to(cd)))
             value, _ = spec.impl.forward(problem, tau)
             rows = spec.combine(value)
-            loss = rows if spec.reduction == "none" else (rows * spec.weights.to(cd)).sum()
+            loss = rows if spec.reduction == "none" else (rows * spec.row_weights.to(cd)).sum()
             wanted = [x for x, need in zip(inputs, ctx.needs_input_grad[:5]) if need]
             got = torch.autograd.grad(loss.to(ctx.dtype), wanted, grad_out, create_graph=True, allow_unused=True)
         by_input = iter(torch.zeros_like(x) if g is None else g for g, x in zip(got, wanted))
         return (*(next(by_input) if need else None for need in ctx.needs_input_grad[:5]), None)
 
 
-def sigmoid_loss(
-    anchor: Tensor,
-    blocks: tuple[Tensor, Tensor],
-    tags: tuple[Tensor, Tensor],
-    tau: Tensor,
-    bias: Tensor,
-    *,
-    positives: OwnPositives | None,
-    weights: Tensor,
-    reduction: str,
-    cosine: bool,
-    eps: float,
-    backend: str = "auto",
-    dims: tuple[int, ...] | None = None,
-    dim_weights: Tensor | None = None,
-    padded: bool = True,
-    strategy: str = "auto",
-    filter: Filter | None = None,
-) -> Tensor:
-    """Run the sigmoid reduction's loss on the chosen backend (validated inputs; see
-    ``fastcl.losses.siglip_loss``): ``sum_i weights_i v_i`` (rows for ``"none"``), ``v_i`` of
-    ``contract.Sigmoid`` with the pairs given by ``positives``. ``tau`` and ``bias``: 0-d
+def sigmoid_loss(anchor: Tensor, blocks: tuple[Tensor, Tensor], tau: Tensor, bias: Tensor, spec: LossSpec) -> Tensor:
+    """Run the sigmoid reduction's loss, described by ``spec`` (``kind="sigmoid"``, its
+    ``weights`` set; ``positives``: the pairs), on the backend it names or the one dispatch
+    chooses (validated inputs; see ``fastcl.losses.siglip_loss``): ``sum_i weights_i v_i``
+    (rows for ``"none"``), ``v_i`` of ``contract.Sigmoid``. ``tau`` and ``bias``: 0-d
     compute-dtype tensors (differentiable). ``dims``/``dim_weights``: Matryoshka prefixes."""
     anchor = anchor.contiguous()
     blocks = (blocks[0].contiguous(), blocks[1].contiguous())
-    cd = compute_dtype(anchor.dtype)
-    probe = LSEProblem(
-        anchor, blocks, tags, cosine, eps, positives, dims, padded, filter=filter, sigmoid=Sigmoid(bias.detach().to(cd))
-    )
-    impl = dispatch.choose(probe, backend=backend)
-    spec = SigmoidSpec(
-        impl, tags, cosine, eps, positives, weights, reduction, dims, dim_weights, padded, strategy, filter
-    )
+    sigmoid = Sigmoid(bias.detach().to(compute_dtype(anchor.dtype)))
+    spec = spec.choose(spec.problem(anchor, *blocks, sigmoid))
     return SigmoidPairs.apply(anchor, blocks[0], blocks[1], tau, bias, spec)

@@ -12,49 +12,46 @@ GEMM passes, the fewest a logit-free symmetric step can do (docs/clip.md, "Speed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from . import dispatch
-from .backend import Backend
 from .contract import TAG_ALL, LSEProblem, OwnPositives, compute_dtype, empty_block
-from .contrastive import _first_order_only
+from .contrastive import LossSpec, _first_order_only
 from .positive_logits import own_positive_similarities
 
 
-@dataclass(frozen=True)
-class SymmetricSpec:
-    impl: Backend
-    cosine: bool
-    eps: float
-    weights: Tensor  # [B] each pair's weight (both directions)
-    reduction: str
+def symmetric_spec(
+    text: Tensor, *, weights: Tensor | None, reduction: str, cosine: bool, eps: float, backend: str = "auto"
+) -> LossSpec:
+    """The description of CLIP's step on ``B`` pairs: every text a candidate of every image (no
+    padding), text ``i`` image ``i``'s own positive, column statistics; ``weights [B]`` each
+    pair's (both directions)."""
+    tags = torch.full((text.shape[0],), TAG_ALL, dtype=torch.int32, device=text.device)
+    return LossSpec(
+        "cross_entropy", (tags, empty_block(text)[1]), reduction, weights, cosine=cosine, eps=eps,
+        positives=OwnPositives(0, 1), padded=False, backend=backend, columns=True,
+    )  # fmt: skip
 
-    def problem(self, image: Tensor, text: Tensor) -> LSEProblem:
-        empty, empty_tags = empty_block(text)
-        tags = torch.full((text.shape[0],), TAG_ALL, dtype=torch.int32, device=text.device)
-        return LSEProblem(
-            image, (text, empty), (tags, empty_tags), self.cosine, self.eps, OwnPositives(0, 1), padded=False,
-            columns=True,
-        )  # fmt: skip
+
+def _problem(spec: LossSpec, image: Tensor, text: Tensor) -> LSEProblem:
+    return spec.problem(image, text, empty_block(text)[0])
 
 
 class SymmetricLSE(torch.autograd.Function):
     """``(image [B, d], text [B, d], tau)`` -> CLIP's loss (rows ``[B]`` for ``reduction="none"``)."""
 
     @staticmethod
-    def forward(ctx, image, text, tau, spec: SymmetricSpec):
+    def forward(ctx, image, text, tau, spec: LossSpec):
         cd = compute_dtype(image.dtype)
         B = image.shape[0]
-        problem = spec.problem(image, text)
+        problem = _problem(spec, image, text)
         lse, mean_logit = spec.impl.forward(problem, tau)  # [2B]: rows, then columns
         pos = own_positive_similarities(image, text[:, None], spec.cosine, spec.eps)[:, 0] / tau.to(cd)
         rows = 0.5 * (lse[:B] - pos) + 0.5 * (lse[B:] - pos)
         ctx.spec, ctx.dtype = spec, image.dtype
         ctx.save_for_backward(image, text, tau, lse, mean_logit, pos)
-        out = rows if spec.reduction == "none" else (rows * spec.weights.to(cd)).sum()
+        out = rows if spec.reduction == "none" else (rows * spec.row_weights.to(cd)).sum()
         return out.to(image.dtype)
 
     @staticmethod
@@ -70,10 +67,10 @@ class SymmetricLSE(torch.autograd.Function):
         spec = ctx.spec
         image, text, tau, lse, mean_logit, pos = ctx.saved_tensors
         go = grad_out.to(lse.dtype)
-        w = 0.5 * (go * spec.weights.to(go.dtype) if spec.reduction != "none" else go)  # [B], each direction
+        w = 0.5 * (go * spec.row_weights.to(go.dtype) if spec.reduction != "none" else go)  # [B], each direction
         g = torch.cat([w, w])  # dLoss/dlse: rows, columns
         d_pos = -(2 * w)[:, None]  # the pair's logit appears in both directions
-        d_image, (d_text, _) = spec.impl.backward(spec.problem(image, text), tau, lse, g, d_pos)
+        d_image, (d_text, _) = spec.impl.backward(_problem(spec, image, text), tau, lse, g, d_pos)
         d_tau = None
         if ctx.needs_input_grad[2]:  # l = s / tau: dl/dtau = -l / tau
             d_tau = (-((g * mean_logit).sum() + (d_pos[:, 0] * pos).sum()) / tau.to(g.dtype)).to(tau.dtype)
@@ -84,7 +81,7 @@ def takes(backend: str, image: Tensor, text: Tensor, cosine: bool, eps: float) -
     """The backend that runs the symmetric step here, or None: the one the directional path
     would use (``backend``, or the automatic choice for the plain problem), if it computes
     column statistics; the step never moves a call to a slower backend."""
-    probe = SymmetricSpec(dispatch.get("reference"), cosine, eps, image.new_empty(0), "mean").problem(image, text)
+    probe = _problem(symmetric_spec(text, weights=None, reduction="mean", cosine=cosine, eps=eps), image, text)
     plain = LSEProblem(probe.anchor, probe.blocks, probe.tags, cosine, eps, probe.positives, padded=False)
     try:
         name = dispatch.choose(plain, backend=backend).name
@@ -93,11 +90,8 @@ def takes(backend: str, image: Tensor, text: Tensor, cosine: bool, eps: float) -
     return None if dispatch.reasons(name, probe) else name
 
 
-def symmetric_loss(
-    image: Tensor, text: Tensor, tau: Tensor, *, weights: Tensor, reduction: str, cosine: bool, eps: float, backend
-) -> Tensor:
-    """CLIP's loss of ``B`` pairs on the chosen backend (validated inputs; see ``clip_loss``)."""
+def symmetric_loss(image: Tensor, text: Tensor, tau: Tensor, spec: LossSpec) -> Tensor:
+    """CLIP's loss of ``B`` pairs (validated inputs; see ``clip_loss``), described by ``spec``
+    (:func:`symmetric_spec`), on the backend it names or the one dispatch chooses."""
     image, text = image.contiguous(), text.contiguous()
-    probe = SymmetricSpec(dispatch.get("reference"), cosine, eps, weights, reduction).problem(image, text)
-    impl = dispatch.choose(probe, backend=backend)
-    return SymmetricLSE.apply(image, text, tau, SymmetricSpec(impl, cosine, eps, weights, reduction))
+    return SymmetricLSE.apply(image, text, tau, spec.choose(_problem(spec, image, text)))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from fastcl import config
 from fastcl.ops import dispatch
 from fastcl.ops.contract import EPS, OwnPositives, compute_dtype, structured_tags
-from fastcl.ops.contrastive import contrastive_loss
+from fastcl.ops.contrastive import LossSpec, contrastive_loss
 from fastcl.ops.head import reduction_weights
 from fastcl.ops.positive_logits import positive_logits
 from fastcl.ops.ring import ring_contrastive_loss
@@ -137,13 +137,16 @@ def run(case: Case, x: dict, backend: str, group) -> dict:
     args, has_pos = layout(case, x, tau)
     backend, _, strategy = backend.partition(":")  # "cpp:recompute": fastcl.config's strategy
     with config.override(strategy=strategy) if strategy else contextlib.nullcontext():
+        anchor, blocks, pos_logits = args.pop("anchor"), args.pop("blocks"), args.pop("pos_logits")
         if group is None:
             weights = reduction_weights(has_pos, case.reduction, compute_dtype(x["anchor"].dtype))
-            out = contrastive_loss(tau=tau, weights=weights, backend=backend, **args)
+            spec = LossSpec(weights=weights, backend=backend, **args)
+            out = contrastive_loss(anchor, blocks, tau, spec, pos_logits)
         else:
             check = args["pos_mask"] is not None
+            spec = LossSpec(backend=backend, **args)
             out = ring_contrastive_loss(
-                tau=tau, group=group, has_pos=has_pos, check_positive=check, backend=backend, **args
+                anchor, blocks, tau, spec, pos_logits, group=group, has_pos=has_pos, check_positive=check
             )
     (out.sum() if case.reduction == "none" else out).backward()
     grads = {k: v.grad.detach().clone() for k, v in x.items() if v.is_floating_point()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fastcl.ops.contract import OwnPositives, structured_tags
-from fastcl.ops.contrastive import contrastive_loss
+from fastcl.ops.contrastive import LossSpec, contrastive_loss
 from fastcl.ops.head import reduction_weights
 from fastcl.ops.positive_logits import positive_logits
 
@@ -43,23 +43,20 @@ def gradcheck_contrastive(
 
     def f(a, pos, neg, tau):
         pl = None if folded else positive_logits(a, pos, tau, cosine=cosine, eps=1e-8)
-        return contrastive_loss(
-            a,
-            (pos.reshape(B * P, d), neg.reshape(B * Q, d)),
+        spec = LossSpec(
+            kind,
             tags,
-            tau,
-            kind=kind,
-            positives=OwnPositives(0, P) if folded else None,
-            pos_logits=pl,
-            pos_mask=pos_mask,
-            weights=weights,
-            reduction=reduction,
+            reduction,
+            weights,
             cosine=cosine,
             eps=1e-8,
+            positives=OwnPositives(0, P) if folded else None,
+            pos_mask=pos_mask,
             log_extra=log_extra,
-            backend=backend,
             strategy=strategy,
+            backend=backend,
         )
+        return contrastive_loss(a, (pos.reshape(B * P, d), neg.reshape(B * Q, d)), tau, spec, pl)
 
     # fast_mode compares u^T J v for random u, v with the finite differences along v: any wrong
     # Jacobian entry moves it (with probability 1), at two evaluations instead of one per input

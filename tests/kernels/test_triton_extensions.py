@@ -238,11 +238,11 @@ def _gist_inputs(seed: int, nan_column: bool):
 
 def _gist_loss(backend, anchor, blocks, tags, pos, flt, tau, reduction="mean"):
     B = anchor.shape[0]
-    return contrastive.contrastive_loss(
-        anchor, blocks, tags, tau, kind="softplus", positives=pos, pos_logits=None, pos_mask=None,
-        weights=torch.full((B,), 1.0 / B, dtype=tau.dtype), reduction=reduction, cosine=True, eps=1e-8,
-        backend=backend, strategy="recompute", filter=flt,
+    spec = contrastive.LossSpec(
+        "softplus", tags, reduction, torch.full((B,), 1.0 / B, dtype=tau.dtype), cosine=True, eps=1e-8,
+        positives=pos, strategy="recompute", filter=flt, backend=backend,
     )  # fmt: skip
+    return contrastive.contrastive_loss(anchor, blocks, tau, spec)
 
 
 T = 0.1  # the GIST step's temperature: its logits, the loss's terms, are of size 1 / T
@@ -364,7 +364,8 @@ def test_losses_equal_the_reference(loss):
         "gist": lambda x, y, t, backend: L.gist_loss(x, y, guide=guide, margin=0.1, temperature=1 / t, backend=backend),
     }
     if loss == "clip":
-        probe = symmetric.SymmetricSpec(dispatch.get("reference"), True, 1e-8, img[:0], "mean").problem(img, txt)
+        spec = symmetric.symmetric_spec(txt, weights=None, reduction="mean", cosine=True, eps=1e-8)
+        probe = spec.problem(img, txt, txt[:0])
         assert any("column statistics" in why for why in dispatch.reasons("triton", probe))
         assert symmetric.takes("triton", img, txt, True, 1e-8) is None
     out = {}

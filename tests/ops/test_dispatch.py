@@ -122,3 +122,21 @@ def test_a_raising_availability_check_is_a_reason(monkeypatch):
     monkeypatch.setattr(dispatch, "get", lambda name: fake)
     assert "FileNotFoundError" in dispatch.describe()["cpp"]
     assert "FileNotFoundError" in dispatch.reasons("cpp")[0]
+
+
+def test_a_loss_spec_names_its_backend_until_it_is_chosen():
+    """``LossSpec.backend`` is the name asked for until ``choose`` puts the backend there; the
+    autograd Functions read ``impl``, which refuses an unchosen one, and ``row_weights``, which
+    refuses unset weights (the ring forms and ``fused_loss`` set them)."""
+    from fastcl.ops.contract import empty_block
+    from fastcl.ops.contrastive import LossSpec
+
+    a, b0 = torch.randn(3, 4), torch.randn(5, 4)
+    b1, t1 = empty_block(a)
+    spec = LossSpec("cross_entropy", (torch.full((5,), -1, dtype=torch.int32), t1), backend="reference")
+    with pytest.raises(RuntimeError, match="not chosen"):
+        _ = spec.impl
+    with pytest.raises(RuntimeError, match="weights"):
+        _ = spec.row_weights
+    chosen = spec.choose(spec.problem(a, b0, b1))
+    assert chosen.impl is dispatch.get("reference") and chosen.choose(chosen.problem(a, b0, b1)) is chosen

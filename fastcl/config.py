@@ -294,7 +294,8 @@ _listeners: list[Callable[[Config], None]] = []
 
 
 def get() -> Config:
-    """The configuration in force: read from the environment on the first call."""
+    """The configuration in force: read from the environment at import (or on the first call
+    after a bad value there)."""
     global _current
     current = _current
     if current is None:
@@ -372,6 +373,15 @@ def on_change(listener: Callable[[Config], None]) -> None:
         listener(get())  # first: a listener that refuses the configuration is not kept
         _listeners.append(listener)
 
+
+# Read the environment now, at import: a loss's first call may run inside a torch.compile
+# trace, and dynamo cannot enter the lock get() takes on a first read (fullgraph=True fails).
+# A bad FASTCL_* value is not raised here (an import must not fail on it) but by the first
+# call that reads the configuration, since nothing is set.
+try:
+    get()
+except ConfigError:
+    pass
 
 __all__ = [
     "ConfigError",

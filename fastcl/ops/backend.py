@@ -64,9 +64,6 @@ class Backend(Protocol):
     # True: ``fused`` also takes ``head.pos_logits=None`` when ``problem.positives`` is set, and
     # then forms the own-positive logits from its own dot products (``FusedResult.pos_logits``).
     forms_own_logits: bool = False
-    # ``(problem, pos_mask, tau) -> [B, P]``: the own-positive logits of ``problem.positives``
-    # as values (no autograd, no dims) in fewer ops than the PyTorch path, or None.
-    own_logits: Callable[[LSEProblem, Tensor | None, Tensor], Tensor] | None = None
     # The primitive's extensions the backend computes (contract.Filter, contract.Sigmoid); a
     # problem with one it lacks gets a reason from extension_reasons (dispatch adds it).
     takes_filter: bool = False

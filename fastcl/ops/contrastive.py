@@ -132,14 +132,6 @@ def _own_logits(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
     return sim / tau.to(compute_dtype(problem.dtype))
 
 
-def _own_logit_values(spec: LossSpec, problem: LSEProblem, tau: Tensor) -> Tensor:
-    """:func:`_own_logits` as values only: by the backend's ``own_logits`` where it has one
-    (one launch instead of ~18 small ops per block of rows)."""
-    if spec.dims is None and spec.impl.own_logits is not None:
-        return spec.impl.own_logits(problem, spec.pos_mask, tau)
-    return _own_logits(spec, problem, tau)
-
-
 def _head(spec: LossSpec, problem: LSEProblem, tau: Tensor, pos_logits: Tensor):
     """The primitive and the head: ``(lse, mean_logit, loss_rows, dlse, dpos)``."""
     lse, mean_logit = spec.impl.forward(problem, tau)
@@ -234,7 +226,7 @@ class ContrastiveLSE(torch.autograd.Function):
         if in_sweep:
             pos_logits = None
         else:
-            pos_logits = (_own_logit_values(spec, problem, tau) if folded else pos_input).detach().to(cd)
+            pos_logits = (_own_logits(spec, problem, tau) if folded else pos_input).detach().to(cd)
 
         if ctx.mode == "fused":
             # _strategy chose "fused": the backend has a sweep, and with dims a reduction's weights

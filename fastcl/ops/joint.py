@@ -25,7 +25,7 @@ import torch
 
 from .blockwise import block_grad
 from .contract import compute_dtype
-from .contrastive import LossSpec, _first_order_only, _grad_store_dtype, _own_logit_values, _tau_grad
+from .contrastive import LossSpec, _first_order_only, _grad_store_dtype, _own_logits, _tau_grad
 from .head import HeadInputs
 
 
@@ -58,7 +58,7 @@ class JointLSE(torch.autograd.Function):
         qp, ep = q.problem(q_anchor, q_b0, q_b1), e.problem(e_anchor, e_b0, e_b1)
         lse_e, ml_e = e.impl.forward(ep, tau)
         in_sweep = q.impl.forms_own_logits
-        pos = None if in_sweep else _own_logit_values(q, qp, tau).detach().to(cd)
+        pos = None if in_sweep else _own_logits(q, qp, tau).detach().to(cd)
         weights = q.head_weights(q.row_weights.to(cd))  # [B], or [K, B] with dims
         assert q.impl.fused is not None  # takes() checked it
         out = q.impl.fused(qp, tau, HeadInputs(q.kind, pos, q.pos_mask, lse_e.detach(), weights))

@@ -43,7 +43,7 @@ from torch import Tensor
 from .. import distributed
 from .blockwise import Merged, block_grad, foreign_tags
 from .contract import Filter, LSEProblem, compute_dtype
-from .contrastive import LossSpec, _first_order_only, _own_logit_values, _strategy, _tau_grad, head_of
+from .contrastive import LossSpec, _first_order_only, _own_logits, _strategy, _tau_grad, head_of
 from .head import HeadInputs, reduction_weights
 from .ring_comm import RingComm, circulate, circulate_grads
 
@@ -144,7 +144,7 @@ class RingLSE(torch.autograd.Function):
         pos_values: Tensor | None = None
 
         def positive_values() -> Tensor:
-            return (_own_logit_values(ls, own, tau) if folded else pos_logits).detach().to(cd)
+            return (_own_logits(ls, own, tau) if folded else pos_logits).detach().to(cd)
 
         def visit(source: int, piece: int | None, payload: list[Tensor]) -> None:
             nonlocal pos_values

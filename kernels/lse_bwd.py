@@ -174,9 +174,12 @@ def _lse_ds_kernel(
         col_ok = cols < nc
         a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
         c_rows = C + tl.minimum(cols, nc - 1).to(tl.int64)[:, None] * d
-        if PREFIXES:  # every segment reads the structural mask
+        if PREFIXES:  # every segment reads the masks and the tile's offsets
             tags = load_tags(TAGS, cols, col_ok)
             structural = structural_mask(rows, B, tags, col_ok)
+            counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
+            tile_ok = row_ok[:, None] & col_ok[None, :]
+            ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
         else:
             ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
             ic = tl.load(NORMS + c_norm + cols, mask=col_ok, other=0.0)
@@ -209,40 +212,42 @@ def _lse_ds_kernel(
                 grad = _fold_positives(grad, rows, cols, row_ok, DPOS + k * B * P, scale, pos_offset, P, BM, BN)
             # padded and out-of-range columns hold no gradient but may hold NaN logits (and so
             # may a column the filter drops)
-            counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
+            if not PREFIXES:
+                counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
+            kept = counted
             if FILTER != FILTER_NONE:
-                counted = counted & (keep | ~structural)
+                kept = counted & (keep | ~structural)
             if COSINE:
                 # <G, l> per row (over this tile's columns) and per column (over its rows): the
                 # radial part of the normalisation backward, summed by the GEMMs' epilogues
                 # (prefixes: times rinv_k^2, so that one GEMM per segment serves every prefix's term)
-                gl = tl.where(counted, grad * logits, 0.0)
+                if PREFIXES:
+                    ra = tl.load(NORMS + (K + k) * R + rows, mask=row_ok, other=0.0)
+                    rc = tl.load(NORMS + (K + k) * R + c_norm + cols, mask=col_ok, other=0.0)
+                gl = tl.where(kept, grad * logits, 0.0)
                 if ROW_SUMS:  # (the fused head knows them from the forward: w_row)
                     row_part = ROWW + ((col_tile0 + pid_n).to(tl.int64) * K + k) * B + rows
                     row_sum = tl.sum(gl, 1)
                     if PREFIXES:
-                        ra = tl.load(NORMS + (K + k) * R + rows, mask=row_ok, other=0.0)
                         row_sum = row_sum * ra * ra
                     tl.store(row_part, row_sum, mask=row_ok)
                 col_part = COLW + (pid_m.to(tl.int64) * K + k) * stride_ds + cols
                 col_sum = tl.sum(gl, 0)
                 if PREFIXES:
-                    rc = tl.load(NORMS + (K + k) * R + c_norm + cols, mask=col_ok, other=0.0)
                     col_sum = col_sum * rc * rc
                 tl.store(col_part, col_sum, mask=col_ok)
             if PREFIXES:  # norms folded: they differ per prefix
                 ds = grad * (ia * inv_tau)[:, None] * ic[None, :]
                 if FILTER != FILTER_NONE:  # exactly 0 where dropped, even beside a refused (NaN-scaled) row
-                    ds = tl.where(counted, ds, 0.0)
+                    ds = tl.where(kept, ds, 0.0)
+                tl.store(DS + k * stride_k + ds_offs, cast_to(ds, DS.dtype.element_ty), mask=tile_ok)
             else:
                 ds = grad * inv_tau
                 if FOLD_NORMS:
                     ds = ds * ia[:, None] * ic[None, :]
-            out = DS + k * stride_k + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
-            tl.store(out, cast_to(ds, DS.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                out = DS + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
+                tl.store(out, cast_to(ds, DS.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         if PREFIXES:  # suffix sums T_j = sum_{k >= j} dS_k, so that the GEMMs run once per segment
-            tile_ok = row_ok[:, None] & col_ok[None, :]
-            ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
             total = tl.zeros([BM, BN], dtype=ACC)
             for j in range(0, K):
                 ptr = DS + (K - 1 - j) * stride_k + ds_offs

@@ -8,12 +8,11 @@ namespace): docs/triton.md.
 from ._common import INTERPRET
 from .head import MAX_OWN
 from .lse import (
+    Extensions,
     head_backward,
     head_forward,
     lse_backward,
-    lse_backward_prefixes,
     lse_forward,
-    lse_forward_prefixes,
     prefix_reasons,
 )
 from .plan import release_scratch, size_reasons
@@ -21,12 +20,11 @@ from .plan import release_scratch, size_reasons
 __all__ = [
     "INTERPRET",
     "MAX_OWN",
+    "Extensions",
     "head_backward",
     "head_forward",
     "lse_backward",
-    "lse_backward_prefixes",
     "lse_forward",
-    "lse_forward_prefixes",
     "prefix_reasons",
     "release_scratch",
     "size_reasons",

@@ -3,14 +3,18 @@
 Two pairs of ops:
 
 * the primitive of the backend contract (``fastcl/ops/backend.py``): ``lse_forward`` /
-  ``lse_backward`` and their Matryoshka forms ``lse_forward_prefixes`` /
-  ``lse_backward_prefixes``: ``lse`` and the softmax-weighted mean logit, then gradients
-  from ``g = dLoss/dlse`` and the own positives' ``d_pos``;
+  ``lse_backward``, for plain problems and (``dims``) Matryoshka prefixes alike: ``lse`` and
+  the softmax-weighted mean logit, then gradients from ``g = dLoss/dlse`` and the own
+  positives' ``d_pos``;
 * the fused loss step the ``triton`` backend runs for the losses (``head_forward`` /
   ``head_backward``): the forward also forms the loss head and the reduced loss, and keeps
   the row scales for the backward, which takes the upstream gradient and the reduction
   weights as device tensors. A SupMPN step is then 4 forward launches and 3 per dS chunk
   (docs/triton.md, "Launches").
+
+A plain problem is the one-prefix case of a Matryoshka one (its one segment is all of ``d``):
+one planner (:class:`_Call`), one forward sweep and one chunked backward serve both, and the
+kernels take ``PREFIXES`` as a constexpr, so the plain launches compile to the one-pass loops.
 
 No launcher reads a device value on the host, and all scratch comes from the cached
 ``plan.scratch``: a warm step allocates only its outputs, makes no host synchronisation and
@@ -18,6 +22,9 @@ can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 from torch import Tensor
@@ -36,8 +43,8 @@ from ._common import (
     register_op,
 )
 from .head import HEAD, KINDS, MAX_OWN, SUM
-from .lse_bwd import DS, PREFIX_DS
-from .lse_fwd import FWD, MAX_PREFIXES, PREFIX_FWD
+from .lse_bwd import DS
+from .lse_fwd import FWD, MAX_PREFIXES
 from .matmul import MM
 from .norms import ROW_NORMS
 
@@ -54,20 +61,59 @@ def _check_layout(tensors) -> None:
             raise ValueError("triton LSE kernels need contiguous inputs")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Extensions:
-    """The primitive's extensions as the launchers take them (``contract.Filter``,
-    ``contract.Sigmoid``): a filter's ``threshold`` (``[B]``, or ``[K, B]`` per prefix in the
-    caller's dims order) and the guide embeddings ``guide`` (``[B, g]``, ``[N0, g]``, ``[N1, g]``;
-    None: a self filter), the sigmoid's ``bias`` (0-d), and the own positives' layout in block 0
-    (``pos_offset``, ``pos_count``; 0: none), which the sigmoid's ``z`` and the filter's
-    exemption read."""
+    """The primitive's extensions (``contract.Filter``, ``contract.Sigmoid``) as one record, built
+    once per call by the backend (``fastcl/ops/_triton.py``) and handed to every launcher: a
+    filter's ``threshold`` (``[B]``, or ``[K, B]`` per prefix in the caller's dims order) and the
+    guide embeddings ``guide`` (``[B, g]``, ``[N0, g]``, ``[N1, g]``; None: a self filter), the
+    sigmoid's ``bias`` (0-d), and the own positives' layout in block 0 (``pos_offset``,
+    ``pos_count``; 0: none), which the sigmoid's ``z``, the filter's exemption and the backward's
+    ``d_pos`` fold read.
 
-    def __init__(self, threshold=None, guide=None, bias=None, pos_offset: int = 0, pos_count: int = 0):
-        self.threshold, self.bias, self.pos_offset, self.pos_count = threshold, bias, pos_offset, pos_count
-        self.guide = guide if guide is not None and guide[0] is not None else None
-        kind = "none" if threshold is None else "self" if self.guide is None else "guide"
-        self.filter = FILTER_KINDS.index(kind)  # the kernels' FILTER constexpr
-        self.sigmoid = bias is not None
+    ``torch.library`` ops take tensors and numbers, not records: the record crosses an op
+    boundary as its fields (:meth:`op_args`, the ops' keywords ``EXT_PARAMS``) and is rebuilt
+    on the other side (:meth:`of`)."""
+
+    threshold: Tensor | None = None
+    guide: tuple[Tensor, Tensor, Tensor] | None = None
+    bias: Tensor | None = None
+    pos_offset: int = 0
+    pos_count: int = 0
+
+    @classmethod
+    def of(cls, threshold=None, guide_anchor=None, guide_block0=None, guide_block1=None, bias=None,
+           pos_offset: int = 0, pos_count: int = 0) -> Extensions:  # fmt: skip
+        """The record from an op's keywords (``EXT_PARAMS``)."""
+        guide = None if guide_anchor is None else (guide_anchor, guide_block0, guide_block1)
+        return cls(threshold, guide, bias, pos_offset, pos_count)
+
+    def op_args(self) -> dict:
+        """The op keywords that carry this record (:meth:`of` reads them back); none for a plain
+        problem."""
+        kw: dict = {}
+        if self.threshold is not None:
+            kw["threshold"] = self.threshold
+        if self.guide is not None:
+            kw.update(guide_anchor=self.guide[0], guide_block0=self.guide[1], guide_block1=self.guide[2])
+        if self.bias is not None:
+            kw["bias"] = self.bias
+        if self.pos_count:
+            kw.update(pos_offset=self.pos_offset, pos_count=self.pos_count)
+        return kw
+
+    def with_positives(self, offset: int, count: int) -> Extensions:
+        return dataclasses.replace(self, pos_offset=offset if count else 0, pos_count=count)
+
+    @functools.cached_property
+    def filter(self) -> int:
+        """The kernels' ``FILTER`` constexpr."""
+        kind = "none" if self.threshold is None else "self" if self.guide is None else "guide"
+        return FILTER_KINDS.index(kind)
+
+    @functools.cached_property
+    def sigmoid(self) -> bool:
+        return self.bias is not None
 
     def role(self, sweep: str) -> str:
         """The config-table role of the sweep ``sweep`` (``fwd``, ``ds``, ``prefix_fwd``,
@@ -79,13 +125,20 @@ class Extensions:
 
 PLAIN = Extensions()
 
+EXT_PARAMS = """``threshold``, ``guide_anchor``, ``guide_block0``, ``guide_block1``: a filter
+    (``contract.Filter``: the threshold ``[B]``, or ``[K, B]`` per prefix; the guide embeddings,
+    or None for a self filter); ``bias``: the sigmoid reduction (``contract.Sigmoid``);
+    ``pos_offset``/``pos_count``: the own positives in block 0 (their ``z = +1``, and the filter
+    never drops them): the fields of :class:`Extensions`."""
+
 
 class _Call:
-    """What every launcher of one call shares: device, dtypes, arch, sizes and configs, and
-    (after :func:`_prepare`) the row scales and the extensions' device tensors."""
+    """What every launcher of one call shares: device, dtypes, arch, sizes and configs, the
+    extensions, the Matryoshka ``dims`` (None: plain, the one-prefix case whose segment is all
+    of ``d``) and (after :func:`_prepare`) the row scales and the extensions' device tensors."""
 
     def __init__(self, anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor,
-                 ext: Extensions = PLAIN):  # fmt: skip
+                 ext: Extensions = PLAIN, dims: list[int] | None = None):  # fmt: skip
         _check_layout((anchor, block0, block1, tags0, tags1))
         self.anchor, self.blocks, self.tags = anchor, (block0, block1), (tags0, tags1)
         self.dev, self.dt = anchor.device, anchor.dtype
@@ -104,6 +157,19 @@ class _Call:
             raise ValueError(
                 f"own positives (offset {ext.pos_offset}, {ext.pos_count} per anchor) do not fit in block 0"
             )
+        # the prefixes, shortest first (the sweeps over d meet them in that order): the kernels'
+        # segments [lo, hi) of d; outputs go back to the caller's order as out[inverse]
+        self.prefixes = dims is not None
+        self.K = 1 if dims is None else len(dims)
+        if dims is None:
+            self.order = self.inverse = None
+            self.bounds: Tensor | None = None
+            self.segments = [(0, self.d)]
+        else:
+            self.order, self.inverse = prefix_order(dims)
+            ends = [dims[i] for i in self.order]
+            self.bounds = plan.int_constant(tuple(ends), self.dev)
+            self.segments = list(zip([0, *ends[:-1]], ends))
         # filled by _prepare (filters): the poison [K, R], the guide's row scales and rows
         self.poison: Tensor | None = None
         self.gnorms: Tensor | None = None
@@ -112,8 +178,12 @@ class _Call:
         self.stride_thr = 0
         self.bias = None if ext.bias is None else ext.bias.to(self.acc).reshape(1)
 
-    def config(self, role: str) -> configs.Config:
-        return configs.lookup(role, self.arch, self.dclass, self.d)
+    def config(self, sweep: str) -> configs.Config:
+        """The config of ``sweep``: a logit-tile sweep (``fwd``, ``ds``) by the extensions' and
+        the prefixes' role, any other role as named."""
+        if sweep in ("fwd", "ds"):
+            sweep = self.ext.role("prefix_" + sweep if self.prefixes else sweep)
+        return configs.lookup(sweep, self.arch, self.dclass, self.d)
 
     def dummy(self) -> Tensor:
         return self.none
@@ -125,6 +195,12 @@ class _Call:
         if self._none is None:
             self._none = plan.dummy(self.dev)
         return self._none
+
+    def prefix_args(self) -> dict:
+        """The sweeps' prefix arguments: the segments' ends, their count and the self filter's
+        threshold stride (placeholders for a plain problem, which reads none of them)."""
+        bounds = self.none if self.bounds is None else self.bounds
+        return dict(BOUNDS=bounds, n_prefixes=self.K, stride_thr=self.stride_thr, PREFIXES=self.prefixes)
 
     def ext_args(self, block: int | None = None, c0: int = 0, c1: int = 0) -> dict:
         """The extensions' kernel arguments: for the forward sweep over both blocks (``block``
@@ -151,6 +227,19 @@ class _Call:
             )
             args.update(pos_offset=ext.pos_offset - c0 if own else 0, P=ext.pos_count if own else 0)
         return args
+
+    def to_caller_order(self, x: Tensor, dim: int = 0) -> Tensor:
+        """Per-prefix outputs (sorted order along ``dim``) in the caller's dims order."""
+        if self.K == 1:
+            return x
+        inv = plan.int_constant(tuple(self.inverse), self.dev)
+        return x.index_select(dim, inv).contiguous()
+
+    def sorted_prefixes(self, x: Tensor) -> Tensor:
+        """Per-prefix inputs ``[K, ...]`` in the caller's order, sorted as the kernels read them."""
+        if self.K == 1:
+            return x
+        return x.index_select(0, plan.int_constant(tuple(self.order), self.dev))
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,17 +282,15 @@ def _guide_rows(call: _Call) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(t.to(gdt).contiguous() for t in (ga, g0, g1))
 
 
-def _prepare(call: _Call, cosine: bool, eps: float, bounds: Tensor | None, norms: Tensor,
-             order: list[int] | None = None) -> Tensor:  # fmt: skip
-    """The row scales into ``norms`` (one launch) and, with a filter, what the tiles read besides
-    (``contract.Filter``): the inputs with non-finite entries read as zeros (the same launch; the
-    call's inputs become these copies) and their poison ``[K, R]``, the guide's row scales (one
-    more launch) and the thresholds in sorted prefix order (``order``). Returns ``norms``."""
-    ext = call.ext
+def _prepare(call: _Call, cosine: bool, eps: float, norms: Tensor) -> Tensor:
+    """The row scales into ``norms [2, K, R]`` (one launch) and, with a filter, what the tiles
+    read besides (``contract.Filter``): the inputs with non-finite entries read as zeros (the
+    same launch; the call's inputs become these copies) and their poison ``[K, R]``, the guide's
+    row scales (one more launch) and the thresholds in sorted prefix order. Returns ``norms``."""
+    ext, bounds = call.ext, call.bounds
     if ext.filter == 0:
         return _norms(call, (call.anchor, *call.blocks), call.d, cosine, eps, bounds, norms)
-    B, (n0, n1), d, dt, acc = call.B, call.sizes, call.d, call.dt, call.acc
-    K = 1 if bounds is None else bounds.shape[0]
+    B, (n0, n1), d, dt, acc, K = call.B, call.sizes, call.d, call.dt, call.acc, call.K
     layout = {
         "clean_a": ((B, d), dt), "clean_0": ((n0, d), dt), "clean_1": ((n1, d), dt), "poison": ((K, call.R), acc),
     }  # fmt: skip
@@ -218,17 +305,21 @@ def _prepare(call: _Call, cosine: bool, eps: float, bounds: Tensor | None, norms
         call.guide, call.gnorms = guide, _norms(call, guide, guide[0].shape[1], True, eps, None, ws["gnorms"])
     thr = ext.threshold.to(acc)
     if thr.dim() == 2:  # a self filter's threshold per prefix, in sorted order
-        if order is not None and K > 1:
-            thr = thr.index_select(0, plan.int_constant(tuple(order), call.dev))
+        thr = call.sorted_prefixes(thr)
         call.stride_thr = B
     call.thr = thr.contiguous()
     return norms
 
 
-def _sweep(call: _Call, norms: Tensor, bounds: Tensor | None) -> tuple[Tensor, int]:
+def _norms_scratch(call: _Call) -> Tensor:
+    """The cached ``[2, K, R]`` row scales of a call (the forward's and the backward's alike)."""
+    return plan.scratch(call.dev, {"norms": ((2, call.K, call.R), call.acc)})["norms"]
+
+
+def _sweep(call: _Call, norms: Tensor) -> tuple[Tensor, int]:
     """The split forward sweep into partials ``[3, slots, K * B]`` (scratch), one launch."""
-    K = 1 if bounds is None else bounds.shape[0]
-    cfg = call.config(call.ext.role("fwd" if bounds is None else "prefix_fwd"))
+    K = call.K
+    cfg = call.config("fwd")
     (n0, n1), bn, bm = call.sizes, cfg["BN"], cfg["BM"]
     tiles0 = plan.cdiv(n0, bn)
     n_tiles = tiles0 + plan.cdiv(n1, bn)
@@ -240,18 +331,17 @@ def _sweep(call: _Call, norms: Tensor, bounds: Tensor | None) -> tuple[Tensor, i
         parts[0].fill_(0.0 if call.ext.sigmoid else float("-inf"))
         parts[1:].zero_()
         return parts, n_slots
-    common = dict(
+    # prefixes: tiles scaled after the product (one load scale cannot serve prefixes of
+    # different norms) and segment ends anywhere
+    on_load = plan.scale_on_load(call.dt) and not call.prefixes
+    even_k = call.d % cfg["BK"] == 0 and not call.prefixes
+    launch(
+        FWD, (row_tiles, splits), cfg,
         A=call.anchor, C0=call.blocks[0], C1=call.blocks[1], TAGS0=call.tags[0], TAGS1=call.tags[1],
         NORMS=norms, TAU=call.tau, PARTS=parts, B=call.B, n0=n0, n1=n1, d=call.d,
         tiles0=tiles0, n_tiles=n_tiles, tiles_per_split=per, n_slots=n_slots, PRECISION=call.precision,
-        **call.ext_args(),
+        SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, EVEN_K=even_k, **call.prefix_args(), **call.ext_args(),
     )  # fmt: skip
-    if bounds is None:
-        on_load = plan.scale_on_load(call.dt)
-        flags = dict(SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, EVEN_K=call.d % cfg["BK"] == 0)
-        launch(FWD, (row_tiles, splits), cfg, **common, **flags)
-    else:
-        launch(PREFIX_FWD, (row_tiles, splits), cfg, **common, BOUNDS=bounds, n_prefixes=K, stride_thr=call.stride_thr)
     return parts, n_slots
 
 
@@ -274,18 +364,6 @@ def _combine(call: _Call, parts: Tensor, n_slots: int, rows: int) -> tuple[Tenso
     return lse, mean
 
 
-def _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset, pos_count) -> Extensions:
-    guide = None if guide_anchor is None else (guide_anchor, guide_block0, guide_block1)
-    return Extensions(threshold, guide, bias, pos_offset, pos_count)
-
-
-EXT_PARAMS = """``threshold``, ``guide_anchor``, ``guide_block0``, ``guide_block1``: a filter
-    (``contract.Filter``: the threshold ``[B]``, or ``[K, B]`` per prefix; the guide embeddings,
-    or None for a self filter); ``bias``: the sigmoid reduction (``contract.Sigmoid``);
-    ``pos_offset``/``pos_count``: the own positives in block 0 (their ``z = +1``, and the filter
-    never drops them)."""
-
-
 def _lse_forward(
     anchor: Tensor,
     block0: Tensor,
@@ -295,6 +373,7 @@ def _lse_forward(
     tau: Tensor,
     cosine: bool,
     eps: float,
+    dims: list[int] | None = None,
     threshold: Tensor | None = None,
     guide_anchor: Tensor | None = None,
     guide_block0: Tensor | None = None,
@@ -303,56 +382,22 @@ def _lse_forward(
     pos_offset: int = 0,
     pos_count: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """``(lse, mean_logit)`` ``[B]`` in the compute dtype; the sigmoid reduction: ``(value [B],
-    stats [2, B])``. Extensions: ``EXT_PARAMS``."""
-    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset, pos_count)
-    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
-    stats = (2, 0) if ext.sigmoid else 0
+    """``(lse, mean_logit)`` ``[B]`` in the compute dtype, or ``[K, B]`` in ``dims`` order for
+    Matryoshka prefixes (every prefix from one pass over ``d``); the sigmoid reduction: ``(value,
+    stats [2, ...])``. Extensions: ``EXT_PARAMS``."""
+    ext = Extensions.of(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset, pos_count)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext, dims)
+    rows = (call.B,) if dims is None else (call.K, call.B)
+    stats = (2, *rows) if ext.sigmoid else rows
     if call.B == 0:
-        return new_output(0, dtype=call.acc, device=call.dev), new_output(stats, dtype=call.acc, device=call.dev)
-    norms = plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
-    _prepare(call, cosine, eps, None, norms)
-    parts, n_slots = _sweep(call, norms, None)
-    return _combine(call, parts, n_slots, call.B)
-
-
-def _lse_forward_prefixes(
-    anchor: Tensor,
-    block0: Tensor,
-    block1: Tensor,
-    tags0: Tensor,
-    tags1: Tensor,
-    tau: Tensor,
-    dims: list[int],
-    cosine: bool,
-    eps: float,
-    threshold: Tensor | None = None,
-    guide_anchor: Tensor | None = None,
-    guide_block0: Tensor | None = None,
-    guide_block1: Tensor | None = None,
-    bias: Tensor | None = None,
-    pos_offset: int = 0,
-    pos_count: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """``(lse, mean_logit)`` ``[K, B]`` in ``dims`` order; the sigmoid reduction: ``(value [K, B],
-    stats [2, K, B])``. Extensions: ``EXT_PARAMS``."""
-    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset, pos_count)
-    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
-    K = len(dims)
-    stats = (2, K, call.B) if ext.sigmoid else (K, call.B)
-    if call.B == 0:
-        return new_output((K, 0), dtype=call.acc, device=call.dev), new_output(stats, dtype=call.acc, device=call.dev)
-    order, inverse = prefix_order(dims)
-    bounds = plan.int_constant(tuple(dims[i] for i in order), call.dev)
-    norms = plan.scratch(call.dev, {"norms": ((2, K, call.R), call.acc)})["norms"]
-    _prepare(call, cosine, eps, bounds, norms, order)
-    parts, n_slots = _sweep(call, norms, bounds)
-    lse, mean = _combine(call, parts, n_slots, K * call.B)
-    lse, mean = lse.view(K, call.B), mean.view(stats)
-    if K == 1:
+        return new_output(rows, dtype=call.acc, device=call.dev), new_output(stats, dtype=call.acc, device=call.dev)
+    norms = _prepare(call, cosine, eps, _norms_scratch(call))
+    parts, n_slots = _sweep(call, norms)
+    lse, mean = _combine(call, parts, n_slots, call.K * call.B)
+    if dims is None:
         return lse, mean
-    inv = plan.int_constant(tuple(inverse), call.dev)
-    return lse[inv].contiguous(), (mean[:, inv] if ext.sigmoid else mean[inv]).contiguous()
+    lse, mean = lse.view(rows), mean.view(stats)
+    return call.to_caller_order(lse), call.to_caller_order(mean, 1 if ext.sigmoid else 0)
 
 
 def _head_forward(
@@ -399,7 +444,7 @@ def _head_forward(
     if folded and not (pos_offset >= 0 and pos_offset + B * P <= block0.shape[0]):
         raise ValueError(f"own positives (offset {pos_offset}, {P} per anchor, {B} anchors) do not fit in block 0")
     own = (pos_offset, P) if folded else (own_offset, own_count)
-    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, None, *own)
+    ext = Extensions.of(threshold, guide_anchor, guide_block0, guide_block1, None, *own)
     call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
     acc, dev = call.acc, call.dev
     norms = new_output((2, 1, call.R), dtype=acc, device=dev)
@@ -412,8 +457,8 @@ def _head_forward(
         if not per_row:
             loss.zero_()
         return loss, lse, dlse, dpos, w_row, norms
-    _prepare(call, cosine, eps, None, norms)
-    parts, n_slots = _sweep(call, norms, None)
+    _prepare(call, cosine, eps, norms)
+    parts, n_slots = _sweep(call, norms)
     cfg = call.config("head")
     programs = plan.cdiv(B, cfg["BR"])
     partial = plan.scratch(dev, {"partial": ((programs,), acc)})["partial"]
@@ -446,6 +491,52 @@ def _zero_grads(call: _Call) -> tuple[Tensor, Tensor, Tensor]:
     return out
 
 
+def _cols(t: Tensor | None, lo: int, hi: int) -> Tensor | None:
+    """Columns ``[lo, hi)`` of a row-major matrix: a prefix segment (the matrix itself for the
+    plain problem's one segment, all of ``d``)."""
+    if t is None or (lo == 0 and hi == t.shape[1]):
+        return t
+    return t[:, lo:hi]
+
+
+def _segment(t: Tensor | None, j: int) -> Tensor | None:
+    """Segment ``j``'s radial weights in a buffer ``[parts, K, n]``: the GEMM reads its pointer
+    and strides (the buffer itself for one prefix, no view on the plain path)."""
+    if t is None or t.shape[1] == 1:
+        return t
+    return t[:, j]
+
+
+class _ChunkPlan:
+    """The backward's plan (``lse_bwd.py``): the dS dtype, the configs, the chunks of each
+    candidate block (``plan.chunks``: ``(block, c0, c1)``, at most ``triton.ds_bytes`` of dS
+    each, K prefixes' tiles included) and the scratch: dS ``[K, B, W]``, the radial partial
+    sums ``colw [row tiles, K, W]`` (cosine) and ``roww [col tiles, K, B]`` (``row_sums``), and
+    the anchors' fp32 accumulator across chunks."""
+
+    def __init__(self, call: _Call, fp32_ds: bool, cosine: bool, row_sums: bool):
+        B, d, K, dt = call.B, call.d, call.K, call.dt
+        # the prefixes' suffix sums would add rounded terms: always fp32
+        self.ds_type = plan.ds_dtype(dt, fp32_ds or call.prefixes)
+        self.ds_cfg = call.config("ds")
+        self.mm_cfg = call.config("mm_split" if self.ds_type != dt else "mm")
+        align = plan.chunk_align(self.ds_cfg, self.mm_cfg)
+        elt = torch.empty((), dtype=self.ds_type).element_size()
+        width = tuple(plan.chunk_width(K * B, n, d, elt, align, call.arch) for n in call.sizes)
+        self.chunks = plan.chunks(call.sizes, width)
+        self.W = W = max(c1 - c0 for _, c0, c1 in self.chunks)
+        self.bm, self.bn = self.ds_cfg["BM"], self.ds_cfg["BN"]
+        self.col_tiles = sum(plan.cdiv(c1 - c0, self.bn) for _, c0, c1 in self.chunks)
+        layout = {"ds": ((K, B, W), self.ds_type)}
+        if cosine:
+            layout["colw"] = ((plan.cdiv(B, self.bm), K, W), call.acc)
+        if row_sums:
+            layout["roww"] = ((self.col_tiles, K, B), call.acc)
+        if len(self.chunks) > 1:
+            layout["d_anchor_acc"] = ((B, d), call.acc)
+        self.ws = plan.scratch(call.dev, layout)
+
+
 def _backward(
     call: _Call,
     norms: Tensor,
@@ -460,78 +551,86 @@ def _backward(
     w_row: Tensor | None = None,
     padded: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The chunked backward sweep (``lse_bwd.py``): three launches per dS chunk. ``w_row``:
-    the rows' ``<G, l>`` before scaling (the fused head's), else summed from the dS tiles;
-    ``d_pos``: folded at the own positives of ``call.ext``."""
-    B, d, dt, acc, dev = call.B, call.d, call.dt, call.acc, call.dev
+    """The chunked backward sweep (``lse_bwd.py``), plain or Matryoshka: per dS chunk one ds
+    launch, then per prefix segment the two GEMMs (a plain problem: one segment, all of ``d``).
+    ``w_row``: the rows' ``<G, l>`` before scaling (the fused head's), else summed from the dS
+    tiles; ``d_pos``: folded at the own positives of ``call.ext``. With prefixes the ds kernel
+    writes suffix sums ``T_j`` of the prefixes' dS and coordinate ``j`` of a row gets the
+    gradients of the prefixes ``k >= seg(j)`` (docs/triton.md, "Matryoshka prefixes")."""
+    B, d, dt, dev, K = call.B, call.d, call.dt, call.dev, call.K
     d_anchor = new_output((B, d), dtype=dt, device=dev)
     d_blocks = tuple(new_output(b.shape, dtype=dt, device=dev) for b in call.blocks)
-    ds_type = plan.ds_dtype(dt, fp32_ds)
-    ds_cfg, mm_cfg = call.config(call.ext.role("ds")), call.config("mm_split" if ds_type != dt else "mm")
-    align = plan.chunk_align(ds_cfg, mm_cfg)
-    elt = torch.empty((), dtype=ds_type).element_size()
-    width = tuple(plan.chunk_width(B, n, d, elt, align, call.arch) for n in call.sizes)
-    chunks = plan.chunks(call.sizes, width)
-    W = max(c1 - c0 for _, c0, c1 in chunks)
-    bm, bn = ds_cfg["BM"], ds_cfg["BN"]
-    col_tiles = sum(plan.cdiv(c1 - c0, bn) for _, c0, c1 in chunks)
-    layout = {"ds": ((B, W), ds_type)}
+    if call.prefixes:  # coordinates beyond every prefix get no gradient
+        top = call.segments[-1][1]
+        for t in (d_anchor, *d_blocks):
+            t[:, top:].zero_()
     row_sums = cosine and w_row is None
-    if cosine:
-        layout["colw"] = ((plan.cdiv(B, bm), W), acc)
-    if row_sums:
-        layout["roww"] = ((col_tiles, B), acc)
-    if len(chunks) > 1:
-        layout["d_anchor_acc"] = ((B, d), acc)
-    ws = plan.scratch(dev, layout)
+    p = _ChunkPlan(call, fp32_ds, cosine, row_sums)
+    ws, W, bm, bn = p.ws, p.W, p.bm, p.bn
     none = call.dummy()
-    fold = plan.fold_norms(dt, cosine)
+    # the prefixes' dS has their norms folded in (they differ per prefix) and their radial sums
+    # come multiplied by rinv_k^2: the GEMMs then scale nothing (row scales of one)
+    fold = plan.fold_norms(dt, cosine) or call.prefixes
+    on_load = plan.scale_on_load(dt) and not call.prefixes
     go_mode = 0 if go is None else (2 if go_per_row else 1)
-    on_load = plan.scale_on_load(dt)
     on_load_mm = cosine and not fold  # the GEMMs normalise Y's rows and scale output rows
+    ones = plan.ones(max(B, W), call.acc, dev) if call.prefixes and cosine else None
     ia, ra = norms[0, 0, :B], norms[1, 0, :B]
     acc_buf = ws.get("d_anchor_acc", none)
     tile0 = 0
-    for idx, (bi, c0, c1) in enumerate(chunks):
-        first, last = idx == 0, idx == len(chunks) - 1
+    for idx, (bi, c0, c1) in enumerate(p.chunks):
+        first, last = idx == 0, idx == len(p.chunks) - 1
         nc = c1 - c0
         blk, tg, d_blk = call.blocks[bi][c0:c1], call.tags[bi][c0:c1], d_blocks[bi][c0:c1]
         base = B + (0 if bi == 0 else call.sizes[0]) + c0  # the chunk's first column in the norms layout
         ic, rc = norms[0, 0, base : base + nc], norms[1, 0, base : base + nc]
         ext = call.ext_args(bi, c0, c1)
         fold_pos = d_pos is not None and ext["P"] > 0
-        tiles = plan.cdiv(B, bm) * plan.cdiv(nc, bn)
-        ds = ws["ds"][:, :nc]
+        progs = min(plan.cdiv(B, bm) * plan.cdiv(nc, bn), call.sms * p.ds_cfg.occupancy)
         launch(
-            DS, (min(tiles, call.sms * ds_cfg.occupancy),), ds_cfg,
+            DS, (progs,), p.ds_cfg,
             A=call.anchor, C=blk, TAGS=tg, NORMS=norms, TAU=call.tau, LSE=lse, G_ROWS=g_rows,
             ROW_W=none if row_w is None else row_w, GO=none if go is None else go,
             DPOS=d_pos if fold_pos else none, DS=ws["ds"], ROWW=ws.get("roww", none), COLW=ws.get("colw", none),
-            B=B, nc=nc, d=d, c_norm=base, stride_ds=W, col_tile0=tile0,
-            n_progs=min(tiles, call.sms * ds_cfg.occupancy),
+            B=B, nc=nc, d=d, R=call.R, c_norm=base, stride_ds=W, col_tile0=tile0, n_progs=progs,
             COSINE=cosine, ROW_SUMS=row_sums, SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, FOLD_NORMS=fold,
             FOLD_POS=fold_pos, ROW_W_ON=row_w is not None, GO_MODE=go_mode,
-            EVEN_K=d % ds_cfg["BK"] == 0, PRECISION=call.precision, **ext,
+            EVEN_K=d % p.ds_cfg["BK"] == 0 and not call.prefixes, PRECISION=call.precision,
+            **call.prefix_args(), **ext,
         )  # fmt: skip
         tile0 += plan.cdiv(nc, bn)
-        # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
-        _gemm(
-            call, mm_cfg, ds, call.anchor, d_blk, tg, x_transposed=True,
-            KSCALE=ia if on_load_mm else None, MSCALE=ic if on_load_mm else None,
-            RINV=rc if cosine else None, RADW=ws.get("colw"), n_parts=plan.cdiv(B, bm), stride_radw=W,
-            Z=blk if cosine else None,
-        )  # fmt: skip
-        # d anchor: accumulate dS @ C[chunk] over chunks in a fixed order; the last adds the radial term
+        if call.prefixes and cosine:  # the radial weights of segment j: prefixes k >= j
+            _suffix_sums_(ws["colw"].transpose(0, 1))
+            if last:
+                _suffix_sums_(ws["roww"].transpose(0, 1))
         radial = cosine and last
-        _gemm(
-            call, mm_cfg, ds, blk, d_anchor if last else acc_buf, tg, x_transposed=False, pad=padded,
-            ACC_IN=None if first else acc_buf,
-            KSCALE=ic if on_load_mm else None, MSCALE=ia if on_load_mm else None,
-            RINV=ra if radial else None, Z=call.anchor if radial else None,
-            **(dict(RADW=ws.get("roww"), n_parts=col_tiles, stride_radw=B) if row_sums else
-               dict(RADW=w_row, n_parts=1, stride_radw=B, RSCALE=row_w, GO=go, radial_scale=go_mode)),
-        )  # fmt: skip
+        for j, (lo, hi) in enumerate(call.segments):
+            ds_j = ws["ds"][j, :, :nc]
+            # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
+            _gemm(
+                call, p.mm_cfg, ds_j, _cols(call.anchor, lo, hi), _cols(d_blk, lo, hi), tg, x_transposed=True,
+                KSCALE=ia if on_load_mm else None, MSCALE=ic if on_load_mm else None,
+                RINV=(ones if call.prefixes else rc) if cosine else None, RADW=_segment(ws.get("colw"), j),
+                n_parts=plan.cdiv(B, bm), stride_radw=K * W, Z=_cols(blk, lo, hi) if cosine else None,
+            )  # fmt: skip
+            # d anchor: accumulate dS @ C[chunk] over chunks in a fixed order; the last adds the radial term
+            _gemm(
+                call, p.mm_cfg, ds_j, _cols(blk, lo, hi), _cols(d_anchor if last else acc_buf, lo, hi), tg,
+                x_transposed=False, pad=padded, ACC_IN=None if first else _cols(acc_buf, lo, hi),
+                KSCALE=ic if on_load_mm else None, MSCALE=ia if on_load_mm else None,
+                RINV=(ones if call.prefixes else ra) if radial else None,
+                Z=_cols(call.anchor, lo, hi) if radial else None,
+                **(dict(RADW=_segment(ws["roww"], j), n_parts=p.col_tiles, stride_radw=K * B) if row_sums else
+                   dict(RADW=w_row, n_parts=1, stride_radw=B, RSCALE=row_w, GO=go, radial_scale=go_mode)),
+            )  # fmt: skip
     return (d_anchor, *d_blocks)
+
+
+def _suffix_sums_(x: Tensor) -> Tensor:
+    """``x[j] = sum_{k >= j} x[k]`` along dim 0, in place (K <= 8 small adds, fixed order)."""
+    for j in range(x.shape[0] - 2, -1, -1):
+        x[j] += x[j + 1]
+    return x
 
 
 def _gemm(call, cfg, X, Y, OUT, tags, *, x_transposed, KSCALE, MSCALE, RINV, RADW, n_parts, stride_radw, Z,
@@ -576,36 +675,38 @@ def _lse_backward(
     lse: Tensor,
     g: Tensor,
     d_pos: Tensor | None,
-    pos_offset: int,
     cosine: bool,
     eps: float,
     fp32_ds: bool,
+    dims: list[int] | None = None,
     threshold: Tensor | None = None,
     guide_anchor: Tensor | None = None,
     guide_block0: Tensor | None = None,
     guide_block1: Tensor | None = None,
     bias: Tensor | None = None,
+    pos_offset: int = 0,
     pos_count: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``d anchor, d block0, d block1`` (input dtype) from ``g = dLoss/dlse [B]`` (the sigmoid
-    reduction: ``dLoss/dvalue``; ``lse`` is not read).
+    """``d anchor, d block0, d block1`` (input dtype) from ``g = dLoss/dlse`` (the sigmoid
+    reduction: ``dLoss/dvalue``; ``lse`` is not read), ``[B]``, or ``[K, B]`` in ``dims`` order
+    for Matryoshka prefixes (their gradients summed; dS always fp32).
 
-    ``d_pos [B, P]`` (or None): gradient of the own-positive logits, anchor ``i``'s positive
-    ``k`` being row ``pos_offset + i * P + k`` of block 0; folded into dS (float32). Extensions:
-    ``EXT_PARAMS`` (``pos_count``: the own positives' count when ``d_pos`` is None).
+    ``d_pos [B, P]`` (``[K, B, P]``; or None): gradient of the own-positive logits, anchor
+    ``i``'s positive ``k`` being row ``pos_offset + i * P + k`` of block 0; folded into dS
+    (float32). Extensions: ``EXT_PARAMS`` (``pos_count``: the own positives' count when
+    ``d_pos`` is None).
     """
     count = pos_count if d_pos is None else d_pos.shape[-1]
-    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset if count else 0, count)
-    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
+    ext = Extensions.of(threshold, guide_anchor, guide_block0, guide_block1, bias).with_positives(pos_offset, count)
+    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext, dims)
     too_big = plan.size_reasons(call.B, call.d)
     if too_big:
         raise ValueError(f"triton LSE backward: {too_big[0]}")
     if call.B == 0 or sum(call.sizes) == 0:  # no anchor or no candidate: every gradient is zero
         return _zero_grads(call)
-    norms = plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
-    _prepare(call, cosine, eps, None, norms)
-    lse, g = lse.to(call.acc).contiguous(), g.to(call.acc).contiguous()
-    dpos = None if d_pos is None or ext.sigmoid else d_pos.to(call.acc).contiguous()
+    norms = _prepare(call, cosine, eps, _norms_scratch(call))
+    lse, g = (call.sorted_prefixes(t).to(call.acc).contiguous() for t in (lse, g))
+    dpos = None if d_pos is None or ext.sigmoid else call.sorted_prefixes(d_pos).to(call.acc).contiguous()
     return _backward(call, norms, lse, g, None, None, False, dpos, cosine, fp32_ds)
 
 
@@ -642,14 +743,12 @@ def _head_backward(
     comes from the forward's ``w_row``. A filter (as :func:`_head_forward`'s) runs the row pass
     again (the inputs read as zeros where non-finite; ``eps`` as the forward's)."""
     own = (pos_offset, dpos.shape[1]) if folded else (own_offset, own_count)
-    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, None, *own)
+    ext = Extensions.of(threshold, guide_anchor, guide_block0, guide_block1, None, *own)
     call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
     if call.B == 0 or sum(call.sizes) == 0:
         return _zero_grads(call)
     if ext.filter:
-        norms = _prepare(
-            call, cosine, eps, None, plan.scratch(call.dev, {"norms": ((2, 1, call.R), call.acc)})["norms"]
-        )
+        norms = _prepare(call, cosine, eps, _norms_scratch(call))
     per_row = grad_out.dim() > 0
     return _backward(
         call, norms, lse, dlse, None if per_row else weights, grad_out.contiguous(), per_row,
@@ -657,126 +756,7 @@ def _head_backward(
     )  # fmt: skip
 
 
-def _suffix_sums_(x: Tensor) -> Tensor:
-    """``x[j] = sum_{k >= j} x[k]`` along dim 0, in place (K <= 8 small adds, fixed order)."""
-    for j in range(x.shape[0] - 2, -1, -1):
-        x[j] += x[j + 1]
-    return x
-
-
-def _lse_backward_prefixes(
-    anchor: Tensor,
-    block0: Tensor,
-    block1: Tensor,
-    tags0: Tensor,
-    tags1: Tensor,
-    tau: Tensor,
-    lse: Tensor,
-    g: Tensor,
-    d_pos: Tensor | None,
-    pos_offset: int,
-    dims: list[int],
-    cosine: bool,
-    eps: float,
-    threshold: Tensor | None = None,
-    guide_anchor: Tensor | None = None,
-    guide_block0: Tensor | None = None,
-    guide_block1: Tensor | None = None,
-    bias: Tensor | None = None,
-    pos_count: int = 0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Summed prefix gradients (input dtype) from ``lse``/``g`` ``[K, B]`` and ``d_pos [K, B, P]``.
-
-    Coordinate ``j`` of a row gets the gradients of the prefixes ``k >= seg(j)``: the ds
-    kernel writes suffix sums ``T_j`` of the prefixes' dS, and the GEMMs run once per segment
-    (docs/triton.md, "Matryoshka prefixes"). Extensions: ``EXT_PARAMS``, as
-    :func:`_lse_backward`'s."""
-    count = pos_count if d_pos is None else d_pos.shape[-1]
-    ext = _ext(threshold, guide_anchor, guide_block0, guide_block1, bias, pos_offset if count else 0, count)
-    call = _Call(anchor, block0, block1, tags0, tags1, tau, ext)
-    B, d, dt, acc, dev, K = call.B, call.d, call.dt, call.acc, call.dev, len(dims)
-    too_big = plan.size_reasons(B, d)
-    if too_big:
-        raise ValueError(f"triton LSE backward: {too_big[0]}")
-    if B == 0 or sum(call.sizes) == 0:
-        return _zero_grads(call)
-    d_anchor = new_output((B, d), dtype=dt, device=dev)
-    d_blocks = tuple(new_output(b.shape, dtype=dt, device=dev) for b in call.blocks)
-    order, _ = prefix_order(dims)
-    sorted_dims = [dims[i] for i in order]
-    top = sorted_dims[-1]
-    for t in (d_anchor, *d_blocks):  # coordinates beyond every prefix get no gradient
-        t[:, top:].zero_()
-    bounds = plan.int_constant(tuple(sorted_dims), dev)
-    ds_type = plan.ds_dtype(dt, True)  # suffix sums would add rounded terms: always fp32
-    ds_cfg, mm_cfg = call.config(ext.role("prefix_ds")), call.config("mm_split" if ds_type != dt else "mm")
-    align = plan.chunk_align(ds_cfg, mm_cfg)
-    elt = torch.empty((), dtype=ds_type).element_size()
-    width = tuple(plan.chunk_width(K * B, n, d, elt, align, call.arch) for n in call.sizes)
-    chunks = plan.chunks(call.sizes, width)
-    W = max(c1 - c0 for _, c0, c1 in chunks)
-    bm, bn = ds_cfg["BM"], ds_cfg["BN"]
-    col_tiles = sum(plan.cdiv(c1 - c0, bn) for _, c0, c1 in chunks)
-    layout = {"ds": ((K, B, W), ds_type), "norms": ((2, K, call.R), acc)}
-    if cosine:
-        layout.update(colw=((plan.cdiv(B, bm), K, W), acc), roww=((col_tiles, K, B), acc))
-    if len(chunks) > 1:
-        layout["d_anchor_acc"] = ((B, d), acc)
-    ws = plan.scratch(dev, layout)
-    norms = _prepare(call, cosine, eps, bounds, ws["norms"], order)
-    anchor = call.anchor  # with a filter: read as zeros where non-finite
-    lse, g = lse[order].to(acc).contiguous(), g[order].to(acc).contiguous()
-    P = 0 if d_pos is None or ext.sigmoid else d_pos.shape[2]
-    dpos = d_pos[order].to(acc).contiguous() if P else None
-    none = call.dummy()
-    ones = plan.ones(max(B, W), acc, dev)
-    acc_buf = ws.get("d_anchor_acc", none)
-    segments = list(zip([0, *sorted_dims[:-1]], sorted_dims))
-    tile0 = 0
-    for idx, (bi, c0, c1) in enumerate(chunks):
-        first, last = idx == 0, idx == len(chunks) - 1
-        nc = c1 - c0
-        blk, tg, d_blk = call.blocks[bi][c0:c1], call.tags[bi][c0:c1], d_blocks[bi][c0:c1]
-        base = B + (0 if bi == 0 else call.sizes[0]) + c0
-        ext_args = call.ext_args(bi, c0, c1)
-        fold_pos = P > 0 and ext_args["P"] > 0
-        tiles = plan.cdiv(B, bm) * plan.cdiv(nc, bn)
-        progs = min(tiles, call.sms * ds_cfg.occupancy)
-        launch(
-            PREFIX_DS, (progs,), ds_cfg,
-            A=anchor, C=blk, TAGS=tg, BOUNDS=bounds, NORMS=norms, TAU=call.tau, LSE=lse, G_ROWS=g,
-            DPOS=dpos if fold_pos else none, DS=ws["ds"], ROWW=ws.get("roww", none), COLW=ws.get("colw", none),
-            B=B, nc=nc, d=d, R=call.R, n_prefixes=K, c_norm=base, stride_ds=W, stride_thr=call.stride_thr,
-            col_tile0=tile0, n_progs=progs, COSINE=cosine, FOLD_POS=fold_pos, PRECISION=call.precision, **ext_args,
-        )  # fmt: skip
-        tile0 += plan.cdiv(nc, bn)
-        if cosine:
-            _suffix_sums_(ws["colw"].transpose(0, 1))
-            if last:
-                _suffix_sums_(ws["roww"].transpose(0, 1))
-        for j, (lo, hi) in enumerate(segments):
-            ds_j = ws["ds"][j][:, :nc]
-            # segment j of the candidates' gradient: T_j^T @ A[:, lo:hi] (T_j read transposed)
-            _gemm(
-                call, mm_cfg, ds_j, anchor[:, lo:hi], d_blk[:, lo:hi], tg, x_transposed=True,
-                KSCALE=None, MSCALE=None, RINV=ones if cosine else None,
-                RADW=ws["colw"][:, j] if cosine else None, n_parts=plan.cdiv(B, bm), stride_radw=K * W,
-                Z=blk[:, lo:hi] if cosine else None,
-            )  # fmt: skip
-            # segment j of the anchors' gradient: T_j @ C[chunk, lo:hi], accumulated over chunks
-            radial = cosine and last
-            _gemm(
-                call, mm_cfg, ds_j, blk[:, lo:hi], (d_anchor if last else acc_buf)[:, lo:hi], tg,
-                x_transposed=False, ACC_IN=None if first else acc_buf[:, lo:hi], KSCALE=None, MSCALE=None,
-                RINV=ones if radial else None, RADW=ws["roww"][:, j] if radial else None, n_parts=col_tiles,
-                stride_radw=K * B, Z=anchor[:, lo:hi] if radial else None,
-            )  # fmt: skip
-    return (d_anchor, *d_blocks)
-
-
 lse_forward = register_op("fastcl_triton::lse_forward", _lse_forward)
 lse_backward = register_op("fastcl_triton::lse_backward", _lse_backward)
-lse_forward_prefixes = register_op("fastcl_triton::lse_forward_prefixes", _lse_forward_prefixes)
-lse_backward_prefixes = register_op("fastcl_triton::lse_backward_prefixes", _lse_backward_prefixes)
 head_forward = register_op("fastcl_triton::head_forward", _head_forward)
 head_backward = register_op("fastcl_triton::head_backward", _head_backward)

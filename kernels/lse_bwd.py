@@ -24,11 +24,13 @@ owner, reductions run in a fixed order, no atomics.
 The ds kernel is persistent: ``n_progs`` programs loop over the chunk's tiles in grouped
 order.
 
-``_prefix_ds_kernel`` (Matryoshka) recomputes the K prefix tiles the same way (segment by
-segment, one main loop), writes ``dS_k = G_k * ia_k * ic_k / tau`` (norms folded: they differ
-per prefix) and turns them in place into suffix sums ``T_j = sum_{k>=j} dS_k``, so that the
-GEMMs run once per segment and cover ``d`` once; its radial partial sums come already
-multiplied by ``rinv_k^2``.
+Matryoshka prefixes (``PREFIXES``) run the same loop: the K prefix tiles are recomputed
+segment by segment (one main loop over ``d``), the kernel writes ``dS_k = G_k * ia_k * ic_k /
+tau`` (norms folded: they differ per prefix) and turns them in place into suffix sums ``T_j =
+sum_{k>=j} dS_k``, so that the GEMMs run once per segment and cover ``d`` once; its radial
+partial sums come already multiplied by ``rinv_k^2``. A plain problem is the one-prefix case:
+with ``PREFIXES`` off the segment loop has a constant single trip and the prefix work is not
+generated.
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ def _lse_ds_kernel(
     pos_offset,
     P,
     n_progs,
+    BOUNDS,
+    R,
+    n_prefixes,
+    stride_thr,
     COSINE: tl.constexpr,
     ROW_SUMS: tl.constexpr,
     SCALE_TILE: tl.constexpr,
@@ -134,6 +140,7 @@ def _lse_ds_kernel(
     ROW_W_ON: tl.constexpr,
     GO_MODE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PREFIXES: tl.constexpr,
     FILTER: tl.constexpr,
     SIGMOID: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -142,13 +149,21 @@ def _lse_ds_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """``PREFIXES``: every prefix of a tile (``BOUNDS``, ``NORMS [2, K, R]``, ``G_ROWS``, ``LSE``
+    ``[K, B]``, ``DPOS [K, B, P]``, already scaled), then the suffix sums ``DS[j] = sum_{k >= j}
+    dS_k`` in place (the tile is this program's alone); ``ROWW [col tiles, K, B]`` and ``COLW
+    [row tiles, K, width]`` hold ``rinv_k^2 <G_k, l_k>`` partial sums. Off (plain), the segment
+    loop has one trip of constant length and folds away: the prefix work is behind
+    ``PREFIXES`` only."""
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
+    K = n_prefixes if PREFIXES else 1  # plain: a constant, so the segment loop folds away
     inv_tau = 1.0 / tl.load(TAU)
     bias = 0.0
     if SIGMOID:
         bias = tl.load(BIAS).to(ACC)
     num_m = tl.cdiv(B, BM)
     num_n = tl.cdiv(nc, BN)
+    stride_k = B * stride_ds  # prefix k's dS tiles
     # not flattened into the d loop as the forward's tiles are: the flattened loop spilled
     # 8-64 B on sm_90 (its prefetch is live through this epilogue); 227 registers, no spills
     for tile in range(tl.program_id(0), num_m * num_n, n_progs):
@@ -159,152 +174,85 @@ def _lse_ds_kernel(
         col_ok = cols < nc
         a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
         c_rows = C + tl.minimum(cols, nc - 1).to(tl.int64)[:, None] * d
-        ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
-        ic = tl.load(NORMS + c_norm + cols, mask=col_ok, other=0.0)
-        acc = tl.zeros([BM, BN], dtype=ACC)
-        own = ext_own(rows, cols, pos_offset, P, FILTER, SIGMOID)
-        gdrop = ext_guide(GA, GC, GNORMS, THR, rows, cols, B, nc, rows, c_norm + cols, row_ok, col_ok, own, g, FILTER)
-        s = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
-        tags = load_tags(TAGS, cols, col_ok)
-        structural = structural_mask(rows, B, tags, col_ok)
-        logits, keep = ext_logits(s, ia, ic, inv_tau, structural, own, gdrop, POISON, THR, rows, c_norm + cols,
-                                  rows, row_ok, col_ok, FILTER, SCALE_TILE)  # fmt: skip
-        lse = 0.0
-        if not SIGMOID:
-            lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
-        scale = _row_scale(rows, row_ok, ROW_W, GO, ROW_W_ON, GO_MODE, ACC)
-        g_row = tl.load(G_ROWS + rows, mask=row_ok, other=0.0) * scale
-        grad = _row_grad(logits, keep, own, lse, g_row, bias, SIGMOID)  # dLoss/dlogit
-        if FOLD_POS:
-            grad = _fold_positives(grad, rows, cols, row_ok, DPOS, scale, pos_offset, P, BM, BN)
-        if COSINE:
-            # <G, l> per row (over this tile's columns) and per column (over its rows): the
-            # radial part of the normalisation backward, summed by the GEMMs' epilogues
-            # padded and out-of-range columns hold no gradient but may hold NaN logits (and so
-            # may a column the filter drops)
+        if PREFIXES:  # every segment reads the masks and the tile's offsets
+            tags = load_tags(TAGS, cols, col_ok)
+            structural = structural_mask(rows, B, tags, col_ok)
             counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
-            if FILTER != FILTER_NONE:
-                counted = counted & (keep | ~structural)
-            gl = tl.where(counted, grad * logits, 0.0)
-            if ROW_SUMS:  # (the fused head knows them from the forward: w_row)
-                tl.store(ROWW + (col_tile0 + pid_n).to(tl.int64) * B + rows, tl.sum(gl, 1), mask=row_ok)
-            tl.store(COLW + pid_m.to(tl.int64) * stride_ds + cols, tl.sum(gl, 0), mask=col_ok)
-        ds = grad * inv_tau
-        if FOLD_NORMS:
-            ds = ds * ia[:, None] * ic[None, :]
-        out = DS + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
-        tl.store(out, cast_to(ds, DS.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _prefix_ds_kernel(
-    A,
-    C,
-    TAGS,
-    BOUNDS,
-    NORMS,
-    TAU,
-    LSE,
-    G_ROWS,
-    DPOS,
-    DS,
-    ROWW,
-    COLW,
-    POISON,
-    THR,
-    GA,
-    GC,
-    GNORMS,
-    BIAS,
-    B,
-    nc,
-    d,
-    g,
-    R,
-    n_prefixes,
-    c_norm,
-    stride_ds,
-    stride_thr,
-    col_tile0,
-    pos_offset,
-    P,
-    n_progs,
-    COSINE: tl.constexpr,
-    FOLD_POS: tl.constexpr,
-    FILTER: tl.constexpr,
-    SIGMOID: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """``_lse_ds_kernel`` for every prefix of a tile (``G_ROWS``, ``LSE`` ``[K, B]``, ``DPOS
-    [K, B, P]``, already scaled), then the suffix sums ``DS[j] = sum_{k >= j} dS_k`` in place
-    (the tile is this program's alone). ``ROWW [col tiles, K, B]`` and ``COLW [row tiles, K,
-    width]`` hold ``rinv_k^2 <G_k, l_k>`` partial sums."""
-    ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
-    inv_tau = 1.0 / tl.load(TAU)
-    bias = 0.0
-    if SIGMOID:
-        bias = tl.load(BIAS).to(ACC)
-    num_m = tl.cdiv(B, BM)
-    num_n = tl.cdiv(nc, BN)
-    stride_k = B * stride_ds
-    for tile in range(tl.program_id(0), num_m * num_n, n_progs):
-        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
-        rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
-        row_ok = rows < B
-        col_ok = cols < nc
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
-        c_rows = C + tl.minimum(cols, nc - 1).to(tl.int64)[:, None] * d
-        tags = load_tags(TAGS, cols, col_ok)
-        structural = structural_mask(rows, B, tags, col_ok)
-        counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
+            tile_ok = row_ok[:, None] & col_ok[None, :]
+            ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
+        else:
+            ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
+            ic = tl.load(NORMS + c_norm + cols, mask=col_ok, other=0.0)
+        acc = tl.zeros([BM, BN], dtype=ACC)
         own = ext_own(rows, cols, pos_offset, P, FILTER, SIGMOID)
         gdrop = ext_guide(GA, GC, GNORMS, THR, rows, cols, B, nc, rows, c_norm + cols, row_ok, col_ok, own, g, FILTER)
-        ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
-        ones = tl.full([BM], 1.0, dtype=ACC)
-        acc = tl.zeros([BM, BN], dtype=ACC)
+        # one main loop: the running accumulator at the end of segment k is prefix k's raw dot tile
         lo = 0
-        for k in range(0, n_prefixes):
-            hi = tl.load(BOUNDS + k)
-            acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
-            lo = hi
-            ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
-            ic = tl.load(NORMS + k * R + c_norm + cols, mask=col_ok, other=0.0)
+        for k in range(0, K):
+            if PREFIXES:  # tiles scaled after the product: one load scale cannot serve every prefix
+                hi = tl.load(BOUNDS + k)
+                acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
+                lo = hi
+                ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
+                ic = tl.load(NORMS + k * R + c_norm + cols, mask=col_ok, other=0.0)
+            else:  # the mask after the product: no mask tile lives through the main loop
+                acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
+                tags = load_tags(TAGS, cols, col_ok)
+                structural = structural_mask(rows, B, tags, col_ok)
             logits, keep = ext_logits(acc, ia, ic, inv_tau, structural, own, gdrop, POISON + k * R,
-                                      THR + k * stride_thr, rows, c_norm + cols, rows, row_ok, col_ok, FILTER, True)  # fmt: skip
+                                      THR + k * stride_thr, rows, c_norm + cols, rows, row_ok, col_ok, FILTER,
+                                      SCALE_TILE)  # fmt: skip
             lse = 0.0
             if not SIGMOID:
                 lse = tl.load(LSE + k * B + rows, mask=row_ok, other=0.0)
-            g_row = tl.load(G_ROWS + k * B + rows, mask=row_ok, other=0.0)
-            grad = _row_grad(logits, keep, own, lse, g_row, bias, SIGMOID)
+            scale = _row_scale(rows, row_ok, ROW_W, GO, ROW_W_ON, GO_MODE, ACC)
+            g_row = tl.load(G_ROWS + k * B + rows, mask=row_ok, other=0.0) * scale
+            grad = _row_grad(logits, keep, own, lse, g_row, bias, SIGMOID)  # dLoss/dlogit
             if FOLD_POS:
-                grad = _fold_positives(grad, rows, cols, row_ok, DPOS + k * B * P, ones, pos_offset, P, BM, BN)
+                grad = _fold_positives(grad, rows, cols, row_ok, DPOS + k * B * P, scale, pos_offset, P, BM, BN)
+            # padded and out-of-range columns hold no gradient but may hold NaN logits (and so
+            # may a column the filter drops)
+            if not PREFIXES:
+                counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
             kept = counted
-            if FILTER != FILTER_NONE:  # a dropped column may hold a NaN logit
+            if FILTER != FILTER_NONE:
                 kept = counted & (keep | ~structural)
             if COSINE:
-                ra = tl.load(NORMS + (n_prefixes + k) * R + rows, mask=row_ok, other=0.0)
-                rc = tl.load(NORMS + (n_prefixes + k) * R + c_norm + cols, mask=col_ok, other=0.0)
+                # <G, l> per row (over this tile's columns) and per column (over its rows): the
+                # radial part of the normalisation backward, summed by the GEMMs' epilogues
+                # (prefixes: times rinv_k^2, so that one GEMM per segment serves every prefix's term)
+                if PREFIXES:
+                    ra = tl.load(NORMS + (K + k) * R + rows, mask=row_ok, other=0.0)
+                    rc = tl.load(NORMS + (K + k) * R + c_norm + cols, mask=col_ok, other=0.0)
                 gl = tl.where(kept, grad * logits, 0.0)
-                row_part = ROWW + ((col_tile0 + pid_n).to(tl.int64) * n_prefixes + k) * B + rows
-                tl.store(row_part, tl.sum(gl, 1) * ra * ra, mask=row_ok)
-                col_part = COLW + (pid_m.to(tl.int64) * n_prefixes + k) * stride_ds + cols
-                tl.store(col_part, tl.sum(gl, 0) * rc * rc, mask=col_ok)
-            ds = grad * (ia * inv_tau)[:, None] * ic[None, :]
-            if FILTER != FILTER_NONE:  # exactly 0 where dropped, even beside a refused (NaN-scaled) row
-                ds = tl.where(kept, ds, 0.0)
-            tl.store(DS + k * stride_k + ds_offs, cast_to(ds, DS.dtype.element_ty), mask=tile_ok)
-        total = tl.zeros([BM, BN], dtype=ACC)
-        for j in range(0, n_prefixes):
-            ptr = DS + (n_prefixes - 1 - j) * stride_k + ds_offs
-            total += tl.load(ptr, mask=tile_ok, other=0.0)
-            tl.store(ptr, total, mask=tile_ok)
+                if ROW_SUMS:  # (the fused head knows them from the forward: w_row)
+                    row_part = ROWW + ((col_tile0 + pid_n).to(tl.int64) * K + k) * B + rows
+                    row_sum = tl.sum(gl, 1)
+                    if PREFIXES:
+                        row_sum = row_sum * ra * ra
+                    tl.store(row_part, row_sum, mask=row_ok)
+                col_part = COLW + (pid_m.to(tl.int64) * K + k) * stride_ds + cols
+                col_sum = tl.sum(gl, 0)
+                if PREFIXES:
+                    col_sum = col_sum * rc * rc
+                tl.store(col_part, col_sum, mask=col_ok)
+            if PREFIXES:  # norms folded: they differ per prefix
+                ds = grad * (ia * inv_tau)[:, None] * ic[None, :]
+                if FILTER != FILTER_NONE:  # exactly 0 where dropped, even beside a refused (NaN-scaled) row
+                    ds = tl.where(kept, ds, 0.0)
+                tl.store(DS + k * stride_k + ds_offs, cast_to(ds, DS.dtype.element_ty), mask=tile_ok)
+            else:
+                ds = grad * inv_tau
+                if FOLD_NORMS:
+                    ds = ds * ia[:, None] * ic[None, :]
+                out = DS + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
+                tl.store(out, cast_to(ds, DS.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if PREFIXES:  # suffix sums T_j = sum_{k >= j} dS_k, so that the GEMMs run once per segment
+            total = tl.zeros([BM, BN], dtype=ACC)
+            for j in range(0, K):
+                ptr = DS + (K - 1 - j) * stride_k + ds_offs
+                total += tl.load(ptr, mask=tile_ok, other=0.0)
+                tl.store(ptr, total, mask=tile_ok)
 
 
 DS = Kernel(_lse_ds_kernel, "ds")
-PREFIX_DS = Kernel(_prefix_ds_kernel, "prefix_ds")

@@ -17,10 +17,13 @@ epilogue, so a padded candidate's NaN can reach its own column of the tile only,
 structural mask drops (``-inf``, never read). A NaN/Inf in a kept column makes its rows' LSE
 NaN.
 
-``_prefix_fwd_kernel`` is the Matryoshka variant: the ``d`` loop runs segment by segment
-(sorted prefix lengths in ``BOUNDS``) and the running accumulator at the end of segment
-``k`` is prefix ``k``'s raw dot tile, so one main loop serves all K prefixes; K online-LSE
-states live in ``[KP, BM]`` register tiles.
+Matryoshka prefixes (``PREFIXES``; docs/triton.md, "Matryoshka prefixes") run the same loop:
+the ``d`` loop runs segment by segment (sorted prefix lengths in ``BOUNDS``) and the running
+accumulator at the end of segment ``k`` is prefix ``k``'s raw dot tile, so one main loop
+serves all K prefixes; K online-LSE states live in ``[KP, BM]`` register tiles. A plain
+problem is the one-prefix case whose one segment is all of ``d``: with ``PREFIXES`` off the
+segment loop has a constant single trip, which the compiler removes, and the prefix work
+(per-prefix row scales, state selection) is not generated at all.
 """
 
 from __future__ import annotations
@@ -61,6 +64,25 @@ def _tile_setup(A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN: tl.constex
 
 
 @triton.jit
+def _prefix_state(x, k, PREFIXES: tl.constexpr):
+    """Prefix ``k``'s running state ``[BM]`` from the ``[KP, BM]`` tile (a sum over one row:
+    -inf, NaN and values pass exactly); a plain problem's state is itself."""
+    if PREFIXES:
+        return tl.sum(tl.where(tl.arange(0, KP)[:, None] == k, x, 0.0), 0)
+    else:
+        return x
+
+
+@triton.jit
+def _set_prefix_state(x, k, xk, PREFIXES: tl.constexpr):
+    """The state with prefix ``k``'s row replaced by ``xk`` (plain: ``xk``)."""
+    if PREFIXES:
+        return tl.where(tl.arange(0, KP)[:, None] == k, xk[None, :], x)
+    else:
+        return xk
+
+
+@triton.jit
 def _lse_fwd_kernel(
     A,
     C0,
@@ -88,9 +110,13 @@ def _lse_fwd_kernel(
     n_tiles,
     tiles_per_split,
     n_slots,
+    BOUNDS,
+    n_prefixes,
+    stride_thr,
     SCALE_TILE: tl.constexpr,
     SCALE_ON_LOAD: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PREFIXES: tl.constexpr,
     FILTER: tl.constexpr,
     SIGMOID: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -98,140 +124,80 @@ def _lse_fwd_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
+    """``PREFIXES``: the ``n_prefixes`` sorted prefix lengths in ``BOUNDS``, one online state per
+    prefix; ``NORMS [2, K, R]``, ``POISON [K, R]`` and a self filter's ``THR`` (prefix ``k`` at
+    ``k * stride_thr``) per prefix, in sorted order. Off (plain), the segment loop has one trip
+    of constant length and the kernel compiles to the one-pass loop: the prefix work below is
+    behind ``PREFIXES`` only."""
     ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
+    K = n_prefixes if PREFIXES else 1  # plain: a constant, so the segment loop folds away
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
+    R = B + n0 + n1  # prefix k's row scales start at NORMS + k * R
     rows = pid_m * BM + tl.arange(0, BM)
     row_ok = rows < B
     a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
-    ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
+    if not PREFIXES:  # one set of row scales, read once (a prefix's are read after its segment)
+        ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
     inv_tau = 1.0 / tl.load(TAU)
     bias = 0.0
     if SIGMOID:  # running (sum term, sum sigma * l, sum sigma)
         bias = tl.load(BIAS).to(ACC)
-        m = tl.zeros([BM], dtype=ACC)
+        m = tl.zeros([KP, BM] if PREFIXES else [BM], dtype=ACC)
     else:  # running (max, sum exp, sum exp * l)
-        m = tl.full([BM], float("-inf"), dtype=ACC)
-    l = tl.zeros([BM], dtype=ACC)
-    u = tl.zeros([BM], dtype=ACC)
+        m = tl.full([KP, BM] if PREFIXES else [BM], float("-inf"), dtype=ACC)
+    l = tl.zeros([KP, BM] if PREFIXES else [BM], dtype=ACC)
+    u = tl.zeros([KP, BM] if PREFIXES else [BM], dtype=ACC)
     t_begin = pid_s * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
     # the extensions' longer epilogue beside the next tile's prefetch spilled: not flattened
-    FLAT: tl.constexpr = (FILTER == FILTER_NONE) and not SIGMOID
+    # (nor the prefixes' segment loop)
+    FLAT: tl.constexpr = (FILTER == FILTER_NONE) and not SIGMOID and not PREFIXES
     for t in tl.range(t_begin, t_end, flatten=FLAT):
         cols, col_ok, c_rows, tags, norm_cols, in0, n = _tile_setup(
             A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN
         )
-        ic = tl.load(NORMS + norm_cols, mask=col_ok, other=0.0)
+        if PREFIXES:  # every segment reads the structural mask
+            structural = structural_mask(rows, B, tags, col_ok)
+        else:
+            ic = tl.load(NORMS + norm_cols, mask=col_ok, other=0.0)
         own = ext_own(rows, cols, pos_offset, tl.where(in0, P, 0), FILTER, SIGMOID)
         gdrop = ext_guide(GA, tl.where(in0, GC0, GC1), GNORMS, THR, rows, cols, B, n, rows, norm_cols, row_ok, col_ok,
                           own, g, FILTER)  # fmt: skip
-        acc = tl.zeros([BM, BN], dtype=ACC)
-        s = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
-        keep = structural_mask(rows, B, tags, col_ok)
-        logits, keep = ext_logits(s, ia, ic, inv_tau, keep, own, gdrop, POISON, THR, rows, norm_cols, rows, row_ok,
-                                  col_ok, FILTER, SCALE_TILE)  # fmt: skip
-        m, l, u = reduce_tile(m, l, u, logits, keep, own, bias, SIGMOID)
-    out = PARTS + pid_s * B + rows
-    tl.store(out, m, mask=row_ok)
-    tl.store(out + n_slots * B, l, mask=row_ok)
-    tl.store(out + 2 * n_slots * B, u, mask=row_ok)
-
-
-@triton.jit
-def _prefix_fwd_kernel(
-    A,
-    C0,
-    C1,
-    TAGS0,
-    TAGS1,
-    BOUNDS,
-    NORMS,
-    TAU,
-    PARTS,
-    POISON,
-    THR,
-    GA,
-    GC0,
-    GC1,
-    GNORMS,
-    BIAS,
-    B,
-    n0,
-    n1,
-    d,
-    g,
-    pos_offset,
-    P,
-    stride_thr,
-    n_prefixes,
-    tiles0,
-    n_tiles,
-    tiles_per_split,
-    n_slots,
-    FILTER: tl.constexpr,
-    SIGMOID: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    """``_lse_fwd_kernel`` for K prefixes: the tiles are scaled after the product, never on
-    load (one load scale cannot serve prefixes of different norms). ``POISON [K, R]`` and a self
-    filter's ``THR`` (prefix ``k`` at ``k * stride_thr``) are per prefix, in sorted order."""
-    ACC: tl.constexpr = tl.float64 if A.dtype.element_ty == tl.float64 else tl.float32
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    R = B + n0 + n1
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < B
-    a_rows = A + tl.minimum(rows, B - 1).to(tl.int64)[:, None] * d
-    inv_tau = 1.0 / tl.load(TAU)
-    prefix = tl.arange(0, KP)[:, None]
-    bias = 0.0
-    if SIGMOID:
-        bias = tl.load(BIAS).to(ACC)
-        m = tl.zeros([KP, BM], dtype=ACC)
-    else:
-        m = tl.full([KP, BM], float("-inf"), dtype=ACC)
-    l = tl.zeros([KP, BM], dtype=ACC)
-    u = tl.zeros([KP, BM], dtype=ACC)
-    t_begin = pid_s * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
-    for t in range(t_begin, t_end):
-        cols, col_ok, c_rows, tags, norm_cols, in0, n = _tile_setup(
-            A, C0, C1, TAGS0, TAGS1, t, tiles0, n0, n1, B, d, BN
-        )
-        base_keep = structural_mask(rows, B, tags, col_ok)
-        own = ext_own(rows, cols, pos_offset, tl.where(in0, P, 0), FILTER, SIGMOID)
-        gdrop = ext_guide(GA, tl.where(in0, GC0, GC1), GNORMS, THR, rows, cols, B, n, rows, norm_cols, row_ok, col_ok,
-                          own, g, FILTER)  # fmt: skip
+        # one main loop: the running accumulator at the end of segment k is prefix k's raw dot tile
         acc = tl.zeros([BM, BN], dtype=ACC)
         lo = 0
-        for k in range(0, n_prefixes):
-            hi = tl.load(BOUNDS + k)
-            acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
-            lo = hi
-            ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
-            ic = tl.load(NORMS + k * R + norm_cols, mask=col_ok, other=0.0)
-            logits, keep = ext_logits(acc, ia, ic, inv_tau, base_keep, own, gdrop, POISON + k * R, THR + k * stride_thr,
-                                     rows, norm_cols, rows, row_ok, col_ok, FILTER, True)  # fmt: skip
-            # select prefix k's state (sums over one row: -inf, NaN and values pass exactly)
-            sel = prefix == k
-            mk = tl.sum(tl.where(sel, m, 0.0), 0)
-            lk = tl.sum(tl.where(sel, l, 0.0), 0)
-            uk = tl.sum(tl.where(sel, u, 0.0), 0)
-            mk, lk, uk = reduce_tile(mk, lk, uk, logits, keep, own, bias, SIGMOID)
-            m = tl.where(sel, mk[None, :], m)
-            l = tl.where(sel, lk[None, :], l)
-            u = tl.where(sel, uk[None, :], u)
-    KB = n_prefixes * B
-    out = PARTS + pid_s * KB + prefix.to(tl.int64) * B + rows[None, :]
-    ok = (prefix < n_prefixes) & row_ok[None, :]
+        for k in range(0, K):
+            if PREFIXES:  # tiles scaled after the product: one load scale cannot serve every prefix
+                hi = tl.load(BOUNDS + k)
+                acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
+                lo = hi
+                ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
+                ic = tl.load(NORMS + k * R + norm_cols, mask=col_ok, other=0.0)
+            else:  # the mask after the product: no mask tile lives through the main loop
+                acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
+                structural = structural_mask(rows, B, tags, col_ok)
+            logits, keep = ext_logits(acc, ia, ic, inv_tau, structural, own, gdrop, POISON + k * R,
+                                      THR + k * stride_thr, rows, norm_cols, rows, row_ok, col_ok, FILTER,
+                                      SCALE_TILE)  # fmt: skip
+            mk, lk, uk = reduce_tile(
+                _prefix_state(m, k, PREFIXES), _prefix_state(l, k, PREFIXES), _prefix_state(u, k, PREFIXES),
+                logits, keep, own, bias, SIGMOID,
+            )  # fmt: skip
+            m = _set_prefix_state(m, k, mk, PREFIXES)
+            l = _set_prefix_state(l, k, lk, PREFIXES)
+            u = _set_prefix_state(u, k, uk, PREFIXES)
+    # partials [3, slots, K * B]
+    if PREFIXES:
+        prefix = tl.arange(0, KP)[:, None]
+        out = PARTS + pid_s * K * B + prefix.to(tl.int64) * B + rows[None, :]
+        ok = (prefix < K) & row_ok[None, :]
+    else:
+        out = PARTS + pid_s * B + rows
+        ok = row_ok
     tl.store(out, m, mask=ok)
-    tl.store(out + n_slots * KB, l, mask=ok)
-    tl.store(out + 2 * n_slots * KB, u, mask=ok)
+    tl.store(out + n_slots * K * B, l, mask=ok)
+    tl.store(out + 2 * n_slots * K * B, u, mask=ok)
 
 
 FWD = Kernel(_lse_fwd_kernel, "fwd")
-PREFIX_FWD = Kernel(_prefix_fwd_kernel, "prefix_fwd")

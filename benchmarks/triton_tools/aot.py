@@ -33,7 +33,7 @@ CAPABILITY = {"sm80": 80, "sm90": 90}
 # Tensor-core instructions expected in the PTX of a kernel that calls tl.dot on 16-bit or
 # tf32 data: mma.sync on sm_80; warpgroup MMA on sm_90 for the 16-bit tile kernels.
 MMA_PATTERNS = {"sm80": ("mma.sync",), "sm90": ("wgmma.mma_async", "mma.sync")}
-TILE_KERNELS = ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel", "_prefix_fwd_kernel", "_prefix_ds_kernel")
+TILE_KERNELS = ("_lse_fwd_kernel", "_lse_ds_kernel", "_mm_kernel")
 PLAN_SMS = {"sm80": 108, "sm90": 132, "interp": 3}
 
 
@@ -70,7 +70,9 @@ def dry_runs(arch: str, dtypes=(torch.bfloat16, torch.float16, torch.float32, to
             lse_, _ = lse._lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8)
             d_pos = torch.zeros(B, P) if P else None
             for fp32_ds in (True, False):
-                lse._lse_backward(anchor, c0, c1, t0, t1, tau, lse_, torch.ones(B), d_pos, 3, cosine, 1e-8, fp32_ds)
+                lse._lse_backward(
+                    anchor, c0, c1, t0, t1, tau, lse_, torch.ones(B), d_pos, cosine, 1e-8, fp32_ds, pos_offset=3
+                )
             if P:
                 w = torch.full((B,), 1.0 / B)
                 mask = torch.ones(B, P, dtype=torch.bool)
@@ -89,10 +91,10 @@ def dry_runs(arch: str, dtypes=(torch.bfloat16, torch.float16, torch.float32, to
                         cosine, dt == torch.float16, not given,
                     )  # fmt: skip
             dims = [16, d, 8] if wide else [5, 8, 3]
-            lse._lse_forward_prefixes(anchor, c0, c1, t0, t1, tau, dims, cosine, 1e-8)
+            lse._lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8, dims)
             ones = torch.ones(3, B)
             dp = torch.zeros(3, B, P) if P else None
-            lse._lse_backward_prefixes(anchor, c0, c1, t0, t1, tau, 0 * ones, ones, dp, 3, dims, cosine, 1e-8)
+            lse._lse_backward(anchor, c0, c1, t0, t1, tau, 0 * ones, ones, dp, cosine, 1e-8, True, dims, pos_offset=3)
             _extension_runs(lse, dt, (anchor, c0, c1, t0, t1), P, d, dims, cosine, wide, gen)
     for launch in launches:
         out.setdefault((launch.key, launch.config), launch)
@@ -120,16 +122,16 @@ def _extension_runs(lse, dt, inputs, P, d, dims, cosine, wide, gen) -> None:
         dp = None if "bias" in ext else d_pos
         for fp32_ds in (True, False):
             lse._lse_backward(
-                anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), dp, 3, cosine, 1e-8, fp32_ds, **ext,
-                pos_count=P,
+                anchor, c0, c1, t0, t1, tau, torch.zeros(B), torch.ones(B), dp, cosine, 1e-8, fp32_ds, **ext,
+                pos_offset=3, pos_count=P,
             )  # fmt: skip
         self_filter = "threshold" in ext and "guide_anchor" not in ext  # one threshold row per prefix
         pext = dict(ext, threshold=torch.zeros(len(dims), B, dtype=cd)) if self_filter else ext
-        lse._lse_forward_prefixes(anchor, c0, c1, t0, t1, tau, dims, cosine, 1e-8, **pext, pos_offset=3, pos_count=P)
+        lse._lse_forward(anchor, c0, c1, t0, t1, tau, cosine, 1e-8, dims, **pext, pos_offset=3, pos_count=P)
         ones = torch.ones(len(dims), B)
         dp = None if "bias" in ext or not P else torch.zeros(len(dims), B, P)
-        lse._lse_backward_prefixes(
-            anchor, c0, c1, t0, t1, tau, 0 * ones, ones, dp, 3, dims, cosine, 1e-8, **pext, pos_count=P
+        lse._lse_backward(
+            anchor, c0, c1, t0, t1, tau, 0 * ones, ones, dp, cosine, 1e-8, True, dims, **pext, pos_offset=3, pos_count=P
         )
         if P and "bias" not in ext:  # the fused head with a filter (GIST)
             w = torch.full((B,), 1.0 / B)
@@ -318,8 +320,9 @@ def _features(launch: Launch) -> int:
 
 
 # flags that change a kernel's main loop (its pipelining), not only its epilogue: each
-# value gets its own representative
-LOOP_FLAGS = ("X_T", "SPLIT_X", "PAD_K", "Y_KSCALE", "SCALE_ON_LOAD")
+# value gets its own representative (PREFIXES: the Matryoshka segment loop, against the
+# plain one-pass loop)
+LOOP_FLAGS = ("X_T", "SPLIT_X", "PAD_K", "Y_KSCALE", "SCALE_ON_LOAD", "PREFIXES")
 
 
 def extension(launch: Launch) -> str:

@@ -46,18 +46,21 @@ def fp32_ds(dtype: torch.dtype) -> bool:
     return mode == "fp32" or dtype != torch.bfloat16
 
 
-def _extensions(problem: LSEProblem) -> dict:
-    """The launchers' keyword arguments for the problem's extensions (``kernels/lse.py``'s
-    ``EXT_PARAMS``); empty for a plain problem, whose launches stay as they were."""
-    f, sig = problem.filter, problem.sigmoid
-    kw: dict = {}
-    if f is not None:
-        kw["threshold"] = f.threshold
-        if f.guide_anchor is not None and f.guide_blocks is not None:
-            kw.update(guide_anchor=f.guide_anchor, guide_block0=f.guide_blocks[0], guide_block1=f.guide_blocks[1])
-    if sig is not None:
-        kw["bias"] = sig.bias
-    return kw
+def _extensions(problem: LSEProblem, own: bool = False):
+    """The problem's extensions as the launchers' one record (``kernels/lse.py``'s
+    ``Extensions``): its filter and sigmoid reduction and, where an extension (or, ``own``, a
+    ``d_pos`` to fold) reads them, its own positives. Plain problems get the empty record, whose
+    launches stay as they were."""
+    f, sig, pos = problem.filter, problem.sigmoid, problem.positives
+    guide = None
+    if f is not None and f.guide_anchor is not None and f.guide_blocks is not None:
+        guide = (f.guide_anchor, *f.guide_blocks)
+    ext = _kernels().Extensions(
+        threshold=None if f is None else f.threshold, guide=guide, bias=None if sig is None else sig.bias
+    )
+    if pos is not None and (own or f is not None or sig is not None):
+        ext = ext.with_positives(pos.offset, pos.count)
+    return ext
 
 
 class TritonHeadStep(HeadStep):
@@ -73,12 +76,14 @@ class TritonHeadStep(HeadStep):
 
     @staticmethod
     def _filter(problem: LSEProblem) -> dict:
-        """A filter's keyword arguments: the threshold, the guide, and the own positives it never drops."""
+        """A filter's keyword arguments: the threshold, the guide, and the own positives it never
+        drops (the head ops' ``own_offset``/``own_count``: their ``pos_*`` are the head's)."""
         if problem.filter is None:
             return {}
-        pos = problem.positives
-        own = {} if pos is None else {"own_offset": pos.offset, "own_count": pos.count}
-        return {**_extensions(problem), **own}
+        kw = _extensions(problem).op_args()
+        if "pos_count" in kw:
+            kw["own_offset"], kw["own_count"] = kw.pop("pos_offset"), kw.pop("pos_count")
+        return kw
 
     def forward(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, per_row: bool) -> tuple[Tensor, HeadSaved]:
         """``(loss, saved)``: the reduced loss (0-d, input dtype) or the rows ``[B]`` (compute
@@ -154,16 +159,13 @@ class TritonLSE(Backend):
         return why + _kernels().size_reasons(*problem.anchor.shape)
 
     def forward(self, problem: LSEProblem, tau: Tensor) -> tuple[Tensor, Tensor]:
-        """``(lse, mean_logit)``, or the sigmoid reduction's ``(value, stats [2, ...])``."""
+        """``(lse, mean_logit)``, or the sigmoid reduction's ``(value, stats [2, ...])``; ``[K, B]``
+        with Matryoshka dims (every prefix from one pass over d)."""
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
-        ext = _extensions(problem)
-        if ext and problem.positives is not None:  # the sigmoid's z = +1 and the filter's exemption
-            ext.update(pos_offset=problem.positives.offset, pos_count=problem.positives.count)
-        if problem.dims is not None:  # [K, B]: every prefix from one pass over d
-            return _kernels().lse_forward_prefixes(
-                problem.anchor, b0, b1, t0, t1, tau, list(problem.dims), problem.cosine, problem.eps, **ext
-            )
-        return _kernels().lse_forward(problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps, **ext)
+        dims = None if problem.dims is None else list(problem.dims)
+        return _kernels().lse_forward(
+            problem.anchor, b0, b1, t0, t1, tau, problem.cosine, problem.eps, dims, **_extensions(problem).op_args()
+        )
 
     def backward(self, problem: LSEProblem, tau: Tensor, lse: Tensor, g: Tensor, d_pos: Tensor | None = None):
         """``d_pos [B, P]``: own-positive logit gradient, folded when ``problem.positives`` is set
@@ -171,26 +173,18 @@ class TritonLSE(Backend):
         (b0, b1), (t0, t1) = problem.blocks, problem.tags
         pos = problem.positives
         d_pos = None if pos is None or problem.sigmoid is not None else d_pos
-        ext = _extensions(problem)
-        if ext and pos is not None and d_pos is None:  # the own positives, without a gradient to fold
-            ext["pos_count"] = pos.count
-        offset = 0 if pos is None or not ext else pos.offset
         if pos is not None and d_pos is not None:
             want: tuple[int, ...] = (problem.num_anchors, pos.count)
             if problem.dims is not None:
                 want = (problem.num_prefixes, *want)
             if tuple(d_pos.shape) != want:
                 raise ValueError(f"d_pos has shape {tuple(d_pos.shape)}; expected {want}")
-            offset = pos.offset
-        inputs = (problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, offset)
-        if problem.dims is not None:
-            d_anchor, d_b0, d_b1 = _kernels().lse_backward_prefixes(
-                *inputs, list(problem.dims), problem.cosine, problem.eps, **ext
-            )
-            return d_anchor, (d_b0, d_b1)
+        dims = None if problem.dims is None else list(problem.dims)
+        ext = _extensions(problem, own=d_pos is not None)
         d_anchor, d_b0, d_b1 = _kernels().lse_backward(
-            *inputs, problem.cosine, problem.eps, fp32_ds(problem.anchor.dtype), **ext
-        )
+            problem.anchor, b0, b1, t0, t1, tau, lse, g, d_pos, problem.cosine, problem.eps,
+            fp32_ds(problem.anchor.dtype), dims, **ext.op_args(),
+        )  # fmt: skip
         return d_anchor, (d_b0, d_b1)
 
 

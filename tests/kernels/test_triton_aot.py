@@ -74,10 +74,15 @@ def test_recorded_launches_cover_every_flag(arch):
     assert seen[("_head_kernel", "HEAD")] == {True, False}
     assert seen[("_lse_ds_kernel", "GO_MODE")] == {0, 1, 2}
     assert seen[("_mm_kernel", "RADIAL_SCALE")] == {0, 1, 2}
-    # the primitive's extensions: every sweep with no filter, a self and a guide filter, and the
-    # sigmoid reduction; the row pass's clean copies and the head's poison (bool flags above)
-    for kernel in ("_lse_fwd_kernel", "_lse_ds_kernel", "_prefix_fwd_kernel", "_prefix_ds_kernel"):
-        assert seen[(kernel, "FILTER")] == {0, 1, 2} and seen[(kernel, "SIGMOID")] == {True, False}, kernel
+    # the primitive's extensions: every sweep, plain and Matryoshka, with no filter, a self and a
+    # guide filter, and the sigmoid reduction; the row pass's clean copies and the head's poison
+    # (bool flags above)
+    for kernel in ("_lse_fwd_kernel", "_lse_ds_kernel"):
+        for prefixes in (False, True):
+            flags = [dict(x.constexprs) for x in launches if x.kernel == kernel]
+            flags = [f for f in flags if f["PREFIXES"] == prefixes]
+            assert {f["FILTER"] for f in flags} == {0, 1, 2}, (kernel, prefixes)
+            assert {f["SIGMOID"] for f in flags} == {True, False}, (kernel, prefixes)
     assert seen[("_row_norms_kernel", "CLEAN")] == {True, False}
     assert seen[("_head_kernel", "POISONED")] == {True, False} and seen[("_head_kernel", "SIGMOID")] == {True, False}
     forms = {aot.extension(x) for x in launches if x.kernel == "_lse_fwd_kernel"}
@@ -97,8 +102,6 @@ ROW_STRIDE_KERNELS = (
     "_head_kernel",
     "_lse_fwd_kernel",
     "_lse_ds_kernel",
-    "_prefix_fwd_kernel",
-    "_prefix_ds_kernel",
 )
 
 
@@ -154,10 +157,10 @@ def check_facts(r: aot.Result) -> list[str]:
     if r.needs_mma and r.arch == "sm90" and sixteen and r.mma != "wgmma.mma_async":
         bad.append("a 16-bit tile kernel without wgmma on sm_90")
     # the plain sweeps and the GEMM pipeline their loads; single-buffered by design or by
-    # the compiler (docs/triton.md, "Compile facts"): the Matryoshka kernels' segment loops,
+    # the compiler (docs/triton.md, "Compile facts"): the sweeps' Matryoshka segment loops,
     # fp64, a GEMM that rescales its Y rows in registers, and on sm_80 the candidates' GEMM
     # (its transposed dS operand) and the anchors' GEMM over padded candidates
-    single = "Y_KSCALE=True" in r.spec or "fp64" in pointers
+    single = "Y_KSCALE=True" in r.spec or "PREFIXES=True" in r.spec or "fp64" in pointers
     if r.arch == "sm80" and r.kernel == "_mm_kernel" and ("X_T=True" in r.spec or "PAD_K=True" in r.spec):
         single = True
     if r.aligned and r.kernel in PIPELINED and not single and r.num_stages >= 2 and r.buffers < 2:

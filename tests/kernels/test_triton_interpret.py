@@ -369,7 +369,7 @@ def test_custom_ops_pass_opcheck():
     )
     torch.library.opcheck(
         torch.ops.fastcl_triton.lse_backward.default,
-        (a, c0, c1, t0, t1, tau, lse, torch.ones(5), torch.ones(5, 2), 0, True, 1e-8, True),
+        (a, c0, c1, t0, t1, tau, lse, torch.ones(5), torch.ones(5, 2), True, 1e-8, True),
         test_utils=checks,
     )
     mask = torch.tensor([[True, False]] * 5)

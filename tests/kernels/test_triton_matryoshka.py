@@ -1,4 +1,5 @@
-"""Matryoshka dims on the Triton kernels (``kernels/lse_prefixes.py``), in the interpreter.
+"""Matryoshka dims on the Triton kernels (the ``PREFIXES`` path of ``kernels/lse_fwd.py`` and
+``kernels/lse_bwd.py``), in the interpreter.
 
 Values and gradients against the independent float64 oracle (``tests/helpers/matryoshka.py``)
 on shapes that cross the interpreter's tile (16), feature-chunk (32), split and dS-chunk
@@ -206,13 +207,11 @@ def test_custom_ops_pass_opcheck():
     (c0, c1), (t0, t1) = prob.blocks, prob.tags
     tau, dims = torch.tensor(0.1), [20, 4, 9]
     args = (prob.anchor, c0, c1, t0, t1, tau)
-    lse, _ = torch.ops.fastcl_triton.lse_forward_prefixes(*args, dims, True, 1e-8)
+    lse, _ = torch.ops.fastcl_triton.lse_forward(*args, True, 1e-8, dims)
     checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(
-        torch.ops.fastcl_triton.lse_forward_prefixes.default, (*args, dims, True, 1e-8), test_utils=checks
-    )
-    bwd = (*args, lse, torch.ones(3, 5), torch.ones(3, 5, 2), 0, dims, True, 1e-8)
-    torch.library.opcheck(torch.ops.fastcl_triton.lse_backward_prefixes.default, bwd, test_utils=checks)
+    torch.library.opcheck(torch.ops.fastcl_triton.lse_forward.default, (*args, True, 1e-8, dims), test_utils=checks)
+    bwd = (*args, lse, torch.ones(3, 5), torch.ones(3, 5, 2), True, 1e-8, True, dims)
+    torch.library.opcheck(torch.ops.fastcl_triton.lse_backward.default, bwd, test_utils=checks)
 
 
 def test_cosine_is_scale_free_and_huge_rows_are_refused_as_nan():

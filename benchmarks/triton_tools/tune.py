@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.timing import best_ms
 from fastcl.kernels import configs
 from fastcl.kernels._common import arch_of, dtype_class
 
@@ -43,15 +44,7 @@ def _step(B: int, d: int, dtype: torch.dtype, device: str = "cuda", P: int = 5, 
 
 def _time(fn, rounds: int) -> float:
     """Minimum milliseconds of ``fn`` over ``rounds`` CUDA-event-timed calls."""
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+    return best_ms(fn, rounds, "cuda")
 
 
 def tune(

@@ -134,8 +134,10 @@ def main() -> None:
             print(f"step {step:3d}  global-batch loss {global_loss.item():.4f}")
     # Leave together: DDP's reducer goes first, then every rank waits for the others before
     # gloo's threads are torn down (a rank that left early once made its peer abort at exit
-    # with "terminate called without an active exception" on a loaded machine).
-    del ddp_model
+    # with "terminate called without an active exception" on a loaded machine). The loss
+    # holds the process group too: dropped here, the group is not destroyed during the
+    # interpreter's shutdown (rank 0 aborted that way once more in a loaded CI run).
+    del ddp_model, loss_fn
     dist.barrier()
     dist.destroy_process_group()
 

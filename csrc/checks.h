@@ -36,6 +36,10 @@ struct OpArgs {
   // Extensions (contract.Sigmoid, contract.Filter): the sigmoid's 0-d bias; the filter's
   // threshold [B] or [K, B], and a guide's embeddings [B, g], [N0, g], [N1, g] (none: self filter).
   OptTensor bias, threshold, guide_anchor, guide_block0, guide_block1;
+  // Block 1's own anchors (the joint rows of fastcl/ops/joint.py; fused, plain, LSE only): row i
+  // takes <anchor1_i, c> for the candidates c of block 1, one denominator over both blocks;
+  // guide_anchor1 [B, g] with a guide. d_anchor1 [B, d] is their gradient (an output).
+  OptTensor anchor1, guide_anchor1, d_anchor1;
   // Column statistics (LSEProblem.columns; plain LSE forward and backward only): the per-row
   // outputs and inputs are [B + N], the rows' then the columns'.
   bool columns = false;
@@ -58,6 +62,7 @@ struct OpArgs {
   bool sigmoid() const { return bias.has_value(); }
   bool filter() const { return threshold.has_value(); }
   bool guided() const { return guide_anchor.has_value(); }
+  bool joint() const { return anchor1.has_value(); }
   // [B] for a plain op, [K, B] for a Matryoshka one
   std::vector<int64_t> rows() const {
     const int64_t B = anchor.size(0);
@@ -176,6 +181,22 @@ inline void check_extensions(const OpArgs& a) {
       check_cpu(*got[j], "a guide embedding");
     }
   }
+  TORCH_CHECK(!a.guide_anchor1 || (a.joint() && given == 3), "fastcl: guide_anchor1 goes with anchor1 and a guide");
+  if (a.joint()) {
+    const at::Tensor& a1 = *a.anchor1;
+    TORCH_CHECK(a.mode == Mode::kFused && !a.dims && !a.sigmoid() && !a.columns,
+                "fastcl: anchor1 (joint rows) is a plain fused LSE step (no matryoshka dims, sigmoid or columns)");
+    TORCH_CHECK(a1.sizes() == a.anchor.sizes() && a1.scalar_type() == a.anchor.scalar_type(),
+                "fastcl: anchor1 must be like anchor, ", shape_str(a.anchor.sizes()), ", got ", shape_str(a1.sizes()));
+    check_cpu(a1, "anchor1");
+    TORCH_CHECK(given == 0 || a.guide_anchor1, "fastcl: a guided joint step needs guide_anchor1");
+    if (a.guide_anchor1) {
+      const at::Tensor& g1 = *a.guide_anchor1;
+      TORCH_CHECK(g1.sizes() == a.guide_anchor->sizes() && is_float(g1.scalar_type()),
+                  "fastcl: guide_anchor1 must be a float tensor like guide_anchor, got ", shape_str(g1.sizes()));
+      check_cpu(g1, "guide_anchor1");
+    }
+  }
 }
 
 // The whole argument check of an op (inputs, then the outputs it overwrites); completes K,
@@ -205,6 +226,8 @@ inline void check(OpArgs& a) {
     check_out(a.d_anchor, "d_anchor", {B, d}, cd);
     check_out(a.d_block0, "d_block0", {N0, d}, cd);
     check_out(a.d_block1, "d_block1", {a.block1.size(0), d}, cd);
+    TORCH_CHECK(a.joint() == a.d_anchor1.has_value(), "fastcl: d_anchor1 is the output of anchor1, and only its");
+    if (a.d_anchor1) check_out(*a.d_anchor1, "d_anchor1", {B, d}, cd);
   }
   if (a.mode == Mode::kBackward) {
     TORCH_CHECK(a.lse_in.sizes() == stat_rows && a.grad_lse.sizes() == stat_rows, "fastcl: lse and grad_lse must be ",

@@ -54,16 +54,17 @@ TORCH_LIBRARY(fastcl, m) {
   // Gradient in forward: the loss head ("cross_entropy" | "softplus"; "sigmoid" with bias) applied
   // to each block of rows as soon as its lse is known; outputs, fold_positives and own_logits (the
   // kernel writes the folded own positives' logits into pos_logits instead of reading them):
-  // docs/csrc.md.
+  // docs/csrc.md. Joint rows (fastcl/ops/joint.py): anchor1 [B, d] takes block 1's candidates
+  // (guide_anchor1 with a guide), d_anchor1 its gradient.
   m.def(
       "lse_fused(Tensor anchor, Tensor block0, Tensor block1, Tensor tags0, Tensor tags1, "
       "Tensor tau, bool cosine, float eps, str head, Tensor(i!) pos_logits, Tensor? pos_mask, "
       "Tensor? log_extra, Tensor weights, int pos_offset, bool fold_positives, bool own_logits=False, "
       "int pos_count=0, Tensor? bias=None, Tensor? threshold=None, Tensor? guide_anchor=None, "
-      "Tensor? guide_block0=None, Tensor? guide_block1=None, "
+      "Tensor? guide_block0=None, Tensor? guide_block1=None, Tensor? anchor1=None, Tensor? guide_anchor1=None, "
       "*, Tensor(a!) lse, Tensor(b!) mean_logit, "
       "Tensor(c!) loss_rows, Tensor(d!) d_pos, Tensor(e!) d_anchor, Tensor(f!) d_block0, "
-      "Tensor(g!) d_block1, Tensor(h!) g_dot_mean_logit) -> ()");
+      "Tensor(g!) d_block1, Tensor(h!) g_dot_mean_logit, Tensor(j!)? d_anchor1=None) -> ()");
 
   // Matryoshka (LSEProblem.dims): the K plain problems on the first dims[k] coordinates, dims
   // increasing in 1..d (the glue sorts them), in one sweep over d (docs/csrc.md). lse and

@@ -61,6 +61,12 @@ int64_t block_height(int64_t B, int64_t N, int64_t d, int64_t threads, int64_t t
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(B, 1));
 }
 
+// out = x @ m, zero when x has no column
+void mm_cols(at::Tensor out, const at::Tensor& x, const at::Tensor& m) {
+  if (x.size(1)) at::mm_out(out, x, m);
+  else out.zero_();
+}
+
 // out = x[:, 0:N0] @ m0 (+ x[:, N0:N] @ m1), the two candidate blocks side by side.
 template <typename T>
 void mm_blocks(at::Tensor out, const at::Tensor& x, const Params<T>& p, const at::Tensor& m0, const at::Tensor& m1) {
@@ -189,6 +195,7 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
   const bool masked = p.filter || p.sigmoid || p.columns;  // rows with their own column adds
   std::vector<T> add_buf(masked ? N : 0);
   const T* row_poison = p.filter ? p.row_poison.template data_ptr<T>() + kb : nullptr;
+  const T* row_poison1 = p.filter ? p.row_poison1.template data_ptr<T>() + kb : nullptr;
   const T* thr = p.filter ? p.threshold.template data_ptr<T>() + (p.threshold.size(0) > 1 ? kb : 0) : nullptr;
   // Cosine logits lie in [-1/tau, 1/tau]: while exp(-2/tau) is far from underflow (and the row
   // factor r = g / (|a| tau sum_p) from overflow), 1/tau stands in for the row max and the
@@ -202,13 +209,17 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
   auto row_adds = [&](int64_t i, int64_t gi, const T* row) -> const T* {
     if (!masked) return col_add;
     T* out = add_buf.data();
-    const T rp = row_poison ? row_poison[gi] : T(0);
+    // block by block: joint rows take block 1's poison and guide factor from its own anchors
+    const int64_t N0 = p.N0, N1 = p.N1;
+    const T rp = row_poison ? row_poison[gi] : T(0), rp1 = row_poison1 ? row_poison1[gi] : T(0);
     if (p.filter && guide) {
-      const T* inv_ga = p.rga.inv.template data_ptr<T>();
-      rows::filter_adds<false>(out, guide + i * N, inv_ga[gi], p.inv_gc.template data_ptr<T>(), col_add, rp, thr[gi],
-                               N);
+      const T *g = guide + i * N, *inv_gc = p.inv_gc.template data_ptr<T>();
+      const T ga = p.rga.inv.template data_ptr<T>()[gi], ga1 = p.inv_ga1.template data_ptr<T>()[gi];
+      rows::filter_adds<false>(out, g, ga, inv_gc, col_add, rp, thr[gi], N0);
+      rows::filter_adds<false>(out + N0, g + N0, ga1, inv_gc + N0, col_add + N0, rp1, thr[gi], N1);
     } else if (p.filter) {
-      rows::filter_adds<true>(out, row, inv_a[gi], inv_c, col_add, rp, thr[gi], N);
+      rows::filter_adds<true>(out, row, inv_a[gi], inv_c, col_add, rp, thr[gi], N0);
+      rows::filter_adds<true>(out + N0, row + N0, inv_a[gi], inv_c + N0, col_add + N0, rp1, thr[gi], N1);
     } else {
       std::copy(col_add, col_add + N, out);
     }
@@ -358,6 +369,16 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
       // d_pos * dl/d<a_i, c> is one more entry of X, summed by the GEMMs in the compute
       // dtype before any rounding (contract.py, OwnPositives); fused: the head just wrote it
       const T* dp = p.fold.dpos + (kb + gi) * P;
+      // w / r must stay far from overflow in the GEMMs: a row whose LSE is a vanishing share of
+      // its loss (log_extra: the ring's or a joint's other part, e^-88 and less in float32) has a
+      // tiny r beside a d_pos of order 1, and w / r = 1e38 or inf. Such a row takes X itself
+      // (r = 1; its tiny weights rounded), as when r is not finite
+      if (p.row_factor) {
+        const T r = p.row_factor[gi], limit = r * std::ldexp(T(1), 40);
+        bool small = true;
+        for (int64_t j = 0; j < P; ++j) small = small && std::abs(dp[j] * row_scale * inv_c[c0 + j]) <= limit;
+        if (!small) rows::scale(row, r, N), p.row_factor[gi] = T(1);
+      }
       for (int64_t j = 0; j < P; ++j) {
         const T w = dp[j] * row_scale * inv_c[c0 + j];
         row[c0 + j] += p.row_factor ? w / p.row_factor[gi] : w;
@@ -463,15 +484,15 @@ Tiles make_tiles(const Params<T>& p, int64_t threads, int64_t H) {
   return tl;
 }
 
-// Step 1 of a block of h anchors at r0 by the tile: S [h, N] (row stride N). The block's anchors
-// are packed once (shared); thread t takes panels [t P / T, (t + 1) P / T) in groups of ~64 KB,
-// packs each group (once per block, as MKL does: no packed copy of all candidates) and runs
-// every row tile over it, so that S is written row by row in spans of the group's width (a
-// column strip of S would touch a page per row) while the group stays in L2.
+// Step 1 of a block of h anchors `a_blk` by the tile, for the candidate columns [lo, hi): S [h, N]
+// (row stride N). The block's anchors are packed once (shared); thread t takes panels [t P / T,
+// (t + 1) P / T) of the range in groups of ~64 KB, packs each group (once per block, as MKL does:
+// no packed copy of all candidates) and runs every row tile over it, so that S is written row by
+// row in spans of the group's width (a column strip of S would touch a page per row) while the
+// group stays in L2. Joint rows take two calls: block 0 with a, block 1 with a1s.
 template <typename T>
-void tiled_raw_dots(const Params<T>& p, const Tiles& tl, T* s, int64_t r0, int64_t h) {
-  const int64_t d = p.d, N = p.N, R = gemm::kRows, C = gemm::kCols, panels = gemm::num_panels(N);
-  const T* a_blk = p.a.template data_ptr<T>() + r0 * d;
+void tiled_raw_dots(const Params<T>& p, const Tiles& tl, T* s, const T* a_blk, int64_t h, int64_t lo, int64_t hi) {
+  const int64_t d = p.d, N = p.N, n = hi - lo, R = gemm::kRows, C = gemm::kCols, panels = gemm::num_panels(n);
   const T *c0 = p.c0.template data_ptr<T>(), *c1 = p.c1.template data_ptr<T>();
   T* rows = tl.rows.template data_ptr<T>();
   parallel(0, gemm::num_tiles(h), 8, [&](int64_t t0, int64_t t1) { gemm::pack_rows(rows, a_blk, h, d, t0, t1); });
@@ -482,22 +503,22 @@ void tiled_raw_dots(const Params<T>& p, const Tiles& tl, T* s, int64_t r0, int64
       const int64_t q0 = panels * t / tl.threads, q1 = panels * (t + 1) / tl.threads;
       for (int64_t g = q0; g < q1; g += tl.group) {
         const int64_t gn = std::min(tl.group, q1 - g);
-        for (int64_t q = 0; q < gn; ++q) {  // candidate c of the group is candidate g C + c
-          gemm::pack_panel(group, q, N - g * C, d, [&](int64_t c) {
-            c += g * C;
+        for (int64_t q = 0; q < gn; ++q) {  // column c of the group is column lo + g C + c
+          gemm::pack_panel(group, q, n - g * C, d, [&](int64_t c) {
+            c += lo + g * C;
             return c < p.N0 ? c0 + c * d : c1 + (c - p.N0) * d;
           });
         }
         for (int64_t i = 0; i < h; i += R) {
-          const int64_t n = std::min(R, h - i);
+          const int64_t m = std::min(R, h - i);
           for (int64_t q = 0; q < gn; ++q) {
-            const int64_t c = (g + q) * C, w = std::min(C, N - c);
-            T* out = s + i * N + c;
-            if (n == R && w == C) {
+            const int64_t c = (g + q) * C, w = std::min(C, n - c);
+            T* out = s + i * N + lo + c;
+            if (m == R && w == C) {
               gemm::tile(rows + (i / R) * d * R, group + q * d * C, d, out, N);
             } else {  // an edge: the tile's rows or columns beyond the block are not written
               gemm::tile(rows + (i / R) * d * R, group + q * d * C, d, scratch, C);
-              for (int64_t r = 0; r < n; ++r) std::copy_n(scratch + r * C, w, out + r * N);
+              for (int64_t r = 0; r < m; ++r) std::copy_n(scratch + r * C, w, out + r * N);
             }
           }
         }
@@ -535,6 +556,8 @@ void sweep(const Params<T>& p) {
   const int64_t H = block_height(p.B, p.N, d, T_, tiles + p.guided());
   at::Tensor buf = block_buffer({tiles + p.guided(), H, p.N}, p.a.options());
   const at::Tensor a_scaled = p.row_factor ? at::empty({H, d}, p.a.options()) : at::Tensor();
+  const at::Tensor a1_scaled = p.row_factor && p.joint() ? at::empty({H, d}, p.a.options()) : at::Tensor();
+  std::vector<T> factor1(p.joint() ? p.B : 0);  // joint rows: d_a1's row factor r * ratio
   const std::vector<std::vector<Chunk>> shares = candidate_shares(p, T_);
   const Tiles tiles_1 = make_tiles(p, T_, H);  // step 1 by fastcl's GEMM tile (or MKL: none)
   // radial sums of the candidates, one [K, N] partial per row task (summed in task order)
@@ -547,10 +570,11 @@ void sweep(const Params<T>& p) {
   for (int64_t r0 = 0; r0 < p.B; r0 += H) {
     const int64_t h = std::min(H, p.B - r0);
     auto tile = [&](int64_t k) { return buf[k % tiles].narrow(0, 0, h); };
-    const at::Tensor a_blk = p.a.narrow(0, r0, h);
+    const at::Tensor a_blk = p.a.narrow(0, r0, h), a1_blk = p.a1s.narrow(0, r0, h);  // block 0's, block 1's
     // fused: X = diag(r) Q, so r scales the anchors of X^T A (a copy, formed in the row pass)
     // and the rows of X C (with the normalisation backward)
     const at::Tensor a_x = p.row_factor ? a_scaled.narrow(0, 0, h) : a_blk;
+    const at::Tensor a1_x = !p.joint() ? a_x : p.row_factor ? a1_scaled.narrow(0, 0, h) : a1_blk;
     auto raw_dots = [&](int64_t k) {  // S_k = S_{k-1} + A_blk,k C_k^T (step 1, slice k)
       const auto [lo, w] = slice(k);
       at::Tensor S = tile(k), prev = k ? tile(k - 1) : at::Tensor();
@@ -560,27 +584,37 @@ void sweep(const Params<T>& p) {
             const at::Tensor c_k = (ch.blk ? p.c1 : p.c0).narrow(0, ch.c, ch.n).narrow(1, lo, w).t();
             const int64_t col = (ch.blk ? p.N0 : 0) + ch.c;
             at::Tensor s_cols = S.narrow(1, col, ch.n);
-            if (k == 0) at::mm_out(s_cols, a_blk.narrow(1, lo, w), c_k);
-            else at::addmm_out(s_cols, prev.narrow(1, col, ch.n), a_blk.narrow(1, lo, w), c_k);
+            const at::Tensor& anchors = ch.blk ? a1_blk : a_blk;
+            if (k == 0) at::mm_out(s_cols, anchors.narrow(1, lo, w), c_k);
+            else at::addmm_out(s_cols, prev.narrow(1, col, ch.n), anchors.narrow(1, lo, w), c_k);
           }
       });
     };
     // the guide's dot products of the block (filter): by the same candidate shares, shared by every prefix
     const at::Tensor guide = p.guided() ? buf[tiles].narrow(0, 0, h) : at::Tensor();
     if (p.guided()) {
-      const at::Tensor ga_blk = p.ga.narrow(0, r0, h);
+      const at::Tensor ga_blk = p.ga.narrow(0, r0, h), ga1_blk = p.ga1.narrow(0, r0, h);
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t)
           for (const Chunk& ch : shares[t]) {
             const at::Tensor g_c = (ch.blk ? p.gc1 : p.gc0).narrow(0, ch.c, ch.n).t();
             at::Tensor g_cols = guide.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n);
-            at::mm_out(g_cols, ga_blk, g_c);
+            at::mm_out(g_cols, ch.blk ? ga1_blk : ga_blk, g_c);
           }
       });
     }
     const T* guide_dots = p.guided() ? guide.template data_ptr<T>() : nullptr;
-    if (tiles_1.rows.defined()) tiled_raw_dots(p, tiles_1, tile(0).template data_ptr<T>(), r0, h);
-    else raw_dots(0);
+    if (tiles_1.rows.defined()) {
+      T* s0 = tile(0).template data_ptr<T>();
+      if (p.joint()) {
+        tiled_raw_dots(p, tiles_1, s0, a_blk.template data_ptr<T>(), h, 0, p.N0);
+        tiled_raw_dots(p, tiles_1, s0, a1_blk.template data_ptr<T>(), h, p.N0, p.N);
+      } else {
+        tiled_raw_dots(p, tiles_1, s0, a_blk.template data_ptr<T>(), h, 0, p.N);
+      }
+    } else {
+      raw_dots(0);
+    }
     for (int64_t k = 0; k < K; ++k) {
       if (k + 1 < K) raw_dots(k + 1);
       T* s = tile(k).template data_ptr<T>();
@@ -597,6 +631,10 @@ void sweep(const Params<T>& p) {
         parallel(0, h, 1, [&](int64_t i0, int64_t i1) {
           block_rows(p, s, guide_dots, r0, i0, i1, k, (T*)nullptr);
           if (p.row_factor) scale_rows(a_x, a_blk, p.row_factor + r0, i0, i1);  // K = 1: the rows' r is known
+          if (p.row_factor && p.joint()) {
+            scale_rows(a1_x, a1_blk, p.row_factor + r0, i0, i1);
+            for (int64_t i = r0 + i0; i < r0 + i1; ++i) factor1[i] = p.row_factor[i] * p.ratio[i];
+          }
         });
       }
     }
@@ -608,14 +646,20 @@ void sweep(const Params<T>& p) {
       // E_a = X C in one call that MKL threads itself: split by hand along d, every thread
       // packed all of X (10-13 % slower at d = 128-256, docs/csrc.md)
       at::Tensor e_a = p.d_a.narrow(0, r0, h);
-      mm_blocks(e_a.narrow(1, lo, w), X, p, p.c0.narrow(1, lo, w), p.c1.narrow(1, lo, w));
+      if (p.joint()) {  // each block's columns times its candidates, into its anchors' gradient (K = 1)
+        mm_cols(e_a, X.narrow(1, 0, p.N0), p.c0);
+        mm_cols(p.d_a1.narrow(0, r0, h), X.narrow(1, p.N0, p.N1), p.c1);
+      } else {
+        mm_blocks(e_a.narrow(1, lo, w), X, p, p.c0.narrow(1, lo, w), p.c1.narrow(1, lo, w));
+      }
       parallel(0, T_, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t)
           for (const Chunk& ch : shares[t]) {
             at::Tensor e_c = (ch.blk ? p.d_c1 : p.d_c0).narrow(0, ch.c, ch.n).narrow(1, lo, w);
             const at::Tensor x_cols = X.narrow(1, (ch.blk ? p.N0 : 0) + ch.c, ch.n).t();
-            if (r0 == 0) at::mm_out(e_c, x_cols, a_x.narrow(1, lo, w));  // the first block writes E_c
-            else e_c.addmm_(x_cols, a_x.narrow(1, lo, w));
+            const at::Tensor& anchors_x = ch.blk ? a1_x : a_x;
+            if (r0 == 0) at::mm_out(e_c, x_cols, anchors_x.narrow(1, lo, w));  // the first block writes E_c
+            else e_c.addmm_(x_cols, anchors_x.narrow(1, lo, w));
           }
       });
     }
@@ -623,9 +667,13 @@ void sweep(const Params<T>& p) {
       unnormalize_prefix_rows(p.d_a, p.a, p.ra, p.row_rad, p.B, p.ends, r0, r0 + h, 16);
     } else if (p.cosine) {
       unnormalize_rows(p.d_a, p.a, p.ra, r0, r0 + h, 16, p.row_factor);
+      if (p.joint()) unnormalize_rows(p.d_a1, p.a1, p.ra1, r0, r0 + h, 16, factor1.data());
     } else if (p.row_factor) {
-      at::Tensor e_a = p.d_a.narrow(0, r0, h);
-      parallel(0, h, 16, [&](int64_t i0, int64_t i1) { scale_rows(e_a, e_a, p.row_factor + r0, i0, i1); });
+      at::Tensor e_a = p.d_a.narrow(0, r0, h), e_a1 = p.joint() ? p.d_a1.narrow(0, r0, h) : at::Tensor();
+      parallel(0, h, 16, [&](int64_t i0, int64_t i1) {
+        scale_rows(e_a, e_a, p.row_factor + r0, i0, i1);
+        if (p.joint()) scale_rows(e_a1, e_a1, factor1.data() + r0, i0, i1);
+      });
     }
   }
 
@@ -666,6 +714,7 @@ void run(OpArgs& o) {
       if (p.sigmoid) p.stats1 = p.mean_logit + K * B;  // stats [2, K, B]
     }
     if (o.mode != Mode::kForward) p.d_a = o.d_anchor, p.d_c0 = o.d_block0, p.d_c1 = o.d_block1;
+    if (o.d_anchor1) p.d_a1 = *o.d_anchor1;
     at::Tensor lse_c, g_c, dpos_c;
     if (o.mode == Mode::kBackward) {
       lse_c = o.lse_in.to(cd).contiguous(), g_c = o.grad_lse.to(cd).contiguous();
@@ -798,17 +847,19 @@ void lse_prefix_backward(const at::Tensor& anchor, const at::Tensor& block0, con
 }
 
 // lse_fused, and lse_prefix_fused with dims (weights, lse, mean_logit, loss_rows [K, B],
-// pos_logits, d_pos [K, B, P]; prefix k's head takes row k of weights).
+// pos_logits, d_pos [K, B, P]; prefix k's head takes row k of weights). lse_fused's joint rows:
+// anchor1 (and guide_anchor1) in, d_anchor1 out (OpArgs::anchor1).
 void fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1, const at::Tensor& tags0,
            const at::Tensor& tags1, const at::Tensor& tau, bool cosine, double eps, const at::IntArrayRef* dims,
            std::string_view head, const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra,
            const at::Tensor& weights, int64_t pos_offset, bool fold_positives, bool own_logits, int64_t pos_count,
            const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
-           const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& lse,
-           const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
-           const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
-           const at::Tensor& g_dot_mean_logit) {
+           const OptTensor& guide_block0, const OptTensor& guide_block1, const OptTensor& anchor1,
+           const OptTensor& guide_anchor1, const at::Tensor& lse, const at::Tensor& mean_logit,
+           const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor, const at::Tensor& d_block0,
+           const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit, const OptTensor& d_anchor1) {
   OpArgs o = inputs(Mode::kFused, anchor, block0, block1, tags0, tags1, tau, cosine, eps, dims);
+  o.anchor1 = anchor1, o.guide_anchor1 = guide_anchor1, o.d_anchor1 = d_anchor1;
   o.head = head, o.pos_logits = pos_logits, o.pos_mask = pos_mask, o.log_extra = log_extra, o.weights = weights;
   o.pos_offset = pos_offset, o.fold_positives = fold_positives, o.own_logits = own_logits;
   extensions(o, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1);
@@ -822,13 +873,15 @@ void lse_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Ten
                const at::Tensor& pos_logits, const OptTensor& pos_mask, const OptTensor& log_extra,
                const at::Tensor& weights, int64_t pos_offset, bool fold_positives, bool own_logits, int64_t pos_count,
                const OptTensor& bias, const OptTensor& threshold, const OptTensor& guide_anchor,
-               const OptTensor& guide_block0, const OptTensor& guide_block1, const at::Tensor& lse,
-               const at::Tensor& mean_logit, const at::Tensor& loss_rows, const at::Tensor& d_pos,
-               const at::Tensor& d_anchor, const at::Tensor& d_block0, const at::Tensor& d_block1,
-               const at::Tensor& g_dot_mean_logit) {
+               const OptTensor& guide_block0, const OptTensor& guide_block1, const OptTensor& anchor1,
+               const OptTensor& guide_anchor1, const at::Tensor& lse, const at::Tensor& mean_logit,
+               const at::Tensor& loss_rows, const at::Tensor& d_pos, const at::Tensor& d_anchor,
+               const at::Tensor& d_block0, const at::Tensor& d_block1, const at::Tensor& g_dot_mean_logit,
+               const OptTensor& d_anchor1) {
   fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, nullptr, head, pos_logits, pos_mask, log_extra, weights,
         pos_offset, fold_positives, own_logits, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1,
-        lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1, g_dot_mean_logit);
+        anchor1, guide_anchor1, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1, g_dot_mean_logit,
+        d_anchor1);
 }
 
 void lse_prefix_fused(const at::Tensor& anchor, const at::Tensor& block0, const at::Tensor& block1,
@@ -843,7 +896,8 @@ void lse_prefix_fused(const at::Tensor& anchor, const at::Tensor& block0, const 
                       const at::Tensor& g_dot_mean_logit) {
   fused(anchor, block0, block1, tags0, tags1, tau, cosine, eps, &dims, head, pos_logits, pos_mask, log_extra, weights,
         pos_offset, fold_positives, own_logits, pos_count, bias, threshold, guide_anchor, guide_block0, guide_block1,
-        lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1, g_dot_mean_logit);
+        std::nullopt, std::nullopt, lse, mean_logit, loss_rows, d_pos, d_anchor, d_block0, d_block1, g_dot_mean_logit,
+        std::nullopt);
 }
 
 }  // namespace

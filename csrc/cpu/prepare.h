@@ -179,6 +179,16 @@ struct Params {
   RowInfo<T> rga, rgc0, rgc1;  // their norms: sim = cosine (a non-finite guide row: NaN, drops nothing)
   at::Tensor inv_gc;           // [N] guide candidates' factors, c0 then c1
   bool guided() const { return ga.defined(); }
+  // Joint rows (OpArgs::anchor1): block 1's anchors a1 as stored (scan_rows) and a1s = a1 * ratio
+  // with ratio = inv_a1 / inv_a, so that block 1's raw dots a1s . c take the row factor inv_a like
+  // block 0's: the row passes stay those of one anchor. Without joint rows, a1s is a and ratio 1.
+  at::Tensor a1, a1s;      // [B, d]
+  RowInfo<T> ra1;          // a1's norms and factors (the normalisation backward of d_a1)
+  std::vector<T> ratio;    // [B] inv_a1 / inv_a (joint rows only)
+  at::Tensor row_poison1;  // [1, B] (filter) the poison of block 1's columns: a1's, else a's
+  at::Tensor inv_ga1;      // [B] (guide) block 1's guide anchor factors: ga1's, else ga's
+  at::Tensor ga1;          // [B, g] (guide) block 1's guide anchors (ga without joint rows)
+  bool joint() const { return a1.defined(); }
   // column statistics (LSEProblem.columns; plain LSE only): forward writes the columns' lse and mean
   // logit after the rows' (lse, mean_logit [B + N]); backward reads the columns' lse and gradient
   bool columns = false;
@@ -189,6 +199,7 @@ struct Params {
 
   // the mode's inputs and outputs
   at::Tensor d_a, d_c0, d_c1;      // [B, d], [N0, d], [N1, d] out (backward, fused)
+  at::Tensor d_a1;                 // [B, d] out (fused, joint rows)
   Fold<T> fold;                    // own positives to fold (backward with d_pos, fused)
   T* lse = nullptr;                // [K, B] out (forward, fused): the LSE, or the sigmoid's value
   T* mean_logit = nullptr;         // [K, B] out (forward, fused): the mean logit, or the sigmoid's stats[0]
@@ -256,6 +267,26 @@ Params<T> prepare(const OpArgs& o) {
       p.rgc0 = scan_rows<T>(p.gc0, *o.guide_block0, tg, true, p.eps, whole);
       p.rgc1 = scan_rows<T>(p.gc1, *o.guide_block1, tg + N0, true, p.eps, whole);
       p.inv_gc = at::cat({p.rgc0.inv, p.rgc1.inv}, 1).view({p.N});
+    }
+  }
+  p.a1s = p.a;
+  if (o.joint()) {
+    p.a1 = o.anchor1->to(st).contiguous();
+    p.ra1 = scan_rows<T>(p.a1, *o.anchor1, nullptr, p.cosine, p.eps, p.ends, clean);
+    // in double, one rounding; a factor is finite and > 0 unless its row is non-finite without a
+    // filter, and then the row is NaN whatever the ratio
+    const at::Tensor ratio = p.ra1.inv.to(at::kDouble).div(p.ra.inv.to(at::kDouble)).view({B});
+    p.a1s = p.a1.to(at::kDouble).mul(ratio.unsqueeze(1)).to(st);
+    const at::Tensor r = ratio.to(st).contiguous();
+    p.ratio.assign(r.template data_ptr<T>(), r.template data_ptr<T>() + B);
+  }
+  if (p.filter) p.row_poison1 = o.joint() ? p.ra1.poison : p.row_poison;
+  if (p.guided()) {
+    p.ga1 = p.ga, p.inv_ga1 = p.rga.inv.view({B});
+    if (o.joint()) {
+      p.ga1 = o.guide_anchor1->to(st).contiguous();
+      const RowInfo<T> rga1 = scan_rows<T>(p.ga1, *o.guide_anchor1, nullptr, true, p.eps, {p.ga1.size(1)});
+      p.inv_ga1 = rga1.inv.view({B});
     }
   }
   return p;

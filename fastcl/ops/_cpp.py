@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import config
 from ._build import Extension, cpu_capability_flags
 from .backend import Backend, input_reasons
-from .contract import FusedResult, LSEProblem, compute_dtype, new_output, prefix_order
+from .contract import Filter, FusedResult, LSEProblem, compute_dtype, new_output, prefix_order
 from .head import SIGMOID_HEAD, HeadInputs
 
 _capability, _vec_flags = cpu_capability_flags()
@@ -156,11 +156,37 @@ class CppLSE(Backend):
         )
         return d_anchor, (d0, d1)
 
-    def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
+    def fused_joint(self, q: LSEProblem, e: LSEProblem, tau: Tensor, head: HeadInputs) -> FusedResult:
+        """Joint rows (``fastcl/ops/joint.py``, ``joint.native``) in one sweep: the op's block 0 is
+        ``q``'s two blocks side by side, its block 1 ``e``'s first block with ``e``'s anchors
+        (``anchor1``). ``d_blocks`` are ``q``'s, ``joint_grads`` ``e``'s."""
+        if e.blocks[1].shape[0] or e.positives is not None:
+            raise ValueError("fused_joint: the extra problem takes one block and no own positives")
+        n0 = q.blocks[0].shape[0]
+        blocks = (torch.cat(q.blocks), e.blocks[0])
+        tags = (torch.cat(q.tags), e.tags[0])
+        filt = q.filter
+        joint: dict[str, Tensor | None] = {"anchor1": e.anchor}
+        if q.filter is not None and q.filter.guide_blocks is not None:
+            assert e.filter is not None and e.filter.guide_blocks is not None  # joint.native checked
+            guides = (torch.cat(q.filter.guide_blocks), e.filter.guide_blocks[0])
+            filt = Filter(q.filter.threshold, q.filter.guide_anchor, guides)
+            joint["guide_anchor1"] = e.filter.guide_anchor
+        problem = LSEProblem(
+            q.anchor, blocks, tags, q.cosine, q.eps, q.positives, padded=q.padded or e.padded, filter=filt
+        )
+        out = self.fused(problem, tau, head, joint)
+        assert out.d_blocks is not None and out.joint_grads is not None
+        d_cat, d_e0 = out.d_blocks
+        out.d_blocks = (d_cat[:n0], d_cat[n0:])
+        out.joint_grads = (out.joint_grads[0], (d_e0, d_e0.new_zeros(e.blocks[1].shape)))
+        return out
+
+    def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, joint: dict | None = None) -> FusedResult:
         """One sweep: forward, head and gradients; with ``problem.dims`` every prefix's (rows
         ``[K, B]``, ``d_pos [K, B, P]``; ``head.weights [K, B]``) in the caller's order. The sigmoid
         reduction (``head.kind == "sigmoid"``): ``lse = loss_rows`` = the values, ``mean_logit`` the
-        stats ``[2, ...]``, ``d_pos`` empty."""
+        stats ``[2, ...]``, ``d_pos`` empty. ``joint``: the op's joint-row inputs (:meth:`fused_joint`)."""
         cd, B = compute_dtype(problem.dtype), problem.num_anchors
         rows = (B,) if problem.dims is None else (problem.num_prefixes, B)
         order, back = prefix_order(problem.dims) if problem.dims is not None else (None, None)
@@ -186,6 +212,10 @@ class CppLSE(Backend):
             raise ValueError("fused: without own positives the head needs pos_logits")
         d_pos = _out(problem, pos_logits.shape)
         op, dims = torch.ops.fastcl.lse_fused, []
+        d_anchor1 = None
+        if joint is not None:
+            d_anchor1 = _out(problem, problem.anchor.shape)
+            joint = {**joint, "d_anchor1": d_anchor1}
         if problem.dims is not None and order is not None:
             op, dims = torch.ops.fastcl.lse_prefix_fused, [[problem.dims[k] for k in order]]
         op(
@@ -210,8 +240,11 @@ class CppLSE(Backend):
             d_block0=d_blocks[0],
             d_block1=d_blocks[1],
             g_dot_mean_logit=g_dot_mean_logit,
+            **(joint or {}),
         )
         out = FusedResult(lse, mean_logit, d_anchor, d_blocks, g_dot_mean_logit, loss_rows, d_pos)
+        if d_anchor1 is not None:
+            out.joint_grads = (d_anchor1, (torch.empty(0), torch.empty(0)))  # blocks: fused_joint's
         out.pos_logits = pos_logits if own else None
         if back is not None and back != list(range(len(back))):  # back to the caller's order of dims
             for name in ("lse", "loss_rows", "d_pos", "pos_logits"):

@@ -58,6 +58,10 @@ class Backend(Protocol):
     double_backward: bool = False
     # Gradient in forward for mean/sum reductions (three GEMM passes), or None.
     fused: Callable[[LSEProblem, Tensor, HeadInputs], FusedResult] | None
+    # Joint rows in one sweep (``fastcl/ops/joint.py``): ``fused_joint(q, e, tau, head)`` is
+    # ``fused(q, ...)`` with ``e``'s candidates (anchored by ``e``'s anchors) in every row's
+    # denominator, ``FusedResult.joint_grads`` ``e``'s gradients; None: JointLSE composes it.
+    fused_joint: Callable[[LSEProblem, LSEProblem, Tensor, HeadInputs], FusedResult] | None = None
     # True: ``fused`` also takes Matryoshka ``problem.dims`` (head weights ``[K, B]``, outputs
     # per prefix: ``lse``, ``mean_logit``, ``loss_rows`` ``[K, B]``, ``d_pos`` ``[K, B, P]``).
     fused_takes_dims: bool = False

@@ -224,6 +224,8 @@ class FusedResult:
     loss_rows: Tensor | None = None
     d_pos: Tensor | None = None
     pos_logits: Tensor | None = None
+    # joint rows (``Backend.fused_joint``): the extra problem's ``(d anchor, (d block0, d block1))``
+    joint_grads: tuple[Tensor, tuple[Tensor, Tensor]] | None = None
 
     def sweep_outputs(self) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor, Tensor, Tensor]:
         """``(d_anchor, d_blocks, g_dot_mean_logit, loss_rows, d_pos)``: what every

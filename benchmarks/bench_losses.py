@@ -91,10 +91,13 @@ CPU_GRID = [
 ]
 # The csrc CPU targets, side by side in one run (opt-in, ~5 min more on 2 cores:
 # --bench-targets): time at B = 1024, P = Q = 5, d = 768 and memory at B = 8192,
-# P = Q = 5, d = 128 (eager holds several 2.5 GiB [B, N] float32 buffers there).
+# P = Q = 5, d = 128 (eager holds several 2.5 GiB [B, N] float32 buffers there); and GIST
+# against sentence-transformers' own computation at B = 512, near the largest batch its
+# [B, B, d] broadcast runs at (~1 min more).
 CPU_TARGET_GRID = [
     ("supmpn", 5, 5, 768, "float32", (1024,)),
     ("supmpn", 5, 5, 128, "float32", (8192,)),
+    ("gist", 1, 1, 768, "float32", (512,)),
 ]
 TARGET_IMPLS = ("eager", "compile", "torch", "cpp")
 # GPU: bf16 at BERT-base width (768) and BERT-large width (1024), B up to 65536

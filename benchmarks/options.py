@@ -98,7 +98,9 @@ def add_options(parser) -> None:
     g.addoption("--bench-impls", help=f"comma-separated implementations to run (default: all; else ${IMPLS_ENV})")
     g.addoption("--bench-no-memory", action="store_true", help="skip the memory probes")
     g.addoption("--bench-memory-workers", type=int, default=2, help="memory probe servers at once (default 2)")
-    g.addoption("--bench-targets", action="store_true", help="add the csrc CPU-target cases of bench_losses.py")
+    g.addoption(
+        "--bench-targets", action="store_true", help="add the CPU-target cases of bench_losses.py (csrc, GIST B=512)"
+    )
     g.addoption(
         "--bench-budget-s", type=float, help=f"seconds of timed rounds per case (default 5; else ${BUDGET_ENV})"
     )

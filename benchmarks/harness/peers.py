@@ -61,7 +61,7 @@ from torch import Tensor, nn
 
 from benchmarks.harness import gist, image_text
 from benchmarks.harness.cases import IMAGE_TEXT_LOSSES, LOSSES, SENTENCE_LOSSES, TEMPERATURE, first, hyper
-from fastcl.testing import VALUE_TOL
+from fastcl.testing import value_tol
 
 ALL_LOSSES = SENTENCE_LOSSES  # the sentence-embedding losses (every peer's layout)
 EVERY_LOSS = (*SENTENCE_LOSSES, *IMAGE_TEXT_LOSSES, "gist")
@@ -448,17 +448,37 @@ def reference_value(loss: str, inputs: dict) -> float:
         return float(fused(**t64, temperature=TEMPERATURE, backend="torch"))
 
 
+def value_tolerance(loss: str, inputs: dict) -> tuple[float, float]:
+    """``(atol, rtol)`` of ``loss``'s value on ``inputs``: ``fastcl.testing.value_tol`` of their
+    dtype and sizes. ``B`` and ``d``: the first input's rows and width; ``N``: every input row
+    (an upper bound of a row's candidates: GIST's guide rows are counted too); the logits' size:
+    ``1 / TEMPERATURE`` (sentence losses, unit-scale inputs under cosine), open_clip's scale
+    times the largest norms plus ``|bias|`` (CLIP, SigLIP), ``1 / GIST_TEMPERATURE`` (GIST)."""
+    x = first(inputs)
+    B, d = x.shape[0], x.shape[-1]
+    mats = [v for v in inputs.values() if v is not None and v.dim() >= 2]
+    N = sum(v.numel() // v.shape[-1] for v in mats)
+    if loss in IMAGE_TEXT_LOSSES:
+        norm = max(v.detach().double().norm(dim=-1).max().item() for v in mats) ** 2
+        bias = inputs.get("logit_bias")
+        logits = float(inputs["logit_scale"]) * norm + (0.0 if bias is None else abs(float(bias)))
+    elif loss == "gist":
+        logits = 1 / gist.GIST_TEMPERATURE
+    else:
+        logits = 1 / TEMPERATURE
+    return value_tol(x.dtype, B=B, N=N, d=d, logit_scale=logits)
+
+
 def check_value(name: str, loss: str, fn: Callable[[], Tensor], inputs: dict, expected: float | None = None) -> dict:
     """Run ``fn()`` once and assert its loss equals the float64 reference within
-    ``fastcl.testing.VALUE_TOL`` of the input dtype; returns ``{"value", "reference", "abs_err"}``.
+    :func:`value_tolerance` of the inputs; returns ``{"value", "reference", "abs_err"}``.
 
     Raises :class:`PeerMismatchError` naming the implementation when it does not.
     """
-    dtype = first(inputs).dtype
     ref = reference_value(loss, inputs) if expected is None else expected
     with torch.no_grad():
         got = float(fn())
-    atol, rtol = VALUE_TOL[dtype]
+    atol, rtol = value_tolerance(loss, inputs)
     err = abs(got - ref)
     if not err <= atol + rtol * abs(ref):  # also catches NaN
         raise PeerMismatchError(

@@ -65,3 +65,22 @@ def assert_loss_and_grads_roundoff(
     assert len(got_grads) == len(want_grads)
     for i, (g, w) in enumerate(zip(got_grads, want_grads)):
         assert_grad_roundoff(g, w, dtype, terms=terms, logit_scale=logit_scale, msg=f"grad {i}")
+
+
+def grad_term_size(inputs, *, similarity: str, tau: float, row_weight: float) -> float:
+    """The RMS coordinate of a term ``w_i p_ij d logit_ij / d x`` of an embedding's gradient (a
+    Frobenius bound compares RMS errors), for gradients whose terms cancel (exactly, for a row
+    with one candidate): the row's reduction weight ``w_i`` times ``1 / (tau min|x| sqrt(d))``
+    for cosine (``d logit / d a = (c^ - cos a^) / (tau |a|)``, whose norm is at most
+    ``1 / (tau |a|)``) or ``max|c| / (tau sqrt(d))`` for dot products (``c / tau``). Since the
+    weights ``p_ij`` of a row sum to 1, a relative error ``e`` of each gives the row's gradient
+    an error of at most ``e`` times that. ``inputs``: the embeddings, rows on the last axis."""
+    rows = [t.detach().double() for t in inputs if t is not None and t.numel()]
+    if not rows:
+        return 0.0
+    d = rows[0].shape[-1]
+    norms = [t.norm(dim=-1) for t in rows]
+    if similarity == "cos":
+        smallest = min(n.min().item() for n in norms)
+        return row_weight / (tau * smallest * d**0.5) if smallest > 0 else 0.0
+    return row_weight * max(n.max().item() for n in norms) / (tau * d**0.5)

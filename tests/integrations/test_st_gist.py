@@ -211,15 +211,19 @@ def _model_step(model, loss, features, seed: int = 0) -> tuple[torch.Tensor, dic
 
 
 def _assert_model_close(got, want, temperature: float, what: str) -> None:
-    """float32 through a model: the value within the dtype's floor relative to the logits
-    (``1 / temperature``), each parameter gradient within its relative floor or an RMS floor
-    scaled likewise (``fastcl.testing.assert_close``)."""
+    """float32 through the tiny model: the sums behind a value and a parameter gradient are
+    ``common.MODEL_TERMS`` long, the logits of size ``1 / temperature`` (an absolute error of the
+    value, a relative one of the gradients: ``fastcl.testing.assert_close``); a gradient whose
+    true value cancels (attention key biases) has terms of the model's largest RMS gradient."""
     (v, g), (rv, rg) = got, want
-    T.assert_close(f"{what}: value", v, rv, torch.float32, abs_scale=1 / temperature)
+    scale = 1 / temperature
+    T.assert_close(f"{what}: value", v, rv, torch.float32, terms=common.MODEL_TERMS, magnitude=scale)
     assert g.keys() == rg.keys(), what
     assert any(t.abs().max() > 0 for t in rg.values()), f"{what}: the model received no gradient"
+    size = max(r.double().norm().item() / max(r.numel(), 1) ** 0.5 for r in rg.values())
     for k in rg:
-        T.assert_close(f"{what}: {k}", g[k], rg[k], torch.float32, abs_scale=1 / temperature)
+        kw = dict(terms=common.MODEL_TERMS, magnitude=size * scale, logit_scale=scale)
+        T.assert_close(f"{what}: {k}", g[k], rg[k], torch.float32, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from benchmarks.triton_tools import aot  # noqa: E402
 from fastcl.kernels import _common, plan  # noqa: E402
 from fastcl.ops import _triton, contrastive  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, Filter, LSEProblem, OwnPositives, Sigmoid, poison_outputs  # noqa: E402
-from fastcl.testing import assert_close  # noqa: E402
+from fastcl.testing import assert_close, loss_terms  # noqa: E402
 from tests.ops.test_extensions import (  # noqa: E402
     Case,
     _check_backward,
@@ -186,7 +186,7 @@ def test_nan_anchor_row_under_a_filter(reduce):
     assert torch.isnan(d_b[0][5]).any(), "the NaN row's NaN reaches a candidate it keeps"
     assert (d_b[1] == 0).all(), "padding gets exactly zero"
     assert torch.isfinite(d_a[[0, 1, 3]]).all()
-    _compare("value", value, oracle(case)[0], abs_scale=1 / case.tau)
+    _compare("value", value, oracle(case)[0], case=case)
     if reduce == "lse":
         want = oracle_grads(case, w.double(), None)
     else:
@@ -198,8 +198,8 @@ def test_nan_anchor_row_under_a_filter(reduce):
         )  # fmt: skip
         want_a, want_b = TorchLSE().backward(p64, tau.double(), value.double(), w.double(), None)
         want = [want_a, *want_b]
-    _compare("d block0 row 6", d_b[0][6], want[1][6], abs_scale=1 / case.tau)
-    _compare("d anchor rows 0, 1, 3", d_a[[0, 1, 3]], want[0][[0, 1, 3]], abs_scale=1 / case.tau)
+    _compare("d block0 row 6", d_b[0][6], want[1][6], case=case)
+    _compare("d anchor rows 0, 1, 3", d_a[[0, 1, 3]], want[0][[0, 1, 3]], case=case)
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,6 +246,8 @@ def _gist_loss(backend, anchor, blocks, tags, pos, flt, tau, reduction="mean"):
 
 
 T = 0.1  # the GIST step's temperature: its logits, the loss's terms, are of size 1 / T
+# the GIST rows: 6 anchors against 6 * 2 + 4 and 6 * 3 candidates of d = 24 (_gist_inputs)
+GIST_TERMS = loss_terms(6, 6 * 2 + 4 + 6 * 3, 24)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -273,14 +275,18 @@ def test_head_step_with_a_filter(reduction, nan_column):
         assert torch.isfinite(a.grad[0]).all() and torch.isnan(a.grad[1:]).all()
         assert torch.equal(a.grad.isnan(), a64.grad.isnan())
         ok = torch.isfinite(a64.grad)
-        assert_close("d anchor row 0", a.grad[ok].double(), a64.grad[ok], torch.float32)
+        kw = dict(terms=GIST_TERMS, logit_scale=1 / T)
+        assert_close("d anchor row 0", a.grad[ok].double(), a64.grad[ok], torch.float32, **kw)
         if rows is not None:
-            assert_close("loss row 0", rows[0].double(), want[0], torch.float32, abs_scale=1 / T)
+            assert_close("loss row 0", rows[0].double(), want[0], torch.float32, terms=GIST_TERMS, magnitude=1 / T)
         return
-    assert_close("loss", loss.double(), want, torch.float32, abs_scale=1 / T)
+    assert_close("loss", loss.double(), want, torch.float32, terms=GIST_TERMS, magnitude=1 / T)
     for name, got, ref in (("d anchor", a, a64), ("d block0", b0, c0), ("d block1", b1, c1)):
-        assert_close(name, got.grad.double(), ref.grad, torch.float32)
-    assert_close("d tau", tau.grad.double(), tau64.grad, torch.float32, abs_scale=1 / T**2)  # dl/dtau = -l / tau
+        assert_close(name, got.grad.double(), ref.grad, torch.float32, terms=GIST_TERMS, logit_scale=1 / T)
+    # dl/dtau = -l / tau: the rows' (weight 1 for a mean, B for the sum of "none") logit
+    # differences times 1/tau, terms of size 1/tau^2
+    weight = 1.0 if reduction == "mean" else 6.0
+    assert_close("d tau", tau.grad.double(), tau64.grad, torch.float32, terms=GIST_TERMS, magnitude=weight / T**2)
     # the filter changed the loss (the guide drops the false negative from row 0)
     plain = _gist_loss(
         "reference", a64.detach(), (c0.detach(), c1.detach()), tags, pos, None, tau64.detach(), reduction
@@ -377,4 +383,9 @@ def test_losses_equal_the_reference(loss):
         assert (backend == "triton") == bool(launched), backend
         out[backend] = (value, *grads)
     for name, got, want in zip(("loss", "d image", "d text", "d scale"), out["triton"], out["reference"]):
-        assert_close(f"{loss} {name}", got, want, torch.float64, scalar_sum=name == "d scale")
+        # 19 rows, 19 (CLIP, SigLIP) or 19 * 4 (GIST) candidates of d = 9, logits 6 |x| |y| (the
+        # guide's d = 5 adds a filter, no sum); d scale sums the logits over the scale
+        norm = img.norm(dim=-1).max().item() * txt.norm(dim=-1).max().item()
+        logits = 6.0 * norm + 2.0
+        kw = dict(logit_scale=logits) if got.dim() else dict(magnitude=logits * (norm if name == "d scale" else 1.0))
+        assert_close(f"{loss} {name}", got, want, torch.float64, terms=loss_terms(B, 4 * B, d), **kw)

@@ -35,7 +35,8 @@ from fastcl.kernels import _common  # noqa: E402
 from fastcl.ops import _torch_impl, _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, excluded, poison_outputs  # noqa: E402
 from fastcl.ops.head import HeadInputs  # noqa: E402
-from fastcl.testing import assert_close, roundoff  # noqa: E402
+from fastcl.testing import assert_close, loss_terms, roundoff  # noqa: E402
+from tests.helpers.roundoff import grad_term_size  # noqa: E402
 
 TRITON = _triton.BACKEND
 
@@ -92,6 +93,18 @@ def _problem(B, P, Q, d, dtype, cosine, gen, exclude_own=True):
     return LSEProblem(t[0], (t[1], t[2]), (tags0, tags1), cosine, 1e-8, OwnPositives(extra, P))
 
 
+def _sizes(problem: LSEProblem, tau) -> tuple[int, float]:
+    """``(terms, logits)``: a logit's ``d``, a row's candidates, a candidate's ``B`` anchors
+    (fastcl.testing.loss_terms); the logits' size ``1/tau`` for cosine, ``max |a| |c| / tau``
+    for dot products (the finite rows)."""
+    rows = [problem.anchor, *problem.blocks]
+    terms = loss_terms(problem.anchor.shape[0], sum(b.shape[0] for b in problem.blocks), problem.anchor.shape[1])
+    if problem.cosine:
+        return terms, 1 / float(tau)
+    norms = [t.double().norm(dim=-1) for t in rows if t.numel()]
+    return terms, max(n[n.isfinite()].max().item() for n in norms) ** 2 / float(tau)
+
+
 def _oracle(problem: LSEProblem, tau: torch.Tensor, g: torch.Tensor, d_pos: torch.Tensor):
     """float64 lse, mean_logit and the gradients of ``sum g*lse + sum d_pos*l_pos``."""
     leaves = [x.detach().double().requires_grad_() for x in (problem.anchor, *problem.blocks)]
@@ -145,11 +158,12 @@ def test_primitive_matches_oracle(B, P, Q, d, dtype, cosine, exclude_own):
     assert lse.dtype == mean_logit.dtype == torch.float32
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "empty rows must give -inf exactly"
     fin = torch.isfinite(ref_lse)
-    assert_close("lse", lse[fin], ref_lse[fin], dtype)
-    assert_close("mean_logit", mean_logit, ref_ml, dtype)
+    terms, logits = _sizes(problem, tau)
+    assert_close("lse", lse[fin], ref_lse[fin], dtype, terms=terms, magnitude=logits)
+    assert_close("mean_logit", mean_logit, ref_ml, dtype, terms=terms, magnitude=logits)
     for name, got, want in zip(("d anchor", "d block0", "d block1"), (d_anchor, *d_blocks), ref_grads):
         assert got.dtype == dtype
-        assert_close(name, got, want, dtype)
+        assert_close(name, got, want, dtype, terms=terms, logit_scale=logits)
     for blk, tags in zip(d_blocks, problem.tags):  # padding: exactly zero
         assert (blk[tags == TAG_PADDING] == 0).all()
 
@@ -168,16 +182,21 @@ def test_width_one_slices_of_transposed_inputs(similarity):
         got = L.supmpn_loss(a, pos, neg, backend="triton", **kw)
         want = R.supmpn(a.double(), pos.double(), neg.double(), **kw)
         grads = [torch.autograd.grad(x, (a, pos, neg), materialize_grads=True) for x in (got, want)]
-        assert_close("loss", got, want.float(), torch.float32)
+        # a logit's d, a row's candidates, a candidate's anchors; logits 1/tau, or |a| |c| / tau
+        terms = d + B * (1 + P + Q) + B
+        norm = max(t.detach().double().norm(dim=-1).max().item() for t in (a, pos, neg) if t.numel())
+        logits = (1.0 if similarity == "cos" else norm**2) / kw["temperature"]
+        assert_close("loss", got, want.float(), torch.float32, terms=terms, magnitude=logits)
         for name, g, w in zip(("a", "pos", "neg"), grads[0], grads[1]):
             if similarity == "cos" and d == 1:  # a unit scalar cannot turn: the gradient is 0 up to rounding
                 # of terms of size d logit / d x = 1 / (tau |x|) (the smallest input), one per candidate
                 size = 1 / (kw["temperature"] * min(t.abs().min().item() for t in (a, pos, neg) if t.numel()))
-                terms = d + B * (1 + P + Q) + B
                 assert (w.abs() <= roundoff(torch.float64, terms, size)).all(), name
                 assert (g.abs() <= roundoff(torch.float32, terms, size)).all(), name
-            else:
-                assert_close(name, g, w.float(), torch.float32)
+            else:  # a mean's gradient: one candidate per row cancels it exactly (B = 1, P = 2, Q = 0)
+                term = grad_term_size((a, pos, neg), similarity=similarity, tau=kw["temperature"], row_weight=1 / B)
+                bound = dict(terms=terms, magnitude=term * logits, logit_scale=logits)
+                assert_close(name, g, w.float(), torch.float32, **bound)
 
 
 def test_empty_problems():
@@ -209,8 +228,13 @@ def test_ds_precision_modes(mode):
     assert ds_out == ({"*fp32"} if mode == "fp32" else {"*bf16"})  # the mode took effect
     ref = [x.double().requires_grad_() for x in (a, p, n)]
     R.supcon(*ref, temperature=0.1).backward()
+    # SupCon's rows: 19 anchors against 19 * (1 + 2 + 3) candidates of d = 24, logits 1/tau = 10;
+    # "input" stores dS, the gradient's terms (a mean's row weight 1/19 times 2 / (tau |x|)),
+    # in bf16: one rounding of each term (fastcl.testing's ``stored``)
+    terms = loss_terms(19, 19 * 6, 24)
+    term = grad_term_size(ref, similarity="cos", tau=0.1, row_weight=1 / 19)
     for x, y in zip(leaves, ref):
-        assert_close("grad", x.grad, y.grad, torch.bfloat16)
+        assert_close("grad", x.grad, y.grad, torch.bfloat16, terms=terms, logit_scale=10.0, stored=term)
 
 
 def test_ds_precision_default_and_choices(monkeypatch):
@@ -293,16 +317,21 @@ def test_fused_head_matches_the_pytorch_head(dtype, cosine, kind):
     want_rows, want_dlse, want_dpos = head_rows(want_lse, l_pos, mask, kind)
     assert torch.equal(lse.isnan(), want_lse.isnan()) and torch.equal(lse.isinf(), want_lse.isinf())
     fin = torch.isfinite(want_lse)
-    assert_close("lse", lse[fin], want_lse[fin], dtype)
+    terms, logits = _sizes(problem, tau)
+    assert_close("lse", lse[fin], want_lse[fin], dtype, terms=terms, magnitude=logits)
+    # rows: losses (absolute error of the logits' size); dlse, dpos: the head's weights (<= 1),
+    # relative error of the logits' size
     for name, got, want in (("rows", rows, want_rows), ("dlse", dlse, want_dlse), ("dpos", dpos, want_dpos)):
         assert got.dtype == cd and torch.equal(got.isnan(), want.isnan()), name
         ok = ~want.isnan()
-        assert_close(name, got[ok], want[ok], dtype, abs_scale=1 / 0.07)
+        kw = dict(magnitude=logits) if name == "rows" else dict(logit_scale=logits)
+        assert_close(name, got[ok], want[ok], dtype, terms=terms, **kw)
     assert rows[8] == 0 and (dpos[8] == 0).all() and dlse[8] == 0  # no valid positive: nothing
     assert rows[5].isnan() and rows[6].isnan()  # a NaN anchor, an Inf positive
     want_w = want_dlse * mean + (want_dpos * torch.where(mask, l_pos, 0.0)).sum(1)
     ok = ~want_w.isnan()
-    assert_close("w_row", w_row[ok], want_w[ok], dtype, abs_scale=1 / 0.07)
+    # w_row: weights (<= 1, relative error eps * logits) times logits (absolute error eps * logits)
+    assert_close("w_row", w_row[ok], want_w[ok], dtype, terms=terms + P, magnitude=logits * (1 + logits))
     assert loss.dtype == dtype and loss.isnan()  # the NaN rows reach the reduced loss
     keep = ~want_rows.isnan()
     with poison_outputs():
@@ -346,9 +375,12 @@ def test_loss_step_takes_the_fused_head(monkeypatch):
     a64, tau64 = a.detach().double().requires_grad_(), tau.detach().double().requires_grad_()
     want = L.supmpn_loss(a64, p.double(), n.double(), temperature=tau64, backend="reference")
     want.backward()
-    assert_close("loss", loss.double(), want, torch.float32, abs_scale=20.0)
-    assert_close("d anchor", a.grad.double(), a64.grad, torch.float32)
-    assert_close("d tau", tau.grad.double(), tau64.grad, torch.float32, abs_scale=100.0)
+    # 6 anchors against 6 * (3 + 2) candidates of d = 16, logits 1/tau = 10; d tau: a mean's
+    # rows' logit differences times 1/tau, terms of size 1/tau^2
+    terms = loss_terms(6, 30, 16)
+    assert_close("loss", loss.double(), want, torch.float32, terms=terms, magnitude=10.0)
+    assert_close("d anchor", a.grad.double(), a64.grad, torch.float32, terms=terms, logit_scale=10.0)
+    assert_close("d tau", tau.grad.double(), tau64.grad, torch.float32, terms=terms, magnitude=100.0)
 
 
 # ---------------------------------------------------------------------------------------

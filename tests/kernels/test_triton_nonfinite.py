@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 import fastcl.losses as L  # noqa: E402
 from fastcl.ops import _triton  # noqa: E402
 from fastcl.ops.contract import TAG_ALL, TAG_PADDING, LSEProblem, OwnPositives, poison_outputs  # noqa: E402
-from fastcl.testing import assert_close  # noqa: E402
+from fastcl.testing import assert_close, loss_terms  # noqa: E402
 
 TRITON = _triton.BACKEND
 LOSSES = {"supmpn": L.supmpn_loss, "supcon": L.supcon_loss}
@@ -153,6 +153,10 @@ def test_cosine_primitive_is_scale_free(dtype, scales):
 
     want = run(1.0, 1.0)
     got = run(*scales)
+    # the same sums on scaled rows: a logit's d, a row's extra + B P + Q candidates, a candidate's
+    # B anchors; logits 1/tau, an absolute error of lse and mean logits, a relative one of gradients
+    terms = loss_terms(B, extra + B * P + Q, d)
     for name, x, y in zip(("lse", "mean_logit", "d anchor", "d block0", "d block1"), got, want):
         assert torch.isfinite(x).all(), name
-        assert_close(name, x, y, dtype)
+        kw = dict(logit_scale=1 / float(tau)) if name.startswith("d ") else dict(magnitude=1 / float(tau))
+        assert_close(name, x, y, dtype, terms=terms, **kw)

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 import fastcl.losses as L
 from fastcl.integrations import open_clip as foc
 from fastcl.ops.dispatch import BackendUnavailableError
-from fastcl.testing import assert_close
+from fastcl.testing import assert_close, loss_terms
 from tests.helpers.backends import backends_under_test, device_under_test, require
 from tests.helpers.open_clip import require_open_clip
+from tests.helpers.roundoff import grad_term_size
 
 BACKENDS = ["reference", *backends_under_test()]
 
@@ -40,6 +41,25 @@ def _features(B, d, seed, *, normalised, dtype=torch.float64):
     txt = txt + 0.5 * img  # pairs that agree, as after some training
     dev = device_under_test()
     return img.to(dev, dtype).requires_grad_(), txt.to(dev, dtype).requires_grad_()
+
+
+def _sizes(img, txt, scale, bias=0.0) -> tuple[int, float]:
+    """``(terms, logit size)``: a logit sums ``d`` products, a row and a column ``B`` each
+    (fastcl.testing.loss_terms); the logits are ``scale |img| |txt| + |bias|`` at most."""
+    B, d = img.shape
+    n = img.detach().double().norm(dim=-1).max() * txt.detach().double().norm(dim=-1).max()
+    return loss_terms(B, B, d), float(scale) * n.item() + abs(float(bias))
+
+
+def _close(name, got, want, dtype, img, txt, scale, bias=0.0, *, grad: bool, eager=None):
+    """A value (absolute error of the logits' size) or a gradient (relative, times it, of its
+    terms: a mean's row weight 1/B times ``scale |x|``, which cancel exactly at B = 1)."""
+    terms, logits = _sizes(img, txt, scale, bias)
+    kw: dict = dict(magnitude=logits)
+    if grad:
+        term = grad_term_size((img, txt), similarity="dot", tau=1 / float(scale), row_weight=1 / img.shape[0])
+        kw = dict(magnitude=term * logits, logit_scale=logits)
+    assert_close(name, got, want, dtype, eager, terms=terms, **kw)
 
 
 def _grads(loss, leaves):
@@ -70,14 +90,17 @@ def test_drop_in_equals_open_clip(backend, B, normalised, with_bias, loss):
     want = theirs(img, txt, t, b)
     got = ours(img, txt, t, b)
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert_close(f"{loss} loss", got, want, torch.float64)
+    _close(f"{loss} loss", got, want, torch.float64, img, txt, t.item(), 0.0 if b is None else b.item(), grad=False)
     for name, g, w in zip(
         ("d image", "d text", "d logit_scale", "d logit_bias"), _grads(got, leaves), _grads(want, leaves)
     ):
         if w is None:  # open_clip's ClipLoss: the bias cancels, its gradient is (rounding of) 0
             assert g is None or g.abs().max() <= 1e-12, name
             continue
-        assert_close(f"{loss} {name}", g, w, torch.float64, abs_scale=t.item())
+        # d logit_scale sums the logits over the scale (terms |img| |txt|), as d bias sums the
+        # softmax or sigmoid weights: both are values of the logits' size, not gradients
+        bias = 0.0 if b is None else b.item()
+        _close(f"{loss} {name}", g, w, torch.float64, img, txt, t.item(), bias, grad=g.dim() > 0)
     as_dict = ours(img, txt, t, b, output_dict=True)
     assert set(as_dict) == {"contrastive_loss"} and torch.equal(as_dict["contrastive_loss"], got)
 
@@ -102,9 +125,9 @@ def test_lower_precision_within_the_dtype_bound(backend, dtype, loss):
     leaves_lp = [x.detach().requires_grad_() for x in (img, txt)]
     eager = peer(*leaves_lp, torch.tensor(t, dtype=dtype), torch.tensor(b, dtype=dtype))
     eager_g = _grads(eager, leaves_lp)
-    assert_close(f"{loss} {dtype}", got.float(), want, dtype, eager=eager.float(), abs_scale=t)
+    _close(f"{loss} {dtype}", got.float(), want, dtype, img, txt, t, b, grad=False, eager=eager.float())
     for name, g, w, e in zip(("d image", "d text"), got_g, want_g, eager_g):
-        assert_close(f"{loss} {dtype} {name}", g.float(), w, dtype, eager=e.float(), abs_scale=t)
+        _close(f"{loss} {dtype} {name}", g.float(), w, dtype, img, txt, t, b, grad=True, eager=e.float())
 
 
 def test_reductions_and_mask(backend):
@@ -117,10 +140,12 @@ def test_reductions_and_mask(backend):
         rows = fn(img, txt, 3.0, reduction="none", backend=backend, **extra)
         assert rows.shape == (9,)
         total = fn(img, txt, 3.0, reduction="sum", backend=backend, **extra)
-        assert_close("sum = sum of rows", total, rows.sum(), torch.float64)
+        _close("sum = sum of rows", total, rows.sum(), torch.float64, img, txt, 3.0, 1.0, grad=False)
         masked = fn(img, txt, 3.0, mask=mask, backend=backend, **extra)
         sub = fn(img[keep], txt[keep], 3.0, backend=backend, **extra)
-        assert_close("masked = the batch without the padded pairs", masked, sub, torch.float64)
+        _close(
+            "masked = the batch without the padded pairs", masked, sub, torch.float64, img, txt, 3.0, 1.0, grad=False
+        )
         d_img, d_txt = _grads(masked, (img, txt))
         assert (d_img[~mask] == 0).all() and (d_txt[~mask] == 0).all()
         assert d_img[mask].abs().sum() > 0
@@ -131,9 +156,10 @@ def test_siglip_matryoshka_is_the_sum_over_prefixes(backend):
     dims, weights = (12, 4, 8), (1.0, 0.5, 2.0)
     got = L.siglip_loss(img, txt, 5.0, -2.0, matryoshka_dims=dims, matryoshka_weights=weights, backend=backend)
     want = sum(w * L.siglip_loss(img[:, :m], txt[:, :m], 5.0, -2.0, backend="reference") for m, w in zip(dims, weights))
-    assert_close("matryoshka value", got, want, torch.float64)
+    weight = sum(weights)  # the prefixes' sums add up with these weights
+    _close("matryoshka value", got, want, torch.float64, img, txt, 5.0 * weight, 2.0 * weight, grad=False)
     for g, w in zip(_grads(got, (img, txt)), _grads(want, (img, txt))):
-        assert_close("matryoshka grad", g, w, torch.float64)
+        _close("matryoshka grad", g, w, torch.float64, img, txt, 5.0 * weight, 2.0 * weight, grad=True)
 
 
 def test_strategies_agree(backend):
@@ -148,7 +174,7 @@ def test_strategies_agree(backend):
         loss = L.siglip_loss(img, txt, 4.0, 1.0, backend=backend, strategy=strategy)
         out.append((loss, *_grads(loss, (img, txt))))
     for a, b in zip(*out):
-        assert_close("fused vs recompute", a, b, torch.float64)
+        _close("fused vs recompute", a, b, torch.float64, img, txt, 4.0, 1.0, grad=a.dim() > 0)
 
 
 def test_module_forms():
@@ -208,6 +234,6 @@ def test_clip_symmetric_step_equals_the_two_directions(backend):
             loss = L.clip_loss(img, txt, t, backend=backend, mask=torch.ones(23, dtype=torch.bool))
         out.append((loss, *_grads(loss, (img, txt, t))))
     for a, b in zip(*out):
-        assert_close("symmetric vs directional", a, b, torch.float64)
+        _close("symmetric vs directional", a, b, torch.float64, img, txt, t.item(), grad=a.dim() > 0)
     if backend in ("reference", "torch", "cpp"):
         assert chosen == backend, "the reference, torch and cpp backends compute column statistics"

@@ -22,8 +22,9 @@ import torch
 import fastcl.losses as L
 from fastcl import reference as R
 from fastcl.ops.contract import poison_outputs
-from fastcl.testing import FLOOR, assert_close
+from fastcl.testing import assert_close, close_bound, loss_terms
 from tests.helpers.backends import backends_under_test, device_under_test, require, small_only
+from tests.helpers.roundoff import grad_term_size
 
 SMALL_SHAPES = [  # (B, P, Q, d)
     (1, 1, 0, 1),
@@ -125,6 +126,13 @@ def _inputs(family, shape, dtype, opt, gen, device):
     return dict(anchor=emb(B, d), dropout_view=emb(B, d), augmented_view=emb(B, d)), {}
 
 
+def _rows_counted(family, kw, B: int) -> int:
+    """The rows a mean divides by: the anchors with a valid positive (at least 1)."""
+    if family == "structured" and "pos_mask" in kw:
+        return max(int(kw["pos_mask"].any(1).sum()), 1)
+    return B
+
+
 def _run(fn, tensors, kw, tau, reduction, similarity, upstream, **extra):
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in tensors.items() if v is not None}
     args = {**{k: None for k in tensors}, **leaves}
@@ -186,8 +194,21 @@ def test_loss_matches_reference(backend, loss, shape, dtype, reduction, opt):
         eager, eager_g = _run(oracle, tensors, kw, tau, reduction, opt["similarity"], upstream)
 
     assert got.dtype == dtype
-    logit_scale = 1.0 / float(tau)  # |logits| <= 1/tau for cosine; O(1/tau) for the scaled dot inputs
-    assert_close("loss", got, ref, dtype, eager, abs_scale=logit_scale)
+    # the logits' size: 1/tau for cosine, max |a| |c| / tau for dot products
+    norms = [t.double().norm(dim=-1).max().item() for t in tensors.values() if t is not None and t.numel()]
+    logit_scale = (1.0 if opt["similarity"] == "cos" else max(norms) ** 2) / float(tau)
+    # a row's candidates are at most every input row (anchors included, for SupCon)
+    rows = sum(t.numel() // t.shape[-1] for t in tensors.values() if t is not None)
+    terms = loss_terms(B, rows, shape[3])
+    # d tau sums the rows' logit differences (size 1/tau each) times 1/tau, weighted by the
+    # reduction: total weight 1 (mean), B (sum), sum |upstream| (none)
+    weight = {"mean": 1.0, "sum": float(B), "none": upstream.abs().sum().item()}[reduction]
+    # an embedding's gradient sums terms of one row's weight (1/rows for a mean) that may cancel
+    row_weight = {"mean": 1.0 / _rows_counted(family, kw, B), "sum": 1.0, "none": upstream.abs().max().item()}
+    term = grad_term_size(
+        tensors.values(), similarity=opt["similarity"], tau=float(tau), row_weight=row_weight[reduction]
+    )
+    assert_close("loss", got, ref, dtype, eager, terms=terms, magnitude=logit_scale)
     for name, g in ref_g.items():
         assert_close(
             f"d {name}",
@@ -195,8 +216,12 @@ def test_loss_matches_reference(backend, loss, shape, dtype, reduction, opt):
             g,
             dtype,
             eager_g.get(name),
-            scalar_sum=name == "temperature",
-            abs_scale=logit_scale,
+            terms=terms,
+            # d tau: terms of size weight / tau^2, its 16-bit row weights stored; an embedding's
+            # gradient: relative error eps / tau, or that of its terms where they cancel
+            magnitude=weight * logit_scale**2 if name == "temperature" else term * logit_scale,
+            logit_scale=1.0 if name == "temperature" else logit_scale,
+            stored=weight * logit_scale**2 if name == "temperature" else 0.0,
         )
         if name != "temperature":
             assert got_g[name].dtype == dtype
@@ -208,5 +233,8 @@ def test_loss_matches_reference(backend, loss, shape, dtype, reduction, opt):
         assert (got_g[key][~kw["neg_mask"]] == 0).all()
 
 
-def test_tolerance_table_covers_dtypes():
-    assert set(DTYPES) <= set(FLOOR)
+def test_every_dtype_has_a_bound():
+    """The bounds follow from each dtype's epsilon (fastcl.testing): none is zero or infinite."""
+    for dtype in DTYPES:
+        b = close_bound(torch.ones(3, dtype=torch.float64), dtype, terms=loss_terms(4, 8, 16), logit_scale=20.0)
+        assert 0 < b < 1

@@ -31,8 +31,9 @@ from fastcl.ops.contract import (
     poison_outputs,
 )
 from fastcl.ops.head import SIGMOID_HEAD, HeadInputs
-from fastcl.testing import assert_close
+from fastcl.testing import assert_close, loss_terms
 from tests.helpers.backends import backends_under_test, device_under_test, require, small_only
+from tests.helpers.roundoff import grad_term_size
 from tests.helpers.seeds import case_seed
 
 # --------------------------------------------------------------------------- the oracle
@@ -235,15 +236,46 @@ if not small_only():
     CASES.append((37, 80, 45, 70))
 
 
-def _compare(name, got, want, dtype=torch.float32, **kw):
-    """``assert_close`` on the finite entries; NaN and -inf must sit exactly where the oracle's are."""
+def _compare(
+    name,
+    got,
+    want,
+    dtype=torch.float32,
+    *,
+    case: Case | None = None,
+    terms: int | None = None,
+    logit_scale: float | None = None,
+    row_weight: float | None = None,
+):
+    """``assert_close`` on the finite entries; NaN and -inf must sit exactly where the oracle's are.
+    The sums (``terms``, by default from ``case``): a logit's ``d``, a row's ``N0 + N1``
+    candidates, a candidate's ``B`` anchors; the logits' size ``max |a| |c| / tau`` (``1/tau``
+    for cosine, plus the sigmoid's ``|bias|``) is an absolute error of an lse, a mean logit or a
+    value, a relative one of a gradient (a name starting with ``d``), or of its terms when they
+    cancel (``row_weight``: the largest upstream weight of a row, e.g. the fused head's, whose
+    gradient is softmax minus the own positives)."""
     got, want = got.detach().cpu().double(), want.detach().cpu().double()
     for what, test in (("NaN", torch.isnan), ("-inf", lambda t: t == -math.inf)):
         assert torch.equal(test(got), test(want)), (
             f"{name}: {what} at {test(got).nonzero().tolist()}, want {test(want).nonzero().tolist()}"
         )
     finite = torch.isfinite(want)
-    assert_close(name, got[finite], want[finite], dtype, **kw)
+    rows = []
+    if case is not None:
+        (B, d), N = case.anchor.shape, sum(b.shape[0] for b in case.blocks)
+        rows = [t.detach().double().nan_to_num(0.0, 0.0, 0.0) for t in (case.anchor, *case.blocks) if t.numel()]
+        norm = 1.0 if case.cosine else max(t.norm(dim=-1).max().item() for t in rows)
+        terms = loss_terms(B, N, d) if terms is None else terms
+        logit_scale = norm**2 / case.tau + abs(case.bias or 0.0) if logit_scale is None else logit_scale
+    assert terms is not None and logit_scale is not None, "give a case or the terms and the logits' size"
+    kw: dict = dict(magnitude=logit_scale)
+    if name.startswith("d") or " d " in name:
+        kw = dict(logit_scale=logit_scale)  # magnitude: max |want| (no cancellation)
+        if row_weight is not None and case is not None:
+            sim = "cos" if case.cosine else "dot"
+            term = grad_term_size(rows, similarity=sim, tau=case.tau, row_weight=row_weight)
+            kw["magnitude"] = max(want[finite].abs().max().item() if finite.any() else 0.0, term * logit_scale)
+    assert_close(name, got[finite], want[finite], dtype, terms=terms, **kw)
 
 
 def _takes(impl, prob: LSEProblem) -> None:
@@ -265,8 +297,8 @@ def _check_forward(impl, case: Case, dtype=torch.float32):
         want = torch.stack([v for v, _ in outs])
         want_stats = torch.stack([s for _, s in outs], dim=1 if case.bias is not None else 0)
     assert value.shape == want.shape and stats.shape == want_stats.shape
-    _compare("value", value, want, dtype, abs_scale=1 / case.tau)
-    _compare("stats", stats, want_stats, dtype, abs_scale=1 / case.tau)
+    _compare("value", value, want, dtype, case=case)
+    _compare("stats", stats, want_stats, dtype, case=case)
 
 
 def _check_backward(impl, case: Case, seed: int, dtype=torch.float32):
@@ -295,7 +327,7 @@ def _check_backward(impl, case: Case, seed: int, dtype=torch.float32):
         want = part if want is None else [x + y for x, y in zip(want, part)]
     assert want is not None
     for name, got, ref in zip(("d anchor", "d block0", "d block1"), (d_a, d0, d1), want):
-        _compare(name, got, ref, dtype, abs_scale=1 / case.tau)
+        _compare(name, got, ref, dtype, case=case)
     pad = torch.cat(case.tags) == TAG_PADDING
     assert (torch.cat([d0, d1])[pad] == 0).all(), "padded slots get exactly zero gradient"
 
@@ -316,7 +348,7 @@ def _check_fused(impl, case: Case, seed: int, dtype=torch.float32):
     head = _head(case, prob, w[0] if case.dims is None else w)
     with poison_outputs():
         out = impl.fused(prob, tau, head)
-    _compare("fused value", out.lse, impl.forward(prob, tau)[0], dtype, abs_scale=1 / case.tau)
+    _compare("fused value", out.lse, impl.forward(prob, tau)[0], dtype, case=case)
     assert out.d_anchor is not None and out.d_blocks is not None
     value = oracle(case)[0] if case.dims is None else None
     grads = [torch.zeros(x.shape, dtype=torch.float64) for x in (case.anchor, *case.blocks)]
@@ -330,7 +362,7 @@ def _check_fused(impl, case: Case, seed: int, dtype=torch.float32):
         part = oracle_grads(case, g, d_pos, m)
         grads = [x + y.cpu() for x, y in zip(grads, part)]
     for name, got, ref in zip(("d anchor", "d block0", "d block1"), (out.d_anchor, *out.d_blocks), grads):
-        _compare(f"fused {name}", got, ref, dtype, abs_scale=1 / case.tau)
+        _compare(f"fused {name}", got, ref, dtype, case=case, row_weight=w.abs().max().item() if w.numel() else 0.0)
 
 
 # --------------------------------------------------------------------------- tests
@@ -439,7 +471,7 @@ def test_nan_in_a_dropped_column(backend, reduce):
     want_grads = oracle_grads(row0, g[:1].cpu(), None)
     assert all(torch.isfinite(w).all() for w in want_grads)
     for name, got, ref in zip(("d anchor", "d block0", "d block1"), (grads[0], *grads[1]), want_grads):
-        _compare(name, got, ref, abs_scale=1 / case.tau)
+        _compare(name, got, ref, case=case)
 
 
 def test_bad_filter_shapes():
@@ -508,8 +540,8 @@ def test_column_statistics(backend, monkeypatch, fastcl_config, shape, cosine):
     with small_tiles(backend, fastcl_config), poison_outputs():
         value, ml = impl.forward(prob, tau)
     assert value.shape == (prob.num_rows,)
-    _compare("lse", value, want, abs_scale=1 / case.tau)
-    _compare("mean logit", ml, want_ml, abs_scale=1 / case.tau)
+    _compare("lse", value, want, case=case)
+    _compare("mean logit", ml, want_ml, case=case)
     g = torch.randn(prob.num_rows, generator=torch.Generator().manual_seed(seed)).double()
     g = torch.where(torch.isfinite(want.detach().cpu()), g, 0.0)
     d_pos = None if case.positives is None else torch.randn(B, case.positives.count).double()
@@ -525,7 +557,7 @@ def test_column_statistics(backend, monkeypatch, fastcl_config, shape, cosine):
             prob, tau, value, g.float().to(dev), None if d_pos is None else d_pos.float().to(dev)
         )
     for name, got, r in zip(("d anchor", "d block0", "d block1"), (d_a, d0, d1), ref):
-        _compare(name, got, r, abs_scale=1 / case.tau)
+        _compare(name, got, r, case=case)
 
 
 @pytest.mark.parametrize("cosine", [True, False], ids=["cos", "dot"])
@@ -553,14 +585,14 @@ def test_column_statistics_empty_lines(backend, fastcl_config, cosine):
         with small_tiles(backend, fastcl_config), poison_outputs():
             value, ml = impl.forward(prob, tau)
         assert (value.cpu()[empty] == -math.inf).all() and (ml.cpu()[empty] == 0).all()
-        _compare("lse", value, want, abs_scale=1 / case.tau)
-        _compare("mean logit", ml, want_ml, abs_scale=1 / case.tau)
+        _compare("lse", value, want, case=case)
+        _compare("mean logit", ml, want_ml, case=case)
         g = torch.linspace(0.5, 1.5, prob.num_rows, dtype=torch.float64)  # nonzero on the empty lines too
         ref = torch.autograd.grad((g[~empty].to(want.device) * want[~empty]).sum(), leaves)
         with small_tiles(backend, fastcl_config), poison_outputs():
             d_a, (d0, d1) = impl.backward(prob, tau, value, g.float().to(dev), None)
         for name, got, r in zip(("d anchor", "d block0", "d block1"), (d_a, d0, d1), ref):
-            _compare(name, got, r, abs_scale=1 / case.tau)
+            _compare(name, got, r, case=case)
         d_c, lonely = torch.cat([d0, d1]).cpu(), empty[B:]
         assert (d_c[lonely] == 0).all(), "a column in no row gets exactly zero gradient"
         if empty[:B].any():
@@ -585,5 +617,5 @@ def test_column_statistics_non_finite(backend, fastcl_config):
     with small_tiles(backend, fastcl_config), poison_outputs():
         value, ml = impl.forward(prob, torch.tensor(case.tau, device=dev))
     assert torch.isfinite(want[5 + 1]) and torch.isfinite(want[5 + 3]) and want[5 + 4] == -math.inf
-    _compare("lse", value, want, abs_scale=1 / case.tau)
-    _compare("mean logit", ml, want_ml, abs_scale=1 / case.tau)
+    _compare("lse", value, want, case=case)
+    _compare("mean logit", ml, want_ml, case=case)

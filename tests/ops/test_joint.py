@@ -10,7 +10,7 @@ import torch
 
 import fastcl.losses as L
 from fastcl.ops import _cpp, dispatch, joint
-from fastcl.testing import assert_close, assert_roundoff
+from fastcl.testing import assert_close, assert_roundoff, loss_terms
 from tests.helpers.backends import backends_under_test, require
 
 
@@ -37,7 +37,12 @@ def test_joint_sweep_equals_two_recomputed_calls(backend, reduction, monkeypatch
         runs[strategy] = (loss, *torch.autograd.grad(loss, [*leaves, tau]))
     assert used == [1], "the fused backend's mean/sum GIST must take the joint sweep (and recompute must not)"
     for name, x, y in zip(("loss", "d anchor", "d positive", "d negatives", "d tau"), runs["auto"], runs["recompute"]):
-        assert_close(f"joint vs recompute: {name}", x, y, torch.float32, scalar_sum=name == "d tau", abs_scale=1 / 0.07)
+        # GIST's rows: B anchors against 3 + 2 blocks of B candidates, logits of size 1/tau; d tau
+        # sums the rows' logit differences times 1/tau (fastcl.testing's module docstring)
+        weight = 1.0 if reduction == "mean" else float(B)
+        size = {"loss": 1 / 0.07, "d tau": weight / 0.07**2}.get(name)
+        kw = dict(magnitude=size) if size else dict(logit_scale=1 / 0.07)
+        assert_close(f"joint vs recompute: {name}", x, y, torch.float32, terms=loss_terms(B, 5 * B, d), **kw)
 
 
 # --------------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ from hypothesis import strategies as st  # noqa: E402
 import fastcl.losses as L  # noqa: E402
 from fastcl import reference as R  # noqa: E402
 from fastcl.ops.contract import poison_outputs  # noqa: E402
-from fastcl.testing import assert_close, assert_roundoff  # noqa: E402
+from fastcl.testing import assert_close, assert_roundoff, loss_terms  # noqa: E402
 from tests.helpers.backends import backends_under_test, device_under_test, require, small_only  # noqa: E402
+from tests.helpers.roundoff import grad_term_size  # noqa: E402
 
 _COMMON = dict(
     deadline=None,
@@ -251,6 +252,14 @@ def _padded_grads_are_zero(case, grads) -> None:
         assert (g[~mask] == 0).all(), f"padded {name} got a nonzero gradient"
 
 
+def _logit_scale(case, leaves) -> float:
+    """The logits' size: ``1/tau`` for cosine, ``max |a| |c| / tau`` for dot products."""
+    if case["similarity"] == "cos":
+        return 1.0 / case["tau"]
+    views = [_view(v, case["layouts"][k], case["shapes"][k]).double() for k, v in leaves.items()]
+    return max(v.norm(dim=-1).max().item() for v in views if v.numel()) ** 2 / case["tau"]
+
+
 def _check_against_oracle(case, backend, leaves, device) -> None:
     fn, oracle = LOSSES[case["loss"]]
     dtype = case["dtype"]
@@ -261,8 +270,18 @@ def _check_against_oracle(case, backend, leaves, device) -> None:
     if dtype != torch.float64:
         eager, eager_g = _run(oracle, leaves, case, _tau(case, dtype))
     assert got.dtype == dtype
-    logit_scale = 1.0 / case["tau"]
-    assert_close("loss", got, ref, dtype, eager, abs_scale=logit_scale)
+    (B, d), (_, P, _), (_, Q, _) = (case["shapes"][k] for k in ("anchor", "positives", "negatives"))
+    logit_scale = _logit_scale(case, leaves)
+    terms = loss_terms(B, B * (1 + P + Q), d)  # a row's candidates: at most every input row
+    # d tau sums the rows' logit differences (size 1/tau each) times 1/tau, weighted by the
+    # reduction (the test sums the per-row losses of "none"): total weight 1 (mean) or B
+    weight = 1.0 if case["reduction"] == "mean" else float(B)
+    # an embedding's gradient sums terms of one row's weight (1/rows for a mean) that may cancel
+    rows = max(int(case["has_pos"].sum()), 1)
+    views = [_view(v, case["layouts"][k], case["shapes"][k]) for k, v in leaves.items()]
+    row_weight = 1.0 / rows if case["reduction"] == "mean" else 1.0
+    term = grad_term_size(views, similarity=case["similarity"], tau=case["tau"], row_weight=row_weight)
+    assert_close("loss", got, ref, dtype, eager, terms=terms, magnitude=logit_scale)
     for name, g in ref_g.items():
         assert_close(
             f"d {name}",
@@ -270,8 +289,12 @@ def _check_against_oracle(case, backend, leaves, device) -> None:
             g,
             dtype,
             eager_g.get(name),
-            scalar_sum=name == "temperature",
-            abs_scale=logit_scale,
+            terms=terms,
+            # d tau: terms of size weight / tau^2, its 16-bit row weights stored; an embedding's
+            # gradient: relative error eps / tau, or that of its terms where they cancel
+            magnitude=weight * logit_scale**2 if name == "temperature" else term * logit_scale,
+            logit_scale=1.0 if name == "temperature" else logit_scale,
+            stored=weight * logit_scale**2 if name == "temperature" else 0.0,
         )
     _padded_grads_are_zero(case, got_g)
 

@@ -6,7 +6,8 @@ Jit helpers (used by the plain and the Matryoshka kernels alike):
   worked around;
 * :func:`block_of_tile`: which candidate block a column tile belongs to (both blocks are
   served by one launch: block 0's tiles first, then block 1's);
-* :func:`dot_tile`: the GEMM main loop of one ``[BM, BN]`` tile over a range of ``d``;
+* :func:`dot_tile`: the GEMM main loop of one ``[BM, BN]`` tile over a range of ``d``, and
+  :func:`prefix_segment`, one Matryoshka segment of it;
 * :func:`scale_logits`, :func:`structural_mask`, :func:`online_lse`: the logit epilogue of
   the forward and backward sweeps.
 
@@ -145,6 +146,21 @@ def dot_tile(
             y = y * sy[:, None]
         acc = mma(x, tl.trans(y), acc, PRECISION)
     return acc
+
+
+@triton.jit
+def prefix_segment(
+    acc, lo, END, SCALES, x_rows, y_rows, x_off, y_off, x_ok, y_ok, PRECISION: tl.constexpr, BK: tl.constexpr
+):
+    """One segment ``[lo, END[0])`` of a Matryoshka sweep's loop over ``d`` (``lse_fwd.py``,
+    ``lse_bwd.py``): ``acc`` runs on unscaled (one load scale cannot serve every prefix), so it
+    ends as the prefix's raw dot tile; returns it, the next segment's start and the prefix's
+    row scales, read from ``SCALES`` (its ``NORMS`` row) at ``x_off``/``y_off``."""
+    hi = tl.load(END)
+    acc = dot_tile(acc, x_rows, y_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
+    sx = tl.load(SCALES + x_off, mask=x_ok, other=0.0)
+    sy = tl.load(SCALES + y_off, mask=y_ok, other=0.0)
+    return acc, hi, sx, sy
 
 
 @triton.jit

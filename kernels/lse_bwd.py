@@ -49,6 +49,7 @@ from ._common import (
     ext_own,
     grouped_tile,
     load_tags,
+    prefix_segment,
     sigmoid_terms,
     structural_mask,
 )
@@ -180,6 +181,7 @@ def _lse_ds_kernel(
             counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
             tile_ok = row_ok[:, None] & col_ok[None, :]
             ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
+            norm_cols = c_norm + cols
         else:
             ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
             ic = tl.load(NORMS + c_norm + cols, mask=col_ok, other=0.0)
@@ -189,12 +191,10 @@ def _lse_ds_kernel(
         # one main loop: the running accumulator at the end of segment k is prefix k's raw dot tile
         lo = 0
         for k in range(0, K):
-            if PREFIXES:  # tiles scaled after the product: one load scale cannot serve every prefix
-                hi = tl.load(BOUNDS + k)
-                acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
-                lo = hi
-                ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
-                ic = tl.load(NORMS + k * R + c_norm + cols, mask=col_ok, other=0.0)
+            if PREFIXES:  # segment k, then prefix k's scales
+                acc, lo, ia, ic = prefix_segment(
+                    acc, lo, BOUNDS + k, NORMS + k * R, a_rows, c_rows, rows, norm_cols, row_ok, col_ok, PRECISION, BK
+                )
             else:  # the mask after the product: no mask tile lives through the main loop
                 acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
                 tags = load_tags(TAGS, cols, col_ok)

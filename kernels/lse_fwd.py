@@ -40,6 +40,7 @@ from ._common import (
     ext_logits,
     ext_own,
     load_tags,
+    prefix_segment,
     reduce_tile,
     structural_mask,
 )
@@ -168,12 +169,10 @@ def _lse_fwd_kernel(
         acc = tl.zeros([BM, BN], dtype=ACC)
         lo = 0
         for k in range(0, K):
-            if PREFIXES:  # tiles scaled after the product: one load scale cannot serve every prefix
-                hi = tl.load(BOUNDS + k)
-                acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
-                lo = hi
-                ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
-                ic = tl.load(NORMS + k * R + norm_cols, mask=col_ok, other=0.0)
+            if PREFIXES:  # segment k, then prefix k's scales
+                acc, lo, ia, ic = prefix_segment(
+                    acc, lo, BOUNDS + k, NORMS + k * R, a_rows, c_rows, rows, norm_cols, row_ok, col_ok, PRECISION, BK
+                )
             else:  # the mask after the product: no mask tile lives through the main loop
                 acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
                 structural = structural_mask(rows, B, tags, col_ok)

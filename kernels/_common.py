@@ -12,8 +12,9 @@ Jit helpers (used by the plain and the Matryoshka kernels alike):
   the forward and backward sweeps.
 
 Launches: every kernel launch goes through :func:`launch`, which takes every argument by
-keyword and one :class:`~fastcl.kernels.configs.Config` from the config table (never an
-autotuner: a training step never benchmarks), checks the arguments once per kernel, records
+keyword (the launchers produce them from one argument record per launch family,
+:class:`KernelArgs`) and one :class:`~fastcl.kernels.configs.Config` from the config table
+(never an autotuner: a training step never benchmarks), checks the arguments once per kernel, records
 the launch while a :func:`recording` is active and launches through ``wrap_triton`` so that
 ``torch.compile`` can trace into the kernel. The AOT compile list
 (``benchmarks.triton_tools.aot``) is exactly the set of recorded launches.
@@ -22,6 +23,8 @@ the launch while a :func:`recording` is active and launches through ``wrap_trito
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import os
 import threading
@@ -501,6 +504,66 @@ def num_sms(device: torch.device, arch: str) -> int:
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SMS[index]
+
+
+class KernelArgs:
+    """Base of the launchers' argument records (frozen dataclasses, one per launch family, next
+    to their kernels): a field is named as the kernel parameter it fills, or is a record of the
+    same kind whose fields join in (a parameter group two kernels share). A pointer left None is
+    one the launch's specialisation never reads: :meth:`kwargs` passes the placeholder ``none``
+    there (Triton takes no None for a pointer). The kernels keep flat parameters; the records
+    live on the host only."""
+
+    __slots__ = ()
+
+    def kwargs(self, none: torch.Tensor) -> dict:
+        """The launch's keywords (:func:`launch`)."""
+        out: dict = {}
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
+            if isinstance(value, KernelArgs):
+                out.update(value.kwargs(none))
+            else:
+                out[name] = none if value is None else value
+        out.update(self.derived())
+        return out
+
+    def derived(self) -> dict:
+        """Parameters that follow from the fields (flags of the pointers given)."""
+        return {}
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    # once per record class: dataclasses.fields() builds its tuple on every call (host time per launch)
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True)
+class PrefixArgs(KernelArgs):
+    """The sweeps' Matryoshka parameters: the sorted segment ends, their count and a self
+    filter's threshold stride per prefix (a plain problem reads none of them)."""
+
+    BOUNDS: torch.Tensor | None = None
+    n_prefixes: int = 1
+    stride_thr: int = 0
+    PREFIXES: bool = False
+
+
+@dataclass(frozen=True)
+class ExtArgs(KernelArgs):
+    """The sweeps' extension parameters that hold for a whole call (``contract.Filter``,
+    ``contract.Sigmoid``): the poison, thresholds, guide anchors and their scales, the bias
+    and the guide's width; a sweep adds its guide candidates and own positives."""
+
+    POISON: torch.Tensor | None = None
+    THR: torch.Tensor | None = None
+    GA: torch.Tensor | None = None
+    GNORMS: torch.Tensor | None = None
+    BIAS: torch.Tensor | None = None
+    g: int = 0
+    FILTER: int = 0
+    SIGMOID: bool = False
 
 
 def _check_arguments(kernel: Kernel, config, args: dict) -> None:

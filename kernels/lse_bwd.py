@@ -35,13 +35,19 @@ generated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._common import (
     FILTER_NONE,
     TAG_PADDING,
+    ExtArgs,
     Kernel,
+    KernelArgs,
+    PrefixArgs,
     cast_to,
     dot_tile,
     ext_guide,
@@ -256,3 +262,48 @@ def _lse_ds_kernel(
 
 
 DS = Kernel(_lse_ds_kernel, "ds")
+
+
+@dataclass(frozen=True)
+class DsArgs(KernelArgs):
+    """:func:`_lse_ds_kernel`'s arguments. ``kernels/lse.py``'s ``_ChunkPlan`` builds one per
+    backward and replaces the chunk fields (below ``C``) per chunk. Flags of the pointers
+    given: ``ROW_SUMS`` (``ROWW``), ``ROW_W_ON`` (``ROW_W``), ``FOLD_POS`` (``DPOS``);
+    ``SCALE_TILE`` is ``not SCALE_ON_LOAD``."""
+
+    A: Tensor
+    NORMS: Tensor
+    TAU: Tensor
+    LSE: Tensor
+    G_ROWS: Tensor
+    DS: Tensor
+    B: int
+    d: int
+    R: int
+    stride_ds: int
+    COSINE: bool
+    SCALE_ON_LOAD: bool
+    FOLD_NORMS: bool
+    GO_MODE: int
+    EVEN_K: bool
+    PRECISION: str
+    ext: ExtArgs
+    prefix: PrefixArgs
+    ROW_W: Tensor | None = None
+    GO: Tensor | None = None
+    ROWW: Tensor | None = None
+    COLW: Tensor | None = None
+    C: Tensor | None = None
+    TAGS: Tensor | None = None
+    DPOS: Tensor | None = None
+    GC: Tensor | None = None
+    nc: int = 0
+    c_norm: int = 0
+    col_tile0: int = 0
+    n_progs: int = 0
+    pos_offset: int = 0
+    P: int = 0
+
+    def derived(self) -> dict:
+        flags = dict(ROW_SUMS=self.ROWW is not None, ROW_W_ON=self.ROW_W is not None, FOLD_POS=self.DPOS is not None)
+        return dict(flags, SCALE_TILE=not self.SCALE_ON_LOAD)

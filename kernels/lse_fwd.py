@@ -28,12 +28,18 @@ segment loop has a constant single trip, which the compiler removes, and the pre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._common import (
     FILTER_NONE,
+    ExtArgs,
     Kernel,
+    KernelArgs,
+    PrefixArgs,
     block_of_tile,
     dot_tile,
     ext_guide,
@@ -200,3 +206,39 @@ def _lse_fwd_kernel(
 
 
 FWD = Kernel(_lse_fwd_kernel, "fwd")
+
+
+@dataclass(frozen=True)
+class FwdArgs(KernelArgs):
+    """:func:`_lse_fwd_kernel`'s arguments (``kernels/lse.py``'s ``_sweep``): the call's
+    extension and prefix groups, both blocks' guide rows and block 0's own positives
+    (``pos_offset``, ``P``); ``SCALE_TILE`` is ``not SCALE_ON_LOAD``."""
+
+    A: Tensor
+    C0: Tensor
+    C1: Tensor
+    TAGS0: Tensor
+    TAGS1: Tensor
+    B: int
+    n0: int
+    n1: int
+    d: int
+    NORMS: Tensor
+    TAU: Tensor
+    PARTS: Tensor
+    tiles0: int
+    n_tiles: int
+    tiles_per_split: int
+    n_slots: int
+    SCALE_ON_LOAD: bool
+    EVEN_K: bool
+    PRECISION: str
+    ext: ExtArgs
+    prefix: PrefixArgs
+    GC0: Tensor | None = None
+    GC1: Tensor | None = None
+    pos_offset: int = 0
+    P: int = 0
+
+    def derived(self) -> dict:
+        return dict(SCALE_TILE=not self.SCALE_ON_LOAD)

@@ -153,16 +153,33 @@ def dot_tile(
 
 @triton.jit
 def prefix_segment(
-    acc, lo, END, SCALES, x_rows, y_rows, x_off, y_off, x_ok, y_ok, PRECISION: tl.constexpr, BK: tl.constexpr
+    acc,
+    lo,
+    k,
+    BOUNDS,
+    NORMS,
+    R,
+    x_rows,
+    y_rows,
+    x_off,
+    y_base,
+    y_off,
+    x_ok,
+    y_ok,
+    PRECISION: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    """One segment ``[lo, END[0])`` of a Matryoshka sweep's loop over ``d`` (``lse_fwd.py``,
+    """Segment ``k``, ``[lo, BOUNDS[k])``, of a Matryoshka sweep's loop over ``d`` (``lse_fwd.py``,
     ``lse_bwd.py``): ``acc`` runs on unscaled (one load scale cannot serve every prefix), so it
-    ends as the prefix's raw dot tile; returns it, the next segment's start and the prefix's
-    row scales, read from ``SCALES`` (its ``NORMS`` row) at ``x_off``/``y_off``."""
-    hi = tl.load(END)
+    ends as prefix ``k``'s raw dot tile; returns it, the next segment's start and prefix ``k``'s
+    row and column scales from ``NORMS [2, K, R]`` (at ``x_off``, ``y_base + y_off``)."""
+    hi = tl.load(BOUNDS + k)
     acc = dot_tile(acc, x_rows, y_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
-    sx = tl.load(SCALES + x_off, mask=x_ok, other=0.0)
-    sy = tl.load(SCALES + y_off, mask=y_ok, other=0.0)
+    # the scales' addresses formed here, after the main loop, as the kernels did inline: formed
+    # by the caller they lived through it (the ds kernel took up to 25 more registers and
+    # spilled 12-24 B on sm_90)
+    sx = tl.load(NORMS + k * R + x_off, mask=x_ok, other=0.0)
+    sy = tl.load(NORMS + k * R + y_base + y_off, mask=y_ok, other=0.0)
     return acc, hi, sx, sy
 
 

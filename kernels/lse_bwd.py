@@ -187,7 +187,6 @@ def _lse_ds_kernel(
             counted = row_ok[:, None] & (col_ok & (tags != TAG_PADDING))[None, :]
             tile_ok = row_ok[:, None] & col_ok[None, :]
             ds_offs = rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
-            norm_cols = c_norm + cols
         else:
             ia = tl.load(NORMS + rows, mask=row_ok, other=0.0)
             ic = tl.load(NORMS + c_norm + cols, mask=col_ok, other=0.0)
@@ -199,7 +198,7 @@ def _lse_ds_kernel(
         for k in range(0, K):
             if PREFIXES:  # segment k, then prefix k's scales
                 acc, lo, ia, ic = prefix_segment(
-                    acc, lo, BOUNDS + k, NORMS + k * R, a_rows, c_rows, rows, norm_cols, row_ok, col_ok, PRECISION, BK
+                    acc, lo, k, BOUNDS, NORMS, R, a_rows, c_rows, rows, c_norm, cols, row_ok, col_ok, PRECISION, BK
                 )
             else:  # the mask after the product: no mask tile lives through the main loop
                 acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)

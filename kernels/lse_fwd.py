@@ -177,7 +177,7 @@ def _lse_fwd_kernel(
         for k in range(0, K):
             if PREFIXES:  # segment k, then prefix k's scales
                 acc, lo, ia, ic = prefix_segment(
-                    acc, lo, BOUNDS + k, NORMS + k * R, a_rows, c_rows, rows, norm_cols, row_ok, col_ok, PRECISION, BK
+                    acc, lo, k, BOUNDS, NORMS, R, a_rows, c_rows, rows, 0, norm_cols, row_ok, col_ok, PRECISION, BK
                 )
             else:  # the mask after the product: no mask tile lives through the main loop
                 acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)

@@ -557,6 +557,22 @@ def _field_names(cls) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class RowArgs(KernelArgs):
+    """The row sets the pre-pass and the forward sweep read: the anchors ``A [B, d]`` and both
+    candidate blocks ``C0 [n0, d]``, ``C1 [n1, d]`` with their tags."""
+
+    A: torch.Tensor
+    C0: torch.Tensor
+    C1: torch.Tensor
+    TAGS0: torch.Tensor
+    TAGS1: torch.Tensor
+    B: int
+    n0: int
+    n1: int
+    d: int
+
+
+@dataclass(frozen=True)
 class PrefixArgs(KernelArgs):
     """The sweeps' Matryoshka parameters: the sorted segment ends, their count and a self
     filter's threshold stride per prefix (a plain problem reads none of them)."""

@@ -37,6 +37,7 @@ from ._common import (
     FILTER_KINDS,
     ExtArgs,
     PrefixArgs,
+    RowArgs,
     acc_dtype,
     arch_of,
     dot_precision,
@@ -85,16 +86,8 @@ class Extensions:
     pos_count: int = 0
 
     @classmethod
-    def of(
-        cls,
-        threshold=None,
-        guide_anchor=None,
-        guide_block0=None,
-        guide_block1=None,
-        bias=None,
-        pos_offset: int = 0,
-        pos_count: int = 0,
-    ) -> Extensions:
+    def of(cls, threshold=None, guide_anchor=None, guide_block0=None, guide_block1=None, bias=None,
+           pos_offset: int = 0, pos_count: int = 0) -> Extensions:  # fmt: skip
         """The record from an op's keywords (``EXT_PARAMS``)."""
         guide = None if guide_anchor is None else (guide_anchor, guide_block0, guide_block1)
         return cls(threshold, guide, bias, pos_offset, pos_count)
@@ -148,17 +141,8 @@ class _Call:
     extensions, the Matryoshka ``dims`` (None: plain, the one-prefix case whose segment is all
     of ``d``) and (after :func:`_prepare`) the row scales and the extensions' device tensors."""
 
-    def __init__(
-        self,
-        anchor: Tensor,
-        block0: Tensor,
-        block1: Tensor,
-        tags0: Tensor,
-        tags1: Tensor,
-        tau: Tensor,
-        ext: Extensions = PLAIN,
-        dims: list[int] | None = None,
-    ):
+    def __init__(self, anchor: Tensor, block0: Tensor, block1: Tensor, tags0: Tensor, tags1: Tensor, tau: Tensor,
+                 ext: Extensions = PLAIN, dims: list[int] | None = None):  # fmt: skip
         _check_layout((anchor, block0, block1, tags0, tags1))
         self.anchor, self.blocks, self.tags = anchor, (block0, block1), (tags0, tags1)
         self.dev, self.dt = anchor.device, anchor.dtype
@@ -213,11 +197,11 @@ class _Call:
             self._none = plan.dummy(self.dev)
         return self._none
 
-    def inputs(self, rows: tuple[Tensor, Tensor, Tensor] | None = None, d: int | None = None) -> tuple:
-        """The kernels' leading arguments ``A, C0, C1, TAGS0, TAGS1, B, n0, n1, d`` for the rows
-        ``rows`` of width ``d`` (default: the call's anchors and blocks)."""
+    def inputs(self, rows: tuple[Tensor, Tensor, Tensor] | None = None, d: int | None = None) -> RowArgs:
+        """The row sets ``rows`` of width ``d`` as the pre-pass and the forward sweep take them
+        (default: the call's anchors and blocks)."""
         a, c0, c1 = (self.anchor, *self.blocks) if rows is None else rows
-        return (a, c0, c1, *self.tags, self.B, *self.sizes, self.d if d is None else d)
+        return RowArgs(a, c0, c1, *self.tags, self.B, *self.sizes, self.d if d is None else d)
 
     def prefix_args(self) -> PrefixArgs:
         """The sweeps' prefix arguments: the segments' ends, their count and the self filter's
@@ -264,24 +248,15 @@ class _Call:
 # ---------------------------------------------------------------------------------------
 
 
-def _norms(
-    call: _Call,
-    rows,
-    d: int,
-    cosine: bool,
-    eps: float,
-    bounds: Tensor | None,
-    out: Tensor,
-    clean=(None, None, None),
-    poison: Tensor | None = None,
-) -> Tensor:
+def _norms(call: _Call, rows, d: int, cosine: bool, eps: float, bounds: Tensor | None, out: Tensor,
+           clean=(None, None, None), poison: Tensor | None = None) -> Tensor:  # fmt: skip
     """Row scales ``[2, K, R]`` of the row sets ``rows`` (anchors and both blocks, or the guide's)
     of width ``d`` (``norms.py``), one launch; ``clean`` (three outputs) and ``poison [K, R]``:
     the filtered problems' copies with non-finite entries read as zeros, and their poison."""
     cfg = call.config("rows")
     (n0, n1), br = call.sizes, cfg["BR"]
     grid = (plan.cdiv(call.B, br) + plan.cdiv(n0, br) + plan.cdiv(n1, br),)
-    args = NormsArgs(*call.inputs(rows, d), out, float(eps), cosine, bounds, *clean, poison)
+    args = NormsArgs(call.inputs(rows, d), out, float(eps), cosine, bounds, *clean, poison)
     launch(ROW_NORMS, grid, cfg, **args.kwargs(call.none))
     return out
 
@@ -310,11 +285,8 @@ def _prepare(call: _Call, cosine: bool, eps: float, norms: Tensor) -> Tensor:
         return _norms(call, (call.anchor, *call.blocks), call.d, cosine, eps, bounds, norms)
     B, (n0, n1), d, dt, acc, K = call.B, call.sizes, call.d, call.dt, call.acc, call.K
     layout = {
-        "clean_a": ((B, d), dt),
-        "clean_0": ((n0, d), dt),
-        "clean_1": ((n1, d), dt),
-        "poison": ((K, call.R), acc),
-    }
+        "clean_a": ((B, d), dt), "clean_0": ((n0, d), dt), "clean_1": ((n1, d), dt), "poison": ((K, call.R), acc),
+    }  # fmt: skip
     guide = _guide_rows(call) if ext.guide is not None else None
     if guide is not None:
         layout["gnorms"] = ((2, 1, call.R), acc)
@@ -357,7 +329,7 @@ def _sweep(call: _Call, norms: Tensor) -> tuple[Tensor, int]:
     on_load = plan.scale_on_load(call.dt) and not call.prefixes
     even_k = call.d % cfg["BK"] == 0 and not call.prefixes
     args = FwdArgs(
-        *call.inputs(),
+        call.inputs(),
         NORMS=norms,
         TAU=call.tau,
         PARTS=parts,

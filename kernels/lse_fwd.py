@@ -40,6 +40,7 @@ from ._common import (
     Kernel,
     KernelArgs,
     PrefixArgs,
+    RowArgs,
     block_of_tile,
     dot_tile,
     ext_guide,
@@ -214,15 +215,7 @@ class FwdArgs(KernelArgs):
     extension and prefix groups, both blocks' guide rows and block 0's own positives
     (``pos_offset``, ``P``); ``SCALE_TILE`` is ``not SCALE_ON_LOAD``."""
 
-    A: Tensor
-    C0: Tensor
-    C1: Tensor
-    TAGS0: Tensor
-    TAGS1: Tensor
-    B: int
-    n0: int
-    n1: int
-    d: int
+    rows: RowArgs
     NORMS: Tensor
     TAU: Tensor
     PARTS: Tensor

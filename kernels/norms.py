@@ -33,7 +33,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import SCALE_HI_F32, SCALE_HI_F64, SCALE_LO_F32, SCALE_LO_F64, TAG_PADDING, Kernel, KernelArgs, sqrt_rn
+from ._common import (
+    SCALE_HI_F32,
+    SCALE_HI_F64,
+    SCALE_LO_F32,
+    SCALE_LO_F64,
+    TAG_PADDING,
+    Kernel,
+    KernelArgs,
+    RowArgs,
+    sqrt_rn,
+)
 
 
 @triton.jit
@@ -170,15 +180,7 @@ class NormsArgs(KernelArgs):
     """:func:`_row_norms_kernel`'s arguments (``kernels/lse.py``'s ``_norms``): the prefixes
     follow from ``BOUNDS`` and ``CLEAN`` from ``POISON`` (given with the three clean copies)."""
 
-    A: Tensor
-    C0: Tensor
-    C1: Tensor
-    TAGS0: Tensor
-    TAGS1: Tensor
-    B: int
-    n0: int
-    n1: int
-    d: int
+    rows: RowArgs
     NORMS: Tensor
     eps: float
     COSINE: bool

@@ -23,8 +23,6 @@ the launch while a :func:`recording` is active and launches through ``wrap_trito
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import inspect
 import os
 import threading
@@ -536,24 +534,19 @@ class KernelArgs:
     def kwargs(self, none: torch.Tensor) -> dict:
         """The launch's keywords (:func:`launch`)."""
         out: dict = {}
-        for name in _field_names(type(self)):
-            value = getattr(self, name)
-            if isinstance(value, KernelArgs):
+        for name, value in self.__dict__.items():  # the fields, in order (no __slots__ in the records)
+            if value is None:
+                out[name] = none
+            elif isinstance(value, KernelArgs):
                 out.update(value.kwargs(none))
             else:
-                out[name] = none if value is None else value
+                out[name] = value
         out.update(self.derived())
         return out
 
     def derived(self) -> dict:
         """Parameters that follow from the fields (flags of the pointers given)."""
         return {}
-
-
-@functools.cache
-def _field_names(cls) -> tuple[str, ...]:
-    # once per record class: dataclasses.fields() builds its tuple on every call (host time per launch)
-    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True)

@@ -549,7 +549,9 @@ class _Upstream(NamedTuple):
 
 class _Chunk(NamedTuple):
     """A dS chunk: the columns ``[c0, c1)`` of candidate block ``block``, the first of them in
-    the norms layout (``base``) and its first column tile among all chunks' (``tile0``)."""
+    the norms layout (``base``), its first column tile among all chunks' (``tile0``), and its
+    views: rows ``blk`` and ``tags``, row scales ``ic``/``rc`` (made once: a view costs the host
+    a few us)."""
 
     block: int
     c0: int
@@ -558,6 +560,10 @@ class _Chunk(NamedTuple):
     tile0: int
     first: bool
     last: bool
+    blk: Tensor
+    tags: Tensor
+    ic: Tensor
+    rc: Tensor
 
 
 class _ChunkPlan:
@@ -586,8 +592,10 @@ class _ChunkPlan:
         tile0 = 0
         for i, (block, c0, c1) in enumerate(spans):
             base = B + (0 if block == 0 else call.sizes[0]) + c0
-            self.chunks.append(_Chunk(block, c0, c1, base, tile0, i == 0, i == len(spans) - 1))
+            views = call.blocks[block][c0:c1], call.tags[block][c0:c1], *up.norms[:, 0, base : base + c1 - c0]
+            self.chunks.append(_Chunk(block, c0, c1, base, tile0, i == 0, i == len(spans) - 1, *views))
             tile0 += plan.cdiv(c1 - c0, self.bn)
+        self.ia, self.ra = up.norms[:, 0, :B]
         self.col_tiles = tile0
         layout = {"ds": ((K, B, W), self.ds_type)}
         if cosine:
@@ -636,8 +644,8 @@ class _ChunkPlan:
         progs = min(plan.cdiv(call.B, self.bm) * plan.cdiv(nc, self.bn), call.sms * self.ds_cfg.occupancy)
         return dataclasses.replace(
             self.ds,
-            C=call.blocks[c.block][c.c0 : c.c1],
-            TAGS=call.tags[c.block][c.c0 : c.c1],
+            C=c.blk,
+            TAGS=c.tags,
             DPOS=self.up.d_pos if P > 0 else None,
             GC=call.guide_rows(c.block, c.c0, c.c1),
             nc=nc,
@@ -656,10 +664,8 @@ class _ChunkPlan:
         call, up, ws, B, K = self.call, self.up, self.ws, self.call.B, self.call.K
         lo, hi = call.segments[j]
         nc, scale, cosine, radial = c.c1 - c.c0, self.scale_mm, self.cosine, self.cosine and c.last
-        blk, tags = call.blocks[c.block][c.c0 : c.c1], call.tags[c.block][c.c0 : c.c1]
+        blk, tags, ia, ra, ic, rc = c.blk, c.tags, self.ia, self.ra, c.ic, c.rc
         ds, acc = ws["ds"][j, :, :nc], ws.get("d_anchor_acc")
-        ia, ra = up.norms[0, 0, :B], up.norms[1, 0, :B]
-        ic, rc = up.norms[0, 0, c.base : c.base + nc], up.norms[1, 0, c.base : c.base + nc]
         d_candidates = Product(
             ds,
             _cols(call.anchor, lo, hi),

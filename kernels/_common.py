@@ -6,13 +6,15 @@ Jit helpers (used by the plain and the Matryoshka kernels alike):
   worked around;
 * :func:`block_of_tile`: which candidate block a column tile belongs to (both blocks are
   served by one launch: block 0's tiles first, then block 1's);
-* :func:`dot_tile`: the GEMM main loop of one ``[BM, BN]`` tile over a range of ``d``;
+* :func:`dot_tile`: the GEMM main loop of one ``[BM, BN]`` tile over a range of ``d``, and
+  :func:`prefix_segment`, one Matryoshka segment of it;
 * :func:`scale_logits`, :func:`structural_mask`, :func:`online_lse`: the logit epilogue of
   the forward and backward sweeps.
 
 Launches: every kernel launch goes through :func:`launch`, which takes every argument by
-keyword and one :class:`~fastcl.kernels.configs.Config` from the config table (never an
-autotuner: a training step never benchmarks), checks the arguments once per kernel, records
+keyword (the launchers produce them from one argument record per launch family,
+:class:`KernelArgs`) and one :class:`~fastcl.kernels.configs.Config` from the config table
+(never an autotuner: a training step never benchmarks), checks the arguments once per kernel, records
 the launch while a :func:`recording` is active and launches through ``wrap_triton`` so that
 ``torch.compile`` can trace into the kernel. The AOT compile list
 (``benchmarks.triton_tools.aot``) is exactly the set of recorded launches.
@@ -145,6 +147,38 @@ def dot_tile(
             y = y * sy[:, None]
         acc = mma(x, tl.trans(y), acc, PRECISION)
     return acc
+
+
+@triton.jit
+def prefix_segment(
+    acc,
+    lo,
+    k,
+    BOUNDS,
+    NORMS,
+    R,
+    x_rows,
+    y_rows,
+    x_off,
+    y_base,
+    y_off,
+    x_ok,
+    y_ok,
+    PRECISION: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Segment ``k``, ``[lo, BOUNDS[k])``, of a Matryoshka sweep's loop over ``d`` (``lse_fwd.py``,
+    ``lse_bwd.py``): ``acc`` runs on unscaled (one load scale cannot serve every prefix), so it
+    ends as prefix ``k``'s raw dot tile; returns it, the next segment's start and prefix ``k``'s
+    row and column scales from ``NORMS [2, K, R]`` (at ``x_off``, ``y_base + y_off``)."""
+    hi = tl.load(BOUNDS + k)
+    acc = dot_tile(acc, x_rows, y_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
+    # the scales' addresses formed here, after the main loop, as the kernels did inline: formed
+    # by the caller they lived through it (the ds kernel took up to 25 more registers and
+    # spilled 12-24 B on sm_90)
+    sx = tl.load(NORMS + k * R + x_off, mask=x_ok, other=0.0)
+    sy = tl.load(NORMS + k * R + y_base + y_off, mask=y_ok, other=0.0)
+    return acc, hi, sx, sy
 
 
 @triton.jit
@@ -485,6 +519,77 @@ def num_sms(device: torch.device, arch: str) -> int:
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SMS[index]
+
+
+class KernelArgs:
+    """Base of the launchers' argument records (frozen dataclasses, one per launch family, next
+    to their kernels): a field is named as the kernel parameter it fills, or is a record of the
+    same kind whose fields join in (a parameter group two kernels share). A pointer left None is
+    one the launch's specialisation never reads: :meth:`kwargs` passes the placeholder ``none``
+    there (Triton takes no None for a pointer). The kernels keep flat parameters; the records
+    live on the host only."""
+
+    __slots__ = ()
+
+    def kwargs(self, none: torch.Tensor) -> dict:
+        """The launch's keywords (:func:`launch`)."""
+        out: dict = {}
+        for name, value in self.__dict__.items():  # the fields, in order (no __slots__ in the records)
+            if value is None:
+                out[name] = none
+            elif isinstance(value, KernelArgs):
+                out.update(value.kwargs(none))
+            else:
+                out[name] = value
+        out.update(self.derived())
+        return out
+
+    def derived(self) -> dict:
+        """Parameters that follow from the fields (flags of the pointers given)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class RowArgs(KernelArgs):
+    """The row sets the pre-pass and the forward sweep read: the anchors ``A [B, d]`` and both
+    candidate blocks ``C0 [n0, d]``, ``C1 [n1, d]`` with their tags."""
+
+    A: torch.Tensor
+    C0: torch.Tensor
+    C1: torch.Tensor
+    TAGS0: torch.Tensor
+    TAGS1: torch.Tensor
+    B: int
+    n0: int
+    n1: int
+    d: int
+
+
+@dataclass(frozen=True)
+class PrefixArgs(KernelArgs):
+    """The sweeps' Matryoshka parameters: the sorted segment ends, their count and a self
+    filter's threshold stride per prefix (a plain problem reads none of them)."""
+
+    BOUNDS: torch.Tensor | None = None
+    n_prefixes: int = 1
+    stride_thr: int = 0
+    PREFIXES: bool = False
+
+
+@dataclass(frozen=True)
+class ExtArgs(KernelArgs):
+    """The sweeps' extension parameters that hold for a whole call (``contract.Filter``,
+    ``contract.Sigmoid``): the poison, thresholds, guide anchors and their scales, the bias
+    and the guide's width; a sweep adds its guide candidates and own positives."""
+
+    POISON: torch.Tensor | None = None
+    THR: torch.Tensor | None = None
+    GA: torch.Tensor | None = None
+    GNORMS: torch.Tensor | None = None
+    BIAS: torch.Tensor | None = None
+    g: int = 0
+    FILTER: int = 0
+    SIGMOID: bool = False
 
 
 def _check_arguments(kernel: Kernel, config, args: dict) -> None:

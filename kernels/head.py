@@ -23,10 +23,13 @@ Together they replace the combine kernel, the own-logits kernel and ~20 small Py
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from ._common import Kernel, cast_to, log1p
+from ._common import Kernel, KernelArgs, cast_to, log1p
 
 KIND_CROSS_ENTROPY = 0
 KIND_SOFTPLUS = 1
@@ -209,3 +212,45 @@ def _sum_kernel(PARTIAL, OUT, n, BR: tl.constexpr, BD: tl.constexpr):
 
 HEAD = Kernel(_head_kernel, "head")
 SUM = Kernel(_sum_kernel, "rows")
+
+
+@dataclass(frozen=True)
+class HeadArgs(KernelArgs):
+    """:func:`_head_kernel`'s arguments (``kernels/lse.py`` fills them): the combine of the
+    forward's partials, and with ``HEAD`` the loss head. ``HAS_MASK``, ``HAS_EXTRA``,
+    ``ROWS_OUT`` follow from the pointers given and ``PP`` (the positives' register tile)
+    from ``P``."""
+
+    PARTS: Tensor
+    A: Tensor
+    C0: Tensor
+    TAU: Tensor
+    LSE: Tensor
+    n_rows: int
+    n_slots: int
+    B: int
+    d: int
+    MEAN: Tensor | None = None
+    NORMS: Tensor | None = None
+    POISON: Tensor | None = None
+    POS_IN: Tensor | None = None
+    MASK: Tensor | None = None
+    LOG_EXTRA: Tensor | None = None
+    WEIGHTS: Tensor | None = None
+    DLSE: Tensor | None = None
+    DPOS: Tensor | None = None
+    WROW: Tensor | None = None
+    ROWS: Tensor | None = None
+    PARTIAL: Tensor | None = None
+    P: int = 0
+    pos_offset: int = 0
+    HEAD: bool = False
+    SIGMOID: bool = False
+    POISONED: bool = False
+    KIND: int = 0
+    FOLDED: bool = False
+    SCALE_ON_LOAD: bool = False
+
+    def derived(self) -> dict:
+        has = dict(HAS_MASK=self.MASK is not None, HAS_EXTRA=self.LOG_EXTRA is not None, ROWS_OUT=self.ROWS is not None)
+        return dict(has, PP=max(16, 1 << (self.P - 1).bit_length()))

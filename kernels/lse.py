@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,6 +35,9 @@ from fastcl.ops.contract import new_output, prefix_order
 from . import configs, plan
 from ._common import (
     FILTER_KINDS,
+    ExtArgs,
+    PrefixArgs,
+    RowArgs,
     acc_dtype,
     arch_of,
     dot_precision,
@@ -42,11 +46,11 @@ from ._common import (
     num_sms,
     register_op,
 )
-from .head import HEAD, KINDS, MAX_OWN, SUM
-from .lse_bwd import DS
-from .lse_fwd import FWD, MAX_PREFIXES
-from .matmul import MM
-from .norms import ROW_NORMS
+from .head import HEAD, KINDS, MAX_OWN, SUM, HeadArgs
+from .lse_bwd import DS, DsArgs
+from .lse_fwd import FWD, MAX_PREFIXES, FwdArgs
+from .matmul import MM, Product
+from .norms import ROW_NORMS, NormsArgs
 
 
 def prefix_reasons(dims) -> list[str]:
@@ -185,9 +189,6 @@ class _Call:
             sweep = self.ext.role("prefix_" + sweep if self.prefixes else sweep)
         return configs.lookup(sweep, self.arch, self.dclass, self.d)
 
-    def dummy(self) -> Tensor:
-        return self.none
-
     @property
     def none(self) -> Tensor:
         """The device's placeholder for pointer arguments a specialisation never reads (one
@@ -196,37 +197,37 @@ class _Call:
             self._none = plan.dummy(self.dev)
         return self._none
 
-    def prefix_args(self) -> dict:
-        """The sweeps' prefix arguments: the segments' ends, their count and the self filter's
-        threshold stride (placeholders for a plain problem, which reads none of them)."""
-        bounds = self.none if self.bounds is None else self.bounds
-        return dict(BOUNDS=bounds, n_prefixes=self.K, stride_thr=self.stride_thr, PREFIXES=self.prefixes)
+    def inputs(self, rows: tuple[Tensor, Tensor, Tensor] | None = None, d: int | None = None) -> RowArgs:
+        """The row sets ``rows`` of width ``d`` as the pre-pass and the forward sweep take them
+        (default: the call's anchors and blocks)."""
+        a, c0, c1 = (self.anchor, *self.blocks) if rows is None else rows
+        return RowArgs(a, c0, c1, *self.tags, self.B, *self.sizes, self.d if d is None else d)
 
-    def ext_args(self, block: int | None = None, c0: int = 0, c1: int = 0) -> dict:
-        """The extensions' kernel arguments: for the forward sweep over both blocks (``block``
-        None), or for the dS chunk ``[c0, c1)`` of ``block`` (the own positives' offset relative
-        to the chunk, none outside block 0)."""
-        ext, none = self.ext, self.none
-        guide = self.guide
-        args = dict(
-            POISON=none if self.poison is None else self.poison, THR=none if self.thr is None else self.thr,
-            GA=none if guide is None else guide[0], GNORMS=none if self.gnorms is None else self.gnorms,
-            BIAS=none if self.bias is None else self.bias, g=0 if guide is None else guide[0].shape[1],
-            FILTER=ext.filter, SIGMOID=ext.sigmoid,
-        )  # fmt: skip
-        if block is None:
-            args.update(GC0=none if guide is None else guide[1], GC1=none if guide is None else guide[2])
-            args.update(pos_offset=ext.pos_offset, P=ext.pos_count)
-        else:
-            args["GC"] = none if guide is None else guide[1 + block][c0:c1]
-            own = (
-                block == 0
-                and ext.pos_count > 0
-                and c0 < ext.pos_offset + self.B * ext.pos_count
-                and ext.pos_offset < c1
-            )
-            args.update(pos_offset=ext.pos_offset - c0 if own else 0, P=ext.pos_count if own else 0)
-        return args
+    def prefix_args(self) -> PrefixArgs:
+        """The sweeps' prefix arguments: the segments' ends, their count and the self filter's
+        threshold stride (a plain problem reads none of them)."""
+        return PrefixArgs(self.bounds, self.K, self.stride_thr, self.prefixes)
+
+    def ext_args(self) -> ExtArgs:
+        """The extensions' arguments both sweeps take (after :func:`_prepare`)."""
+        guide, ext = self.guide, self.ext
+        g = 0 if guide is None else guide[0].shape[1]
+        ga = None if guide is None else guide[0]
+        return ExtArgs(self.poison, self.thr, ga, self.gnorms, self.bias, g, ext.filter, ext.sigmoid)
+
+    def guide_rows(self, block: int, c0: int = 0, c1: int | None = None) -> Tensor | None:
+        """Rows ``[c0, c1)`` of the guide embeddings of candidate block ``block`` (None: no guide)."""
+        if self.guide is None:
+            return None
+        rows = self.guide[1 + block]
+        return rows if c1 is None else rows[c0:c1]
+
+    def own_positives(self, block: int, c0: int, c1: int) -> tuple[int, int]:
+        """``(pos_offset, P)`` of the own positives in the columns ``[c0, c1)`` of ``block``, the
+        offset relative to ``c0``; ``(0, 0)`` where none fall there (outside block 0: none)."""
+        ext = self.ext
+        own = block == 0 and ext.pos_count > 0 and c0 < ext.pos_offset + self.B * ext.pos_count and ext.pos_offset < c1
+        return (ext.pos_offset - c0, ext.pos_count) if own else (0, 0)
 
     def to_caller_order(self, x: Tensor, dim: int = 0) -> Tensor:
         """Per-prefix outputs (sorted order along ``dim``) in the caller's dims order."""
@@ -248,23 +249,15 @@ class _Call:
 
 
 def _norms(call: _Call, rows, d: int, cosine: bool, eps: float, bounds: Tensor | None, out: Tensor,
-           clean=None, poison: Tensor | None = None) -> Tensor:  # fmt: skip
+           clean=(None, None, None), poison: Tensor | None = None) -> Tensor:  # fmt: skip
     """Row scales ``[2, K, R]`` of the row sets ``rows`` (anchors and both blocks, or the guide's)
     of width ``d`` (``norms.py``), one launch; ``clean`` (three outputs) and ``poison [K, R]``:
     the filtered problems' copies with non-finite entries read as zeros, and their poison."""
     cfg = call.config("rows")
     (n0, n1), br = call.sizes, cfg["BR"]
     grid = (plan.cdiv(call.B, br) + plan.cdiv(n0, br) + plan.cdiv(n1, br),)
-    none = call.none
-    clean = (none, none, none) if clean is None else clean
-    launch(
-        ROW_NORMS, grid, cfg,
-        A=rows[0], C0=rows[1], C1=rows[2], TAGS0=call.tags[0], TAGS1=call.tags[1],
-        BOUNDS=none if bounds is None else bounds, NORMS=out,
-        CLEAN_A=clean[0], CLEAN_C0=clean[1], CLEAN_C1=clean[2], POISON=none if poison is None else poison,
-        B=call.B, n0=n0, n1=n1, d=d, n_prefixes=1 if bounds is None else bounds.shape[0], eps=float(eps),
-        COSINE=cosine, PREFIXES=bounds is not None, CLEAN=poison is not None,
-    )  # fmt: skip
+    args = NormsArgs(call.inputs(rows, d), out, float(eps), cosine, bounds, *clean, poison)
+    launch(ROW_NORMS, grid, cfg, **args.kwargs(call.none))
     return out
 
 
@@ -335,13 +328,26 @@ def _sweep(call: _Call, norms: Tensor) -> tuple[Tensor, int]:
     # different norms) and segment ends anywhere
     on_load = plan.scale_on_load(call.dt) and not call.prefixes
     even_k = call.d % cfg["BK"] == 0 and not call.prefixes
-    launch(
-        FWD, (row_tiles, splits), cfg,
-        A=call.anchor, C0=call.blocks[0], C1=call.blocks[1], TAGS0=call.tags[0], TAGS1=call.tags[1],
-        NORMS=norms, TAU=call.tau, PARTS=parts, B=call.B, n0=n0, n1=n1, d=call.d,
-        tiles0=tiles0, n_tiles=n_tiles, tiles_per_split=per, n_slots=n_slots, PRECISION=call.precision,
-        SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, EVEN_K=even_k, **call.prefix_args(), **call.ext_args(),
-    )  # fmt: skip
+    args = FwdArgs(
+        call.inputs(),
+        NORMS=norms,
+        TAU=call.tau,
+        PARTS=parts,
+        tiles0=tiles0,
+        n_tiles=n_tiles,
+        tiles_per_split=per,
+        n_slots=n_slots,
+        SCALE_ON_LOAD=on_load,
+        EVEN_K=even_k,
+        PRECISION=call.precision,
+        ext=call.ext_args(),
+        prefix=call.prefix_args(),
+        GC0=call.guide_rows(0),
+        GC1=call.guide_rows(1),
+        pos_offset=call.ext.pos_offset,
+        P=call.ext.pos_count,
+    )
+    launch(FWD, (row_tiles, splits), cfg, **args.kwargs(call.none))
     return parts, n_slots
 
 
@@ -352,15 +358,10 @@ def _combine(call: _Call, parts: Tensor, n_slots: int, rows: int) -> tuple[Tenso
     lse = new_output(rows, dtype=call.acc, device=call.dev)
     mean = new_output((2, rows) if sigmoid else rows, dtype=call.acc, device=call.dev)
     cfg = call.config("head")
-    none = call.dummy()
-    launch(
-        HEAD, (plan.cdiv(rows, cfg["BR"]),), cfg,
-        PARTS=parts, A=call.anchor, C0=call.blocks[0], NORMS=none, POISON=none, TAU=call.tau, POS_IN=none, MASK=none,
-        LOG_EXTRA=none, WEIGHTS=none, LSE=lse, MEAN=mean, DLSE=none, DPOS=none, WROW=none, ROWS=none, PARTIAL=none,
-        n_rows=rows, n_slots=n_slots, B=call.B, d=call.d, P=0, pos_offset=0,
-        HEAD=False, SIGMOID=sigmoid, POISONED=False, KIND=0, FOLDED=False, HAS_MASK=False, HAS_EXTRA=False,
-        ROWS_OUT=False, SCALE_ON_LOAD=False, PP=16,
-    )  # fmt: skip
+    args = HeadArgs(
+        parts, call.anchor, call.blocks[0], call.tau, lse, rows, n_slots, call.B, call.d, mean, SIGMOID=sigmoid
+    )
+    launch(HEAD, (plan.cdiv(rows, cfg["BR"]),), cfg, **args.kwargs(call.none))
     return lse, mean
 
 
@@ -462,20 +463,37 @@ def _head_forward(
     cfg = call.config("head")
     programs = plan.cdiv(B, cfg["BR"])
     partial = plan.scratch(dev, {"partial": ((programs,), acc)})["partial"]
-    none = call.dummy()
     poisoned = call.poison is not None and folded
-    launch(
-        HEAD, (programs,), cfg,
-        PARTS=parts, A=call.anchor, C0=call.blocks[0], NORMS=norms, POISON=call.poison if poisoned else none,
-        TAU=call.tau,
-        POS_IN=none if folded else pos_logits.to(acc).contiguous(),
-        MASK=none if pos_mask is None else pos_mask.contiguous().view(torch.uint8),
-        LOG_EXTRA=none if log_extra is None else log_extra.to(acc).contiguous(), WEIGHTS=weights.contiguous(),
-        LSE=lse, MEAN=none, DLSE=dlse, DPOS=dpos, WROW=w_row, ROWS=loss if per_row else none, PARTIAL=partial,
-        n_rows=B, n_slots=n_slots, B=B, d=call.d, P=P, pos_offset=pos_offset if folded else 0,
-        HEAD=True, SIGMOID=False, POISONED=poisoned, KIND=KINDS[kind], FOLDED=folded, HAS_MASK=pos_mask is not None, HAS_EXTRA=log_extra is not None,
-        ROWS_OUT=per_row, SCALE_ON_LOAD=plan.scale_on_load(call.dt), PP=max(16, 1 << (P - 1).bit_length()),
-    )  # fmt: skip
+    args = HeadArgs(
+        parts,
+        call.anchor,
+        call.blocks[0],
+        call.tau,
+        lse,
+        n_rows=B,
+        n_slots=n_slots,
+        B=B,
+        d=call.d,
+        NORMS=norms,
+        POISON=call.poison if poisoned else None,
+        POS_IN=None if folded else pos_logits.to(acc).contiguous(),
+        MASK=None if pos_mask is None else pos_mask.contiguous().view(torch.uint8),
+        LOG_EXTRA=None if log_extra is None else log_extra.to(acc).contiguous(),
+        WEIGHTS=weights.contiguous(),
+        DLSE=dlse,
+        DPOS=dpos,
+        WROW=w_row,
+        ROWS=loss if per_row else None,
+        PARTIAL=partial,
+        P=P,
+        pos_offset=pos_offset if folded else 0,
+        HEAD=True,
+        POISONED=poisoned,
+        KIND=KINDS[kind],
+        FOLDED=folded,
+        SCALE_ON_LOAD=plan.scale_on_load(call.dt),
+    )
+    launch(HEAD, (programs,), cfg, **args.kwargs(call.none))
     if not per_row:
         launch(SUM, (1,), call.config("rows"), PARTIAL=partial, OUT=loss, n=programs)
     return loss, lse, dlse, dpos, w_row, norms
@@ -507,15 +525,59 @@ def _segment(t: Tensor | None, j: int) -> Tensor | None:
     return t[:, j]
 
 
+class _Upstream(NamedTuple):
+    """What the backward reads besides the inputs: the row scales, ``lse``, the rows' gradient
+    ``g_rows`` (times the reduction weights ``row_w`` and the upstream gradient ``go``, 0-d or
+    ``[B]`` with ``go_per_row``, where given: the fused head's), the own positives' ``d_pos``
+    and the rows' ``<G, l>`` before scaling, ``w_row`` (the fused head's; None: summed from
+    the dS tiles)."""
+
+    norms: Tensor
+    lse: Tensor
+    g_rows: Tensor
+    row_w: Tensor | None = None
+    go: Tensor | None = None
+    go_per_row: bool = False
+    d_pos: Tensor | None = None
+    w_row: Tensor | None = None
+
+    @property
+    def go_mode(self) -> int:
+        """The kernels' ``GO_MODE`` and ``RADIAL_SCALE``: 0 no upstream gradient, 1 one, 2 one per row."""
+        return 0 if self.go is None else 2 if self.go_per_row else 1
+
+
+class _Chunk(NamedTuple):
+    """A dS chunk: the columns ``[c0, c1)`` of candidate block ``block``, the first of them in
+    the norms layout (``base``), its first column tile among all chunks' (``tile0``), and its
+    views: rows ``blk`` and ``tags``, row scales ``ic``/``rc`` (made once: a view costs the host
+    a few us)."""
+
+    block: int
+    c0: int
+    c1: int
+    base: int
+    tile0: int
+    first: bool
+    last: bool
+    blk: Tensor
+    tags: Tensor
+    ic: Tensor
+    rc: Tensor
+
+
 class _ChunkPlan:
     """The backward's plan (``lse_bwd.py``): the dS dtype, the configs, the chunks of each
-    candidate block (``plan.chunks``: ``(block, c0, c1)``, at most ``triton.ds_bytes`` of dS
-    each, K prefixes' tiles included) and the scratch: dS ``[K, B, W]``, the radial partial
-    sums ``colw [row tiles, K, W]`` (cosine) and ``roww [col tiles, K, B]`` (``row_sums``), and
-    the anchors' fp32 accumulator across chunks."""
+    candidate block (``plan.chunks``, at most ``triton.ds_bytes`` of dS each, K prefixes' tiles
+    included), the scratch (dS ``[K, B, W]``, the radial partial sums ``colw [row tiles, K, W]``
+    (cosine) and ``roww [col tiles, K, B]`` (``row_sums``), the anchors' fp32 accumulator across
+    chunks) and the launches' arguments: the ds launches' common ones built once (``ds``),
+    a chunk's added by :meth:`ds_args`, the GEMMs' by :meth:`products`."""
 
-    def __init__(self, call: _Call, fp32_ds: bool, cosine: bool, row_sums: bool):
+    def __init__(self, call: _Call, up: _Upstream, cosine: bool, fp32_ds: bool, padded: bool):
         B, d, K, dt = call.B, call.d, call.K, call.dt
+        self.call, self.up, self.cosine, self.padded = call, up, cosine, padded
+        self.row_sums = cosine and up.w_row is None
         # the prefixes' suffix sums would add rounded terms: always fp32
         self.ds_type = plan.ds_dtype(dt, fp32_ds or call.prefixes)
         self.ds_cfg = call.config("ds")
@@ -523,106 +585,146 @@ class _ChunkPlan:
         align = plan.chunk_align(self.ds_cfg, self.mm_cfg)
         elt = torch.empty((), dtype=self.ds_type).element_size()
         width = tuple(plan.chunk_width(K * B, n, d, elt, align, call.arch) for n in call.sizes)
-        self.chunks = plan.chunks(call.sizes, width)
-        self.W = W = max(c1 - c0 for _, c0, c1 in self.chunks)
+        spans = plan.chunks(call.sizes, width)
+        self.W = W = max(c1 - c0 for _, c0, c1 in spans)
         self.bm, self.bn = self.ds_cfg["BM"], self.ds_cfg["BN"]
-        self.col_tiles = sum(plan.cdiv(c1 - c0, self.bn) for _, c0, c1 in self.chunks)
+        self.chunks: list[_Chunk] = []
+        tile0 = 0
+        for i, (block, c0, c1) in enumerate(spans):
+            base = B + (0 if block == 0 else call.sizes[0]) + c0
+            views = call.blocks[block][c0:c1], call.tags[block][c0:c1], *up.norms[:, 0, base : base + c1 - c0]
+            self.chunks.append(_Chunk(block, c0, c1, base, tile0, i == 0, i == len(spans) - 1, *views))
+            tile0 += plan.cdiv(c1 - c0, self.bn)
+        self.ia, self.ra = up.norms[:, 0, :B]
+        self.col_tiles = tile0
         layout = {"ds": ((K, B, W), self.ds_type)}
         if cosine:
             layout["colw"] = ((plan.cdiv(B, self.bm), K, W), call.acc)
-        if row_sums:
+        if self.row_sums:
             layout["roww"] = ((self.col_tiles, K, B), call.acc)
         if len(self.chunks) > 1:
             layout["d_anchor_acc"] = ((B, d), call.acc)
-        self.ws = plan.scratch(call.dev, layout)
+        self.ws = ws = plan.scratch(call.dev, layout)
+        # the prefixes' dS has their norms folded in (they differ per prefix) and their radial sums
+        # come multiplied by rinv_k^2: the GEMMs then scale nothing (row scales of one)
+        fold = plan.fold_norms(dt, cosine) or call.prefixes
+        on_load = plan.scale_on_load(dt) and not call.prefixes
+        self.scale_mm = cosine and not fold  # the GEMMs normalise Y's rows and scale output rows
+        self.ones = plan.ones(max(B, W), call.acc, call.dev) if call.prefixes and cosine else None
+        self.ds = DsArgs(
+            call.anchor,
+            up.norms,
+            call.tau,
+            up.lse,
+            up.g_rows,
+            ws["ds"],
+            B=B,
+            d=d,
+            R=call.R,
+            stride_ds=W,
+            COSINE=cosine,
+            SCALE_ON_LOAD=on_load,
+            FOLD_NORMS=fold,
+            GO_MODE=up.go_mode,
+            EVEN_K=d % self.ds_cfg["BK"] == 0 and not call.prefixes,
+            PRECISION=call.precision,
+            ext=call.ext_args(),
+            prefix=call.prefix_args(),
+            ROW_W=up.row_w,
+            GO=up.go,
+            ROWW=ws.get("roww"),
+            COLW=ws.get("colw"),
+        )
+
+    def ds_args(self, c: _Chunk) -> DsArgs:
+        """Chunk ``c``'s ds launch: its columns, guide rows and own positives (the offset relative
+        to the chunk), and a persistent grid of ``n_progs`` programs."""
+        call, nc = self.call, c.c1 - c.c0
+        pos_offset, P = call.own_positives(c.block, c.c0, c.c1)
+        progs = min(plan.cdiv(call.B, self.bm) * plan.cdiv(nc, self.bn), call.sms * self.ds_cfg.occupancy)
+        return dataclasses.replace(
+            self.ds,
+            C=c.blk,
+            TAGS=c.tags,
+            DPOS=self.up.d_pos if P > 0 else None,
+            GC=call.guide_rows(c.block, c.c0, c.c1),
+            nc=nc,
+            c_norm=c.base,
+            col_tile0=c.tile0,
+            n_progs=progs,
+            pos_offset=pos_offset,
+            P=P,
+        )
+
+    def products(self, c: _Chunk, j: int, d_anchor: Tensor, d_blocks: tuple[Tensor, ...]) -> tuple[Product, Product]:
+        """Chunk ``c``'s two GEMMs on prefix segment ``j`` (a plain problem: one, all of ``d``):
+        the candidates' gradient ``dS^T @ A`` (dS read transposed through its strides; complete)
+        and the anchors' ``dS @ C[chunk]``, accumulated over the chunks in a fixed order, the
+        last adding the radial term."""
+        call, up, ws, B, K = self.call, self.up, self.ws, self.call.B, self.call.K
+        lo, hi = call.segments[j]
+        nc, scale, cosine, radial = c.c1 - c.c0, self.scale_mm, self.cosine, self.cosine and c.last
+        blk, tags, ia, ra, ic, rc = c.blk, c.tags, self.ia, self.ra, c.ic, c.rc
+        ds, acc = ws["ds"][j, :, :nc], ws.get("d_anchor_acc")
+        d_candidates = Product(
+            ds,
+            _cols(call.anchor, lo, hi),
+            _cols(d_blocks[c.block][c.c0 : c.c1], lo, hi),
+            tags,
+            x_transposed=True,
+            kscale=ia if scale else None,
+            mscale=ic if scale else None,
+            rinv=(self.ones if call.prefixes else rc) if cosine else None,
+            radw=_segment(ws.get("colw"), j),
+            n_parts=plan.cdiv(B, self.bm),
+            stride_radw=K * self.W,
+            z=_cols(blk, lo, hi) if cosine else None,
+        )
+        if self.row_sums:
+            weights: dict = dict(radw=_segment(ws["roww"], j), n_parts=self.col_tiles, stride_radw=K * B)
+        else:
+            weights = dict(radw=up.w_row, n_parts=1, stride_radw=B, rscale=up.row_w, go=up.go, radial_scale=up.go_mode)
+        d_anchor_part = Product(
+            ds,
+            _cols(blk, lo, hi),
+            _cols(d_anchor if c.last else acc, lo, hi),
+            tags,
+            x_transposed=False,
+            pad=self.padded,
+            acc_in=None if c.first else _cols(acc, lo, hi),
+            kscale=ic if scale else None,
+            mscale=ia if scale else None,
+            rinv=(self.ones if call.prefixes else ra) if radial else None,
+            z=_cols(call.anchor, lo, hi) if radial else None,
+            **weights,
+        )
+        return d_candidates, d_anchor_part
 
 
-def _backward(
-    call: _Call,
-    norms: Tensor,
-    lse: Tensor,
-    g_rows: Tensor,
-    row_w: Tensor | None,
-    go: Tensor | None,
-    go_per_row: bool,
-    d_pos: Tensor | None,
-    cosine: bool,
-    fp32_ds: bool,
-    w_row: Tensor | None = None,
-    padded: bool = True,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(call: _Call, up: _Upstream, cosine: bool, fp32_ds: bool, padded: bool = True) -> tuple[Tensor, ...]:
     """The chunked backward sweep (``lse_bwd.py``), plain or Matryoshka: per dS chunk one ds
-    launch, then per prefix segment the two GEMMs (a plain problem: one segment, all of ``d``).
-    ``w_row``: the rows' ``<G, l>`` before scaling (the fused head's), else summed from the dS
-    tiles; ``d_pos``: folded at the own positives of ``call.ext``. With prefixes the ds kernel
+    launch, then per prefix segment the two GEMMs (a plain problem: one segment, all of ``d``);
+    ``d_pos`` is folded at the own positives of ``call.ext``. With prefixes the ds kernel
     writes suffix sums ``T_j`` of the prefixes' dS and coordinate ``j`` of a row gets the
     gradients of the prefixes ``k >= seg(j)`` (docs/triton.md, "Matryoshka prefixes")."""
-    B, d, dt, dev, K = call.B, call.d, call.dt, call.dev, call.K
+    B, d, dt, dev = call.B, call.d, call.dt, call.dev
     d_anchor = new_output((B, d), dtype=dt, device=dev)
     d_blocks = tuple(new_output(b.shape, dtype=dt, device=dev) for b in call.blocks)
     if call.prefixes:  # coordinates beyond every prefix get no gradient
         top = call.segments[-1][1]
         for t in (d_anchor, *d_blocks):
             t[:, top:].zero_()
-    row_sums = cosine and w_row is None
-    p = _ChunkPlan(call, fp32_ds, cosine, row_sums)
-    ws, W, bm, bn = p.ws, p.W, p.bm, p.bn
-    none = call.dummy()
-    # the prefixes' dS has their norms folded in (they differ per prefix) and their radial sums
-    # come multiplied by rinv_k^2: the GEMMs then scale nothing (row scales of one)
-    fold = plan.fold_norms(dt, cosine) or call.prefixes
-    on_load = plan.scale_on_load(dt) and not call.prefixes
-    go_mode = 0 if go is None else (2 if go_per_row else 1)
-    on_load_mm = cosine and not fold  # the GEMMs normalise Y's rows and scale output rows
-    ones = plan.ones(max(B, W), call.acc, dev) if call.prefixes and cosine else None
-    ia, ra = norms[0, 0, :B], norms[1, 0, :B]
-    acc_buf = ws.get("d_anchor_acc", none)
-    tile0 = 0
-    for idx, (bi, c0, c1) in enumerate(p.chunks):
-        first, last = idx == 0, idx == len(p.chunks) - 1
-        nc = c1 - c0
-        blk, tg, d_blk = call.blocks[bi][c0:c1], call.tags[bi][c0:c1], d_blocks[bi][c0:c1]
-        base = B + (0 if bi == 0 else call.sizes[0]) + c0  # the chunk's first column in the norms layout
-        ic, rc = norms[0, 0, base : base + nc], norms[1, 0, base : base + nc]
-        ext = call.ext_args(bi, c0, c1)
-        fold_pos = d_pos is not None and ext["P"] > 0
-        progs = min(plan.cdiv(B, bm) * plan.cdiv(nc, bn), call.sms * p.ds_cfg.occupancy)
-        launch(
-            DS, (progs,), p.ds_cfg,
-            A=call.anchor, C=blk, TAGS=tg, NORMS=norms, TAU=call.tau, LSE=lse, G_ROWS=g_rows,
-            ROW_W=none if row_w is None else row_w, GO=none if go is None else go,
-            DPOS=d_pos if fold_pos else none, DS=ws["ds"], ROWW=ws.get("roww", none), COLW=ws.get("colw", none),
-            B=B, nc=nc, d=d, R=call.R, c_norm=base, stride_ds=W, col_tile0=tile0, n_progs=progs,
-            COSINE=cosine, ROW_SUMS=row_sums, SCALE_TILE=not on_load, SCALE_ON_LOAD=on_load, FOLD_NORMS=fold,
-            FOLD_POS=fold_pos, ROW_W_ON=row_w is not None, GO_MODE=go_mode,
-            EVEN_K=d % p.ds_cfg["BK"] == 0 and not call.prefixes, PRECISION=call.precision,
-            **call.prefix_args(), **ext,
-        )  # fmt: skip
-        tile0 += plan.cdiv(nc, bn)
+    p = _ChunkPlan(call, up, cosine, fp32_ds, padded)
+    for chunk in p.chunks:
+        ds = p.ds_args(chunk)
+        launch(DS, (ds.n_progs,), p.ds_cfg, **ds.kwargs(call.none))
         if call.prefixes and cosine:  # the radial weights of segment j: prefixes k >= j
-            _suffix_sums_(ws["colw"].transpose(0, 1))
-            if last:
-                _suffix_sums_(ws["roww"].transpose(0, 1))
-        radial = cosine and last
-        for j, (lo, hi) in enumerate(call.segments):
-            ds_j = ws["ds"][j, :, :nc]
-            # d candidates of this chunk: dS^T @ A (dS read transposed through its strides)
-            _gemm(
-                call, p.mm_cfg, ds_j, _cols(call.anchor, lo, hi), _cols(d_blk, lo, hi), tg, x_transposed=True,
-                KSCALE=ia if on_load_mm else None, MSCALE=ic if on_load_mm else None,
-                RINV=(ones if call.prefixes else rc) if cosine else None, RADW=_segment(ws.get("colw"), j),
-                n_parts=plan.cdiv(B, bm), stride_radw=K * W, Z=_cols(blk, lo, hi) if cosine else None,
-            )  # fmt: skip
-            # d anchor: accumulate dS @ C[chunk] over chunks in a fixed order; the last adds the radial term
-            _gemm(
-                call, p.mm_cfg, ds_j, _cols(blk, lo, hi), _cols(d_anchor if last else acc_buf, lo, hi), tg,
-                x_transposed=False, pad=padded, ACC_IN=None if first else _cols(acc_buf, lo, hi),
-                KSCALE=ic if on_load_mm else None, MSCALE=ia if on_load_mm else None,
-                RINV=(ones if call.prefixes else ra) if radial else None,
-                Z=_cols(call.anchor, lo, hi) if radial else None,
-                **(dict(RADW=_segment(ws["roww"], j), n_parts=p.col_tiles, stride_radw=K * B) if row_sums else
-                   dict(RADW=w_row, n_parts=1, stride_radw=B, RSCALE=row_w, GO=go, radial_scale=go_mode)),
-            )  # fmt: skip
+            _suffix_sums_(p.ws["colw"].transpose(0, 1))
+            if chunk.last:
+                _suffix_sums_(p.ws["roww"].transpose(0, 1))
+        for j in range(call.K):
+            for product in p.products(chunk, j, d_anchor, d_blocks):
+                _gemm(call, p.mm_cfg, product)
     return (d_anchor, *d_blocks)
 
 
@@ -633,36 +735,14 @@ def _suffix_sums_(x: Tensor) -> Tensor:
     return x
 
 
-def _gemm(call, cfg, X, Y, OUT, tags, *, x_transposed, KSCALE, MSCALE, RINV, RADW, n_parts, stride_radw, Z,
-          ACC_IN=None, RSCALE=None, GO=None, radial_scale=0, pad=True):  # fmt: skip
-    """One backward product ``OUT = X @ Y`` (``matmul.py``): ``X`` is a dS chunk ``[B, width]``,
-    read transposed through its strides for the candidates' gradient; ``tags`` mark the padded
-    rows of ``OUT`` (candidates' gradient) or of ``Y`` (anchors'; ``pad`` False: the caller knows
-    there are none, and the loads need no mask); ``ACC_IN`` is added; the
-    radial term is on when ``RINV`` is given (weights ``sum_p RADW[p]``; ``radial_scale`` 1:
-    times ``RSCALE * GO[0]``, 2: times ``GO`` per row)."""
-    (M, N), K, sx = OUT.shape, Y.shape[0], X.stride()
+def _gemm(call: _Call, cfg, product: Product) -> None:
+    """One backward product (``matmul.py``) on a persistent grid sized to the device."""
     # a size-1 dimension may carry any stride (a [n, 1] slice of a transposed input is contiguous)
-    if any(t.shape[1] > 1 and t.stride(1) != 1 for t in (X, Y, OUT)):
+    if any(t.shape[1] > 1 and t.stride(1) != 1 for t in (product.X, product.Y, product.OUT)):
         raise ValueError("the backward GEMM takes row-major operands (a dS chunk, contiguous rows)")
-    none = call.none
-    tiles = plan.cdiv(M, cfg["BM"]) * plan.cdiv(N, cfg["BN"])
-    progs = max(1, min(tiles, call.sms * cfg.occupancy))
-    launch(
-        MM, (progs,), cfg,
-        X=X, Y=Y, OUT=OUT, ACC_IN=none if ACC_IN is None else ACC_IN,
-        KSCALE=none if KSCALE is None else KSCALE, MSCALE=none if MSCALE is None else MSCALE,
-        RINV=none if RINV is None else RINV, RADW=none if RADW is None else RADW,
-        RSCALE=none if RSCALE is None else RSCALE, GO=none if GO is None else GO,
-        Z=none if Z is None else Z, TAGS=tags,
-        M=M, N=N, K=K,
-        stride_x=sx[0], X_T=x_transposed,
-        stride_yk=Y.stride(0), stride_om=OUT.stride(0), n_parts=n_parts, stride_radw=stride_radw, n_progs=progs,
-        SPLIT_X=X.dtype != Y.dtype, Y_KSCALE=KSCALE is not None, M_SCALE=MSCALE is not None,
-        ACCUMULATE=ACC_IN is not None, RADIAL=RINV is not None, RADIAL_SCALE=radial_scale if RINV is not None else 0,
-        PAD_K=pad and not x_transposed, PAD_M=x_transposed, EVEN_M=M % cfg["BM"] == 0, EVEN_N=N % cfg["BN"] == 0,
-        EVEN_K=K % cfg["BK"] == 0, PRECISION=call.precision,
-    )  # fmt: skip
+    M, N = product.OUT.shape
+    progs = max(1, min(plan.cdiv(M, cfg["BM"]) * plan.cdiv(N, cfg["BN"]), call.sms * cfg.occupancy))
+    launch(MM, (progs,), cfg, **product.kwargs(cfg, call.precision, progs, call.none))
 
 
 def _lse_backward(
@@ -707,7 +787,7 @@ def _lse_backward(
     norms = _prepare(call, cosine, eps, _norms_scratch(call))
     lse, g = (call.sorted_prefixes(t).to(call.acc).contiguous() for t in (lse, g))
     dpos = None if d_pos is None or ext.sigmoid else call.sorted_prefixes(d_pos).to(call.acc).contiguous()
-    return _backward(call, norms, lse, g, None, None, False, dpos, cosine, fp32_ds)
+    return _backward(call, _Upstream(norms, lse, g, d_pos=dpos), cosine, fp32_ds)
 
 
 def _head_backward(
@@ -750,10 +830,9 @@ def _head_backward(
     if ext.filter:
         norms = _prepare(call, cosine, eps, _norms_scratch(call))
     per_row = grad_out.dim() > 0
-    return _backward(
-        call, norms, lse, dlse, None if per_row else weights, grad_out.contiguous(), per_row,
-        dpos if folded else None, cosine, fp32_ds, w_row, padded,
-    )  # fmt: skip
+    row_w = None if per_row else weights
+    up = _Upstream(norms, lse, dlse, row_w, grad_out.contiguous(), per_row, dpos if folded else None, w_row)
+    return _backward(call, up, cosine, fp32_ds, padded)
 
 
 lse_forward = register_op("fastcl_triton::lse_forward", _lse_forward)

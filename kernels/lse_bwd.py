@@ -35,13 +35,19 @@ generated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._common import (
     FILTER_NONE,
     TAG_PADDING,
+    ExtArgs,
     Kernel,
+    KernelArgs,
+    PrefixArgs,
     cast_to,
     dot_tile,
     ext_guide,
@@ -49,6 +55,7 @@ from ._common import (
     ext_own,
     grouped_tile,
     load_tags,
+    prefix_segment,
     sigmoid_terms,
     structural_mask,
 )
@@ -189,12 +196,10 @@ def _lse_ds_kernel(
         # one main loop: the running accumulator at the end of segment k is prefix k's raw dot tile
         lo = 0
         for k in range(0, K):
-            if PREFIXES:  # tiles scaled after the product: one load scale cannot serve every prefix
-                hi = tl.load(BOUNDS + k)
-                acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
-                lo = hi
-                ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
-                ic = tl.load(NORMS + k * R + c_norm + cols, mask=col_ok, other=0.0)
+            if PREFIXES:  # segment k, then prefix k's scales
+                acc, lo, ia, ic = prefix_segment(
+                    acc, lo, k, BOUNDS, NORMS, R, a_rows, c_rows, rows, c_norm, cols, row_ok, col_ok, PRECISION, BK
+                )
             else:  # the mask after the product: no mask tile lives through the main loop
                 acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
                 tags = load_tags(TAGS, cols, col_ok)
@@ -256,3 +261,48 @@ def _lse_ds_kernel(
 
 
 DS = Kernel(_lse_ds_kernel, "ds")
+
+
+@dataclass(frozen=True)
+class DsArgs(KernelArgs):
+    """:func:`_lse_ds_kernel`'s arguments. ``kernels/lse.py``'s ``_ChunkPlan`` builds one per
+    backward and replaces the chunk fields (below ``C``) per chunk. Flags of the pointers
+    given: ``ROW_SUMS`` (``ROWW``), ``ROW_W_ON`` (``ROW_W``), ``FOLD_POS`` (``DPOS``);
+    ``SCALE_TILE`` is ``not SCALE_ON_LOAD``."""
+
+    A: Tensor
+    NORMS: Tensor
+    TAU: Tensor
+    LSE: Tensor
+    G_ROWS: Tensor
+    DS: Tensor
+    B: int
+    d: int
+    R: int
+    stride_ds: int
+    COSINE: bool
+    SCALE_ON_LOAD: bool
+    FOLD_NORMS: bool
+    GO_MODE: int
+    EVEN_K: bool
+    PRECISION: str
+    ext: ExtArgs
+    prefix: PrefixArgs
+    ROW_W: Tensor | None = None
+    GO: Tensor | None = None
+    ROWW: Tensor | None = None
+    COLW: Tensor | None = None
+    C: Tensor | None = None
+    TAGS: Tensor | None = None
+    DPOS: Tensor | None = None
+    GC: Tensor | None = None
+    nc: int = 0
+    c_norm: int = 0
+    col_tile0: int = 0
+    n_progs: int = 0
+    pos_offset: int = 0
+    P: int = 0
+
+    def derived(self) -> dict:
+        flags = dict(ROW_SUMS=self.ROWW is not None, ROW_W_ON=self.ROW_W is not None, FOLD_POS=self.DPOS is not None)
+        return dict(flags, SCALE_TILE=not self.SCALE_ON_LOAD)

@@ -28,18 +28,26 @@ segment loop has a constant single trip, which the compiler removes, and the pre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._common import (
     FILTER_NONE,
+    ExtArgs,
     Kernel,
+    KernelArgs,
+    PrefixArgs,
+    RowArgs,
     block_of_tile,
     dot_tile,
     ext_guide,
     ext_logits,
     ext_own,
     load_tags,
+    prefix_segment,
     reduce_tile,
     structural_mask,
 )
@@ -168,12 +176,10 @@ def _lse_fwd_kernel(
         acc = tl.zeros([BM, BN], dtype=ACC)
         lo = 0
         for k in range(0, K):
-            if PREFIXES:  # tiles scaled after the product: one load scale cannot serve every prefix
-                hi = tl.load(BOUNDS + k)
-                acc = dot_tile(acc, a_rows, c_rows, lo, hi, 0.0, 0.0, PRECISION, False, False, BK)
-                lo = hi
-                ia = tl.load(NORMS + k * R + rows, mask=row_ok, other=0.0)
-                ic = tl.load(NORMS + k * R + norm_cols, mask=col_ok, other=0.0)
+            if PREFIXES:  # segment k, then prefix k's scales
+                acc, lo, ia, ic = prefix_segment(
+                    acc, lo, k, BOUNDS, NORMS, R, a_rows, c_rows, rows, 0, norm_cols, row_ok, col_ok, PRECISION, BK
+                )
             else:  # the mask after the product: no mask tile lives through the main loop
                 acc = dot_tile(acc, a_rows, c_rows, 0, d, ia, ic, PRECISION, SCALE_ON_LOAD, EVEN_K, BK)
                 structural = structural_mask(rows, B, tags, col_ok)
@@ -201,3 +207,31 @@ def _lse_fwd_kernel(
 
 
 FWD = Kernel(_lse_fwd_kernel, "fwd")
+
+
+@dataclass(frozen=True)
+class FwdArgs(KernelArgs):
+    """:func:`_lse_fwd_kernel`'s arguments (``kernels/lse.py``'s ``_sweep``): the call's
+    extension and prefix groups, both blocks' guide rows and block 0's own positives
+    (``pos_offset``, ``P``); ``SCALE_TILE`` is ``not SCALE_ON_LOAD``."""
+
+    rows: RowArgs
+    NORMS: Tensor
+    TAU: Tensor
+    PARTS: Tensor
+    tiles0: int
+    n_tiles: int
+    tiles_per_split: int
+    n_slots: int
+    SCALE_ON_LOAD: bool
+    EVEN_K: bool
+    PRECISION: str
+    ext: ExtArgs
+    prefix: PrefixArgs
+    GC0: Tensor | None = None
+    GC1: Tensor | None = None
+    pos_offset: int = 0
+    P: int = 0
+
+    def derived(self) -> dict:
+        return dict(SCALE_TILE=not self.SCALE_ON_LOAD)

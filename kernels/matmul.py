@@ -19,8 +19,11 @@ atomics, no split-K, deterministic.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._common import TAG_PADDING, Kernel, cast_to, grouped_tile, mma
 
@@ -144,3 +147,49 @@ def _mm_kernel(
 
 
 MM = Kernel(_mm_kernel, "mm")
+
+
+class Product(NamedTuple):
+    """One launch of :func:`_mm_kernel` as the LSE backward plans it (``kernels/lse.py``):
+    ``OUT = X @ Y`` and its epilogue. ``X`` is a dS chunk ``[B, width]``, read transposed
+    through its strides for the candidates' gradient (``x_transposed``); ``tags`` mark the
+    padded rows of ``OUT`` (the candidates') or of ``Y`` (the anchors'; ``pad`` False: there
+    are none and the loads need no mask); ``acc_in`` is added; ``kscale`` scales ``Y``'s rows
+    on load and ``mscale`` the output rows; the radial term is on when ``rinv`` is given, with
+    ``z`` and the weights ``sum_p radw[p]`` (``n_parts`` rows ``stride_radw`` apart;
+    ``radial_scale`` 1: times ``rscale * go[0]``, 2: times ``go`` per row)."""
+
+    X: Tensor
+    Y: Tensor
+    OUT: Tensor
+    tags: Tensor
+    x_transposed: bool
+    pad: bool = True
+    acc_in: Tensor | None = None
+    kscale: Tensor | None = None
+    mscale: Tensor | None = None
+    rinv: Tensor | None = None
+    radw: Tensor | None = None
+    n_parts: int = 1
+    stride_radw: int = 0
+    z: Tensor | None = None
+    rscale: Tensor | None = None
+    go: Tensor | None = None
+    radial_scale: int = 0
+
+    def kwargs(self, cfg, precision: str, n_progs: int, none: Tensor) -> dict:
+        """The kernel's keywords: the operands' sizes, strides and flags follow from them."""
+        X, Y, OUT = self.X, self.Y, self.OUT
+        (M, N), K = OUT.shape, Y.shape[0]
+        radial = self.rinv is not None
+        args = dict(ACC_IN=self.acc_in, KSCALE=self.kscale, MSCALE=self.mscale, RINV=self.rinv, RADW=self.radw)
+        args.update(RSCALE=self.rscale, GO=self.go, Z=self.z)
+        args = {name: none if t is None else t for name, t in args.items()}
+        args.update(X=X, Y=Y, OUT=OUT, TAGS=self.tags, M=M, N=N, K=K, n_parts=self.n_parts, n_progs=n_progs)
+        args.update(stride_x=X.stride(0), stride_yk=Y.stride(0), stride_om=OUT.stride(0), stride_radw=self.stride_radw)
+        args.update(X_T=self.x_transposed, SPLIT_X=X.dtype != Y.dtype, PRECISION=precision)
+        args.update(Y_KSCALE=self.kscale is not None, M_SCALE=self.mscale is not None)
+        args.update(ACCUMULATE=self.acc_in is not None, RADIAL=radial, RADIAL_SCALE=self.radial_scale if radial else 0)
+        args.update(PAD_K=self.pad and not self.x_transposed, PAD_M=self.x_transposed)
+        args.update(EVEN_M=M % cfg["BM"] == 0, EVEN_N=N % cfg["BN"] == 0, EVEN_K=K % cfg["BK"] == 0)
+        return args

@@ -27,10 +27,23 @@ numerically like a non-finite row (NaN scales): the prefix tiles multiply raw ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from ._common import SCALE_HI_F32, SCALE_HI_F64, SCALE_LO_F32, SCALE_LO_F64, TAG_PADDING, Kernel, sqrt_rn
+from ._common import (
+    SCALE_HI_F32,
+    SCALE_HI_F64,
+    SCALE_LO_F32,
+    SCALE_LO_F64,
+    TAG_PADDING,
+    Kernel,
+    KernelArgs,
+    RowArgs,
+    sqrt_rn,
+)
 
 
 @triton.jit
@@ -160,3 +173,24 @@ def _row_norms_kernel(
 
 
 ROW_NORMS = Kernel(_row_norms_kernel, "rows")
+
+
+@dataclass(frozen=True)
+class NormsArgs(KernelArgs):
+    """:func:`_row_norms_kernel`'s arguments (``kernels/lse.py``'s ``_norms``): the prefixes
+    follow from ``BOUNDS`` and ``CLEAN`` from ``POISON`` (given with the three clean copies)."""
+
+    rows: RowArgs
+    NORMS: Tensor
+    eps: float
+    COSINE: bool
+    BOUNDS: Tensor | None = None
+    CLEAN_A: Tensor | None = None
+    CLEAN_C0: Tensor | None = None
+    CLEAN_C1: Tensor | None = None
+    POISON: Tensor | None = None
+
+    def derived(self) -> dict:
+        prefixes = self.BOUNDS is not None
+        n = self.BOUNDS.shape[0] if self.BOUNDS is not None else 1
+        return dict(n_prefixes=n, PREFIXES=prefixes, CLEAN=self.POISON is not None)

@@ -273,12 +273,11 @@ Params<T> prepare(const OpArgs& o) {
   if (o.joint()) {
     p.a1 = o.anchor1->to(st).contiguous();
     p.ra1 = scan_rows<T>(p.a1, *o.anchor1, nullptr, p.cosine, p.eps, p.ends, clean);
-    // in double, one rounding; a factor is finite and > 0 unless its row is non-finite without a
-    // filter, and then the row is NaN whatever the ratio
-    const at::Tensor ratio = p.ra1.inv.to(at::kDouble).div(p.ra.inv.to(at::kDouble)).view({B});
-    p.a1s = p.a1.to(at::kDouble).mul(ratio.unsqueeze(1)).to(st);
-    const at::Tensor r = ratio.to(st).contiguous();
-    p.ratio.assign(r.template data_ptr<T>(), r.template data_ptr<T>() + B);
+    // the ratio in double, rounded once; a factor is finite and > 0 unless its row is non-finite
+    // without a filter, and then the row is NaN whatever the ratio. One [B, d] copy in T.
+    const at::Tensor ratio = p.ra1.inv.to(at::kDouble).div(p.ra.inv.to(at::kDouble)).view({B}).to(st).contiguous();
+    p.a1s = p.a1.mul(ratio.unsqueeze(1));
+    p.ratio.assign(ratio.template data_ptr<T>(), ratio.template data_ptr<T>() + B);
   }
   if (p.filter) p.row_poison1 = o.joint() ? p.ra1.poison : p.row_poison;
   if (p.guided()) {

@@ -263,29 +263,32 @@ def gist_loss(
         # anchor rows: every positive (the own one folded, never dropped) and negative; the
         # other anchors join them unless the ring moves the blocks (anchors stay home)
         local_aa = contrast_anchors and ring
-        b1, gb1 = (cand_n, cand_gn)
-        if contrast_anchors and not ring:
-            b1, gb1 = torch.cat([anchor, cand_n]), torch.cat([ga, cand_gn])
+        blocks, gblocks = (cand_p, cand_n), (cand_gp, cand_gn)
+        if not ring:  # one block [P; A; N], own positives first: one copy (a joint sweep takes it as is)
+            parts = [cand_p, *([anchor] if contrast_anchors else []), *([cand_n] if Q else [])]
+            gparts = [cand_gp, *([ga] if contrast_anchors else []), *([cand_gn] if Q else [])]
+            one = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]  # noqa: E731
+            blocks, gblocks = (one(parts), empty_block(anchor)[0]), (one(gparts), ga.new_empty((0, ga.shape[1])))
         every = torch.ones(B, dtype=torch.bool, device=anchor.device)
         if not ring and reduction != "none":  # gradient in forward: one sweep per problem
             valid = torch.tensor(world * B, dtype=compute_dtype(anchor.dtype), device=anchor.device)
             weights = row_weights(every, reduction, valid.dtype, world=world, valid_anchors=valid)
             q = _spec(
-                anchor, (cand_p, b1), OwnPositives(offset, 1), Filter(thr, ga, (cand_gp, gb1)), weights, reduction,
-                matryoshka, **common,
+                anchor, blocks, OwnPositives(offset, 1), Filter(thr, ga, gblocks), weights, reduction, matryoshka,
+                **common,
             )  # fmt: skip
             if not contrast_positives:
-                return ContrastiveLSE.apply(anchor, cand_p, b1, None, tau, q)
+                return ContrastiveLSE.apply(anchor, *blocks, None, tau, q)
             empty, empty_g = empty_block(positive)[0], gp.new_empty((0, gp.shape[1]))
             e = _spec(
                 positive, (cand_p, empty), None, Filter(thr, gp, (cand_gp, empty_g)), weights, reduction, matryoshka,
                 **common,
             )  # fmt: skip
             if joint.takes(q) and e.impl.name == q.impl.name:
-                return JointLSE.apply(anchor, cand_p, b1, positive, cand_p, empty, tau, JointSpec(q, e))
+                return JointLSE.apply(anchor, *blocks, positive, cand_p, empty, tau, JointSpec(q, e))
         rows = _rows(
-            anchor, (cand_p, b1), (tags(cand_p.shape[0]), tags(b1.shape[0])), tau,
-            positives=OwnPositives(offset, 1), pos_logits=None, filt=Filter(thr, ga, (cand_gp, gb1)),
+            anchor, blocks, (tags(blocks[0].shape[0]), tags(blocks[1].shape[0])), tau,
+            positives=OwnPositives(offset, 1), pos_logits=None, filt=Filter(thr, ga, gblocks),
             ring_group=group if ring else None, **common,
         )  # fmt: skip
         pieces = [rows]

@@ -81,6 +81,12 @@ def _extensions(problem: LSEProblem, order: list[int] | None) -> dict:
     return ext
 
 
+def _one_block(pair: tuple[Tensor, Tensor]) -> Tensor:
+    """Two blocks' rows as one tensor: the non-empty one itself, else their concatenation."""
+    first, second = pair
+    return first if second.shape[0] == 0 else second if first.shape[0] == 0 else torch.cat(pair)
+
+
 def _offset(problem: LSEProblem) -> int:
     return 0 if problem.positives is None else problem.positives.offset
 
@@ -163,13 +169,14 @@ class CppLSE(Backend):
         if e.blocks[1].shape[0] or e.positives is not None:
             raise ValueError("fused_joint: the extra problem takes one block and no own positives")
         n0 = q.blocks[0].shape[0]
-        blocks = (torch.cat(q.blocks), e.blocks[0])
-        tags = (torch.cat(q.tags), e.tags[0])
+        both = _one_block  # q's blocks side by side (a copy unless one is empty: GIST passes one block)
+        blocks = (both(q.blocks), e.blocks[0])
+        tags = (both(q.tags), e.tags[0])
         filt = q.filter
         joint: dict[str, Tensor | None] = {"anchor1": e.anchor}
         if q.filter is not None and q.filter.guide_blocks is not None:
             assert e.filter is not None and e.filter.guide_blocks is not None  # joint.native checked
-            guides = (torch.cat(q.filter.guide_blocks), e.filter.guide_blocks[0])
+            guides = (both(q.filter.guide_blocks), e.filter.guide_blocks[0])
             filt = Filter(q.filter.threshold, q.filter.guide_anchor, guides)
             joint["guide_anchor1"] = e.filter.guide_anchor
         problem = LSEProblem(

@@ -238,6 +238,18 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
     return p.filter ? rows::softmax_weights<T, true>(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad)
                     : rows::softmax_weights<T, false>(row, inv_c, add, row_scale, lse, g * row_scale, N, col_rad);
   };
+  // Whether the folded own positives' entries w / r stay far from overflow in the GEMMs (fused,
+  // one prefix). A row whose LSE is a vanishing share of its loss (log_extra: the ring's or a
+  // joint row's other part, e^-88 and less in float32) has a tiny r beside a d_pos of order 1,
+  // and w / r = 1e38 or inf: such a row forms X itself.
+  auto fold_fits = [&](int64_t gi, T r, T row_scale) {
+    const int64_t P = p.fold.count, c0 = p.fold.offset + gi * P;
+    const T* dp = p.fold.dpos ? p.fold.dpos + gi * P : nullptr;
+    for (int64_t j = 0; dp && j < P; ++j) {
+      if (!(std::abs(dp[j] * row_scale * inv_c[c0 + j]) <= r * std::ldexp(T(1), 40))) return false;
+    }
+    return true;
+  };
   // The row's weights X (one row of the block) from its logits, by mode; returns its radial sum.
   auto weights = [&](int64_t gi, T* row, const T* add, T row_scale) -> T {
     if (p.mode == Mode::kBackward && p.columns) {  // the row's softmax and the columns' (one pass)
@@ -284,9 +296,10 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
       const T g = p.heads[0].row(gi, lse[gi]);
       p.g_rows[gi] = g;
       // X = r * row; r goes into the GEMMs (sweep) instead of a pass over the row, unless it is
-      // not a finite nonzero number (g = 0, overflow, NaN): then X is formed here and r = 1
+      // not a finite nonzero number (g = 0, overflow, NaN) or too small for the folded own
+      // positives' w / r (below): then X is formed here and r = 1
       T r = sum_p == T(0) ? T(1) : g * inv_a[gi] * p.inv_tau / sum_p;
-      if (!(std::isfinite(r) && r != T(0))) {
+      if (!(std::isfinite(r) && r != T(0)) || !fold_fits(gi, r, row_scale)) {
         rows::scale(row, T(1) / sum_p, N);
         if (p.filter) rows::scale_kept(row, add, g * inv_a[gi] * p.inv_tau, N);
         else rows::scale(row, g * inv_a[gi] * p.inv_tau, N);
@@ -369,16 +382,6 @@ void block_rows(const Params<T>& p, T* s, const T* guide, int64_t r0, int64_t i0
       // d_pos * dl/d<a_i, c> is one more entry of X, summed by the GEMMs in the compute
       // dtype before any rounding (contract.py, OwnPositives); fused: the head just wrote it
       const T* dp = p.fold.dpos + (kb + gi) * P;
-      // w / r must stay far from overflow in the GEMMs: a row whose LSE is a vanishing share of
-      // its loss (log_extra: the ring's or a joint's other part, e^-88 and less in float32) has a
-      // tiny r beside a d_pos of order 1, and w / r = 1e38 or inf. Such a row takes X itself
-      // (r = 1; its tiny weights rounded), as when r is not finite
-      if (p.row_factor) {
-        const T r = p.row_factor[gi], limit = r * std::ldexp(T(1), 40);
-        bool small = true;
-        for (int64_t j = 0; j < P; ++j) small = small && std::abs(dp[j] * row_scale * inv_c[c0 + j]) <= limit;
-        if (!small) rows::scale(row, r, N), p.row_factor[gi] = T(1);
-      }
       for (int64_t j = 0; j < P; ++j) {
         const T w = dp[j] * row_scale * inv_c[c0 + j];
         row[c0 + j] += p.row_factor ? w / p.row_factor[gi] : w;

@@ -182,18 +182,19 @@ class CppLSE(Backend):
         problem = LSEProblem(
             q.anchor, blocks, tags, q.cosine, q.eps, q.positives, padded=q.padded or e.padded, filter=filt
         )
-        out = self.fused(problem, tau, head, joint)
-        assert out.d_blocks is not None and out.joint_grads is not None
+        d_anchor1 = _out(problem, e.anchor.shape)
+        out = self.fused(problem, tau, head, {**joint, "d_anchor1": d_anchor1})
+        assert out.d_blocks is not None
         d_cat, d_e0 = out.d_blocks
         out.d_blocks = (d_cat[:n0], d_cat[n0:])
-        out.joint_grads = (out.joint_grads[0], (d_e0, d_e0.new_zeros(e.blocks[1].shape)))
+        out.joint_grads = (d_anchor1, (d_e0, d_e0.new_zeros(e.blocks[1].shape)))
         return out
 
     def fused(self, problem: LSEProblem, tau: Tensor, head: HeadInputs, joint: dict | None = None) -> FusedResult:
         """One sweep: forward, head and gradients; with ``problem.dims`` every prefix's (rows
         ``[K, B]``, ``d_pos [K, B, P]``; ``head.weights [K, B]``) in the caller's order. The sigmoid
         reduction (``head.kind == "sigmoid"``): ``lse = loss_rows`` = the values, ``mean_logit`` the
-        stats ``[2, ...]``, ``d_pos`` empty. ``joint``: the op's joint-row inputs (:meth:`fused_joint`)."""
+        stats ``[2, ...]``, ``d_pos`` empty. ``joint``: the op's joint-row arguments (:meth:`fused_joint`)."""
         cd, B = compute_dtype(problem.dtype), problem.num_anchors
         rows = (B,) if problem.dims is None else (problem.num_prefixes, B)
         order, back = prefix_order(problem.dims) if problem.dims is not None else (None, None)
@@ -219,10 +220,6 @@ class CppLSE(Backend):
             raise ValueError("fused: without own positives the head needs pos_logits")
         d_pos = _out(problem, pos_logits.shape)
         op, dims = torch.ops.fastcl.lse_fused, []
-        d_anchor1 = None
-        if joint is not None:
-            d_anchor1 = _out(problem, problem.anchor.shape)
-            joint = {**joint, "d_anchor1": d_anchor1}
         if problem.dims is not None and order is not None:
             op, dims = torch.ops.fastcl.lse_prefix_fused, [[problem.dims[k] for k in order]]
         op(
@@ -250,8 +247,6 @@ class CppLSE(Backend):
             **(joint or {}),
         )
         out = FusedResult(lse, mean_logit, d_anchor, d_blocks, g_dot_mean_logit, loss_rows, d_pos)
-        if d_anchor1 is not None:
-            out.joint_grads = (d_anchor1, (torch.empty(0), torch.empty(0)))  # blocks: fused_joint's
         out.pos_logits = pos_logits if own else None
         if back is not None and back != list(range(len(back))):  # back to the caller's order of dims
             for name in ("lse", "loss_rows", "d_pos", "pos_logits"):

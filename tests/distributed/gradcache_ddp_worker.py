@@ -8,6 +8,7 @@ how many bucket all-reduces each backward issued (and a plain DDP backward, for 
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -61,3 +62,8 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    # The results are saved and the group destroyed. The interpreter's own teardown still
+    # aborted rank 1 once more in a clean-clone CI run ("terminate called without an active
+    # exception", a gloo thread at exit, 2026-11-29): leave without it.
+    sys.stdout.flush()
+    os._exit(0)

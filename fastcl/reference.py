@@ -92,8 +92,10 @@ class ReferenceLSE(Backend):
 
     @staticmethod
     def _softmax(logits: Tensor, keep: Tensor, lse: Tensor) -> Tensor:
-        """Row softmax over ``keep``; all zeros for an empty row (``lse = -inf``)."""
-        shifted = torch.where(keep, logits - torch.where(torch.isfinite(lse), lse, 0.0)[:, None], -torch.inf)
+        """Row softmax over ``keep``; all zeros for an empty row (``lse = -inf``), all NaN for a
+        row whose lse is NaN or +inf (what autograd gives: never ``exp(logit)`` unnormalised)."""
+        shift = torch.where(lse == -torch.inf, 0.0, torch.where(lse == torch.inf, torch.nan, lse))
+        shifted = torch.where(keep, logits - shift[:, None], -torch.inf)
         return torch.where(keep, shifted.exp(), 0.0)
 
     @staticmethod

@@ -181,7 +181,7 @@ def _sweep(
         blk_lse = total.log().add_(row_max)  # -inf for an empty row
         lse[r0:r1] = blk_lse
         # an empty row gets all-zero softmax weights instead of NaN
-        probs.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))[:, None])
+        probs.mul_(_torch_prefix.softmax_scale(total)[:, None])
         if not want_grad:
             kept = logits.masked_fill(drop, 0.0)  # a dropped logit may be a NaN (filter)
             mean_logit[r0:r1] = torch.bmm(probs.unsqueeze(1), kept.unsqueeze(2)).view(-1)
@@ -224,7 +224,7 @@ def _sweep(
 
 def _shifted_exp(masked: Tensor, lse: Tensor, dim: int) -> Tensor:
     """``exp(masked - lse)`` along ``dim`` (rows: 1, columns: 0); 0 for an empty line (lse -inf)."""
-    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(dim)
+    shift = _torch_prefix.softmax_shift(lse).unsqueeze(dim)
     return torch.exp(masked - shift)
 
 

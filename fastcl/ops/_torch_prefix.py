@@ -58,6 +58,20 @@ def finite_max(x: Tensor, dim: int) -> Tensor:
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
+def softmax_scale(total: Tensor) -> Tensor:
+    """``1 / total`` for a row's shifted exp sum; 0 for an empty row (no weights, not NaN), NaN
+    for a non-finite sum (a NaN or +inf logit: see :func:`softmax_shift`)."""
+    return torch.where(total == 0, 0.0, torch.where(torch.isfinite(total), total.reciprocal(), float("nan")))
+
+
+def softmax_shift(lse: Tensor) -> Tensor:
+    """The shift of a backward's ``exp(logit - lse)``: 0 for an empty line (``lse = -inf``, every
+    weight masked to 0), NaN for a NaN or ``+inf`` lse. A NaN lse is a row that saw a NaN
+    candidate: replaced by 0, its finite logits would give ``exp(logit)``, finite weights that
+    are wrong; NaN keeps the row's gradient NaN, as autograd's softmax does."""
+    return torch.where(lse == float("-inf"), 0.0, torch.where(lse == float("inf"), float("nan"), lse))
+
+
 @dataclass
 class _Scaled:
     u: Tensor  # [rows, m_K] compute dtype: x / s
@@ -176,10 +190,9 @@ def _softmax(logits: Tensor, drop: Tensor, lse: Tensor | None = None) -> tuple[T
         row_max = finite_max(masked, 1)
         p = masked.sub_(row_max[:, None]).exp_()
         total = p.sum(dim=1)
-        p.mul_(torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))[:, None])
+        p.mul_(softmax_scale(total)[:, None])
         return total.log().add_(row_max), p
-    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return lse, masked.sub_(shift[:, None]).exp_()
+    return lse, masked.sub_(softmax_shift(lse)[:, None]).exp_()
 
 
 def _order(problem: LSEProblem) -> tuple[list[int], list[int]]:

@@ -127,6 +127,27 @@ def test_valid_nonfinite_makes_every_seeing_row_nan(backend, loss, bad, slot, si
     assert torch.isnan(LOSSES[loss](a, p, n, reduction="mean", **kw))
 
 
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("slot", ["positive", "negative"])
+@pytest.mark.parametrize("similarity", ["cos", "dot"])
+def test_valid_nonfinite_candidate_reaches_every_gradient(backend, loss, bad, slot, similarity):
+    """A NaN/Inf candidate seen by every row makes every row's softmax undefined: each valid
+    entry of every gradient is NaN (what autograd gives), never the finite ``exp(logit)`` of a
+    row whose lse is NaN; padded slots stay exactly 0."""
+    a, p, n, pm, nm = _structured()
+    if slot == "positive":
+        p[0, 1, 3] = BAD[bad]
+    else:
+        n[3, 1, 3] = BAD[bad]
+    kw = dict(pos_mask=pm, neg_mask=nm, backend=backend, similarity=similarity, temperature=0.1)
+    _, (ga, gp, gn) = _loss_and_grads(LOSSES[loss], a, p, n, **kw)
+    assert torch.isnan(ga).all(), f"d anchor: {ga.isnan().sum()} of {ga.numel()} NaN"
+    for name, g, m in (("positives", gp, pm), ("negatives", gn, nm)):
+        assert torch.isnan(g[m]).all(), f"d {name}: {g[m].isnan().sum()} of {g[m].numel()} NaN"
+        assert (g[~m] == 0).all(), f"a padded slot of d {name}"
+
+
 @pytest.mark.parametrize("bad", list(BAD))
 def test_pool_loss_padded_positive_and_candidate(backend, bad):
     """supcon_pool_loss: a padded positive index and a padded candidate holding NaN/Inf."""

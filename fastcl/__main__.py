@@ -6,7 +6,6 @@ Each command lives in its own module and registers a sub-parser through ``COMMAN
 from __future__ import annotations
 
 import importlib
-import sys
 
 # command -> module defining ``add_parser(subparsers)`` and ``run(args)``
 COMMANDS = {
@@ -30,5 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     return int(modules[args.command].run(args) or 0)
 
 
+def entry() -> None:
+    """The process's entry point (the ``fastcl`` script, ``python -m fastcl``): :func:`main`,
+    then :func:`fastcl.cli.exit_process` (``main`` itself returns, for callers in a process)."""
+    from fastcl.cli import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -80,10 +80,12 @@ def run(args) -> int:
 
 def _leave_together() -> None:
     """End the process group the run started (torchrun): every rank waits for the others,
-    then the group goes. A rank that leaves while a peer still tears down gloo's threads can
-    make that peer abort at exit ("terminate called without an active exception"), turning a
-    finished run into a failed job."""
+    then the group goes, and the process will leave without the interpreter's teardown, where
+    gloo's threads (kept alive by DDP) can abort it (:func:`fastcl.cli.skip_teardown`)."""
     import torch.distributed as dist
+
+    from fastcl.cli import skip_teardown
 
     dist.barrier()
     dist.destroy_process_group()
+    skip_teardown()

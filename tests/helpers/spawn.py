@@ -8,6 +8,7 @@ or time runs out, so a broken collective never hangs the suite.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -57,7 +58,8 @@ def run_rank(
     before_group: Callable[[], None] | None = None,
 ) -> None:
     """The side of :func:`spawn_ranks` inside one process: a gloo group on the file store,
-    ``body()``'s results saved as ``rank{r}.pt``, or the traceback as ``rank{r}.err``."""
+    ``body()``'s results saved as ``rank{r}.pt``, or the traceback as ``rank{r}.err``. Does not
+    return: the process ends here (``os._exit(0)``), or with the exception."""
     try:
         torch.set_num_threads(1)
         if before_group is not None:
@@ -76,3 +78,8 @@ def run_rank(
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    # Results saved, group destroyed: leave without the interpreter's teardown, where gloo's
+    # threads (kept alive by a DDP body's references) can abort the process (fastcl.cli.skip_teardown).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -24,6 +24,7 @@ def run_rank(rank: int, world: int, ports: list[int], argvs: list[list[str]]) ->
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    import fastcl.cli
     from fastcl.__main__ import main
     from fastcl.trainers.registry import get_recipe
 
@@ -35,3 +36,4 @@ def run_rank(rank: int, world: int, ports: list[int], argvs: list[list[str]]) ->
         recipe_class.build_optimizer = lambda self, cfg, model: sgd(cfg, model)
         assert main(["train", *argv]) == 0
         assert not dist.is_initialized(), "the CLI left its process group open"
+        assert fastcl.cli._skip_teardown, "the CLI ended its group but would leave through the teardown"

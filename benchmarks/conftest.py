@@ -153,16 +153,81 @@ def _case_header(workload: str, info: dict) -> str:
     return line
 
 
+def workload_lines(workload: str, items: list[dict], skipped: list[dict]) -> list[str]:
+    """The summary's lines for one workload: its header, the floors, a line per record (time,
+    spread, ratios to the baseline, shares, peak memory, compile time), then the skips."""
+    from benchmarks.harness.report import compile_text, memory_ratio, peak_text
+
+    out: list[str] = []
+    # the baseline: a record that says it is one (a named peer), else "eager"
+    base = next((r for r in items if r.get("baseline")), None) or next((r for r in items if r["impl"] == "eager"), None)
+    base_name = base["impl"] if base is not None else "eager"
+    width = max(11, *(len(r["impl"]) for r in items))
+    out.append(_case_header(workload, items[0]))
+    floor_s = items[0].get("floor_s")
+    if floor_s:
+        spread = items[0].get("floor_spread")
+        out.append(
+            f"  {'floor':<{width}} {floor_s * 1e3:9.1f} ms"
+            + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
+            + f"  ({items[0].get('floor_kind') or '3 GEMMs'}: A·Cᵀ, X·C, Xᵀ·A at this shape)"
+        )
+    sym_s = items[0].get("sym_floor_s")
+    if sym_s:
+        spread = items[0].get("sym_floor_spread")
+        out.append(
+            f"  {'sym-floor':<{width}} {sym_s * 1e3:9.1f} ms"
+            + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
+            + "  (4 GEMMs: A·Cᵀ, A·Cᵀ again, X·C, Xᵀ·A: a logit-free symmetric step's least)"
+        )
+    for r in items:
+        t = _seconds(r)
+        line = f"  {r['impl']:<{width}} {t * 1e3:9.1f} ms"
+        if r.get("spread") is not None:
+            line += f" ±{100 * r['spread']:4.1f}%"
+        if base is not None:
+            line += f"  ({_seconds(base) / t:5.2f}x {base_name} speed)"
+        if r.get("floor_share") is not None:
+            line += f"  {100 * r['floor_share']:4.0f}% of floor"
+        elif r.get("floor_share_problem"):
+            line += "     – of floor"
+        if r.get("sym_floor_share") is not None:
+            line += f" {100 * r['sym_floor_share']:4.0f}% of sym-floor"
+        elif r.get("sym_floor_share_problem"):
+            line += "    – of sym-floor"
+        if r.get("clip_path"):
+            line += f" [{r['clip_path']}]"
+        if "peak_mib" in r:  # None: not measured ("n/a"); below 1 MiB: "< 1", no ratio
+            line += f"  peak {peak_text(r['peak_mib']):>8}" + (" MiB" if r["peak_mib"] is not None else "")
+            ratio = memory_ratio(r["peak_mib"], base.get("peak_mib") if base is not None else None)
+            if ratio:
+                line += f" ({ratio} {base_name})"
+        if r.get("tflops") is not None:
+            line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"
+            if r.get("gemm_share") is not None:
+                line += f" ({100 * r['gemm_share']:.0f}% of GEMM)"
+            elif r.get("gemm_share_problem"):
+                line += " (– of GEMM)"
+        if "compile_s" in r:  # implementations that compile; None: nothing compiled in this case
+            line += f"  compile {compile_text(r['compile_s'])}" + (" s" if r["compile_s"] is not None else "")
+        out.append(line)
+    # shares printed as "–": their reference was not measured soundly (benchmarks.harness.shares)
+    for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "sym_floor", "gemm")):
+        if why:
+            out.append(f"  – share not shown: {why}")
+    for s in skipped:
+        out.append(f"  {s['impl']:<{width}} skipped: {s['reason'][:110]}")
+    return out
+
+
 def pytest_terminal_summary(terminalreporter):
     rows = [r for r in _RESULTS if getattr(r["benchmark"], "stats", None)]
     if not rows:
         return
-    from benchmarks.harness.report import compile_text, memory_ratio, peak_text
-
     tr = terminalreporter
     tr.section(
         "fastcl: time (min of interleaved rounds, spread), share of the GEMM floor, peak memory; "
-        "ratios to eager, same run"
+        "ratios to the baseline (eager, or the named peer), same run"
     )
     by_workload: dict[str, list[dict]] = {}
     for r in rows:
@@ -171,58 +236,5 @@ def pytest_terminal_summary(terminalreporter):
     for s in _SKIPPED:
         skipped.setdefault(s["workload"], []).append(s)
     for workload, items in by_workload.items():
-        base = next((r for r in items if r["impl"] == "eager"), None)
-        tr.write_line(_case_header(workload, items[0]))
-        floor_s = items[0].get("floor_s")
-        if floor_s:
-            spread = items[0].get("floor_spread")
-            tr.write_line(
-                f"  {'floor':<11} {floor_s * 1e3:9.1f} ms"
-                + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
-                + f"  ({items[0].get('floor_kind') or '3 GEMMs'}: A·Cᵀ, X·C, Xᵀ·A at this shape)"
-            )
-        sym_s = items[0].get("sym_floor_s")
-        if sym_s:
-            spread = items[0].get("sym_floor_spread")
-            tr.write_line(
-                f"  {'sym-floor':<11} {sym_s * 1e3:9.1f} ms"
-                + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
-                + "  (4 GEMMs: A·Cᵀ, A·Cᵀ again, X·C, Xᵀ·A: a logit-free symmetric step's least)"
-            )
-        for r in items:
-            t = _seconds(r)
-            line = f"  {r['impl']:<11} {t * 1e3:9.1f} ms"
-            if r.get("spread") is not None:
-                line += f" ±{100 * r['spread']:4.1f}%"
-            if base is not None:
-                line += f"  ({_seconds(base) / t:5.2f}x eager speed)"
-            if r.get("floor_share") is not None:
-                line += f"  {100 * r['floor_share']:4.0f}% of floor"
-            elif r.get("floor_share_problem"):
-                line += "     – of floor"
-            if r.get("sym_floor_share") is not None:
-                line += f" {100 * r['sym_floor_share']:4.0f}% of sym-floor"
-            elif r.get("sym_floor_share_problem"):
-                line += "    – of sym-floor"
-            if r.get("clip_path"):
-                line += f" [{r['clip_path']}]"
-            if "peak_mib" in r:  # None: not measured ("n/a"); below 1 MiB: "< 1", no ratio
-                line += f"  peak {peak_text(r['peak_mib']):>8}" + (" MiB" if r["peak_mib"] is not None else "")
-                ratio = memory_ratio(r["peak_mib"], base.get("peak_mib") if base is not None else None)
-                if ratio:
-                    line += f" ({ratio} eager)"
-            if r.get("tflops") is not None:
-                line += f"  {r['tflops'] * 1e3:7.1f} GFLOP/s"
-                if r.get("gemm_share") is not None:
-                    line += f" ({100 * r['gemm_share']:.0f}% of GEMM)"
-                elif r.get("gemm_share_problem"):
-                    line += " (– of GEMM)"
-            if "compile_s" in r:  # implementations that compile; None: nothing compiled in this case
-                line += f"  compile {compile_text(r['compile_s'])}" + (" s" if r["compile_s"] is not None else "")
+        for line in workload_lines(workload, items, skipped.get(workload, [])):
             tr.write_line(line)
-        # shares printed as "–": their reference was not measured soundly (benchmarks.harness.shares)
-        for why in dict.fromkeys(r.get(f"{k}_share_problem") for r in items for k in ("floor", "sym_floor", "gemm")):
-            if why:
-                tr.write_line(f"  – share not shown: {why}")
-        for s in skipped.get(workload, []):
-            tr.write_line(f"  {s['impl']:<11} skipped: {s['reason'][:110]}")

@@ -47,7 +47,7 @@ from ._common import (
     register_op,
 )
 from .head import HEAD, KINDS, MAX_OWN, SUM, HeadArgs
-from .lse_bwd import DS, DsArgs
+from .lse_bwd import DS, DsArgs, DsChunk
 from .lse_fwd import FWD, MAX_PREFIXES, FwdArgs
 from .matmul import MM, Product
 from .norms import ROW_NORMS, NormsArgs
@@ -572,7 +572,7 @@ class _ChunkPlan:
     included), the scratch (dS ``[K, B, W]``, the radial partial sums ``colw [row tiles, K, W]``
     (cosine) and ``roww [col tiles, K, B]`` (``row_sums``), the anchors' fp32 accumulator across
     chunks) and the launches' arguments: the ds launches' common ones built once (``ds``),
-    a chunk's added by :meth:`ds_args`, the GEMMs' by :meth:`products`."""
+    a chunk's by :meth:`ds_chunk`, the GEMMs' by :meth:`products`."""
 
     def __init__(self, call: _Call, up: _Upstream, cosine: bool, fp32_ds: bool, padded: bool):
         B, d, K, dt = call.B, call.d, call.K, call.dt
@@ -636,25 +636,15 @@ class _ChunkPlan:
             COLW=ws.get("colw"),
         )
 
-    def ds_args(self, c: _Chunk) -> DsArgs:
-        """Chunk ``c``'s ds launch: its columns, guide rows and own positives (the offset relative
-        to the chunk), and a persistent grid of ``n_progs`` programs."""
+    def ds_chunk(self, c: _Chunk) -> DsChunk:
+        """Chunk ``c``'s part of its ds launch: its columns, guide rows and own positives (the
+        offset relative to the chunk), and a persistent grid of ``n_progs`` programs."""
         call, nc = self.call, c.c1 - c.c0
         pos_offset, P = call.own_positives(c.block, c.c0, c.c1)
         progs = min(plan.cdiv(call.B, self.bm) * plan.cdiv(nc, self.bn), call.sms * self.ds_cfg.occupancy)
-        return dataclasses.replace(
-            self.ds,
-            C=c.blk,
-            TAGS=c.tags,
-            DPOS=self.up.d_pos if P > 0 else None,
-            GC=call.guide_rows(c.block, c.c0, c.c1),
-            nc=nc,
-            c_norm=c.base,
-            col_tile0=c.tile0,
-            n_progs=progs,
-            pos_offset=pos_offset,
-            P=P,
-        )
+        dpos = self.up.d_pos if P > 0 else None
+        gc = call.guide_rows(c.block, c.c0, c.c1)
+        return DsChunk(c.blk, c.tags, dpos, gc, nc, c.base, c.tile0, progs, pos_offset, P)
 
     def products(self, c: _Chunk, j: int, d_anchor: Tensor, d_blocks: tuple[Tensor, ...]) -> tuple[Product, Product]:
         """Chunk ``c``'s two GEMMs on prefix segment ``j`` (a plain problem: one, all of ``d``):
@@ -715,9 +705,10 @@ def _backward(call: _Call, up: _Upstream, cosine: bool, fp32_ds: bool, padded: b
         for t in (d_anchor, *d_blocks):
             t[:, top:].zero_()
     p = _ChunkPlan(call, up, cosine, fp32_ds, padded)
+    common = p.ds.kwargs(call.none)  # the ds launches' common keywords, once per backward
     for chunk in p.chunks:
-        ds = p.ds_args(chunk)
-        launch(DS, (ds.n_progs,), p.ds_cfg, **ds.kwargs(call.none))
+        part = p.ds_chunk(chunk)
+        launch(DS, (part.n_progs,), p.ds_cfg, **common, **part.kwargs(call.none))
         if call.prefixes and cosine:  # the radial weights of segment j: prefixes k >= j
             _suffix_sums_(p.ws["colw"].transpose(0, 1))
             if chunk.last:

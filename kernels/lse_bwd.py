@@ -265,10 +265,10 @@ DS = Kernel(_lse_ds_kernel, "ds")
 
 @dataclass(frozen=True)
 class DsArgs(KernelArgs):
-    """:func:`_lse_ds_kernel`'s arguments. ``kernels/lse.py``'s ``_ChunkPlan`` builds one per
-    backward and replaces the chunk fields (below ``C``) per chunk. Flags of the pointers
-    given: ``ROW_SUMS`` (``ROWW``), ``ROW_W_ON`` (``ROW_W``), ``FOLD_POS`` (``DPOS``);
-    ``SCALE_TILE`` is ``not SCALE_ON_LOAD``."""
+    """:func:`_lse_ds_kernel`'s arguments common to a backward's chunks. ``kernels/lse.py``'s
+    ``_ChunkPlan`` builds one per backward and turns it into keywords once; each chunk adds a
+    :class:`DsChunk`. Flags of the pointers given: ``ROW_SUMS`` (``ROWW``), ``ROW_W_ON``
+    (``ROW_W``); ``SCALE_TILE`` is ``not SCALE_ON_LOAD``."""
 
     A: Tensor
     NORMS: Tensor
@@ -292,17 +292,28 @@ class DsArgs(KernelArgs):
     GO: Tensor | None = None
     ROWW: Tensor | None = None
     COLW: Tensor | None = None
-    C: Tensor | None = None
-    TAGS: Tensor | None = None
-    DPOS: Tensor | None = None
-    GC: Tensor | None = None
-    nc: int = 0
-    c_norm: int = 0
-    col_tile0: int = 0
-    n_progs: int = 0
-    pos_offset: int = 0
-    P: int = 0
 
     def derived(self) -> dict:
-        flags = dict(ROW_SUMS=self.ROWW is not None, ROW_W_ON=self.ROW_W is not None, FOLD_POS=self.DPOS is not None)
+        flags = dict(ROW_SUMS=self.ROWW is not None, ROW_W_ON=self.ROW_W is not None)
         return dict(flags, SCALE_TILE=not self.SCALE_ON_LOAD)
+
+
+@dataclass(frozen=True)
+class DsChunk(KernelArgs):
+    """One chunk's part of a ds launch: its candidate rows and tags, the own positives' fold
+    (``FOLD_POS`` when ``DPOS`` is given; ``pos_offset`` relative to the chunk), the guide rows,
+    the chunk's width, norm column and first column tile, and its persistent grid."""
+
+    C: Tensor
+    TAGS: Tensor
+    DPOS: Tensor | None
+    GC: Tensor | None
+    nc: int
+    c_norm: int
+    col_tile0: int
+    n_progs: int
+    pos_offset: int
+    P: int
+
+    def derived(self) -> dict:
+        return dict(FOLD_POS=self.DPOS is not None)

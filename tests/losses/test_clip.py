@@ -237,3 +237,30 @@ def test_clip_symmetric_step_equals_the_two_directions(backend):
         _close("symmetric vs directional", a, b, torch.float64, img, txt, t.item(), grad=a.dim() > 0)
     if backend in ("reference", "torch", "cpp"):
         assert chosen == backend, "the reference, torch and cpp backends compute column statistics"
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_nonfinite_image_reaches_every_gradient_as_autograd(backend, loss, bad, dtype):
+    """A NaN/Inf in image row 2, and its row's upstream 0 (``reduction="none"``): NaN exactly
+    where plain autograd of the logits has it, never a finite value in its place (a finite
+    ``exp(logit)`` weight from a row whose log-sum-exp is NaN was one).
+
+    CLIP: every row sees image 2 (its logit row, and column 2 of the text direction), so
+    every row and every gradient entry of both modalities is NaN. SigLIP: row ``i`` is image
+    ``i`` against every text, so only row 2 and image 2's gradient are NaN, and every text's
+    gradient (row 2's weights reach each text, 0 * NaN)."""
+    img, txt = _features(6, 8, seed=5, normalised=False, dtype=dtype)
+    with torch.no_grad():
+        img[2, 3] = bad
+    fn = L.clip_loss if loss == "clip" else L.siglip_loss
+    extra = {} if loss == "clip" else {"logit_bias": -2.0}
+    rows = fn(img, txt, logit_scale=10.0, reduction="none", backend=backend, **extra)
+    up = torch.ones_like(rows)
+    up[2] = 0
+    rows.backward(up)
+    seen = torch.ones(6, dtype=torch.bool) if loss == "clip" else torch.arange(6) == 2
+    assert torch.equal(rows.detach().isnan().cpu(), seen), rows
+    assert torch.equal(img.grad.isnan().all(1).cpu(), seen) and not img.grad[~seen].isnan().any(), img.grad
+    assert txt.grad.isnan().all(), txt.grad

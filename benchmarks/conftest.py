@@ -164,22 +164,16 @@ def workload_lines(workload: str, items: list[dict], skipped: list[dict]) -> lis
     base_name = base["impl"] if base is not None else "eager"
     width = max(11, *(len(r["impl"]) for r in items))
     out.append(_case_header(workload, items[0]))
-    floor_s = items[0].get("floor_s")
-    if floor_s:
-        spread = items[0].get("floor_spread")
-        out.append(
-            f"  {'floor':<{width}} {floor_s * 1e3:9.1f} ms"
-            + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
-            + f"  ({items[0].get('floor_kind') or '3 GEMMs'}: A·Cᵀ, X·C, Xᵀ·A at this shape)"
-        )
-    sym_s = items[0].get("sym_floor_s")
-    if sym_s:
-        spread = items[0].get("sym_floor_spread")
-        out.append(
-            f"  {'sym-floor':<{width}} {sym_s * 1e3:9.1f} ms"
-            + (f" ±{100 * spread:4.1f}%" if spread is not None else "")
-            + "  (4 GEMMs: A·Cᵀ, A·Cᵀ again, X·C, Xᵀ·A: a logit-free symmetric step's least)"
-        )
+    floors = (
+        ("floor", f"{items[0].get('floor_kind') or '3 GEMMs'}: A·Cᵀ, X·C, Xᵀ·A at this shape"),
+        ("sym_floor", "4 GEMMs: A·Cᵀ, A·Cᵀ again, X·C, Xᵀ·A: a logit-free symmetric step's least"),
+    )
+    for key, what in floors:
+        if seconds := items[0].get(f"{key}_s"):
+            spread = items[0].get(f"{key}_spread")
+            name = key.replace("_", "-")
+            line = f"  {name:<{width}} {seconds * 1e3:9.1f} ms"
+            out.append(line + (f" ±{100 * spread:4.1f}%" if spread is not None else "") + f"  ({what})")
     for r in items:
         t = _seconds(r)
         line = f"  {r['impl']:<{width}} {t * 1e3:9.1f} ms"

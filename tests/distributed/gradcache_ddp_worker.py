@@ -8,7 +8,6 @@ how many bucket all-reduces each backward issued (and a plain DDP backward, for 
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from fastcl.cli import exit_process, skip_teardown
 from fastcl.gradcache import GradCache
 from fastcl.losses import infonce_loss
 from tests.helpers.gradcache import make_batch, param_grads, tiny_encoder
@@ -62,8 +62,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    # The results are saved and the group destroyed. The interpreter's own teardown still
-    # aborted rank 1 once more in a clean-clone CI run ("terminate called without an active
-    # exception", a gloo thread at exit, 2026-11-29): leave without it.
-    sys.stdout.flush()
-    os._exit(0)
+    # The results are saved and the group destroyed: leave without the interpreter's teardown,
+    # where gloo's threads (kept alive by DDP) can abort the process (fastcl.cli.skip_teardown)
+    skip_teardown()
+    exit_process(0)

@@ -8,7 +8,6 @@ or time runs out, so a broken collective never hangs the suite.
 from __future__ import annotations
 
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -18,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fastcl.cli import exit_process, skip_teardown
 
 
 def spawn_ranks(target, world: int, tmp: str, seed: int, timeout_s: float) -> list[dict]:
@@ -79,7 +80,6 @@ def run_rank(
             f.write(traceback.format_exc())
         raise
     # Results saved, group destroyed: leave without the interpreter's teardown, where gloo's
-    # threads (kept alive by a DDP body's references) can abort the process (fastcl.cli.skip_teardown).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # threads (kept alive by a DDP body's references) can abort the process
+    skip_teardown()
+    exit_process(0)

@@ -5,7 +5,7 @@ The step is ``supmpn_loss`` (and ``siglip_loss``, the sigmoid ring) on the torch
 default gradient-in-forward strategy, the ring recomputing), sized so that one rank's
 candidates (2 MiB) dominate the noise.
 Peak RSS is read as ``benchmarks.harness.memory`` reads it (``VmHWM`` after ``clear_refs``, one
-warm-up step first); the parent sets ``MALLOC_MMAP_THRESHOLD_`` so freed blocks leave RSS.
+warm-up step first), the smaller of two measured steps; the parent sets ``MALLOC_MMAP_THRESHOLD_`` so freed blocks leave RSS.
 """
 
 from __future__ import annotations
@@ -51,9 +51,16 @@ def step(mode: str, x: dict, group) -> None:
         x[k].grad = None
 
 
+def extra_peak(run) -> int:
+    """``run()``'s extra peak RSS, the smaller of two measurements: a transient allocation
+    elsewhere in the process (a loaded CI run once put 0.6 MiB more at W = 3 and 4 than at 2,
+    beyond the test's quarter-block bound) lands in one of them, what the step holds in both."""
+    return min(measure_extra_rss(run), measure_extra_rss(run, warmup=False))
+
+
 def worker(rank: int, world: int, store_path: str, out_dir: str, seed: int) -> None:
     def body() -> dict:
         x = _inputs(rank)
-        return {mode: measure_extra_rss(lambda mode=mode: step(mode, x, dist.group.WORLD)) for mode in MODES}
+        return {mode: extra_peak(lambda mode=mode: step(mode, x, dist.group.WORLD)) for mode in MODES}
 
     run_rank(rank, world, store_path, out_dir, body, timeout_s=TIMEOUT_S)
